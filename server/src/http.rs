@@ -1,0 +1,40 @@
+//! Public HTTP listener (`:8080`): `/healthz`, `/readyz` (spec `server.md` §12.1).
+
+use crate::service::AppState;
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::any;
+use tokio::net::TcpListener;
+
+/// Router of the public listener. Exact paths; anything else is 404.
+pub fn public_router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", any(healthz))
+        .route("/readyz", any(readyz))
+        .with_state(state)
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
+    if state.ready() {
+        (StatusCode::OK, "ok\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+/// Serves the public router until `stop` resolves.
+pub async fn serve_public(
+    state: AppState,
+    listener: TcpListener,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    axum::serve(listener, public_router(state))
+        .with_graceful_shutdown(stop)
+        .await?;
+    Ok(())
+}
