@@ -1,0 +1,293 @@
+//! Interned records (tenants, (tenant, model) pairs, scopes, partitions, per-model gauges) and the
+//! read-copy-update cells that hold them.
+//!
+//! Records are created on first use and never removed while the index lives (an emptied
+//! partition keeps its ~3 KiB shell), so a reference obtained from a directory is valid for the
+//! lifetime of the directory. Directory tables are immutable maps swapped by writers under a
+//! mutex (copy on insert, O(records) per new record, which is rare) and read wait-free under an
+//! epoch guard.
+
+use crate::sync::{AtomicI64, Ordering};
+use crate::table::KeyTable;
+use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+
+/// Identity hasher for pre-hashed u64 keys.
+#[derive(Default)]
+pub(crate) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, i: u64) {
+        self.0 = i;
+    }
+}
+
+type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
+
+/// Hash of a tuple of strings (no allocation).
+#[inline]
+pub(crate) fn hash_strs(parts: &[&str]) -> u64 {
+    let mut h = 0x5158_4b5a_u64;
+    for p in parts {
+        h = xxhash_rust::xxh3::xxh3_64_with_seed(
+            p.as_bytes(),
+            h ^ (p.len() as u64).rotate_left(32),
+        );
+    }
+    h
+}
+
+/// A read-copy-update cell: wait-free reads, writers copy and swap under a mutex.
+pub(crate) struct Rcu<T> {
+    cur: Atomic<T>,
+    lock: Mutex<()>,
+}
+
+impl<T> Rcu<T> {
+    pub(crate) fn new(v: T) -> Self {
+        Self {
+            cur: Atomic::new(v),
+            lock: Mutex::new(()),
+        }
+    }
+
+    /// The current value.
+    #[inline]
+    pub(crate) fn load<'g>(&self, guard: &'g Guard) -> &'g T {
+        // SAFETY: never null (set in `new`, replaced only by non-null values); old values are
+        // retired through the epoch, so they outlive `guard`.
+        unsafe { self.cur.load(Ordering::Acquire, guard).deref() }
+    }
+
+    /// Runs `f` on the current value under the writer lock; `Some(new)` replaces it.
+    pub(crate) fn update<R>(&self, f: impl FnOnce(&T) -> (Option<T>, R)) -> R {
+        let _l = self.lock.lock();
+        let guard = epoch::pin();
+        let old = self.cur.load(Ordering::Acquire, &guard);
+        // SAFETY: non-null, see `load`; we hold the writer lock so it is the current value.
+        let (new, r) = f(unsafe { old.deref() });
+        if let Some(new) = new {
+            self.cur.store(Owned::new(new), Ordering::Release);
+            // SAFETY: `old` is unlinked; readers may hold it until their guard drops.
+            unsafe { guard.defer_destroy(old) };
+        }
+        r
+    }
+}
+
+impl<T> Drop for Rcu<T> {
+    fn drop(&mut self) {
+        // SAFETY: exclusive access; the current value is owned by the cell.
+        unsafe {
+            let g = epoch::unprotected();
+            let p = self.cur.load(Ordering::Relaxed, g);
+            if !p.is_null() {
+                drop(p.into_owned());
+            }
+        }
+    }
+}
+
+/// A directory of records keyed by a string-tuple hash.
+pub(crate) struct Dir<T> {
+    map: Rcu<IdMap<Vec<Arc<T>>>>,
+}
+
+impl<T> Dir<T> {
+    pub(crate) fn new() -> Self {
+        Self {
+            map: Rcu::new(IdMap::default()),
+        }
+    }
+
+    /// Finds the record with hash `h` satisfying `pred`. Wait-free.
+    #[inline]
+    pub(crate) fn get(&self, h: u64, pred: impl Fn(&T) -> bool) -> Option<&T> {
+        let guard = epoch::pin();
+        let m = self.map.load(&guard);
+        let r = m.get(&h)?.iter().find(|r| pred(r))?;
+        let p: *const T = &**r;
+        // SAFETY: records are never removed and every table version holds an `Arc` to every
+        // record inserted before it, so the record lives as long as `self`.
+        Some(unsafe { &*p })
+    }
+
+    /// Finds or creates a record; returns it and whether it was created.
+    pub(crate) fn get_or_insert(
+        &self,
+        h: u64,
+        pred: impl Fn(&T) -> bool,
+        make: impl FnOnce() -> Arc<T>,
+    ) -> (Arc<T>, bool) {
+        if let Some(r) = self.get_arc(h, &pred) {
+            return (r, false);
+        }
+        self.map.update(|m| {
+            if let Some(r) = m.get(&h).and_then(|v| v.iter().find(|r| pred(r))) {
+                return (None, (r.clone(), false));
+            }
+            let r = make();
+            let mut m2 = m.clone();
+            m2.entry(h).or_default().push(r.clone());
+            (Some(m2), (r, true))
+        })
+    }
+
+    pub(crate) fn get_arc(&self, h: u64, pred: &impl Fn(&T) -> bool) -> Option<Arc<T>> {
+        let guard = epoch::pin();
+        let m = self.map.load(&guard);
+        m.get(&h)?.iter().find(|r| pred(r)).cloned()
+    }
+
+    /// Every record (writer-side / aggregate use; allocates).
+    pub(crate) fn all(&self) -> Vec<Arc<T>> {
+        let guard = epoch::pin();
+        let m = self.map.load(&guard);
+        m.values().flat_map(|v| v.iter().cloned()).collect()
+    }
+}
+
+/// A tenant.
+pub(crate) struct TenantRec {
+    pub(crate) name: Arc<str>,
+    pub(crate) reserved: bool,
+    /// Distinct keys of the tenant (all models), stale-unswept included.
+    pub(crate) keys: AtomicI64,
+    pub(crate) models: Mutex<Vec<Arc<ModelRec>>>,
+}
+
+/// Per-model gauge (V7): distinct non-reserved keys across tenants.
+pub(crate) struct GaugeRec {
+    pub(crate) model: Arc<str>,
+    pub(crate) keys: AtomicI64,
+}
+
+/// One stats record (S1–S3).
+#[derive(Clone, Debug)]
+pub(crate) struct StatsRecord {
+    pub(crate) replica: Arc<str>,
+    pub(crate) cache_memory_bytes: i64,
+    pub(crate) hit_rate: f32,
+    pub(crate) pressure: f32,
+    pub(crate) t2_hit_tokens: i64,
+    pub(crate) t2_query_tokens: i64,
+    /// Liveness clock (ms).
+    pub(crate) last_seen_ms: i64,
+    /// Payload freshness clock (ms).
+    pub(crate) reported_ms: i64,
+}
+
+/// A (tenant, model) pair.
+pub(crate) struct ModelRec {
+    pub(crate) tenant: Arc<TenantRec>,
+    pub(crate) name: Arc<str>,
+    /// Distinct keys of (tenant, model).
+    pub(crate) keys: AtomicI64,
+    /// Keys whose access sum ≥ the hot threshold (D4).
+    pub(crate) hot: AtomicI64,
+    pub(crate) gauge: Arc<GaugeRec>,
+    /// Stats records sorted by replica id.
+    pub(crate) stats: Rcu<Vec<StatsRecord>>,
+    /// Partitions of this pair (E3/E4 cost).
+    pub(crate) parts: Mutex<Vec<Arc<Partition>>>,
+}
+
+impl ModelRec {
+    pub(crate) fn stats_of<'g>(&self, replica: &str, guard: &'g Guard) -> Option<&'g StatsRecord> {
+        let v = self.stats.load(guard);
+        v.binary_search_by(|r| (*r.replica).cmp(replica))
+            .ok()
+            .map(|i| &v[i])
+    }
+}
+
+/// A replica known in a scope, with its serving count (K16).
+pub(crate) struct ScopeReplica {
+    pub(crate) name: Arc<str>,
+    pub(crate) serving: AtomicI64,
+}
+
+/// A scope (tenant, model, scheme).
+pub(crate) struct ScopeRec {
+    pub(crate) tenant: Arc<str>,
+    pub(crate) model: Arc<str>,
+    pub(crate) scheme: Arc<str>,
+    /// Replicas by scope-local index (append only).
+    pub(crate) replicas: Rcu<Vec<Arc<ScopeReplica>>>,
+    /// Writer-side name → local index.
+    pub(crate) by_name: Mutex<HashMap<Arc<str>, u32>>,
+    /// Replicas with serving > 0.
+    pub(crate) serving_n: AtomicI64,
+}
+
+impl ScopeRec {
+    pub(crate) fn new(tenant: Arc<str>, model: Arc<str>, scheme: Arc<str>) -> Self {
+        Self {
+            tenant,
+            model,
+            scheme,
+            replicas: Rcu::new(Vec::new()),
+            by_name: Mutex::new(HashMap::new()),
+            serving_n: AtomicI64::new(0),
+        }
+    }
+
+    /// Local index of `name`, creating it.
+    pub(crate) fn intern(&self, name: &str) -> u32 {
+        let mut m = self.by_name.lock();
+        if let Some(&i) = m.get(name) {
+            return i;
+        }
+        let name: Arc<str> = name.into();
+        let i = self.replicas.update(|v| {
+            let mut v2 = v.clone();
+            v2.push(Arc::new(ScopeReplica {
+                name: name.clone(),
+                serving: AtomicI64::new(0),
+            }));
+            let i = (v2.len() - 1) as u32;
+            (Some(v2), i)
+        });
+        assert!(
+            i <= crate::table::REP_MASK,
+            "too many replicas in one scope"
+        );
+        m.insert(name, i);
+        i
+    }
+
+    /// Local index of `name` if known (writer side).
+    pub(crate) fn index_of(&self, name: &str) -> Option<u32> {
+        self.by_name.lock().get(name).copied()
+    }
+
+    /// Serving count of `name` (reader side, linear scan).
+    pub(crate) fn serving_of(&self, name: &str, guard: &Guard) -> i64 {
+        self.replicas
+            .load(guard)
+            .iter()
+            .find(|r| &*r.name == name)
+            .map_or(0, |r| r.serving.load(Ordering::Relaxed))
+    }
+}
+
+/// A partition: scope + adapter, with its key table.
+pub(crate) struct Partition {
+    pub(crate) tenant: Arc<TenantRec>,
+    pub(crate) model: Arc<ModelRec>,
+    pub(crate) scope: Arc<ScopeRec>,
+    pub(crate) scheme: Arc<str>,
+    pub(crate) adapter: Arc<str>,
+    pub(crate) table: KeyTable,
+}

@@ -1,0 +1,1890 @@
+//! The index: ingest (K), stats and events (S, E), lookups (L), ranking (R), orchestration (O),
+//! TTL sweep (V1), aggregates (G) and change notifications (N).
+//!
+//! Concurrency summary (details in `table.rs` and `docs/engine.md`): readers pin an epoch guard,
+//! resolve the partition through a wait-free directory, probe the partition's key table and read
+//! immutable key nodes; they take no lock and never retry. Writers lock one table shard at a time
+//! (per key), build a replacement node and publish it with a Release store. Derived counters are
+//! atomics updated by writers inside the shard lock; they may lag an in-flight write and are exact
+//! once writes quiesce (C3).
+
+use crate::clock::{Clock, us_to_ms};
+use crate::config::{Algorithm, IndexConfig, Resolvers};
+use crate::dir::{Dir, GaugeRec, ModelRec, Partition, ScopeRec, StatsRecord, TenantRec, hash_strs};
+use crate::rank::{
+    distinguishing_power, freshness, is_live, prefix_score, pressure_factor, recency, slo_c,
+    tenant_hot_score,
+};
+use crate::sink::{ChangeEvent, ChangeKind, ChangeSink};
+use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use crate::table::{
+    DEAD, ENTRY_CELL_BYTES, EntryCell, Holder, KEY_CELL_BYTES, KeyBytes, KeyCell, KeyNode, SHARDS,
+    ShardWriter, tier_code, tier_wire,
+};
+use crate::types::*;
+use crossbeam_epoch::{self as epoch, Guard};
+use parking_lot::{Condvar, Mutex, RwLock};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+
+/// Eviction reason for `index_evictions_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EvictionReason {
+    /// Global cap (V2; not enforced yet).
+    Cap,
+    /// TTL sweep (V1).
+    Ttl,
+}
+
+/// Largest number of slots a sliced walk processes under one shard lock (V1, C5).
+pub const SLICE: usize = 4096;
+
+/// A resolved partition, for the core match API.
+#[derive(Clone, Copy)]
+pub struct PartitionHandle<'a> {
+    p: &'a Partition,
+}
+
+/// One run of the core longest-prefix match (L4 steps 1–4).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ChainMatch<'a> {
+    /// Replica id.
+    pub replica_id: &'a str,
+    /// Σ of the request's counts over the run.
+    pub matched_tokens: i32,
+    /// Oldest `last_seen` over the run (µs, ms resolution).
+    pub oldest_us: i64,
+    /// Coldest tier over the run (wire value).
+    pub tier: i32,
+    /// Blocks in the run.
+    pub blocks: u32,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Run {
+    rep: u32,
+    matched: i32,
+    oldest: i64,
+    tier: u8,
+    blocks: u32,
+    open: bool,
+}
+
+/// Reusable scratch space for [`Index::match_chain_into`].
+#[derive(Default)]
+pub struct MatchScratch {
+    runs: Vec<Run>,
+    nodes: Vec<usize>,
+}
+
+/// One captured LFU hit (L9): identifies one storage entry by key, replica and generation.
+#[derive(Clone)]
+struct Hit {
+    replica: Arc<str>,
+    rep: u32,
+    key: KeyBytesOwned,
+    generation: u64,
+}
+
+#[derive(Clone)]
+enum KeyBytesOwned {
+    Short([u8; 8]),
+    Long(Box<[u8]>),
+}
+
+impl KeyBytesOwned {
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            KeyBytesOwned::Short(a) => a,
+            KeyBytesOwned::Long(b) => b,
+        }
+    }
+}
+
+/// Hits captured by a PREFIX_MATCH lookup in an LFU namespace, not yet credited (L9, V4).
+#[derive(Clone, Default)]
+pub struct CapturedHits {
+    part: Option<Arc<Partition>>,
+    hits: Vec<Hit>,
+}
+
+impl std::fmt::Debug for CapturedHits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CapturedHits")
+            .field("len", &self.hits.len())
+            .finish()
+    }
+}
+
+impl CapturedHits {
+    /// Number of captured entries.
+    pub fn len(&self) -> usize {
+        self.hits.len()
+    }
+    /// No captured entry.
+    pub fn is_empty(&self) -> bool {
+        self.hits.is_empty()
+    }
+    /// Captured entries of one replica.
+    pub fn count_for(&self, replica: &str) -> usize {
+        self.hits.iter().filter(|h| &*h.replica == replica).count()
+    }
+    /// Drops every hit.
+    pub fn clear(&mut self) {
+        self.hits.clear();
+        self.part = None;
+    }
+    /// Keeps only the hits of replicas for which `keep` returns true.
+    pub fn retain_replicas(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.hits.retain(|h| keep(&h.replica));
+    }
+}
+
+/// A LookupRoute result (O1).
+#[derive(Debug, Clone, Default)]
+pub struct RouteResult {
+    /// Result kind.
+    pub strategy: Strategy,
+    /// Ranked replicas, best first.
+    pub scores: Vec<ScoredReplica>,
+    /// LFU hits to credit if the answer is delivered.
+    pub hits: CapturedHits,
+}
+
+impl RouteResult {
+    /// Prunes scores and hits together (H10): keeps replicas for which `keep` is true.
+    pub fn retain_replicas(&mut self, mut keep: impl FnMut(&ScoredReplica) -> bool) {
+        self.scores.retain(&mut keep);
+        let scores = &self.scores;
+        self.hits
+            .retain_replicas(|r| scores.iter().any(|s| &*s.replica_id == r));
+    }
+}
+
+/// Caller-owned buffer for the allocation-free [`Index::lookup_route_into`].
+#[derive(Default)]
+pub struct RouteBuffer {
+    /// Result kind of the last call.
+    pub strategy: Strategy,
+    /// Ranked replicas of the last call.
+    pub scores: Vec<ScoredReplica>,
+    /// Captured hits (LFU only; allocates in proportion to the run).
+    pub hits: CapturedHits,
+    scratch: MatchScratch,
+}
+
+impl RouteBuffer {
+    /// An empty buffer.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Moves the contents out as a [`RouteResult`].
+    pub fn take(&mut self) -> RouteResult {
+        RouteResult {
+            strategy: self.strategy,
+            scores: std::mem::take(&mut self.scores),
+            hits: std::mem::take(&mut self.hits),
+        }
+    }
+}
+
+/// What a sweep removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepOutcome {
+    /// Storage entries removed.
+    pub entries_removed: u64,
+    /// Stats records removed.
+    pub stats_removed: u64,
+}
+
+struct Ticker {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+/// The cache-aware routing index.
+pub struct Index {
+    cfg: IndexConfig,
+    resolvers: Arc<dyn Resolvers>,
+    clock: Arc<dyn Clock>,
+    tenants: Dir<TenantRec>,
+    models: Dir<ModelRec>,
+    scopes: Dir<ScopeRec>,
+    parts: Dir<Partition>,
+    gauges: Dir<GaugeRec>,
+    all_parts: Mutex<Vec<Arc<Partition>>>,
+    all_models: Mutex<Vec<Arc<ModelRec>>>,
+    /// Distinct keys in the whole index, reserved included (O3 step 1).
+    total_keys: AtomicI64,
+    storage_entries: AtomicI64,
+    reserved_entries: AtomicI64,
+    /// `[lru_cap, lru_ttl, lfu_cap, lfu_ttl]`.
+    evictions: [AtomicU64; 4],
+    ingest_blocks: AtomicU64,
+    generation: AtomicU64,
+    stats_bytes: AtomicI64,
+    sink: RwLock<Option<Arc<dyn ChangeSink>>>,
+    ready: AtomicBool,
+    ticker: Mutex<Option<Ticker>>,
+    sweep_lock: Mutex<()>,
+}
+
+struct Ctx<'a> {
+    part: &'a Partition,
+    reserved: bool,
+    sink: Option<&'a dyn ChangeSink>,
+}
+
+const STATS_RECORD_BYTES: i64 = std::mem::size_of::<StatsRecord>() as i64 + 48;
+const PARTITION_BYTES: i64 = 512;
+
+impl Index {
+    /// A new, empty index. The config is normalized (≤ 0 TTL / interval → defaults).
+    pub fn new(config: IndexConfig, resolvers: Arc<dyn Resolvers>, clock: Arc<dyn Clock>) -> Self {
+        Self {
+            cfg: config.normalized(),
+            resolvers,
+            clock,
+            tenants: Dir::new(),
+            models: Dir::new(),
+            scopes: Dir::new(),
+            parts: Dir::new(),
+            gauges: Dir::new(),
+            all_parts: Mutex::new(Vec::new()),
+            all_models: Mutex::new(Vec::new()),
+            total_keys: AtomicI64::new(0),
+            storage_entries: AtomicI64::new(0),
+            reserved_entries: AtomicI64::new(0),
+            evictions: Default::default(),
+            ingest_blocks: AtomicU64::new(0),
+            generation: AtomicU64::new(1),
+            stats_bytes: AtomicI64::new(0),
+            sink: RwLock::new(None),
+            ready: AtomicBool::new(false),
+            ticker: Mutex::new(None),
+            sweep_lock: Mutex::new(()),
+        }
+    }
+
+    /// The normalized configuration.
+    pub fn config(&self) -> &IndexConfig {
+        &self.cfg
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Records
+
+    fn is_reserved(&self, tenant: &str) -> bool {
+        self.cfg.reserved_tenants.iter().any(|t| t == tenant)
+    }
+
+    fn tenant_ref(&self, t: &str) -> Option<&TenantRec> {
+        self.tenants.get(hash_strs(&[t]), |r| &*r.name == t)
+    }
+
+    fn model_ref(&self, t: &str, m: &str) -> Option<&ModelRec> {
+        self.models.get(hash_strs(&[t, m]), |r| {
+            &*r.tenant.name == t && &*r.name == m
+        })
+    }
+
+    fn scope_ref(&self, t: &str, m: &str, s: &str) -> Option<&ScopeRec> {
+        self.scopes.get(hash_strs(&[t, m, s]), |r| {
+            &*r.tenant == t && &*r.model == m && &*r.scheme == s
+        })
+    }
+
+    fn part_ref(&self, t: &str, m: &str, s: &str, a: &str) -> Option<&Partition> {
+        self.parts.get(hash_strs(&[t, m, s, a]), |p| {
+            &*p.adapter == a && &*p.scheme == s && &*p.model.name == m && &*p.tenant.name == t
+        })
+    }
+
+    fn ensure_tenant(&self, t: &str) -> Arc<TenantRec> {
+        self.tenants
+            .get_or_insert(
+                hash_strs(&[t]),
+                |r| &*r.name == t,
+                || {
+                    Arc::new(TenantRec {
+                        name: t.into(),
+                        reserved: self.is_reserved(t),
+                        keys: AtomicI64::new(0),
+                        models: Mutex::new(Vec::new()),
+                    })
+                },
+            )
+            .0
+    }
+
+    fn ensure_model(&self, t: &str, m: &str) -> Arc<ModelRec> {
+        if let Some(r) = self.models.get_arc(hash_strs(&[t, m]), &|r: &ModelRec| {
+            &*r.tenant.name == t && &*r.name == m
+        }) {
+            return r;
+        }
+        let tenant = self.ensure_tenant(t);
+        let gauge = self
+            .gauges
+            .get_or_insert(
+                hash_strs(&[m]),
+                |g| &*g.model == m,
+                || {
+                    Arc::new(GaugeRec {
+                        model: m.into(),
+                        keys: AtomicI64::new(0),
+                    })
+                },
+            )
+            .0;
+        let (rec, created) = self.models.get_or_insert(
+            hash_strs(&[t, m]),
+            |r| &*r.tenant.name == t && &*r.name == m,
+            || {
+                Arc::new(ModelRec {
+                    tenant: tenant.clone(),
+                    name: m.into(),
+                    keys: AtomicI64::new(0),
+                    hot: AtomicI64::new(0),
+                    gauge,
+                    stats: crate::dir::Rcu::new(Vec::new()),
+                    parts: Mutex::new(Vec::new()),
+                })
+            },
+        );
+        if created {
+            tenant.models.lock().push(rec.clone());
+            self.all_models.lock().push(rec.clone());
+        }
+        rec
+    }
+
+    fn ensure_part(&self, t: &str, m: &str, s: &str, a: &str) -> &Partition {
+        if let Some(p) = self.part_ref(t, m, s, a) {
+            return p;
+        }
+        let model = self.ensure_model(t, m);
+        let scope = self
+            .scopes
+            .get_or_insert(
+                hash_strs(&[t, m, s]),
+                |r| &*r.tenant == t && &*r.model == m && &*r.scheme == s,
+                || Arc::new(ScopeRec::new(t.into(), m.into(), s.into())),
+            )
+            .0;
+        let (p, created) = self.parts.get_or_insert(
+            hash_strs(&[t, m, s, a]),
+            |p| &*p.adapter == a && &*p.scheme == s && &*p.model.name == m && &*p.tenant.name == t,
+            || {
+                Arc::new(Partition {
+                    tenant: model.tenant.clone(),
+                    model: model.clone(),
+                    scope,
+                    scheme: s.into(),
+                    adapter: a.into(),
+                    table: crate::table::KeyTable::new(),
+                })
+            },
+        );
+        if created {
+            model.parts.lock().push(p.clone());
+            self.all_parts.lock().push(p.clone());
+        }
+        self.part_ref(t, m, s, a)
+            .expect("partition just inserted is present")
+    }
+
+    /// Resolves a partition for the core match API (wait-free).
+    pub fn partition(
+        &self,
+        tenant: &str,
+        model: &str,
+        scheme: &str,
+        adapter: &str,
+    ) -> Option<PartitionHandle<'_>> {
+        self.part_ref(tenant, model, scheme, adapter)
+            .map(|p| PartitionHandle { p })
+    }
+
+    /// L7: the tenant's TTL in ms.
+    fn ttl_for(&self, tenant: &str) -> i64 {
+        match self.resolvers.ttl_ms(tenant) {
+            Some(t) if t > 0 => t,
+            _ => self.cfg.global_ttl_ms,
+        }
+    }
+
+    fn resolve_now_us(&self, ts_us: i64) -> i64 {
+        if ts_us == 0 {
+            self.clock.now_us()
+        } else {
+            ts_us
+        }
+    }
+
+    fn active_sink(&self, reserved: bool) -> Option<Arc<dyn ChangeSink>> {
+        if reserved {
+            return None;
+        }
+        let s = self.sink.read();
+        match &*s {
+            Some(s) if s.is_active() => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    /// Installs the change sink (N1). With an inactive sink no event is constructed (N4).
+    pub fn set_change_sink(&self, sink: Arc<dyn ChangeSink>) {
+        *self.sink.write() = Some(sink);
+    }
+
+    /// Removes the change sink.
+    pub fn clear_change_sink(&self) {
+        *self.sink.write() = None;
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Ingest (K1–K16, S1–S4)
+
+    /// Applies one `CacheStateUpdate` (K14 steps 1, 2 and 5; quota and cap are issue 4).
+    pub fn ingest<'a, H, I>(&self, update: CacheStateUpdate<'a, I>) -> IngestOutcome
+    where
+        H: AsRef<[u8]> + 'a,
+        I: IntoIterator<Item = PrefixRef<'a, H>>,
+    {
+        let mut out = IngestOutcome::default();
+        let ts_us = self.resolve_now_us(update.timestamp_us);
+        let ts_ms = us_to_ms(ts_us);
+        let t = update.tenant_id;
+        let m = update.model_id;
+        let reserved = self.is_reserved(t);
+        let sink = self.active_sink(reserved);
+        if !update.hash_scheme.is_empty() {
+            let guard = epoch::pin();
+            // Cache of the last partition and replica index (K5: one per ref).
+            let mut cur: Option<(&Partition, u32)> = None;
+            for r in update.prefixes {
+                let adapter = if !r.adapter_id.is_empty() {
+                    r.adapter_id
+                } else {
+                    update.adapter_id
+                };
+                let chain = !r.block_hashes.is_empty() || !r.block_token_counts.is_empty();
+                if chain {
+                    // K7: malformed chains (length mismatch or an empty block hash) drop whole.
+                    if r.block_hashes.len() != r.block_token_counts.len()
+                        || r.block_hashes.iter().any(|h| h.as_ref().is_empty())
+                    {
+                        continue;
+                    }
+                } else if r.prefix_hash.is_empty() {
+                    continue; // K10 / D8
+                }
+                let (part, rep) = match cur {
+                    Some((p, rep)) if &*p.adapter == adapter => (p, rep),
+                    _ => {
+                        let p = self.ensure_part(t, m, update.hash_scheme, adapter);
+                        let rep = p.scope.intern(update.replica_id);
+                        cur = Some((p, rep));
+                        (p, rep)
+                    }
+                };
+                let ctx = Ctx {
+                    part,
+                    reserved,
+                    sink: sink.as_deref(),
+                };
+                let tier = tier_code(r.tier);
+                if chain {
+                    let mut sum: i32 = 0;
+                    for (h, c) in r.block_hashes.iter().zip(r.block_token_counts) {
+                        sum = sum.wrapping_add(*c);
+                        self.upsert(
+                            &ctx,
+                            h.as_ref(),
+                            rep,
+                            update.replica_id,
+                            sum,
+                            ts_ms,
+                            ts_us,
+                            tier,
+                            &guard,
+                            &mut out,
+                        );
+                    }
+                    if !r.prefix_hash.is_empty() {
+                        self.upsert(
+                            &ctx,
+                            r.prefix_hash,
+                            rep,
+                            update.replica_id,
+                            r.token_count,
+                            ts_ms,
+                            ts_us,
+                            tier,
+                            &guard,
+                            &mut out,
+                        );
+                    }
+                } else {
+                    self.upsert(
+                        &ctx,
+                        r.prefix_hash,
+                        rep,
+                        update.replica_id,
+                        r.token_count,
+                        ts_ms,
+                        ts_us,
+                        tier,
+                        &guard,
+                        &mut out,
+                    );
+                }
+            }
+        }
+        if let Some(st) = update.stats {
+            let model = self.ensure_model(t, m);
+            self.store_stats(&model, update.replica_id, &st, ts_ms);
+            out.stats_stored = true;
+            if let Some(s) = &sink {
+                s.publish(&ChangeEvent {
+                    kind: ChangeKind::Stats,
+                    tenant_id: t,
+                    model_id: m,
+                    replica_id: update.replica_id,
+                    prefix_hash: &[],
+                    adapter_id: "",
+                    timestamp_us: ts_us,
+                });
+            }
+        }
+        if !reserved {
+            self.ingest_blocks.fetch_add(out.upserts, Ordering::Relaxed);
+        }
+        out
+    }
+
+    /// K11 upsert of one (key, replica) entry.
+    #[allow(clippy::too_many_arguments)]
+    fn upsert(
+        &self,
+        ctx: &Ctx<'_>,
+        key: &[u8],
+        rep: u32,
+        replica: &str,
+        tokens: i32,
+        ts_ms: i64,
+        ts_us: i64,
+        tier: u8,
+        guard: &Guard,
+        out: &mut IngestOutcome,
+    ) {
+        let part = ctx.part;
+        out.upserts += 1;
+        let mut w = part.table.writer_for(key);
+        let mut new_entry = false;
+        match w.find(key, guard) {
+            Some((i, node)) => {
+                let mut hs: Vec<Holder> = Vec::with_capacity(node.holders.len() + 1);
+                let mut found = false;
+                for h in node.holders.iter() {
+                    if h.rep() == rep {
+                        let mut h2 = *h;
+                        h2.tokens = tokens;
+                        h2.set_tier(tier);
+                        h2.last_seen_ms = h.last_seen_ms.max(ts_ms); // D7
+                        hs.push(h2);
+                        found = true;
+                    } else {
+                        hs.push(*h);
+                    }
+                }
+                if !found {
+                    let cell = self.new_cell(part);
+                    let pos = hs.partition_point(|h| h.rep() < rep);
+                    hs.insert(pos, Holder::new(rep, tier, tokens, ts_ms, cell));
+                    new_entry = true;
+                }
+                let node2 = KeyNode {
+                    key: KeyBytes::from_bytes(key),
+                    kcell: node.kcell,
+                    holders: hs.into_boxed_slice(),
+                };
+                w.replace(i, node2, guard);
+            }
+            None => {
+                let cell = self.new_cell(part);
+                let kcell = Box::into_raw(Box::new(KeyCell {
+                    sum: AtomicI64::new(0),
+                }));
+                part.table.add_bytes(KEY_CELL_BYTES as i64);
+                w.insert(
+                    KeyNode {
+                        key: KeyBytes::from_bytes(key),
+                        kcell,
+                        holders: vec![Holder::new(rep, tier, tokens, ts_ms, cell)]
+                            .into_boxed_slice(),
+                    },
+                    guard,
+                );
+                new_entry = true;
+                out.keys_added += 1;
+                part.tenant.keys.fetch_add(1, Ordering::Relaxed);
+                part.model.keys.fetch_add(1, Ordering::Relaxed);
+                self.total_keys.fetch_add(1, Ordering::Relaxed);
+                if !ctx.reserved {
+                    part.model.gauge.keys.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        if new_entry {
+            out.entries_added += 1;
+            if ctx.reserved {
+                self.reserved_entries.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.storage_entries.fetch_add(1, Ordering::Relaxed);
+            }
+            let reps = part.scope.replicas.load(guard);
+            if reps[rep as usize].serving.fetch_add(1, Ordering::Relaxed) == 0 {
+                part.scope.serving_n.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        drop(w);
+        if new_entry && let Some(s) = ctx.sink {
+            s.publish(&ChangeEvent {
+                kind: ChangeKind::Added,
+                tenant_id: &part.tenant.name,
+                model_id: &part.model.name,
+                replica_id: replica,
+                prefix_hash: key,
+                adapter_id: &part.adapter,
+                timestamp_us: ts_us,
+            });
+        }
+    }
+
+    fn new_cell(&self, part: &Partition) -> *const EntryCell {
+        part.table.add_bytes(ENTRY_CELL_BYTES as i64);
+        Box::into_raw(Box::new(EntryCell {
+            generation: self.generation.fetch_add(1, Ordering::Relaxed),
+            access: AtomicU64::new(0),
+        }))
+    }
+
+    fn store_stats(&self, model: &ModelRec, replica: &str, st: &ReplicaStatsInput, ts_ms: i64) {
+        let clean = |x: f32| if x.is_finite() { x } else { 0.0 };
+        let added = model.stats.update(|v| {
+            let mut v2 = v.clone();
+            let rec = |replica: Arc<str>, last: i64, rep: i64| StatsRecord {
+                replica,
+                cache_memory_bytes: st.cache_memory_bytes,
+                hit_rate: clean(st.hit_rate),
+                pressure: clean(st.pressure),
+                t2_hit_tokens: st.t2_hit_tokens,
+                t2_query_tokens: st.t2_query_tokens,
+                last_seen_ms: last,
+                reported_ms: rep,
+            };
+            match v.binary_search_by(|r| (*r.replica).cmp(replica)) {
+                Ok(i) => {
+                    let old = &v[i];
+                    v2[i] = rec(
+                        old.replica.clone(),
+                        old.last_seen_ms.max(ts_ms),
+                        old.reported_ms.max(ts_ms),
+                    );
+                    (Some(v2), false)
+                }
+                Err(i) => {
+                    v2.insert(i, rec(replica.into(), ts_ms, ts_ms));
+                    (Some(v2), true)
+                }
+            }
+        });
+        if added {
+            self.stats_bytes
+                .fetch_add(STATS_RECORD_BYTES, Ordering::Relaxed);
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Removal
+
+    fn kill_entry(&self, part: &Partition, kcell: &KeyCell, h: &Holder, guard: &Guard) {
+        let cell = h.cell();
+        let c = cell.access.swap(DEAD, Ordering::AcqRel) & !DEAD;
+        if c > 0 {
+            self.add_key_access(&part.model, kcell, -(c as i64));
+        }
+        part.table.add_bytes(-(ENTRY_CELL_BYTES as i64));
+        let p = h.cell as *mut EntryCell;
+        // SAFETY: the entry was unlinked (its holder is no longer in the current node); readers
+        // pinned earlier may still read the cell, so it is freed through the epoch.
+        unsafe { guard.defer_unchecked(move || drop(Box::from_raw(p))) };
+    }
+
+    fn add_key_access(&self, model: &ModelRec, kcell: &KeyCell, delta: i64) {
+        let thr = self.cfg.hot_access_threshold as i64;
+        let old = kcell.sum.fetch_add(delta, Ordering::AcqRel);
+        let new = old + delta;
+        if old < thr && new >= thr {
+            model.hot.fetch_add(1, Ordering::Relaxed);
+        } else if old >= thr && new < thr {
+            model.hot.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Removes replica `rep` from the key at slot `i` (node `node`). Returns the removed holder.
+    fn remove_holder(
+        &self,
+        w: &mut ShardWriter<'_>,
+        part: &Partition,
+        i: usize,
+        node: &KeyNode,
+        rep: u32,
+        guard: &Guard,
+    ) -> Option<Holder> {
+        let pos = node.holders.iter().position(|h| h.rep() == rep)?;
+        let h = node.holders[pos];
+        let kcell = node.kcell();
+        if node.holders.len() == 1 {
+            w.remove(i, guard);
+            part.tenant.keys.fetch_sub(1, Ordering::Relaxed);
+            part.model.keys.fetch_sub(1, Ordering::Relaxed);
+            self.total_keys.fetch_sub(1, Ordering::Relaxed);
+            if !part.tenant.reserved {
+                part.model.gauge.keys.fetch_sub(1, Ordering::Relaxed);
+            }
+            self.kill_entry(part, kcell, &h, guard);
+            part.table.add_bytes(-(KEY_CELL_BYTES as i64));
+            let kp = node.kcell as *mut KeyCell;
+            // SAFETY: the key was unlinked from the current table; pinned readers may still
+            // read its cell, so it is freed through the epoch.
+            unsafe { guard.defer_unchecked(move || drop(Box::from_raw(kp))) };
+        } else {
+            let hs: Vec<Holder> = node
+                .holders
+                .iter()
+                .filter(|x| x.rep() != rep)
+                .copied()
+                .collect();
+            w.replace(
+                i,
+                KeyNode {
+                    key: KeyBytes::from_bytes(node.key.as_bytes()),
+                    kcell: node.kcell,
+                    holders: hs.into_boxed_slice(),
+                },
+                guard,
+            );
+            self.kill_entry(part, kcell, &h, guard);
+        }
+        if part.tenant.reserved {
+            self.reserved_entries.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            self.storage_entries.fetch_sub(1, Ordering::Relaxed);
+        }
+        let reps = part.scope.replicas.load(guard);
+        if reps[rep as usize].serving.fetch_sub(1, Ordering::Relaxed) == 1 {
+            part.scope.serving_n.fetch_sub(1, Ordering::Relaxed);
+        }
+        Some(h)
+    }
+
+    /// Walks every key of `part` in slices of ≤ [`SLICE`] slots per shard lock, removing holders
+    /// selected by `select`; `on_removed` is called (outside no lock guarantee) per removal.
+    fn walk_remove(
+        &self,
+        part: &Partition,
+        mut select: impl FnMut(&Holder) -> bool,
+        mut on_removed: impl FnMut(&KeyNode, &Holder),
+    ) -> u64 {
+        let mut removed = 0u64;
+        for s in 0..SHARDS {
+            let mut start = 0usize;
+            let mut w = part.table.writer(s);
+            let mut rb = w.rebuilds();
+            loop {
+                let guard = epoch::pin();
+                let cap = w.capacity(&guard);
+                let end = (start + SLICE).min(cap);
+                for i in start..end {
+                    loop {
+                        let Some(node) = w.node_at(i, &guard) else {
+                            break;
+                        };
+                        let Some(h) = node.holders.iter().find(|h| select(h)).copied() else {
+                            break;
+                        };
+                        on_removed(node, &h);
+                        self.remove_holder(&mut w, part, i, node, h.rep(), &guard);
+                        removed += 1;
+                    }
+                }
+                drop(guard);
+                if end >= cap {
+                    break;
+                }
+                start = end;
+                drop(w);
+                w = part.table.writer(s);
+                if w.rebuilds() != rb {
+                    rb = w.rebuilds();
+                    start = 0;
+                }
+            }
+            let guard = epoch::pin();
+            w.maybe_shrink(&guard);
+        }
+        removed
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Events (E1–E7)
+
+    /// Applies one published `CacheEvent` (E1–E6). Never runs quota or cap enforcement (E7).
+    pub fn apply_event(&self, ev: CacheEventInput<'_>) {
+        let t = ev.tenant_id;
+        let m = ev.model_id;
+        match ev.event_type {
+            event_type::PREFIX_EVICTED => self.evict_prefix(&ev),
+            event_type::REPLICA_UPDATED => {
+                let ts_us = self.resolve_now_us(ev.timestamp_us);
+                let ts_ms = us_to_ms(ts_us);
+                let Some(model) = self.model_ref(t, m) else {
+                    return;
+                };
+                let refreshed = model.stats.update(|v| {
+                    match v.binary_search_by(|r| (*r.replica).cmp(ev.replica_id)) {
+                        Ok(i) => {
+                            let mut v2 = v.clone();
+                            v2[i].last_seen_ms = v2[i].last_seen_ms.max(ts_ms);
+                            (Some(v2), true)
+                        }
+                        Err(_) => (None, false),
+                    }
+                });
+                if refreshed && let Some(s) = self.active_sink(model.tenant.reserved) {
+                    s.publish(&ChangeEvent {
+                        kind: ChangeKind::Stats,
+                        tenant_id: t,
+                        model_id: m,
+                        replica_id: ev.replica_id,
+                        prefix_hash: &[],
+                        adapter_id: "",
+                        timestamp_us: ts_us,
+                    });
+                }
+            }
+            event_type::ALL_CLEARED => self.clear_replica(&ev),
+            _ => {} // E5 PREFIX_ADDED, E6 unknown
+        }
+    }
+
+    /// E3, cost O(partitions of (tenant, model) + matches).
+    fn evict_prefix(&self, ev: &CacheEventInput<'_>) {
+        if ev.prefix_hash.is_empty() {
+            return; // D8
+        }
+        let Some(model) = self.model_ref(ev.tenant_id, ev.model_id) else {
+            return;
+        };
+        let ts_us = self.resolve_now_us(ev.timestamp_us);
+        let sink = self.active_sink(model.tenant.reserved);
+        let parts: Vec<Arc<Partition>> = model.parts.lock().clone();
+        for p in parts.iter() {
+            if !ev.adapter_id.is_empty() && *p.adapter != *ev.adapter_id {
+                continue;
+            }
+            let Some(rep) = p.scope.index_of(ev.replica_id) else {
+                continue;
+            };
+            let guard = epoch::pin();
+            let mut w = p.table.writer_for(ev.prefix_hash);
+            let Some((i, node)) = w.find(ev.prefix_hash, &guard) else {
+                continue;
+            };
+            if self
+                .remove_holder(&mut w, p, i, node, rep, &guard)
+                .is_some()
+            {
+                w.maybe_shrink(&guard);
+                drop(w);
+                if let Some(s) = &sink {
+                    s.publish(&ChangeEvent {
+                        kind: ChangeKind::Removed,
+                        tenant_id: ev.tenant_id,
+                        model_id: ev.model_id,
+                        replica_id: ev.replica_id,
+                        prefix_hash: ev.prefix_hash,
+                        adapter_id: &p.adapter,
+                        timestamp_us: ts_us,
+                    });
+                }
+            }
+        }
+    }
+
+    /// E4: sliced walk over the pair's partitions; never blocks readers or other pairs.
+    fn clear_replica(&self, ev: &CacheEventInput<'_>) {
+        let ts_us = self.resolve_now_us(ev.timestamp_us);
+        let reserved = self.is_reserved(ev.tenant_id);
+        if let Some(model) = self.model_ref(ev.tenant_id, ev.model_id) {
+            let parts: Vec<Arc<Partition>> = model.parts.lock().clone();
+            for p in parts.iter() {
+                let Some(rep) = p.scope.index_of(ev.replica_id) else {
+                    continue;
+                };
+                self.walk_remove(p, |h| h.rep() == rep, |_, _| {});
+            }
+            let removed = model.stats.update(|v| {
+                match v.binary_search_by(|r| (*r.replica).cmp(ev.replica_id)) {
+                    Ok(i) => {
+                        let mut v2 = v.clone();
+                        v2.remove(i);
+                        (Some(v2), true)
+                    }
+                    Err(_) => (None, false),
+                }
+            });
+            if removed {
+                self.stats_bytes
+                    .fetch_sub(STATS_RECORD_BYTES, Ordering::Relaxed);
+            }
+        }
+        if let Some(s) = self.active_sink(reserved) {
+            s.publish(&ChangeEvent {
+                kind: ChangeKind::Cleared,
+                tenant_id: ev.tenant_id,
+                model_id: ev.model_id,
+                replica_id: ev.replica_id,
+                prefix_hash: &[],
+                adapter_id: "",
+                timestamp_us: ts_us,
+            });
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Core match (L4)
+
+    fn walk_chain<H: AsRef<[u8]>>(
+        part: &Partition,
+        hashes: &[H],
+        counts: &[i32],
+        now_ms: i64,
+        ttl_ms: i64,
+        guard: &Guard,
+        scratch: &mut MatchScratch,
+        capture_nodes: bool,
+    ) {
+        let runs = &mut scratch.runs;
+        runs.clear();
+        scratch.nodes.clear();
+        let n = hashes.len().min(counts.len());
+        if n == 0 || ttl_ms <= 0 {
+            return;
+        }
+        let Some(n0) = part.table.find(hashes[0].as_ref(), guard) else {
+            return;
+        };
+        for h in n0.holders.iter() {
+            if is_live(now_ms, h.last_seen_ms, ttl_ms) {
+                runs.push(Run {
+                    rep: h.rep(),
+                    matched: counts[0],
+                    oldest: h.last_seen_ms,
+                    tier: h.tier(),
+                    blocks: 1,
+                    open: true,
+                });
+            }
+        }
+        if runs.is_empty() {
+            return;
+        }
+        if capture_nodes {
+            scratch.nodes.push(n0 as *const KeyNode as usize);
+        }
+        let mut open = runs.len();
+        for i in 1..n {
+            let Some(node) = part.table.find(hashes[i].as_ref(), guard) else {
+                break;
+            };
+            if capture_nodes {
+                scratch.nodes.push(node as *const KeyNode as usize);
+            }
+            let c = counts[i];
+            // Runs and holders are both sorted by replica index: merge.
+            let hs = &node.holders;
+            let mut j = 0usize;
+            for r in runs.iter_mut() {
+                if !r.open {
+                    continue;
+                }
+                while j < hs.len() && hs[j].rep() < r.rep {
+                    j += 1;
+                }
+                if j < hs.len()
+                    && hs[j].rep() == r.rep
+                    && is_live(now_ms, hs[j].last_seen_ms, ttl_ms)
+                {
+                    let h = &hs[j];
+                    r.matched = r.matched.wrapping_add(c);
+                    r.oldest = r.oldest.min(h.last_seen_ms);
+                    r.tier = r.tier.max(h.tier());
+                    r.blocks += 1;
+                } else {
+                    r.open = false;
+                    open -= 1;
+                }
+            }
+            if open == 0 {
+                break;
+            }
+        }
+    }
+
+    /// Core longest-common-leading-run match (L4 steps 1–5) on a resolved partition. Calls
+    /// `sink` once per qualifying replica, in scope-local replica order. Allocates nothing once
+    /// `scratch` has grown to the number of block-0 holders.
+    pub fn match_chain_into<H: AsRef<[u8]>>(
+        &self,
+        part: PartitionHandle<'_>,
+        hashes: &[H],
+        counts: &[i32],
+        now_us: i64,
+        scratch: &mut MatchScratch,
+        mut sink: impl FnMut(ChainMatch<'_>),
+    ) {
+        let p = part.p;
+        let now_ms = us_to_ms(now_us);
+        let ttl = self.ttl_for(&p.tenant.name);
+        let guard = epoch::pin();
+        Self::walk_chain(p, hashes, counts, now_ms, ttl, &guard, scratch, false);
+        if scratch.runs.is_empty() {
+            return;
+        }
+        let reps = p.scope.replicas.load(&guard);
+        for r in scratch.runs.iter() {
+            if r.matched <= 0 || freshness(now_ms, r.oldest, ttl) <= 0.0 {
+                continue;
+            }
+            let Some(rr) = reps.get(r.rep as usize) else {
+                continue;
+            };
+            sink(ChainMatch {
+                replica_id: &rr.name,
+                matched_tokens: r.matched,
+                oldest_us: r.oldest * 1000,
+                tier: tier_wire(r.tier),
+                blocks: r.blocks,
+            });
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Lookups (L1–L10) and ranking (R1–R9)
+
+    fn pressure_pf(
+        &self,
+        model: &ModelRec,
+        replica: &str,
+        now_ms: i64,
+        ttl: i64,
+        guard: &Guard,
+    ) -> f32 {
+        let p = match model.stats_of(replica, guard) {
+            Some(s) if freshness(now_ms, s.reported_ms, ttl) > 0.0 => s.pressure,
+            _ => 0.0,
+        };
+        pressure_factor(self.cfg.ranker.pressure_weight, p)
+    }
+
+    /// Prefix scores (exact or chain path) into `buf.scores`, capturing LFU hits if `capture`.
+    #[allow(clippy::too_many_arguments)]
+    fn prefix_scores<H: AsRef<[u8]>>(
+        &self,
+        part: &Partition,
+        req: &LookupRequest<'_, H>,
+        chain: bool,
+        now_ms: i64,
+        ttl: i64,
+        capture: bool,
+        buf: &mut RouteBuffer,
+    ) {
+        let guard = epoch::pin();
+        let c = slo_c(&self.cfg.ranker, req.ttft_ms);
+        let n = part.scope.serving_n.load(Ordering::Relaxed);
+        if chain {
+            Self::walk_chain(
+                part,
+                req.block_hashes,
+                req.block_token_counts,
+                now_ms,
+                ttl,
+                &guard,
+                &mut buf.scratch,
+                capture,
+            );
+            if buf.scratch.runs.is_empty() {
+                return;
+            }
+            let reps = part.scope.replicas.load(&guard);
+            for r in buf.scratch.runs.iter() {
+                if r.matched <= 0 {
+                    continue;
+                }
+                let f = freshness(now_ms, r.oldest, ttl);
+                if f <= 0.0 {
+                    continue;
+                }
+                let Some(rr) = reps.get(r.rep as usize) else {
+                    continue;
+                };
+                let pf = self.pressure_pf(&part.model, &rr.name, now_ms, ttl, &guard);
+                buf.scores.push(ScoredReplica {
+                    replica_id: rr.name.clone(),
+                    score: prefix_score(r.matched, f, pf, c),
+                    matched_tokens: r.matched,
+                    estimated_cache_hit_prob: f,
+                    tier: tier_wire(r.tier),
+                });
+                if capture {
+                    for &np in buf.scratch.nodes[..r.blocks as usize].iter() {
+                        // SAFETY: the node pointers were read under `guard`, still pinned.
+                        let node = unsafe { &*(np as *const KeyNode) };
+                        if let Some(h) = node.holder(r.rep) {
+                            buf.hits.hits.push(Hit {
+                                replica: rr.name.clone(),
+                                rep: r.rep,
+                                key: own_key(&node.key),
+                                generation: h.cell().generation,
+                            });
+                        }
+                    }
+                }
+            }
+            buf.scratch.nodes.clear();
+            let scores = &mut buf.scores;
+            if n > 1 && !scores.is_empty() {
+                // R4 chain grouping.
+                scores.sort_unstable_by(|a, b| {
+                    b.matched_tokens
+                        .cmp(&a.matched_tokens)
+                        .then_with(|| a.replica_id.cmp(&b.replica_id))
+                });
+                let mut i = 0;
+                while i < scores.len() {
+                    let mut j = i;
+                    while j < scores.len() && scores[j].matched_tokens == scores[i].matched_tokens {
+                        j += 1;
+                    }
+                    let dp = distinguishing_power(j as i64, n);
+                    if dp != 1.0 {
+                        for s in &mut scores[i..j] {
+                            s.score *= dp as f32;
+                        }
+                    }
+                    i = j;
+                }
+            }
+        } else {
+            if req.prefix_hash.is_empty() {
+                return;
+            }
+            let Some(node) = part.table.find(req.prefix_hash, &guard) else {
+                return;
+            };
+            let reps = part.scope.replicas.load(&guard);
+            for h in node.holders.iter() {
+                let f = freshness(now_ms, h.last_seen_ms, ttl);
+                if f <= 0.0 {
+                    continue;
+                }
+                let Some(rr) = reps.get(h.rep() as usize) else {
+                    continue;
+                };
+                let pf = self.pressure_pf(&part.model, &rr.name, now_ms, ttl, &guard);
+                buf.scores.push(ScoredReplica {
+                    replica_id: rr.name.clone(),
+                    score: prefix_score(h.tokens, f, pf, c),
+                    matched_tokens: h.tokens,
+                    estimated_cache_hit_prob: f,
+                    tier: tier_wire(h.tier()),
+                });
+                if capture && h.tokens > 0 {
+                    buf.hits.hits.push(Hit {
+                        replica: rr.name.clone(),
+                        rep: h.rep(),
+                        key: own_key(&node.key),
+                        generation: h.cell().generation,
+                    });
+                }
+            }
+            let dp = distinguishing_power(buf.scores.len() as i64, n);
+            if dp != 1.0 {
+                for s in &mut buf.scores {
+                    s.score *= dp as f32;
+                }
+            }
+        }
+        sort_final(&mut buf.scores);
+    }
+
+    /// Bare lookup (L1–L10): prefix scores only, never credits, no fallbacks.
+    pub fn lookup<H: AsRef<[u8]>>(&self, req: &LookupRequest<'_, H>) -> Vec<ScoredReplica> {
+        let mut buf = RouteBuffer::default();
+        if req.hash_scheme.is_empty() {
+            return Vec::new();
+        }
+        let chain = !req.block_hashes.is_empty() || !req.block_token_counts.is_empty();
+        if chain && req.block_hashes.len() != req.block_token_counts.len() {
+            return Vec::new();
+        }
+        let Some(part) =
+            self.part_ref(req.tenant_id, req.model_id, req.hash_scheme, req.adapter_id)
+        else {
+            return Vec::new();
+        };
+        let now_ms = us_to_ms(self.clock.now_us());
+        let ttl = self.ttl_for(req.tenant_id);
+        self.prefix_scores(part, req, chain, now_ms, ttl, false, &mut buf);
+        buf.scores
+    }
+
+    /// LookupRoute at the index level (O1): prefix match, TENANT_HOT, classifier.
+    pub fn lookup_route<H: AsRef<[u8]>>(&self, req: &LookupRequest<'_, H>) -> RouteResult {
+        let mut buf = RouteBuffer::default();
+        self.lookup_route_into(req, &mut buf);
+        buf.take()
+    }
+
+    /// [`Index::lookup_route`] into a caller buffer: allocation-free in LRU namespaces once the
+    /// buffer has grown (T93); returns the strategy (also stored in `buf.strategy`).
+    pub fn lookup_route_into<H: AsRef<[u8]>>(
+        &self,
+        req: &LookupRequest<'_, H>,
+        buf: &mut RouteBuffer,
+    ) -> Strategy {
+        buf.scores.clear();
+        buf.hits.clear();
+        let s = self.route_inner(req, buf);
+        if s != Strategy::PrefixMatch {
+            buf.hits.clear();
+        }
+        buf.strategy = s;
+        s
+    }
+
+    fn route_inner<H: AsRef<[u8]>>(
+        &self,
+        req: &LookupRequest<'_, H>,
+        buf: &mut RouteBuffer,
+    ) -> Strategy {
+        let (t, m, s) = (req.tenant_id, req.model_id, req.hash_scheme);
+        if t.is_empty() || m.is_empty() || s.is_empty() {
+            return Strategy::None;
+        }
+        let chain = !req.block_hashes.is_empty() || !req.block_token_counts.is_empty();
+        if chain && req.block_hashes.len() != req.block_token_counts.len() {
+            return Strategy::None;
+        }
+        let now_ms = us_to_ms(self.clock.now_us());
+        let ttl = self.ttl_for(t);
+        if let Some(part) = self.part_ref(t, m, s, req.adapter_id) {
+            let capture = self.resolvers.algorithm(t) == Algorithm::Lfu;
+            self.prefix_scores(part, req, chain, now_ms, ttl, capture, buf);
+            if !buf.scores.is_empty() {
+                if capture && !buf.hits.hits.is_empty() {
+                    buf.hits.part = self
+                        .parts
+                        .get_arc(hash_strs(&[t, m, s, req.adapter_id]), &|p: &Partition| {
+                            std::ptr::eq(p, part)
+                        });
+                }
+                return Strategy::PrefixMatch;
+            }
+        }
+        if !chain && self.tenant_hot(req, now_ms, &mut buf.scores) {
+            return Strategy::TenantHot;
+        }
+        self.classify(t, m, s)
+    }
+
+    /// O2: TENANT_HOT candidates into `out`; true if any.
+    fn tenant_hot<H: AsRef<[u8]>>(
+        &self,
+        req: &LookupRequest<'_, H>,
+        now_ms: i64,
+        out: &mut Vec<ScoredReplica>,
+    ) -> bool {
+        let rc = &self.cfg.ranker;
+        if rc.tenant_hot_max_age_ms <= 0 || req.hash_scheme.is_empty() {
+            return false;
+        }
+        let Some(model) = self.model_ref(req.tenant_id, req.model_id) else {
+            return false;
+        };
+        let Some(scope) = self.scope_ref(req.tenant_id, req.model_id, req.hash_scheme) else {
+            return false;
+        };
+        let c = slo_c(rc, req.ttft_ms);
+        let guard = epoch::pin();
+        for st in model.stats.load(&guard).iter() {
+            let age = now_ms - st.reported_ms;
+            if age >= rc.tenant_hot_max_age_ms || st.hit_rate < rc.tenant_hot_min_hit_rate {
+                continue;
+            }
+            if scope.serving_of(&st.replica, &guard) <= 0 {
+                continue;
+            }
+            let rec = recency(age, rc.tenant_hot_max_age_ms);
+            let pf = pressure_factor(rc.pressure_weight, st.pressure);
+            out.push(ScoredReplica {
+                replica_id: st.replica.clone(),
+                score: tenant_hot_score(st.hit_rate, rec, pf, c),
+                matched_tokens: 0,
+                estimated_cache_hit_prob: st.hit_rate,
+                tier: tier::UNSPECIFIED,
+            });
+        }
+        sort_final(out);
+        !out.is_empty()
+    }
+
+    /// O3 miss classifier (O(1) counter reads).
+    pub fn classify(&self, tenant: &str, model: &str, scheme: &str) -> Strategy {
+        if self.total_keys.load(Ordering::Relaxed) <= 0 {
+            return Strategy::None;
+        }
+        match self.tenant_ref(tenant) {
+            Some(t) if t.keys.load(Ordering::Relaxed) > 0 => {}
+            _ => return Strategy::UnknownTenant,
+        }
+        match self.model_ref(tenant, model) {
+            Some(m) if m.keys.load(Ordering::Relaxed) > 0 => {}
+            _ => return Strategy::UnknownModel,
+        }
+        match self.scope_ref(tenant, model, scheme) {
+            Some(s) if s.serving_n.load(Ordering::Relaxed) > 0 => Strategy::None,
+            _ => Strategy::UnknownHashScheme,
+        }
+    }
+
+    /// O4 affinity pick: SHA-256(seed) modulo the sorted serving replicas of the scope.
+    pub fn affinity_hint(
+        &self,
+        tenant: &str,
+        model: &str,
+        scheme: &str,
+        seed: &[u8],
+    ) -> Option<Arc<str>> {
+        if seed.is_empty() || scheme.is_empty() {
+            return None;
+        }
+        let scope = self.scope_ref(tenant, model, scheme)?;
+        let guard = epoch::pin();
+        let mut cands: Vec<&Arc<str>> = scope
+            .replicas
+            .load(&guard)
+            .iter()
+            .filter(|r| r.serving.load(Ordering::Relaxed) > 0)
+            .map(|r| &r.name)
+            .collect();
+        if cands.is_empty() {
+            return None;
+        }
+        cands.sort_unstable();
+        let d = Sha256::digest(seed);
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&d[..8]);
+        let idx = (u64::from_be_bytes(b) % cands.len() as u64) as usize;
+        Some(cands[idx].clone())
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // LFU crediting (V3, V4, D4)
+
+    /// Credits captured hits (lock-free). Hits whose entry was removed (or replaced by a new
+    /// entry with the same key and replica) are ignored (L9, T92).
+    pub fn credit_hits(&self, hits: &CapturedHits) {
+        let Some(part) = hits.part.as_deref() else {
+            return;
+        };
+        let guard = epoch::pin();
+        for hit in hits.hits.iter() {
+            let Some(node) = part.table.find(hit.key.as_bytes(), &guard) else {
+                continue;
+            };
+            let Some(h) = node.holder(hit.rep) else {
+                continue;
+            };
+            let cell = h.cell();
+            if cell.generation != hit.generation {
+                continue;
+            }
+            let r = cell
+                .access
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                    if v & DEAD != 0 || v >= u32::MAX as u64 {
+                        None
+                    } else {
+                        Some(v + 1)
+                    }
+                });
+            if r.is_ok() {
+                self.add_key_access(&part.model, node.kcell(), 1);
+            }
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Aggregates (G1, G2, V6, V7)
+
+    /// G1 CacheState. The reserved tenant reports empty.
+    pub fn cache_state(&self, tenant: &str, model: &str) -> CacheState {
+        if self.is_reserved(tenant) {
+            return CacheState::default();
+        }
+        let Some(m) = self.model_ref(tenant, model) else {
+            return CacheState::default();
+        };
+        let guard = epoch::pin();
+        CacheState {
+            total_prefixes: m.keys.load(Ordering::Relaxed),
+            hot_prefixes: m.hot.load(Ordering::Relaxed),
+            replicas: m
+                .stats
+                .load(&guard)
+                .iter()
+                .map(|s| ReplicaStatsOut {
+                    replica_id: s.replica.clone(),
+                    cache_memory_bytes: s.cache_memory_bytes,
+                    hit_rate: s.hit_rate,
+                    pressure: s.pressure,
+                    t2_hit_tokens: s.t2_hit_tokens,
+                    t2_query_tokens: s.t2_query_tokens,
+                })
+                .collect(),
+        }
+    }
+
+    /// G2 snapshot data: a non-blocking walk (exact when writes quiesce).
+    pub fn snapshot(&self) -> SnapshotData {
+        struct Row {
+            tenant: Arc<str>,
+            replica: Arc<str>,
+            prefix_count: i64,
+            last_event_ms: Option<i64>,
+            stats: Option<(StatsRecord, Arc<str>)>,
+        }
+        let mut rows: HashMap<(Arc<str>, Arc<str>), Row> = HashMap::new();
+        let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
+        let mut guard = epoch::pin();
+        for p in parts.iter().filter(|p| !p.tenant.reserved) {
+            let reps = p.scope.replicas.load(&guard).clone();
+            p.table.for_each_node(&guard, |node| {
+                for h in node.holders.iter() {
+                    let Some(rr) = reps.get(h.rep() as usize) else {
+                        continue;
+                    };
+                    let row = rows
+                        .entry((p.tenant.name.clone(), rr.name.clone()))
+                        .or_insert_with(|| Row {
+                            tenant: p.tenant.name.clone(),
+                            replica: rr.name.clone(),
+                            prefix_count: 0,
+                            last_event_ms: None,
+                            stats: None,
+                        });
+                    row.prefix_count += 1;
+                    row.last_event_ms = Some(
+                        row.last_event_ms
+                            .map_or(h.last_seen_ms, |x| x.max(h.last_seen_ms)),
+                    );
+                }
+            });
+            guard.repin();
+        }
+        let models: Vec<Arc<ModelRec>> = self.all_models.lock().clone();
+        for m in models.iter().filter(|m| !m.tenant.reserved) {
+            for st in m.stats.load(&guard).iter() {
+                let row = rows
+                    .entry((m.tenant.name.clone(), st.replica.clone()))
+                    .or_insert_with(|| Row {
+                        tenant: m.tenant.name.clone(),
+                        replica: st.replica.clone(),
+                        prefix_count: 0,
+                        last_event_ms: None,
+                        stats: None,
+                    });
+                let better = match &row.stats {
+                    None => true,
+                    Some((cur, cur_model)) => {
+                        st.last_seen_ms > cur.last_seen_ms
+                            || (st.last_seen_ms == cur.last_seen_ms && *m.name < **cur_model)
+                    }
+                };
+                if better {
+                    row.stats = Some((st.clone(), m.name.clone()));
+                }
+            }
+        }
+        drop(guard);
+        let mut replicas: Vec<SnapshotReplicaRow> = rows
+            .into_values()
+            .map(|r| {
+                let (s, reported) = match &r.stats {
+                    Some((s, _)) => (Some(s), true),
+                    None => (None, false),
+                };
+                SnapshotReplicaRow {
+                    tenant_id: r.tenant,
+                    replica_id: r.replica,
+                    stats_reported: reported,
+                    cache_memory_bytes: s.map_or(0, |s| s.cache_memory_bytes),
+                    hit_rate: s.map_or(0.0, |s| s.hit_rate),
+                    pressure: s.map_or(0.0, |s| s.pressure),
+                    t2_hit_tokens: s.map_or(0, |s| s.t2_hit_tokens),
+                    t2_query_tokens: s.map_or(0, |s| s.t2_query_tokens),
+                    last_update_us: s.map_or(0, |s| s.last_seen_ms * 1000),
+                    prefix_count: r.prefix_count,
+                    last_event_at_us: r.last_event_ms.map_or(0, |x| x * 1000),
+                }
+            })
+            .collect();
+        replicas.sort_by(|a, b| {
+            a.tenant_id
+                .cmp(&b.tenant_id)
+                .then_with(|| a.replica_id.cmp(&b.replica_id))
+        });
+        // Tenant rows: tenants with keys or stats.
+        let mut tenants: Vec<SnapshotTenantRow> = Vec::new();
+        let mut total = 0i64;
+        let mut hot_total = 0i64;
+        let mut all_tenants = self.tenants.all();
+        all_tenants.sort_by(|a, b| a.name.cmp(&b.name));
+        for t in all_tenants.iter().filter(|t| !t.reserved) {
+            let keys = t.keys.load(Ordering::Relaxed);
+            let tmodels = t.models.lock().clone();
+            let hot: i64 = tmodels.iter().map(|m| m.hot.load(Ordering::Relaxed)).sum();
+            let (mut sum, mut cnt) = (0f64, 0usize);
+            for r in replicas
+                .iter()
+                .filter(|r| r.tenant_id == t.name && r.stats_reported)
+            {
+                sum += r.hit_rate as f64;
+                cnt += 1;
+            }
+            let has_stats = replicas
+                .iter()
+                .any(|r| r.tenant_id == t.name && r.stats_reported);
+            if keys <= 0 && !has_stats {
+                continue;
+            }
+            total += keys;
+            hot_total += hot;
+            tenants.push(SnapshotTenantRow {
+                tenant_id: t.name.clone(),
+                index_entries: keys,
+                hit_rate: if cnt > 0 { sum / cnt as f64 } else { 0.0 },
+                hit_rate_reported: cnt > 0,
+                memory_used: 0,
+            });
+        }
+        SnapshotData {
+            replicas,
+            tenants,
+            total_prefixes: total,
+            hot_prefixes: hot_total,
+        }
+    }
+
+    /// V7 gauge: distinct non-reserved keys per model (every model ever seen, sorted).
+    pub fn entry_counts_by_model(&self) -> Vec<(Arc<str>, i64)> {
+        let mut v: Vec<(Arc<str>, i64)> = self
+            .gauges
+            .all()
+            .iter()
+            .map(|g| (g.model.clone(), g.keys.load(Ordering::Relaxed)))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// Non-reserved storage entries (`index_storage_entries`).
+    pub fn storage_entries(&self) -> i64 {
+        self.storage_entries.load(Ordering::Relaxed)
+    }
+
+    /// Reserved storage entries.
+    pub fn reserved_storage_entries(&self) -> i64 {
+        self.reserved_entries.load(Ordering::Relaxed)
+    }
+
+    /// Distinct keys in the whole index, reserved included.
+    pub fn total_keys(&self) -> i64 {
+        self.total_keys.load(Ordering::Relaxed)
+    }
+
+    /// `ingest_blocks_total` (non-reserved upserts).
+    pub fn ingest_blocks_total(&self) -> u64 {
+        self.ingest_blocks.load(Ordering::Relaxed)
+    }
+
+    /// `index_evictions_total{algorithm, reason}`.
+    pub fn evictions(&self, algorithm: Algorithm, reason: EvictionReason) -> u64 {
+        self.evictions[evict_slot(algorithm, reason)].load(Ordering::Relaxed)
+    }
+
+    /// Approximate bytes held by the index structures (tables, nodes, cells, records, stats).
+    pub fn memory_bytes(&self) -> i64 {
+        let parts = self.all_parts.lock();
+        let t: i64 = parts
+            .iter()
+            .map(|p| p.table.bytes() + PARTITION_BYTES)
+            .sum();
+        t + self.stats_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Test/debug: one storage entry.
+    pub fn entry(
+        &self,
+        tenant: &str,
+        model: &str,
+        scheme: &str,
+        adapter: &str,
+        key: &[u8],
+        replica: &str,
+    ) -> Option<EntryView> {
+        let p = self.part_ref(tenant, model, scheme, adapter)?;
+        let guard = epoch::pin();
+        let node = p.table.find(key, &guard)?;
+        let reps = p.scope.replicas.load(&guard);
+        let h = node.holders.iter().find(|h| {
+            reps.get(h.rep() as usize)
+                .is_some_and(|r| &*r.name == replica)
+        })?;
+        Some(EntryView {
+            token_count: h.tokens,
+            last_seen_us: h.last_seen_ms * 1000,
+            tier: tier_wire(h.tier()),
+            access_count: (h.cell().access.load(Ordering::Acquire) & !DEAD) as u32,
+        })
+    }
+
+    /// Test/debug: holders of a key, sorted.
+    pub fn holders(
+        &self,
+        tenant: &str,
+        model: &str,
+        scheme: &str,
+        adapter: &str,
+        key: &[u8],
+    ) -> Vec<Arc<str>> {
+        let Some(p) = self.part_ref(tenant, model, scheme, adapter) else {
+            return Vec::new();
+        };
+        let guard = epoch::pin();
+        let Some(node) = p.table.find(key, &guard) else {
+            return Vec::new();
+        };
+        let reps = p.scope.replicas.load(&guard);
+        let mut v: Vec<Arc<str>> = node
+            .holders
+            .iter()
+            .filter_map(|h| reps.get(h.rep() as usize).map(|r| r.name.clone()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Test/debug: serving count `serving[scope][replica]` (K16).
+    pub fn serving_count(&self, tenant: &str, model: &str, scheme: &str, replica: &str) -> i64 {
+        let Some(s) = self.scope_ref(tenant, model, scheme) else {
+            return 0;
+        };
+        let guard = epoch::pin();
+        s.serving_of(replica, &guard)
+    }
+
+    /// Test/debug: stats clocks `(last_seen_us, stats_reported_us)` of a record.
+    pub fn stats_clocks(&self, tenant: &str, model: &str, replica: &str) -> Option<(i64, i64)> {
+        let m = self.model_ref(tenant, model)?;
+        let guard = epoch::pin();
+        m.stats_of(replica, &guard)
+            .map(|s| (s.last_seen_ms * 1000, s.reported_ms * 1000))
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // TTL sweep (V1) and lifecycle
+
+    /// Runs one TTL sweep now (V1). Sliced: ≤ [`SLICE`] slots per shard lock.
+    pub fn sweep_now(&self) -> SweepOutcome {
+        let _l = self.sweep_lock.lock();
+        let t_us = self.clock.now_us();
+        let t_ms = us_to_ms(t_us);
+        let mut out = SweepOutcome::default();
+        let mut policy: HashMap<*const TenantRec, (i64, Algorithm)> = HashMap::new();
+        let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
+        for p in parts.iter() {
+            let (ttl, alg) = *policy.entry(Arc::as_ptr(&p.tenant)).or_insert_with(|| {
+                (
+                    self.ttl_for(&p.tenant.name),
+                    self.resolvers.algorithm(&p.tenant.name),
+                )
+            });
+            if ttl <= 0 {
+                continue;
+            }
+            let sink = self.active_sink(p.tenant.reserved);
+            let guard = epoch::pin();
+            let n = self.walk_remove(
+                p,
+                |h| t_ms - h.last_seen_ms >= ttl,
+                |node, h| {
+                    if let Some(s) = &sink {
+                        let reps = p.scope.replicas.load(&guard);
+                        if let Some(rr) = reps.get(h.rep() as usize) {
+                            s.publish(&ChangeEvent {
+                                kind: ChangeKind::Removed,
+                                tenant_id: &p.tenant.name,
+                                model_id: &p.model.name,
+                                replica_id: &rr.name,
+                                prefix_hash: node.key.as_bytes(),
+                                adapter_id: &p.adapter,
+                                timestamp_us: t_us,
+                            });
+                        }
+                    }
+                },
+            );
+            out.entries_removed += n;
+            self.evictions[evict_slot(alg, EvictionReason::Ttl)].fetch_add(n, Ordering::Relaxed);
+        }
+        let models: Vec<Arc<ModelRec>> = self.all_models.lock().clone();
+        for m in models.iter() {
+            let (ttl, _) = *policy.entry(Arc::as_ptr(&m.tenant)).or_insert_with(|| {
+                (
+                    self.ttl_for(&m.tenant.name),
+                    self.resolvers.algorithm(&m.tenant.name),
+                )
+            });
+            let removed = m.stats.update(|v| {
+                if v.iter().any(|s| t_ms - s.last_seen_ms >= ttl) {
+                    let v2: Vec<StatsRecord> = v
+                        .iter()
+                        .filter(|s| t_ms - s.last_seen_ms < ttl)
+                        .cloned()
+                        .collect();
+                    let n = v.len() - v2.len();
+                    (Some(v2), n)
+                } else {
+                    (None, 0)
+                }
+            });
+            out.stats_removed += removed as u64;
+            self.stats_bytes
+                .fetch_sub(STATS_RECORD_BYTES * removed as i64, Ordering::Relaxed);
+        }
+        out
+    }
+
+    /// Sets `ready` and starts a std thread that runs [`Index::sweep_now`] every sweep interval
+    /// (no async runtime). Idempotent.
+    pub fn start(self: &Arc<Self>) {
+        let mut tk = self.ticker.lock();
+        self.ready.store(true, Ordering::SeqCst);
+        if tk.is_some() {
+            return;
+        }
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let weak: Weak<Index> = Arc::downgrade(self);
+        let interval = std::time::Duration::from_millis(self.cfg.sweep_interval_ms as u64);
+        let stop2 = stop.clone();
+        let handle = std::thread::Builder::new()
+            .name("inferencecache-sweep".into())
+            .spawn(move || {
+                loop {
+                    {
+                        let mut s = stop2.0.lock();
+                        if !*s {
+                            stop2.1.wait_for(&mut s, interval);
+                        }
+                        if *s {
+                            return;
+                        }
+                    }
+                    match weak.upgrade() {
+                        Some(ix) => {
+                            ix.sweep_now();
+                        }
+                        None => return,
+                    }
+                }
+            })
+            .expect("spawn sweep thread");
+        *tk = Some(Ticker { stop, handle });
+    }
+
+    /// Marks the index ready without a sweep thread (the caller drives [`Index::sweep_now`]).
+    pub fn start_without_ticker(&self) {
+        self.ready.store(true, Ordering::SeqCst);
+    }
+
+    /// Clears `ready` and stops the sweep thread (if any).
+    pub fn stop(&self) {
+        self.ready.store(false, Ordering::SeqCst);
+        let t = self.ticker.lock().take();
+        if let Some(t) = t {
+            *t.stop.0.lock() = true;
+            t.stop.1.notify_all();
+            if t.handle.thread().id() != std::thread::current().id() {
+                let _ = t.handle.join();
+            }
+        }
+    }
+
+    /// Whether `start` ran and `stop` did not since.
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Index {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticker.get_mut().take() {
+            *t.stop.0.lock() = true;
+            t.stop.1.notify_all();
+        }
+    }
+}
+
+fn own_key(k: &KeyBytes) -> KeyBytesOwned {
+    match k {
+        KeyBytes::Short(a) => KeyBytesOwned::Short(*a),
+        KeyBytes::Long(b) => KeyBytesOwned::Long(b.clone()),
+    }
+}
+
+fn evict_slot(a: Algorithm, r: EvictionReason) -> usize {
+    (match a {
+        Algorithm::Lru => 0,
+        Algorithm::Lfu => 2,
+    }) + match r {
+        EvictionReason::Cap => 0,
+        EvictionReason::Ttl => 1,
+    }
+}
+
+/// R5: score desc, then replica id asc (ids are unique, so an unstable sort is deterministic).
+fn sort_final(v: &mut [ScoredReplica]) {
+    v.sort_unstable_by(|a, b| {
+        b.score
+            .partial_cmp(&a.score)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then_with(|| a.replica_id.cmp(&b.replica_id))
+    });
+}

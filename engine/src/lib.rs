@@ -1,0 +1,30 @@
+//! InferenceCache index engine.
+//!
+//! This crate knows nothing of gRPC, HTTP or async runtimes: it is the in-memory index of which
+//! replica holds which KV-cache block, plus the ranking that turns a lookup into a routing hint.
+//! Rule IDs (K, S, E, L, R, O, V, G, N, C, P) refer to the product spec `index.md`; the design,
+//! memory layout and memory-ordering argument are in `docs/engine.md`.
+
+pub mod fingerprint;
+
+mod clock;
+mod config;
+mod dir;
+mod index;
+pub mod rank;
+mod sink;
+mod sync;
+mod table;
+mod types;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use config::{
+    Algorithm, DEFAULT_HOT_ACCESS_THRESHOLD, DEFAULT_MAX_ENTRIES, DEFAULT_SWEEP_INTERVAL_MS,
+    DEFAULT_TTL_MS, DefaultResolvers, IndexConfig, PROBE_TENANT, RankerConfig, Resolvers,
+};
+pub use index::{
+    CapturedHits, ChainMatch, EvictionReason, Index, MatchScratch, PartitionHandle, RouteBuffer,
+    RouteResult, SLICE, SweepOutcome,
+};
+pub use sink::{ChangeEvent, ChangeKind, ChangeSink};
+pub use types::*;
