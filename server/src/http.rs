@@ -1,4 +1,4 @@
-//! Public HTTP listener (`:8080`): `/healthz`, `/readyz` (spec `server.md` §12.1).
+//! Public HTTP listener (`:8080`): `/healthz`, `/readyz`, `/metrics` (spec `server.md` §12.1–§12.2).
 
 use crate::service::AppState;
 use axum::Router;
@@ -12,6 +12,7 @@ pub fn public_router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", any(healthz))
         .route("/readyz", any(readyz))
+        .route("/metrics", any(metrics))
         .with_state(state)
 }
 
@@ -25,6 +26,17 @@ async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
     }
+}
+
+async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
+    let families = state.metrics().gather(state.index());
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        crate::metrics::render_text(&families),
+    )
 }
 
 /// Serves the public router until `stop` resolves.

@@ -6,6 +6,9 @@
 
 pub mod config;
 pub mod http;
+pub mod lookup;
+pub mod metrics;
+pub mod policy;
 pub mod service;
 
 use std::net::SocketAddr;
@@ -40,7 +43,16 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         Ok(l) => l,
         Err(err) => return serve_error("http", settings.http_addr, err),
     };
-    let state = service::AppState::new();
+    let state = service::AppState::new(service::ServerOptions {
+        block_size: settings.block_size,
+        index: inferencecache_engine::IndexConfig {
+            global_ttl_ms: i64::try_from(settings.ttl.as_millis()).unwrap_or(i64::MAX),
+            sweep_interval_ms: i64::try_from(settings.sweep_interval.as_millis())
+                .unwrap_or(i64::MAX),
+            max_entries: settings.max_entries,
+            ..Default::default()
+        },
+    });
     let shutdown = shutdown_signal();
     match serve(state, grpc, http, shutdown).await {
         Ok(()) => {
@@ -79,6 +91,7 @@ pub async fn serve(
             let _ = rx.wait_for(|stopped| *stopped).await;
         }
     };
+    state.start();
     let grpc_task = tokio::spawn(service::serve_grpc(state.clone(), grpc, grpc_stop));
     let http_task = tokio::spawn(http::serve_public(state.clone(), http, http_stop));
     tokio::spawn(async move {
@@ -87,6 +100,7 @@ pub async fn serve(
         let _ = stop_tx.send(true);
     });
     let (grpc_res, http_res) = tokio::join!(grpc_task, http_task);
+    state.stop();
     grpc_res??;
     http_res??;
     Ok(())

@@ -3,6 +3,13 @@
 //! Consumer RPCs never turn request content into an error (contract §5): every outcome is an OK
 //! response with a reason code.
 
+use crate::lookup;
+use crate::metrics::Metrics;
+use crate::policy::PolicyStore;
+use inferencecache_engine::{
+    CacheEventInput, CacheStateUpdate, Clock, Index, IndexConfig, PROBE_TENANT, PrefixRef,
+    ReplicaStatsInput, SystemClock,
+};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_server::{
     InferenceCache, InferenceCacheServer,
@@ -10,7 +17,6 @@ use inferencecache_proto::v1alpha1::inference_cache_server::{
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
 use tokio::net::TcpListener;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
@@ -32,23 +38,90 @@ pub mod reason {
     pub const OK: &str = "OK";
 }
 
-/// State shared by every listener.
+/// Server-wide knobs the handlers read.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Tokens per block for `token_ids` / `prompt_text` fingerprints.
+    pub block_size: usize,
+    /// Index configuration (TTL, sweep, cap, ranker).
+    pub index: IndexConfig,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            index: IndexConfig::default(),
+        }
+    }
+}
+
+/// State shared by every listener: the index, the policy store and the metrics.
 #[derive(Clone)]
 pub struct AppState {
     inner: Arc<Shared>,
 }
 
 struct Shared {
+    index: Arc<Index>,
+    policies: Arc<PolicyStore>,
+    metrics: Arc<Metrics>,
+    block_size: usize,
     ready: AtomicBool,
 }
 
 impl AppState {
-    pub fn new() -> Self {
+    /// Builds the index with the system clock. The sweep ticker starts with [`AppState::start`].
+    pub fn new(options: ServerOptions) -> Self {
+        Self::with_clock(options, Arc::new(SystemClock))
+    }
+
+    /// Builds the state over an injected clock (tests).
+    pub fn with_clock(options: ServerOptions, clock: Arc<dyn Clock>) -> Self {
+        let config = options.index.normalized();
+        let policies = Arc::new(PolicyStore::new(
+            config.global_ttl_ms.saturating_mul(1_000_000),
+        ));
+        let index = Arc::new(Index::new(config, policies.clone(), clock));
         Self {
             inner: Arc::new(Shared {
-                ready: AtomicBool::new(true),
+                index,
+                policies,
+                metrics: Arc::new(Metrics::new()),
+                block_size: options.block_size.max(1),
+                ready: AtomicBool::new(false),
             }),
         }
+    }
+
+    /// Starts the index (ready flag and TTL sweep ticker).
+    pub fn start(&self) {
+        self.inner.index.start();
+        self.inner.ready.store(true, Ordering::Release);
+        self.inner.metrics.server_up.store(1, Ordering::Relaxed);
+    }
+
+    /// Stops the index (`/readyz` turns 503).
+    pub fn stop(&self) {
+        self.inner.ready.store(false, Ordering::Release);
+        self.inner.index.stop();
+        self.inner.metrics.server_up.store(0, Ordering::Relaxed);
+    }
+
+    pub fn index(&self) -> &Arc<Index> {
+        &self.inner.index
+    }
+
+    pub fn policies(&self) -> &Arc<PolicyStore> {
+        &self.inner.policies
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.inner.block_size
     }
 
     /// Whether the index is started (drives `/readyz`).
@@ -61,16 +134,9 @@ impl AppState {
     }
 }
 
-impl Default for AppState {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 /// The `InferenceCache` service implementation.
 #[derive(Clone)]
 pub struct CacheService {
-    #[allow(dead_code)]
     state: AppState,
 }
 
@@ -78,10 +144,6 @@ impl CacheService {
     pub fn new(state: AppState) -> Self {
         Self { state }
     }
-}
-
-fn elapsed_us(start: Instant) -> i64 {
-    i64::try_from(start.elapsed().as_micros()).unwrap_or(i64::MAX)
 }
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -100,15 +162,14 @@ impl InferenceCache for CacheService {
 
     async fn lookup_route(
         &self,
-        _request: Request<pb::LookupRouteRequest>,
+        request: Request<pb::LookupRouteRequest>,
     ) -> Result<Response<pb::LookupRouteResponse>, Status> {
-        let start = Instant::now();
-        // No index is attached yet: the fail-open answer is always valid (contract §4.1).
-        Ok(Response::new(pb::LookupRouteResponse {
-            reason_code: reason::NO_HINT.into(),
-            lookup_latency_us: elapsed_us(start),
-            ..Default::default()
-        }))
+        let (metadata, _, message) = request.into_parts();
+        Ok(Response::new(lookup::handle(
+            &self.state,
+            &metadata,
+            &message,
+        )))
     }
 
     async fn lookup_pd_route(
@@ -123,11 +184,38 @@ impl InferenceCache for CacheService {
 
     async fn get_cache_state(
         &self,
-        _request: Request<pb::GetCacheStateRequest>,
+        request: Request<pb::GetCacheStateRequest>,
     ) -> Result<Response<pb::GetCacheStateResponse>, Status> {
+        let req = request.into_inner();
+        // §8.1: the reserved tenant gets an empty answer; summary is always present.
+        if req.tenant_id == PROBE_TENANT {
+            return Ok(Response::new(pb::GetCacheStateResponse {
+                replicas: Vec::new(),
+                summary: Some(pb::CacheSummary::default()),
+            }));
+        }
+        let state = self
+            .state
+            .index()
+            .cache_state(&req.tenant_id, &req.model_id);
         Ok(Response::new(pb::GetCacheStateResponse {
-            replicas: Vec::new(),
-            summary: Some(pb::CacheSummary::default()),
+            replicas: state
+                .replicas
+                .into_iter()
+                .map(|r| pb::ReplicaStats {
+                    replica_id: r.replica_id.to_string(),
+                    cache_memory_bytes: r.cache_memory_bytes,
+                    hit_rate: r.hit_rate,
+                    pressure: r.pressure,
+                    client_version: String::new(),
+                    t2_hit_tokens: r.t2_hit_tokens,
+                    t2_query_tokens: r.t2_query_tokens,
+                })
+                .collect(),
+            summary: Some(pb::CacheSummary {
+                total_prefixes: state.total_prefixes,
+                hot_prefixes: state.hot_prefixes,
+            }),
         }))
     }
 
@@ -136,7 +224,11 @@ impl InferenceCache for CacheService {
         request: Request<Streaming<pb::CacheStateUpdate>>,
     ) -> Result<Response<pb::Ack>, Status> {
         let mut stream = request.into_inner();
-        while stream.message().await?.is_some() {}
+        // §8.2: each message is applied as it arrives; a broken stream ends with its status and
+        // everything received before stays applied.
+        while let Some(update) = stream.message().await? {
+            ingest(self.state.index(), &update);
+        }
         Ok(Response::new(pb::Ack {
             accepted: true,
             reason_code: String::new(),
@@ -145,8 +237,22 @@ impl InferenceCache for CacheService {
 
     async fn publish_event(
         &self,
-        _request: Request<pb::CacheEvent>,
+        request: Request<pb::CacheEvent>,
     ) -> Result<Response<pb::Ack>, Status> {
+        let event = request.into_inner();
+        // §8.3: the reserved tenant is acknowledged and dropped.
+        if event.tenant_id != PROBE_TENANT {
+            self.state.metrics().observe_event(event.r#type);
+            self.state.index().apply_event(CacheEventInput {
+                event_type: event.r#type,
+                replica_id: &event.replica_id,
+                model_id: &event.model_id,
+                tenant_id: &event.tenant_id,
+                prefix_hash: &event.prefix_hash,
+                timestamp_us: event.timestamp_us,
+                adapter_id: &event.adapter_id,
+            });
+        }
         Ok(Response::new(pb::Ack {
             accepted: true,
             reason_code: String::new(),
@@ -170,6 +276,36 @@ impl InferenceCache for CacheService {
     ) -> Result<Response<Self::StreamMetricsStream>, Status> {
         Ok(Response::new(Box::pin(tokio_stream::pending())))
     }
+}
+
+/// Applies one `CacheStateUpdate` (K3–K14); the reserved tenant is skipped silently.
+pub fn ingest(index: &Index, update: &pb::CacheStateUpdate) {
+    if update.tenant_id == PROBE_TENANT {
+        return;
+    }
+    index.ingest(CacheStateUpdate {
+        replica_id: &update.replica_id,
+        model_id: &update.model_id,
+        tenant_id: &update.tenant_id,
+        hash_scheme: &update.hash_scheme,
+        timestamp_us: update.timestamp_us,
+        adapter_id: &update.adapter_id,
+        prefixes: update.prefixes.iter().map(|p| PrefixRef {
+            prefix_hash: &p.prefix_hash,
+            token_count: p.token_count,
+            block_hashes: p.block_hashes.as_slice(),
+            block_token_counts: &p.block_token_counts,
+            tier: p.tier,
+            adapter_id: &p.adapter_id,
+        }),
+        stats: update.stats.as_ref().map(|s| ReplicaStatsInput {
+            cache_memory_bytes: s.cache_memory_bytes,
+            hit_rate: s.hit_rate,
+            pressure: s.pressure,
+            t2_hit_tokens: s.t2_hit_tokens,
+            t2_query_tokens: s.t2_query_tokens,
+        }),
+    });
 }
 
 /// Serves gRPC (the service, `grpc.health.v1.Health`, reflection v1 and v1alpha) until `stop`.

@@ -1,13 +1,24 @@
 //! Shared helpers: an in-process server on ephemeral loopback ports and small clients.
 #![allow(dead_code)]
 
+use inferencecache_engine::ManualClock;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
-use inferencecache_server::service::AppState;
+use inferencecache_server::service::{AppState, ServerOptions};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
+
+/// Microseconds of the fake clock's origin used by tests (2026-01-01T00:00:00Z).
+pub const T0_US: i64 = 1_767_225_600_000_000;
+
+/// State over a manual clock at [`T0_US`].
+pub fn manual_state(options: ServerOptions) -> (AppState, Arc<ManualClock>) {
+    let clock = Arc::new(ManualClock::new(T0_US));
+    (AppState::with_clock(options, clock.clone()), clock)
+}
 
 pub struct TestServer {
     pub grpc: SocketAddr,
@@ -19,7 +30,8 @@ pub struct TestServer {
 
 impl TestServer {
     pub async fn start() -> Self {
-        Self::start_with(AppState::new()).await
+        // A frozen clock keeps freshness exactly 1, so scores are exact.
+        Self::start_with(manual_state(ServerOptions::default()).0).await
     }
 
     pub async fn start_with(state: AppState) -> Self {

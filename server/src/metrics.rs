@@ -1,0 +1,587 @@
+//! Server metrics (spec `server.md` §11): the reference's names, labels and buckets plus ours.
+//!
+//! Storage is plain atomics, looked up without allocation on the request path (per-model series
+//! live in a lock-free map keyed by the model string). Index-only lookup latency goes into
+//! per-thread HDR histograms, each behind a mutex only the scraper ever contends for, merged at
+//! scrape time into a summary over a sliding window.
+//!
+//! Exposition is produced from one structured snapshot ([`Metrics::gather`]) so that `/metrics`
+//! (Prometheus text format 0.0.4) and `StreamMetrics` report exactly the same samples. The
+//! common Rust Prometheus crates either lack the summary type or cannot hand samples back as
+//! data, which is why the text rendering here is our own (it is a dozen lines).
+
+use hdrhistogram::Histogram;
+use inferencecache_engine::{Algorithm, EvictionReason, Index};
+use parking_lot::Mutex;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// `lookup_route_latency_seconds` buckets (reference values).
+pub const LATENCY_BUCKETS: [f64; 10] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+];
+
+/// Reason codes with a dedicated counter slot; anything else is counted under `NO_HINT`'s
+/// neighbour slot "OTHER" (never emitted today).
+pub const REASONS: [&str; 9] = [
+    "PREFIX_MATCH",
+    "TENANT_HOT",
+    "AFFINITY_HINT",
+    "NO_HINT",
+    "POLICY_REQUIRES_CHAIN",
+    "TIMEOUT",
+    "UNKNOWN_TENANT",
+    "UNKNOWN_MODEL",
+    "UNKNOWN_HASH_SCHEME",
+];
+
+/// Event type names for `events_total{type}` (index = wire value; unknown → 0).
+pub const EVENT_TYPES: [&str; 5] = [
+    "TYPE_UNSPECIFIED",
+    "PREFIX_ADDED",
+    "PREFIX_EVICTED",
+    "REPLICA_UPDATED",
+    "ALL_CLEARED",
+];
+
+/// Auth outcomes of the control-plane routes.
+pub const AUTH_RESULTS: [&str; 4] = ["ok", "unauth", "forbidden", "error"];
+
+#[derive(Default)]
+struct ModelLookups {
+    calls: [[AtomicU64; 2]; REASONS.len()],
+    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+/// Window length of the index-latency summary.
+const WINDOW: Duration = Duration::from_secs(30);
+
+struct ThreadHistogram {
+    current: Histogram<u64>,
+    previous: Histogram<u64>,
+    window: u64,
+}
+
+/// All server metrics.
+pub struct Metrics {
+    pub server_up: AtomicI64,
+    pub grpc_tls_enabled: AtomicI64,
+    lookups: papaya::HashMap<Box<str>, Arc<ModelLookups>>,
+    events: [AtomicU64; EVENT_TYPES.len()],
+    pub stream_events_dropped: AtomicU64,
+    producer_auth: [AtomicU64; 2],
+    producer_auth_enabled: std::sync::atomic::AtomicBool,
+    snapshot_auth: [AtomicU64; 4],
+    policy_auth: [AtomicU64; 4],
+    probe_auth: [AtomicU64; 4],
+    index_latency: Mutex<Vec<Arc<Mutex<ThreadHistogram>>>>,
+    index_latency_sum_ns: AtomicU64,
+    index_latency_count: AtomicU64,
+    origin: Instant,
+}
+
+thread_local! {
+    static LOCAL_HISTOGRAM: std::cell::RefCell<Option<(usize, Arc<Mutex<ThreadHistogram>>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Control-plane audiences with auth counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthRoute {
+    Snapshot,
+    Policy,
+    Probe,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        Self {
+            server_up: AtomicI64::new(0),
+            grpc_tls_enabled: AtomicI64::new(0),
+            lookups: papaya::HashMap::new(),
+            events: Default::default(),
+            stream_events_dropped: AtomicU64::new(0),
+            producer_auth: Default::default(),
+            producer_auth_enabled: Default::default(),
+            snapshot_auth: Default::default(),
+            policy_auth: Default::default(),
+            probe_auth: Default::default(),
+            index_latency: Mutex::new(Vec::new()),
+            index_latency_sum_ns: AtomicU64::new(0),
+            index_latency_count: AtomicU64::new(0),
+            origin: Instant::now(),
+        }
+    }
+
+    /// One LookupRoute call (step 17): calls{model, reason_code, hint_used} and latency{model}.
+    pub fn observe_lookup(&self, model: &str, reason: &str, hint_used: bool, elapsed: Duration) {
+        let guard = self.lookups.guard();
+        let series = match self.lookups.get(model, &guard) {
+            Some(s) => s.clone(),
+            None => self
+                .lookups
+                .get_or_insert_with(model.into(), || Arc::new(ModelLookups::default()), &guard)
+                .clone(),
+        };
+        drop(guard);
+        let slot = REASONS.iter().position(|r| *r == reason).unwrap_or(3);
+        series.calls[slot][usize::from(hint_used)].fetch_add(1, Ordering::Relaxed);
+        let secs = elapsed.as_secs_f64();
+        for (i, le) in LATENCY_BUCKETS.iter().enumerate() {
+            if secs <= *le {
+                series.buckets[i].fetch_add(1, Ordering::Relaxed);
+                break;
+            }
+        }
+        series.count.fetch_add(1, Ordering::Relaxed);
+        series.sum_ns.fetch_add(
+            u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Index-only duration of one LookupRoute index call.
+    pub fn observe_index_latency(&self, elapsed: Duration) {
+        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX).max(1);
+        self.index_latency_sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.index_latency_count.fetch_add(1, Ordering::Relaxed);
+        let window = self.origin.elapsed().as_secs() / WINDOW.as_secs();
+        let me = self as *const Self as usize;
+        LOCAL_HISTOGRAM.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            let slot = match &*cell {
+                Some((owner, slot)) if *owner == me => slot.clone(),
+                _ => {
+                    let slot = Arc::new(Mutex::new(ThreadHistogram {
+                        current: new_histogram(),
+                        previous: new_histogram(),
+                        window,
+                    }));
+                    self.index_latency.lock().push(slot.clone());
+                    *cell = Some((me, slot.clone()));
+                    slot
+                }
+            };
+            let mut h = slot.lock();
+            rotate(&mut h, window);
+            let _ = h.current.record(ns);
+        });
+    }
+
+    pub fn observe_event(&self, event_type: i32) {
+        let idx = usize::try_from(event_type)
+            .ok()
+            .filter(|i| *i < EVENT_TYPES.len())
+            .unwrap_or(0);
+        self.events[idx].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn observe_producer_auth(&self, ok: bool) {
+        self.producer_auth_enabled.store(true, Ordering::Relaxed);
+        self.producer_auth[usize::from(!ok)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn observe_auth(&self, route: AuthRoute, result: &str) {
+        let arr = match route {
+            AuthRoute::Snapshot => &self.snapshot_auth,
+            AuthRoute::Policy => &self.policy_auth,
+            AuthRoute::Probe => &self.probe_auth,
+        };
+        if let Some(i) = AUTH_RESULTS.iter().position(|r| *r == result) {
+            arr[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Snapshot of every metric family, in exposition order.
+    pub fn gather(&self, index: &Index) -> Vec<Family> {
+        let mut out = Vec::new();
+        out.push(Family::gauge(
+            "inferencecache_server_up",
+            "1 while serving",
+            self.server_up.load(Ordering::Relaxed) as f64,
+        ));
+        out.push(Family::gauge(
+            "inferencecache_server_grpc_tls_enabled",
+            "1 if gRPC terminates TLS",
+            self.grpc_tls_enabled.load(Ordering::Relaxed) as f64,
+        ));
+        let mut entries = Family::new(
+            "inferencecache_index_entries",
+            "gauge",
+            "distinct prefix keys per model",
+        );
+        let mut by_model = index.entry_counts_by_model();
+        by_model.sort();
+        for (model, n) in by_model {
+            entries.push(
+                "inferencecache_index_entries",
+                vec![("model".into(), model.to_string())],
+                n as f64,
+            );
+        }
+        out.push(entries);
+
+        let mut calls = Family::new(
+            "inferencecache_lookup_route_calls_total",
+            "counter",
+            "LookupRoute calls",
+        );
+        let mut latency = Family::new(
+            "inferencecache_lookup_route_latency_seconds",
+            "histogram",
+            "LookupRoute handler latency",
+        );
+        let guard = self.lookups.guard();
+        let mut models: Vec<(&Box<str>, &Arc<ModelLookups>)> = self.lookups.iter(&guard).collect();
+        models.sort_by(|a, b| a.0.cmp(b.0));
+        for (model, s) in models {
+            for (ri, reason) in REASONS.iter().enumerate() {
+                for hint in [false, true] {
+                    let v = s.calls[ri][usize::from(hint)].load(Ordering::Relaxed);
+                    if v > 0 {
+                        calls.push(
+                            "inferencecache_lookup_route_calls_total",
+                            vec![
+                                ("model".into(), model.to_string()),
+                                ("reason_code".into(), reason.to_string()),
+                                ("hint_used".into(), hint.to_string()),
+                            ],
+                            v as f64,
+                        );
+                    }
+                }
+            }
+            let mut cumulative = 0u64;
+            for (i, le) in LATENCY_BUCKETS.iter().enumerate() {
+                cumulative += s.buckets[i].load(Ordering::Relaxed);
+                latency.push(
+                    "inferencecache_lookup_route_latency_seconds_bucket",
+                    vec![
+                        ("model".into(), model.to_string()),
+                        ("le".into(), format_float(*le)),
+                    ],
+                    cumulative as f64,
+                );
+            }
+            let count = s.count.load(Ordering::Relaxed);
+            latency.push(
+                "inferencecache_lookup_route_latency_seconds_bucket",
+                vec![
+                    ("model".into(), model.to_string()),
+                    ("le".into(), "+Inf".into()),
+                ],
+                count as f64,
+            );
+            latency.push(
+                "inferencecache_lookup_route_latency_seconds_sum",
+                vec![("model".into(), model.to_string())],
+                s.sum_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            );
+            latency.push(
+                "inferencecache_lookup_route_latency_seconds_count",
+                vec![("model".into(), model.to_string())],
+                count as f64,
+            );
+        }
+        drop(guard);
+        out.push(calls);
+        out.push(latency);
+
+        let tenant_evictions = Family::new(
+            "inferencecache_tenant_evictions_total",
+            "counter",
+            "keys removed by tenant quota",
+        );
+        // Series appear once the engine enforces tenant quotas (issue 4) and reports removals.
+        out.push(tenant_evictions);
+        let mut evictions = Family::new(
+            "inferencecache_index_evictions_total",
+            "counter",
+            "storage entries evicted",
+        );
+        for alg in [Algorithm::Lru, Algorithm::Lfu] {
+            for (reason, label) in [(EvictionReason::Cap, "cap"), (EvictionReason::Ttl, "ttl")] {
+                let n = index.evictions(alg, reason);
+                if n > 0 {
+                    evictions.push(
+                        "inferencecache_index_evictions_total",
+                        vec![
+                            ("algorithm".into(), alg.as_str().into()),
+                            ("reason".into(), label.into()),
+                        ],
+                        n as f64,
+                    );
+                }
+            }
+        }
+        out.push(evictions);
+        for (name, arr) in [
+            ("inferencecache_snapshot_auth_total", &self.snapshot_auth),
+            ("inferencecache_policy_auth_total", &self.policy_auth),
+            ("inferencecache_probe_auth_total", &self.probe_auth),
+        ] {
+            let mut fam = Family::new(name, "counter", "control-plane auth outcomes");
+            for (i, result) in AUTH_RESULTS.iter().enumerate() {
+                let v = arr[i].load(Ordering::Relaxed);
+                if v > 0 {
+                    fam.push(name, vec![("result".into(), result.to_string())], v as f64);
+                }
+            }
+            out.push(fam);
+        }
+        out.push(Family::gauge(
+            "inferencecache_index_storage_entries",
+            "non-reserved storage entries",
+            index.storage_entries() as f64,
+        ));
+        out.push(Family::gauge(
+            "inferencecache_index_memory_bytes",
+            "bytes held by the index",
+            index.memory_bytes() as f64,
+        ));
+        let mut ingest = Family::new(
+            "inferencecache_ingest_blocks_total",
+            "counter",
+            "key upserts applied by ingest",
+        );
+        ingest.push(
+            "inferencecache_ingest_blocks_total",
+            Vec::new(),
+            index.ingest_blocks_total() as f64,
+        );
+        out.push(ingest);
+        let mut events = Family::new(
+            "inferencecache_events_total",
+            "counter",
+            "PublishEvent events received",
+        );
+        for (i, name) in EVENT_TYPES.iter().enumerate() {
+            let v = self.events[i].load(Ordering::Relaxed);
+            if v > 0 {
+                events.push(
+                    "inferencecache_events_total",
+                    vec![("type".into(), name.to_string())],
+                    v as f64,
+                );
+            }
+        }
+        out.push(events);
+        let mut dropped = Family::new(
+            "inferencecache_stream_events_dropped_total",
+            "counter",
+            "change events dropped for slow subscribers",
+        );
+        dropped.push(
+            "inferencecache_stream_events_dropped_total",
+            Vec::new(),
+            self.stream_events_dropped.load(Ordering::Relaxed) as f64,
+        );
+        out.push(dropped);
+        out.push(self.index_latency_family());
+        if self.producer_auth_enabled.load(Ordering::Relaxed) {
+            let mut fam = Family::new(
+                "inferencecache_producer_auth_total",
+                "counter",
+                "producer auth outcomes",
+            );
+            for (i, result) in ["ok", "unauth"].iter().enumerate() {
+                fam.push(
+                    "inferencecache_producer_auth_total",
+                    vec![("result".into(), result.to_string())],
+                    self.producer_auth[i].load(Ordering::Relaxed) as f64,
+                );
+            }
+            out.push(fam);
+        }
+        out
+    }
+
+    fn index_latency_family(&self) -> Family {
+        let name = "inferencecache_index_lookup_latency_seconds";
+        let mut fam = Family::new(
+            name,
+            "summary",
+            "index-only LookupRoute latency (60 s window)",
+        );
+        let window = self.origin.elapsed().as_secs() / WINDOW.as_secs();
+        let mut merged = new_histogram();
+        for slot in self.index_latency.lock().iter() {
+            let mut h = slot.lock();
+            rotate(&mut h, window);
+            let _ = merged.add(&h.current);
+            let _ = merged.add(&h.previous);
+        }
+        for q in [0.5, 0.9, 0.99, 0.999] {
+            let v = if merged.is_empty() {
+                f64::NAN
+            } else {
+                merged.value_at_quantile(q) as f64 / 1e9
+            };
+            fam.push(name, vec![("quantile".into(), format_float(q))], v);
+        }
+        fam.push(
+            &format!("{name}_sum"),
+            Vec::new(),
+            self.index_latency_sum_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        );
+        fam.push(
+            &format!("{name}_count"),
+            Vec::new(),
+            self.index_latency_count.load(Ordering::Relaxed) as f64,
+        );
+        fam
+    }
+}
+
+fn new_histogram() -> Histogram<u64> {
+    // 1 ns .. 60 s with 3 significant digits.
+    Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("static histogram bounds are valid")
+}
+
+fn rotate(h: &mut ThreadHistogram, window: u64) {
+    if h.window == window {
+        return;
+    }
+    if h.window + 1 == window {
+        std::mem::swap(&mut h.current, &mut h.previous);
+    } else {
+        h.previous.reset();
+    }
+    h.current.reset();
+    h.window = window;
+}
+
+/// One metric family: its samples share a name stem, a type and a help text.
+#[derive(Debug, Clone)]
+pub struct Family {
+    pub name: String,
+    pub kind: &'static str,
+    pub help: &'static str,
+    pub samples: Vec<Sample>,
+}
+
+/// One exposition sample.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+impl Family {
+    fn new(name: &str, kind: &'static str, help: &'static str) -> Self {
+        Self {
+            name: name.to_string(),
+            kind,
+            help,
+            samples: Vec::new(),
+        }
+    }
+
+    fn gauge(name: &str, help: &'static str, value: f64) -> Self {
+        let mut f = Self::new(name, "gauge", help);
+        f.push(name, Vec::new(), value);
+        f
+    }
+
+    fn push(&mut self, name: &str, labels: Vec<(String, String)>, value: f64) {
+        self.samples.push(Sample {
+            name: name.to_string(),
+            labels,
+            value,
+        });
+    }
+
+    /// The family name as Prometheus declares it (`…_total` stripped for counters).
+    pub fn declared_name(&self) -> &str {
+        self.name
+            .strip_suffix("_total")
+            .filter(|_| self.kind == "counter")
+            .unwrap_or(&self.name)
+    }
+}
+
+/// Renders families in the Prometheus text exposition format (0.0.4).
+pub fn render_text(families: &[Family]) -> String {
+    let mut out = String::with_capacity(4096);
+    for f in families {
+        let _ = writeln!(out, "# HELP {} {}", f.name, f.help);
+        let _ = writeln!(out, "# TYPE {} {}", f.name, f.kind);
+        for s in &f.samples {
+            out.push_str(&s.name);
+            if !s.labels.is_empty() {
+                out.push('{');
+                for (i, (k, v)) in s.labels.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    let _ = write!(out, "{k}=\"{}\"", escape_label(v));
+                }
+                out.push('}');
+            }
+            let _ = writeln!(out, " {}", format_float(s.value));
+        }
+    }
+    out
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn format_float(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        }
+    } else {
+        format!("{v}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_format_escapes_and_formats() {
+        let mut f = Family::new("x_total", "counter", "help");
+        f.push("x_total", vec![("model".into(), "a\"b\\c\nd".into())], 3.0);
+        let text = render_text(&[f]);
+        assert!(text.contains("# TYPE x_total counter\n"));
+        assert!(
+            text.contains("x_total{model=\"a\\\"b\\\\c\\nd\"} 3\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn latency_lands_in_the_right_bucket() {
+        let m = Metrics::new();
+        m.observe_lookup("m", "NO_HINT", false, Duration::from_micros(300));
+        let guard = m.lookups.guard();
+        let s = m.lookups.get("m", &guard).unwrap();
+        assert_eq!(
+            s.buckets[2].load(Ordering::Relaxed),
+            1,
+            "300 µs is in the 0.0005 bucket"
+        );
+        assert_eq!(s.calls[3][0].load(Ordering::Relaxed), 1);
+    }
+}
