@@ -810,10 +810,7 @@ impl Index {
                 let cap = w.capacity(&guard);
                 let end = (start + SLICE).min(cap);
                 for i in start..end {
-                    loop {
-                        let Some(node) = w.node_at(i, &guard) else {
-                            break;
-                        };
+                    while let Some(node) = w.node_at(i, &guard) {
                         let Some(h) = node.holders.iter().find(|h| select(h)).copied() else {
                             break;
                         };
@@ -969,6 +966,7 @@ impl Index {
     // ----------------------------------------------------------------------------------------
     // Core match (L4)
 
+    #[allow(clippy::too_many_arguments)]
     fn walk_chain<H: AsRef<[u8]>>(
         part: &Partition,
         hashes: &[H],

@@ -40,14 +40,7 @@ pub fn distinguishing_power(m: i64, n: i64) -> f64 {
 /// R2 pressure factor `clamp(1 − W·p, 0, 1)` in f32.
 #[inline]
 pub fn pressure_factor(w: f32, p: f32) -> f32 {
-    let x = 1.0 - w * p;
-    if x < 0.0 {
-        0.0
-    } else if x > 1.0 {
-        1.0
-    } else {
-        x
-    }
+    (1.0 - w * p).clamp(0.0, 1.0)
 }
 
 /// R3 SLO constant `c`.

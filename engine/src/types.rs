@@ -36,7 +36,7 @@ pub fn coldest(a: i32, b: i32) -> i32 {
 }
 
 /// One `PrefixEntry` of an update, borrowed.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct PrefixRef<'a, H: AsRef<[u8]> = Vec<u8>> {
     /// Legacy exact key, or the co-set key of a chain ref (K9).
     pub prefix_hash: &'a [u8],
@@ -109,7 +109,7 @@ pub struct CacheEventInput<'a> {
 }
 
 /// A lookup request (index level), borrowed.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct LookupRequest<'a, H: AsRef<[u8]> = Vec<u8>> {
     /// Tenant.
     pub tenant_id: &'a str,
@@ -309,3 +309,16 @@ pub struct EntryView {
     /// LFU access count.
     pub access_count: u32,
 }
+
+impl<H: AsRef<[u8]>> Clone for PrefixRef<'_, H> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<H: AsRef<[u8]>> Copy for PrefixRef<'_, H> {}
+impl<H: AsRef<[u8]>> Clone for LookupRequest<'_, H> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<H: AsRef<[u8]>> Copy for LookupRequest<'_, H> {}

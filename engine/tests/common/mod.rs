@@ -21,7 +21,11 @@ impl Resolvers for TestResolvers {
         self.ttl.lock().get(tenant).copied()
     }
     fn algorithm(&self, tenant: &str) -> Algorithm {
-        if self.lfu.lock().contains(tenant) { Algorithm::Lfu } else { Algorithm::Lru }
+        if self.lfu.lock().contains(tenant) {
+            Algorithm::Lfu
+        } else {
+            Algorithm::Lru
+        }
     }
     fn quota(&self, _tenant: &str) -> Option<i64> {
         None
@@ -65,7 +69,15 @@ pub struct Put<'a> {
 
 impl Default for Put<'_> {
     fn default() -> Self {
-        Put { tenant: "t", model: "m", scheme: "vllm", adapter: "", replica: "r", ts: 0, tier: 0 }
+        Put {
+            tenant: "t",
+            model: "m",
+            scheme: "vllm",
+            adapter: "",
+            replica: "r",
+            ts: 0,
+            tier: 0,
+        }
     }
 }
 
@@ -81,7 +93,14 @@ impl Env {
     }
     /// r{p:N} under (t, m, vllm, "").
     pub fn put(&self, replica: &str, key: &[u8], tokens: i32) -> IngestOutcome {
-        self.put_with(&Put { replica, ..Put::default() }, key, tokens)
+        self.put_with(
+            &Put {
+                replica,
+                ..Put::default()
+            },
+            key,
+            tokens,
+        )
     }
     pub fn put_with(&self, p: &Put<'_>, key: &[u8], tokens: i32) -> IngestOutcome {
         let none: &[Vec<u8>] = &[];
@@ -105,9 +124,25 @@ impl Env {
         })
     }
     pub fn chain(&self, replica: &str, hashes: &[&[u8]], counts: &[i32]) -> IngestOutcome {
-        self.chain_with(&Put { replica, ..Put::default() }, hashes, counts, b"", 0)
+        self.chain_with(
+            &Put {
+                replica,
+                ..Put::default()
+            },
+            hashes,
+            counts,
+            b"",
+            0,
+        )
     }
-    pub fn chain_with(&self, p: &Put<'_>, hashes: &[&[u8]], counts: &[i32], full: &[u8], full_tokens: i32) -> IngestOutcome {
+    pub fn chain_with(
+        &self,
+        p: &Put<'_>,
+        hashes: &[&[u8]],
+        counts: &[i32],
+        full: &[u8],
+        full_tokens: i32,
+    ) -> IngestOutcome {
         let refs = [PrefixRef {
             prefix_hash: full,
             token_count: full_tokens,
@@ -127,7 +162,15 @@ impl Env {
             adapter_id: p.adapter,
         })
     }
-    pub fn stats_with(&self, tenant: &str, model: &str, replica: &str, hit: f32, pressure: f32, ts: i64) {
+    pub fn stats_with(
+        &self,
+        tenant: &str,
+        model: &str,
+        replica: &str,
+        hit: f32,
+        pressure: f32,
+        ts: i64,
+    ) {
         let none: [PrefixRef<'_, Vec<u8>>; 0] = [];
         self.ix.ingest(CacheStateUpdate {
             replica_id: replica,
@@ -153,7 +196,16 @@ impl Env {
         self.event_full(ty, "t", "m", replica, key, adapter, 0)
     }
     #[allow(clippy::too_many_arguments)]
-    pub fn event_full(&self, ty: i32, tenant: &str, model: &str, replica: &str, key: &[u8], adapter: &str, ts: i64) {
+    pub fn event_full(
+        &self,
+        ty: i32,
+        tenant: &str,
+        model: &str,
+        replica: &str,
+        key: &[u8],
+        adapter: &str,
+        ts: i64,
+    ) {
         self.ix.apply_event(CacheEventInput {
             event_type: ty,
             replica_id: replica,
@@ -165,7 +217,10 @@ impl Env {
         });
     }
     pub fn exact(&self, key: &[u8]) -> RouteResult {
-        self.route(&LookupRequest::<Vec<u8>> { prefix_hash: key, ..LookupRequest::new("t", "m", "vllm") })
+        self.route(&LookupRequest::<Vec<u8>> {
+            prefix_hash: key,
+            ..LookupRequest::new("t", "m", "vllm")
+        })
     }
     pub fn chain_route(&self, hashes: &[&[u8]], counts: &[i32]) -> RouteResult {
         self.ix.lookup_route(&LookupRequest {
@@ -188,9 +243,12 @@ pub fn f16(n: usize) -> Vec<i32> {
 }
 
 /// Collects change events.
+/// (kind, tenant, replica, hash, adapter, timestamp).
+pub type Recorded = (ChangeKind, String, String, Vec<u8>, String, i64);
+
 #[derive(Default)]
 pub struct Recorder {
-    pub events: Mutex<Vec<(ChangeKind, String, String, Vec<u8>, String, i64)>>,
+    pub events: Mutex<Vec<Recorded>>,
 }
 
 impl ChangeSink for Recorder {
@@ -214,6 +272,9 @@ impl Recorder {
         self.events.lock().iter().map(|e| e.0).collect()
     }
     pub fn take(&self) -> Vec<ChangeKind> {
-        std::mem::take(&mut *self.events.lock()).into_iter().map(|e| e.0).collect()
+        std::mem::take(&mut *self.events.lock())
+            .into_iter()
+            .map(|e| e.0)
+            .collect()
     }
 }

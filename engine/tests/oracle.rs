@@ -1,0 +1,539 @@
+//! T90: random operation sequences against the engine and the reference model (tests/model).
+
+mod model;
+use inferencecache_engine::{Strategy as RouteStrategy, *};
+use model::{MRef, Model};
+use parking_lot::Mutex;
+use proptest::prelude::{
+    Just, ProptestConfig, TestCaseError, prop_assert_eq, prop_oneof, proptest,
+};
+use proptest::strategy::Strategy as _;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+const TENANTS: [&str; 3] = ["t", "u", PROBE_TENANT];
+const MODELS: [&str; 2] = ["m", "n"];
+const SCHEMES: [&str; 3] = ["vllm", "sglang", ""];
+const ADAPTERS: [&str; 2] = ["", "a"];
+const REPLICAS: [&str; 3] = ["r0", "r1", "r2"];
+const HITS: [f32; 6] = [0.0, 0.05, 0.1, 0.5, 0.9, f32::NAN];
+const PRESSURES: [f32; 5] = [0.0, 0.3, 0.9, 1.5, f32::INFINITY];
+const T0: i64 = 1_700_000_000_000_000;
+const GLOBAL_TTL: i64 = 10 * 60_000;
+
+fn key(i: u8) -> Vec<u8> {
+    match i {
+        0..=3 => (0x1111u64 * (i as u64 + 1)).to_be_bytes().to_vec(),
+        4 => b"x".to_vec(),
+        5 => b"longer-key-5".to_vec(),
+        _ => Vec::new(),
+    }
+}
+
+struct Res {
+    lfu: HashSet<&'static str>,
+    ttl: HashMap<&'static str, i64>,
+}
+impl Resolvers for Res {
+    fn ttl_ms(&self, t: &str) -> Option<i64> {
+        self.ttl.get(t).copied()
+    }
+    fn algorithm(&self, t: &str) -> Algorithm {
+        if self.lfu.contains(t) {
+            Algorithm::Lfu
+        } else {
+            Algorithm::Lru
+        }
+    }
+    fn quota(&self, _: &str) -> Option<i64> {
+        None
+    }
+}
+
+#[derive(Debug, Clone)]
+enum RefSpec {
+    Legacy(u8, i32),
+    Chain(Vec<u8>, Vec<i32>, Option<(u8, i32)>),
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Ingest {
+        r: u8,
+        t: u8,
+        m: u8,
+        s: u8,
+        a: u8,
+        ts: i64,
+        refs: Vec<(RefSpec, i32, u8)>,
+        stats: Option<(u8, u8)>,
+    },
+    Evict {
+        r: u8,
+        t: u8,
+        m: u8,
+        k: u8,
+        a: u8,
+        ts: i64,
+    },
+    Clear {
+        r: u8,
+        t: u8,
+        m: u8,
+    },
+    Updated {
+        r: u8,
+        t: u8,
+        m: u8,
+        ts: i64,
+    },
+    Added {
+        r: u8,
+        t: u8,
+        m: u8,
+        k: u8,
+    },
+    Lookup {
+        t: u8,
+        m: u8,
+        s: u8,
+        a: u8,
+        k: u8,
+        chain: Option<(Vec<u8>, Vec<i32>)>,
+        ttft: i32,
+    },
+    Credit,
+    Sweep,
+    Clock(i64),
+}
+
+fn tn() -> impl proptest::strategy::Strategy<Value = u8> {
+    prop_oneof![6 => Just(0u8), 3 => Just(1u8), 1 => Just(2u8)]
+}
+fn mn() -> impl proptest::strategy::Strategy<Value = u8> {
+    prop_oneof![5 => Just(0u8), 1 => Just(1u8)]
+}
+fn sn() -> impl proptest::strategy::Strategy<Value = u8> {
+    prop_oneof![6 => Just(0u8), 2 => Just(1u8), 1 => Just(2u8)]
+}
+fn an() -> impl proptest::strategy::Strategy<Value = u8> {
+    prop_oneof![5 => Just(0u8), 1 => Just(1u8)]
+}
+fn ran() -> impl proptest::strategy::Strategy<Value = u8> {
+    prop_oneof![6 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)]
+}
+
+fn tier_s() -> impl proptest::strategy::Strategy<Value = i32> {
+    prop_oneof![Just(0), Just(1), Just(2), Just(3), Just(-1), Just(7)]
+}
+
+fn ref_s() -> impl proptest::strategy::Strategy<Value = (RefSpec, i32, u8)> {
+    let legacy = (0u8..7, -2i32..100).prop_map(|(k, n)| RefSpec::Legacy(k, n));
+    let chain = (
+        proptest::collection::vec(0u8..6, 0..4),
+        proptest::collection::vec(prop_oneof![Just(16), Just(0), Just(-4), Just(8)], 0..4),
+        proptest::option::of((0u8..7, 0i32..200)),
+    )
+        .prop_map(|(mut ks, mut cs, full)| {
+            // Mostly well-formed chains.
+            if cs.len() != ks.len() && ks.len() % 2 == 0 {
+                cs.resize(ks.len(), 16);
+            }
+            if ks.is_empty() && cs.is_empty() {
+                ks.push(0);
+                cs.push(16);
+            }
+            RefSpec::Chain(ks, cs, full)
+        });
+    (prop_oneof![legacy, chain], tier_s(), ran())
+}
+
+fn ts_s() -> impl proptest::strategy::Strategy<Value = i64> {
+    prop_oneof![4 => Just(0i64), 1 => (-700_000i64..100_000).prop_map(|d| d * 1000 + 1)]
+}
+
+fn op_s() -> impl proptest::strategy::Strategy<Value = Op> {
+    prop_oneof![
+        8 => (0u8..3, tn(), mn(), sn(), an(), ts_s(), proptest::collection::vec(ref_s(), 0..3), proptest::option::of((0u8..6, 0u8..5)))
+            .prop_map(|(r, t, m, s, a, ts, refs, stats)| Op::Ingest { r, t, m, s, a, ts, refs, stats }),
+        2 => (0u8..3, tn(), mn(), 0u8..7, ran(), ts_s()).prop_map(|(r, t, m, k, a, ts)| Op::Evict { r, t, m, k, a, ts }),
+        1 => (0u8..3, tn(), mn()).prop_map(|(r, t, m)| Op::Clear { r, t, m }),
+        1 => (0u8..3, tn(), mn(), ts_s()).prop_map(|(r, t, m, ts)| Op::Updated { r, t, m, ts }),
+        1 => (0u8..3, 0u8..3, 0u8..2, 0u8..7).prop_map(|(r, t, m, k)| Op::Added { r, t, m, k }),
+        10 => (tn(), mn(), sn(), an(), 0u8..7,
+               proptest::option::of((proptest::collection::vec(0u8..7, 0..5), proptest::collection::vec(prop_oneof![Just(16), Just(0), Just(-4), Just(8)], 0..5))),
+               prop_oneof![Just(0), Just(50), Just(500)])
+            .prop_map(|(t, m, s, a, k, chain, ttft)| {
+                let chain = chain.map(|(ks, mut cs)| {
+                    if cs.len() != ks.len() && ks.len() % 3 != 0 {
+                        cs.resize(ks.len(), 16);
+                    }
+                    (ks, cs)
+                });
+                Op::Lookup { t, m, s, a, k, chain, ttft }
+            }),
+        3 => Just(Op::Credit),
+        2 => Just(Op::Sweep),
+        3 => prop_oneof![(0i64..400_000), Just(-120_000i64), Just(GLOBAL_TTL), Just(180_000i64)].prop_map(Op::Clock),
+    ]
+}
+
+fn to_mref(spec: &(RefSpec, i32, u8)) -> MRef {
+    let (rs, tier, a) = spec;
+    let adapter = ["", "a", "b"][*a as usize].to_string();
+    match rs {
+        RefSpec::Legacy(k, n) => MRef {
+            hash: key(*k),
+            tokens: *n,
+            blocks: vec![],
+            counts: vec![],
+            tier: *tier,
+            adapter,
+        },
+        RefSpec::Chain(ks, cs, full) => MRef {
+            hash: full.map_or(vec![], |f| key(f.0)),
+            tokens: full.map_or(0, |f| f.1),
+            blocks: ks.iter().map(|k| key(*k)).collect(),
+            counts: cs.clone(),
+            tier: *tier,
+            adapter,
+        },
+    }
+}
+
+fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let clock = Arc::new(ManualClock::new(T0));
+    let res = Arc::new(Res {
+        lfu: ["u"].into(),
+        ttl: [("u", 3 * 60_000)].into(),
+    });
+    let cfg = IndexConfig {
+        global_ttl_ms: GLOBAL_TTL,
+        max_entries: 0,
+        hot_access_threshold: 2,
+        ..IndexConfig::default()
+    };
+    let ix = Index::new(cfg.clone(), res.clone(), clock.clone());
+    let mut md = Model::new(T0, GLOBAL_TTL, cfg.ranker.clone(), 2);
+    md.lfu.insert("u".into());
+    md.ttl.insert("u".into(), 3 * 60_000);
+    let mut last_hits: (CapturedHits, Vec<(model::Key, String, u64)>) =
+        (CapturedHits::default(), vec![]);
+    let sink_events = Arc::new(Mutex::new(0usize));
+    let _ = sink_events;
+    for op in ops {
+        match &op {
+            Op::Ingest {
+                r,
+                t,
+                m,
+                s,
+                a,
+                ts,
+                refs,
+                stats,
+            } => {
+                let ts = if *ts == 0 { 0 } else { clock.now_us() + ts };
+                let mrefs: Vec<MRef> = refs.iter().map(to_mref).collect();
+                let st = stats.map(|(h, p)| ReplicaStatsInput {
+                    cache_memory_bytes: 5,
+                    hit_rate: HITS[h as usize],
+                    pressure: PRESSURES[p as usize],
+                    t2_hit_tokens: 1,
+                    t2_query_tokens: 2,
+                });
+                ix.ingest(CacheStateUpdate {
+                    replica_id: REPLICAS[*r as usize],
+                    model_id: MODELS[*m as usize],
+                    tenant_id: TENANTS[*t as usize],
+                    hash_scheme: SCHEMES[*s as usize],
+                    timestamp_us: ts,
+                    adapter_id: ADAPTERS[*a as usize],
+                    stats: st,
+                    prefixes: mrefs.iter().map(|x| PrefixRef {
+                        prefix_hash: &x.hash,
+                        token_count: x.tokens,
+                        block_hashes: &x.blocks,
+                        block_token_counts: &x.counts,
+                        tier: x.tier,
+                        adapter_id: &x.adapter,
+                    }),
+                });
+                md.ingest(
+                    REPLICAS[*r as usize],
+                    TENANTS[*t as usize],
+                    MODELS[*m as usize],
+                    SCHEMES[*s as usize],
+                    ADAPTERS[*a as usize],
+                    ts,
+                    &mrefs,
+                    st,
+                );
+            }
+            Op::Evict { r, t, m, k, a, ts } => {
+                let ad = ["", "a", "b"][*a as usize];
+                ix.apply_event(CacheEventInput {
+                    event_type: event_type::PREFIX_EVICTED,
+                    replica_id: REPLICAS[*r as usize],
+                    model_id: MODELS[*m as usize],
+                    tenant_id: TENANTS[*t as usize],
+                    prefix_hash: &key(*k),
+                    timestamp_us: *ts,
+                    adapter_id: ad,
+                });
+                md.evict(
+                    TENANTS[*t as usize],
+                    MODELS[*m as usize],
+                    REPLICAS[*r as usize],
+                    &key(*k),
+                    ad,
+                );
+            }
+            Op::Clear { r, t, m } => {
+                ix.apply_event(CacheEventInput {
+                    event_type: event_type::ALL_CLEARED,
+                    replica_id: REPLICAS[*r as usize],
+                    model_id: MODELS[*m as usize],
+                    tenant_id: TENANTS[*t as usize],
+                    prefix_hash: &[],
+                    timestamp_us: 0,
+                    adapter_id: "",
+                });
+                md.clear(
+                    TENANTS[*t as usize],
+                    MODELS[*m as usize],
+                    REPLICAS[*r as usize],
+                );
+            }
+            Op::Updated { r, t, m, ts } => {
+                let ts = if *ts == 0 { 0 } else { clock.now_us() + ts };
+                ix.apply_event(CacheEventInput {
+                    event_type: event_type::REPLICA_UPDATED,
+                    replica_id: REPLICAS[*r as usize],
+                    model_id: MODELS[*m as usize],
+                    tenant_id: TENANTS[*t as usize],
+                    prefix_hash: &[],
+                    timestamp_us: ts,
+                    adapter_id: "",
+                });
+                md.replica_updated(
+                    TENANTS[*t as usize],
+                    MODELS[*m as usize],
+                    REPLICAS[*r as usize],
+                    ts,
+                );
+            }
+            Op::Added { r, t, m, k } => {
+                ix.apply_event(CacheEventInput {
+                    event_type: event_type::PREFIX_ADDED,
+                    replica_id: REPLICAS[*r as usize],
+                    model_id: MODELS[*m as usize],
+                    tenant_id: TENANTS[*t as usize],
+                    prefix_hash: &key(*k),
+                    timestamp_us: 0,
+                    adapter_id: "",
+                });
+            }
+            Op::Lookup {
+                t,
+                m,
+                s,
+                a,
+                k,
+                chain,
+                ttft,
+            } => {
+                let (tn, mn, sn, an) = (
+                    TENANTS[*t as usize],
+                    MODELS[*m as usize],
+                    SCHEMES[*s as usize],
+                    ADAPTERS[*a as usize],
+                );
+                let hash = key(*k);
+                let (blocks, counts): (Vec<Vec<u8>>, Vec<i32>) = match chain {
+                    Some((ks, cs)) => (ks.iter().map(|k| key(*k)).collect(), cs.clone()),
+                    None => (vec![], vec![]),
+                };
+                let req = LookupRequest {
+                    tenant_id: tn,
+                    model_id: mn,
+                    hash_scheme: sn,
+                    adapter_id: an,
+                    prefix_hash: &hash,
+                    prefix_token_count: 0,
+                    block_hashes: &blocks,
+                    block_token_counts: &counts,
+                    ttft_ms: *ttft,
+                    tbt_ms: 0,
+                };
+                let got = ix.lookup_route(&req);
+                let (ws, wscores, whits) = md.route(tn, mn, sn, an, &hash, &blocks, &counts, *ttft);
+                prop_assert_eq!(got.strategy, ws, "strategy for {:?}", op);
+                let g: Vec<(String, u32, i32, u32, i32)> = got
+                    .scores
+                    .iter()
+                    .map(|s| {
+                        (
+                            s.replica_id.to_string(),
+                            s.score.to_bits(),
+                            s.matched_tokens,
+                            s.estimated_cache_hit_prob.to_bits(),
+                            s.tier,
+                        )
+                    })
+                    .collect();
+                let w: Vec<(String, u32, i32, u32, i32)> = wscores
+                    .iter()
+                    .map(|s| {
+                        (
+                            s.replica.clone(),
+                            s.score.to_bits(),
+                            s.matched,
+                            s.prob.to_bits(),
+                            s.tier,
+                        )
+                    })
+                    .collect();
+                prop_assert_eq!(g, w, "scores for {:?}", op);
+                prop_assert_eq!(got.hits.len(), whits.len());
+                for rep in REPLICAS {
+                    prop_assert_eq!(
+                        got.hits.count_for(rep),
+                        whits.iter().filter(|h| h.1 == rep).count()
+                    );
+                }
+                // The bare lookup equals the prefix part.
+                if got.strategy == RouteStrategy::PrefixMatch {
+                    prop_assert_eq!(ix.lookup(&req), got.scores.clone());
+                }
+                last_hits = (got.hits, whits);
+            }
+            Op::Credit => {
+                ix.credit_hits(&last_hits.0);
+                md.credit(&last_hits.1);
+            }
+            Op::Sweep => {
+                let a = ix.sweep_now().entries_removed as usize;
+                let b = md.sweep();
+                prop_assert_eq!(a, b);
+            }
+            Op::Clock(d) => {
+                clock.advance_us(d * 1000);
+                md.now_us += d * 1000;
+            }
+        }
+        check_state(&ix, &md)?;
+    }
+    Ok(())
+}
+
+fn check_state(ix: &Index, md: &Model) -> Result<(), TestCaseError> {
+    prop_assert_eq!(ix.total_keys(), md.entries.len() as i64);
+    let n_entries: usize = md.entries.values().map(|h| h.len()).sum();
+    prop_assert_eq!(
+        (ix.storage_entries() + ix.reserved_storage_entries()) as usize,
+        n_entries
+    );
+    for (k, h) in &md.entries {
+        prop_assert_eq!(
+            ix.holders(&k.0, &k.1, &k.2, &k.3, &k.4)
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>(),
+            h.keys().cloned().collect::<Vec<_>>()
+        );
+        for (r, e) in h {
+            let v = ix.entry(&k.0, &k.1, &k.2, &k.3, &k.4, r).expect("entry");
+            let wt = if (1..=3).contains(&e.tier) { e.tier } else { 0 };
+            prop_assert_eq!(
+                (v.token_count, v.last_seen_us, v.tier, v.access_count),
+                (e.tokens, e.last * 1000, wt, e.access)
+            );
+        }
+    }
+    for t in TENANTS {
+        for m in MODELS {
+            let cs = ix.cache_state(t, m);
+            if t == PROBE_TENANT {
+                prop_assert_eq!(cs, CacheState::default());
+                continue;
+            }
+            let (total, hot) = md.cache_counts(t, m);
+            prop_assert_eq!((cs.total_prefixes, cs.hot_prefixes), (total, hot));
+            let want: Vec<(String, u32, u32)> = md
+                .stats
+                .iter()
+                .filter(|(k, _)| k.0 == t && k.1 == m)
+                .map(|(k, s)| (k.2.clone(), s.s.hit_rate.to_bits(), s.s.pressure.to_bits()))
+                .collect();
+            let got: Vec<(String, u32, u32)> = cs
+                .replicas
+                .iter()
+                .map(|r| {
+                    (
+                        r.replica_id.to_string(),
+                        r.hit_rate.to_bits(),
+                        r.pressure.to_bits(),
+                    )
+                })
+                .collect();
+            prop_assert_eq!(got, want);
+            for s in SCHEMES {
+                for r in REPLICAS {
+                    prop_assert_eq!(
+                        ix.serving_count(t, m, s, r),
+                        md.serving(t, m, s).get(r).copied().unwrap_or(0)
+                    );
+                }
+            }
+        }
+    }
+    let snap = ix.snapshot();
+    let (rows, tenants, total, hot) = md.snapshot();
+    let got_rows: Vec<_> = snap
+        .replicas
+        .iter()
+        .map(|r| {
+            (
+                r.tenant_id.to_string(),
+                r.replica_id.to_string(),
+                r.prefix_count,
+                r.last_event_at_us,
+                if r.stats_reported {
+                    Some((r.hit_rate, r.last_update_us))
+                } else {
+                    None
+                },
+            )
+        })
+        .collect();
+    prop_assert_eq!(got_rows, rows);
+    let got_t: Vec<_> = snap
+        .tenants
+        .iter()
+        .map(|t| {
+            (
+                t.tenant_id.to_string(),
+                t.index_entries,
+                t.hit_rate,
+                t.hit_rate_reported,
+            )
+        })
+        .collect();
+    prop_assert_eq!(got_t, tenants);
+    prop_assert_eq!((snap.total_prefixes, snap.hot_prefixes), (total, hot));
+    let gauge: i64 = ix.entry_counts_by_model().iter().map(|x| x.1).sum();
+    prop_assert_eq!(
+        gauge,
+        md.entries.keys().filter(|k| k.0 != PROBE_TENANT).count() as i64
+    );
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+    #[test]
+    fn t90_oracle(ops in proptest::collection::vec(op_s(), 1..40)) {
+        run(ops)?;
+    }
+}
