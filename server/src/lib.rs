@@ -10,6 +10,7 @@ pub mod lookup;
 pub mod metrics;
 pub mod policy;
 pub mod service;
+pub mod streams;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -52,6 +53,7 @@ pub async fn run(cli: config::Cli) -> ExitCode {
             max_entries: settings.max_entries,
             ..Default::default()
         },
+        ..Default::default()
     });
     let shutdown = shutdown_signal();
     match serve(state, grpc, http, shutdown).await {
@@ -94,9 +96,12 @@ pub async fn serve(
     state.start();
     let grpc_task = tokio::spawn(service::serve_grpc(state.clone(), grpc, grpc_stop));
     let http_task = tokio::spawn(http::serve_public(state.clone(), http, http_stop));
+    let broadcaster = state.broadcaster().clone();
     tokio::spawn(async move {
         shutdown.await;
         info!("graceful_shutdown_started");
+        // Observer streams end with OK first, or the graceful stop would wait on them forever.
+        broadcaster.shutdown();
         let _ = stop_tx.send(true);
     });
     let (grpc_res, http_res) = tokio::join!(grpc_task, http_task);

@@ -6,6 +6,7 @@
 use crate::lookup;
 use crate::metrics::Metrics;
 use crate::policy::PolicyStore;
+use crate::streams::{Broadcaster, ObserverStream};
 use inferencecache_engine::{
     CacheEventInput, CacheStateUpdate, Clock, Index, IndexConfig, PROBE_TENANT, PrefixRef,
     ReplicaStatsInput, SystemClock,
@@ -14,11 +15,9 @@ use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_server::{
     InferenceCache, InferenceCacheServer,
 };
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::net::TcpListener;
-use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
 /// Largest request message accepted (contract §5: larger → RESOURCE_EXHAUSTED).
@@ -45,6 +44,10 @@ pub struct ServerOptions {
     pub block_size: usize,
     /// Index configuration (TTL, sweep, cap, ranker).
     pub index: IndexConfig,
+    /// Per-subscriber queue of `StreamCacheEvents`.
+    pub stream_buffer_events: usize,
+    /// Concurrent observer streams (both RPCs together).
+    pub stream_max_subscribers: usize,
 }
 
 impl Default for ServerOptions {
@@ -52,6 +55,8 @@ impl Default for ServerOptions {
         Self {
             block_size: 16,
             index: IndexConfig::default(),
+            stream_buffer_events: crate::streams::DEFAULT_BUFFER_EVENTS,
+            stream_max_subscribers: crate::streams::DEFAULT_MAX_SUBSCRIBERS,
         }
     }
 }
@@ -66,6 +71,7 @@ struct Shared {
     index: Arc<Index>,
     policies: Arc<PolicyStore>,
     metrics: Arc<Metrics>,
+    broadcaster: Arc<Broadcaster>,
     block_size: usize,
     ready: AtomicBool,
 }
@@ -83,11 +89,19 @@ impl AppState {
             config.global_ttl_ms.saturating_mul(1_000_000),
         ));
         let index = Arc::new(Index::new(config, policies.clone(), clock));
+        let metrics = Arc::new(Metrics::new());
+        let broadcaster = Arc::new(Broadcaster::new(
+            metrics.clone(),
+            options.stream_buffer_events,
+            options.stream_max_subscribers,
+        ));
+        index.set_change_sink(broadcaster.clone());
         Self {
             inner: Arc::new(Shared {
                 index,
                 policies,
-                metrics: Arc::new(Metrics::new()),
+                metrics,
+                broadcaster,
                 block_size: options.block_size.max(1),
                 ready: AtomicBool::new(false),
             }),
@@ -120,6 +134,10 @@ impl AppState {
         &self.inner.metrics
     }
 
+    pub fn broadcaster(&self) -> &Arc<Broadcaster> {
+        &self.inner.broadcaster
+    }
+
     pub fn block_size(&self) -> usize {
         self.inner.block_size
     }
@@ -145,8 +163,6 @@ impl CacheService {
         Self { state }
     }
 }
-
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 #[tonic::async_trait]
 impl InferenceCache for CacheService {
@@ -259,22 +275,29 @@ impl InferenceCache for CacheService {
         }))
     }
 
-    type StreamCacheEventsStream = BoxStream<pb::CacheEvent>;
+    type StreamCacheEventsStream = ObserverStream<pb::CacheEvent>;
 
     async fn stream_cache_events(
         &self,
-        _request: Request<pb::StreamEventsRequest>,
+        request: Request<pb::StreamEventsRequest>,
     ) -> Result<Response<Self::StreamCacheEventsStream>, Status> {
-        Ok(Response::new(Box::pin(tokio_stream::pending())))
+        // §8.5: live changes only (no history), bounded per-subscriber queue.
+        let stream = self.state.broadcaster().subscribe(request.get_ref())?;
+        Ok(Response::new(stream))
     }
 
-    type StreamMetricsStream = BoxStream<pb::Metric>;
+    type StreamMetricsStream = ObserverStream<pb::Metric>;
 
     async fn stream_metrics(
         &self,
-        _request: Request<pb::StreamMetricsRequest>,
+        request: Request<pb::StreamMetricsRequest>,
     ) -> Result<Response<Self::StreamMetricsStream>, Status> {
-        Ok(Response::new(Box::pin(tokio_stream::pending())))
+        // §8.6: a sample now, then about one per second.
+        let stream = self
+            .state
+            .broadcaster()
+            .subscribe_metrics(request.get_ref(), self.state.index().clone())?;
+        Ok(Response::new(stream))
     }
 }
 
