@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod policy;
 pub mod service;
 pub mod streams;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;

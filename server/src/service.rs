@@ -48,6 +48,8 @@ pub struct ServerOptions {
     pub stream_buffer_events: usize,
     /// Concurrent observer streams (both RPCs together).
     pub stream_max_subscribers: usize,
+    /// gRPC TLS (and mTLS) configuration; `None` serves plaintext.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Default for ServerOptions {
@@ -57,6 +59,7 @@ impl Default for ServerOptions {
             index: IndexConfig::default(),
             stream_buffer_events: crate::streams::DEFAULT_BUFFER_EVENTS,
             stream_max_subscribers: crate::streams::DEFAULT_MAX_SUBSCRIBERS,
+            tls: None,
         }
     }
 }
@@ -72,6 +75,7 @@ struct Shared {
     policies: Arc<PolicyStore>,
     metrics: Arc<Metrics>,
     broadcaster: Arc<Broadcaster>,
+    tls: Option<Arc<rustls::ServerConfig>>,
     block_size: usize,
     ready: AtomicBool,
 }
@@ -102,6 +106,7 @@ impl AppState {
                 policies,
                 metrics,
                 broadcaster,
+                tls: options.tls.clone(),
                 block_size: options.block_size.max(1),
                 ready: AtomicBool::new(false),
             }),
@@ -136,6 +141,11 @@ impl AppState {
 
     pub fn broadcaster(&self) -> &Arc<Broadcaster> {
         &self.inner.broadcaster
+    }
+
+    /// TLS configuration of the gRPC listener, if any.
+    pub fn tls(&self) -> Option<&Arc<rustls::ServerConfig>> {
+        self.inner.tls.as_ref()
     }
 
     pub fn block_size(&self) -> usize {
@@ -350,17 +360,28 @@ pub async fn serve_grpc(
         .register_encoded_file_descriptor_set(inferencecache_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
-    let service = InferenceCacheServer::new(CacheService::new(state))
+    let service = InferenceCacheServer::new(CacheService::new(state.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES);
-    tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(service)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            stop,
-        )
-        .await?;
+        .add_service(service);
+    match state.tls().cloned() {
+        Some(config) => {
+            state.metrics().grpc_tls_enabled.store(1, Ordering::Relaxed);
+            router
+                .serve_with_incoming_shutdown(crate::tls::incoming(listener, config), stop)
+                .await?;
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    stop,
+                )
+                .await?;
+        }
+    }
     Ok(())
 }
