@@ -5,6 +5,7 @@
 //! metrics and process lifecycle.
 
 pub mod config;
+pub mod config_file;
 pub mod http;
 pub mod lookup;
 pub mod metrics;

@@ -1,0 +1,460 @@
+//! Server-side tokenization for InferenceCache `prompt_text` lookups (`server.md` §7.3).
+//!
+//! Gateways that have no tokenizer send the raw prompt. To route by cache content the server
+//! must produce the **same token ids the engine caches**: render the model's chat template for a
+//! single user message, then encode the result. This crate does exactly that and nothing else;
+//! fingerprinting, limits, deadlines and response echo rules stay in the server.
+//!
+//! # Loading
+//!
+//! [`Tokenizers::load`] walks a models directory once at startup. Every directory *below* the
+//! root that contains a `tokenizer.json` (or a `*.tiktoken` file) is a model whose id is its
+//! slash-joined path relative to the root, e.g. `<root>/Qwen/Qwen2.5-0.5B-Instruct/` →
+//! `Qwen/Qwen2.5-0.5B-Instruct`. The walk does not descend into a model directory, skips
+//! unreadable entries, skips ids that fail [`is_safe_model_id`] (WARN) and models that fail to
+//! load (WARN; a `*.tiktoken`-only model always does, as this build has no tiktoken loader), and
+//! logs the loaded count at INFO. A missing directory is a WARN and loads nothing. Loading never
+//! fails as a whole. The chat template comes from `tokenizer_config.json` beside the tokenizer
+//! (`chat_template`, a string or a list of `{name, template}` from which `default` — else the
+//! first — is used), falling back to a `chat_template.jinja` file.
+//!
+//! # Encoding
+//!
+//! [`Tokenizers::encode_chat`] renders `messages = [{role: "user", content: prompt}]` with
+//! `add_generation_prompt = true` and the special tokens from the config (`bos_token`,
+//! `eos_token`, ...); `tools` and `documents` are left **undefined** (not empty lists). The
+//! environment mirrors the one `transformers` uses: `trim_blocks`, `lstrip_blocks`, loop
+//! controls, Python string methods, and the helpers `raise_exception(msg)` (becomes
+//! [`TokenizeError::Template`]), `tojson` (Python `json.dumps` output, `indent` and friends
+//! accepted) and `strftime_now(fmt)` (UTC). The rendered text is then encoded **without**
+//! adding special tokens (the template already wrote them). A model without a chat template
+//! encodes the raw prompt, also without special tokens: that is what an engine's completion
+//! endpoint does with a template-less model after the gateway's own formatting, and it keeps
+//! such models usable instead of silently unavailable.
+//!
+//! [`Tokenizers::encode_raw`] (tests and tools) encodes text directly, **adding** special tokens,
+//! and rejects text containing NUL.
+//!
+//! # Safety rules
+//!
+//! A request-supplied model id is only ever looked up in the map built at startup: it is never
+//! joined onto a path and nothing is ever downloaded. Ids that are empty, absolute, contain `\`,
+//! start with a drive prefix (`C:/`), are not path-clean or have an empty, `.` or `..` segment
+//! are rejected up front ([`TokenizeError::UnsafeModelId`]); see [`is_safe_model_id`].
+//!
+//! # Cost: call off the async runtime
+//!
+//! Rendering and encoding are **CPU-bound** and take from microseconds to tens of milliseconds
+//! for a 1 MiB prompt. They never block on I/O, but they must not run on an async runtime's
+//! worker threads: the server should call them via `tokio::task::spawn_blocking` (or a
+//! dedicated pool), bound the concurrency, and abandon the result when the deadline fires.
+//! [`Tokenizers`] is `Send + Sync` and meant to be shared behind an `Arc`.
+//!
+//! # Features
+//!
+//! `hf` (default): the `tokenizers` (pure-Rust `fancy-regex` backend) and `minijinja`
+//! dependencies. Without it the crate keeps the same API, [`Tokenizers::load`] logs that support
+//! is compiled out and loads nothing, and every lookup fails with
+//! [`TokenizeError::UnknownModel`].
+
+#[cfg(feature = "hf")]
+mod hf;
+#[cfg(feature = "hf")]
+mod json;
+mod safety;
+#[cfg(feature = "hf")]
+mod strftime;
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+pub use safety::is_safe_model_id;
+
+#[cfg(feature = "hf")]
+use hf::Model;
+
+/// Uninhabited stand-in for a loaded model when the `hf` feature is off.
+#[cfg(not(feature = "hf"))]
+enum Model {}
+
+/// Directory nesting below the root beyond which the walk stops (guards symlink loops).
+const MAX_WALK_DEPTH: usize = 32;
+
+/// Why a text could not be tokenized. Every variant means "fail open" for a lookup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TokenizeError {
+    /// The model id fails [`is_safe_model_id`]; it was not looked up.
+    UnsafeModelId,
+    /// No model with this id was loaded at startup (always the case without the `hf` feature).
+    UnknownModel,
+    /// The chat template failed to render (including `raise_exception` from the template).
+    Template(String),
+    /// The tokenizer rejected the text.
+    Encode(String),
+    /// The input is not acceptable (e.g. an embedded NUL for raw encoding).
+    InvalidInput(String),
+    /// The deadline passed before encoding started ([`PromptTokenizer::encode_chat_until`]).
+    DeadlineExceeded,
+}
+
+impl fmt::Display for TokenizeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TokenizeError::UnsafeModelId => f.write_str("unsafe model id"),
+            TokenizeError::UnknownModel => f.write_str("unknown model"),
+            TokenizeError::Template(m) => write!(f, "chat template error: {m}"),
+            TokenizeError::Encode(m) => write!(f, "encode error: {m}"),
+            TokenizeError::InvalidInput(m) => write!(f, "invalid input: {m}"),
+            TokenizeError::DeadlineExceeded => f.write_str("deadline exceeded before encoding"),
+        }
+    }
+}
+
+impl std::error::Error for TokenizeError {}
+
+/// What the server needs from a tokenizer, so tests can inject a double.
+pub trait PromptTokenizer: Send + Sync {
+    /// Token ids of `prompt` sent as one user message to `model_id` (see the crate docs).
+    fn encode_chat(&self, model_id: &str, prompt: &str) -> Result<Vec<u32>, TokenizeError>;
+
+    /// As [`encode_chat`](Self::encode_chat), but returns
+    /// [`TokenizeError::DeadlineExceeded`] instead of starting the (uncancellable) encoding once
+    /// `deadline` has passed. The default checks only before starting; [`Tokenizers`] also
+    /// checks between rendering and encoding.
+    fn encode_chat_until(
+        &self,
+        model_id: &str,
+        prompt: &str,
+        deadline: Instant,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        if Instant::now() >= deadline {
+            return Err(TokenizeError::DeadlineExceeded);
+        }
+        self.encode_chat(model_id, prompt)
+    }
+}
+
+/// Counts from [`Tokenizers::load`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadStats {
+    /// Models loaded and available.
+    pub loaded: usize,
+    /// Model directories that failed to load (including `*.tiktoken`-only ones).
+    pub failed: usize,
+    /// Model directories skipped because their id failed [`is_safe_model_id`].
+    pub unsafe_ids: usize,
+}
+
+/// The models loaded at startup, keyed by model id.
+pub struct Tokenizers {
+    models: BTreeMap<String, Model>,
+    stats: LoadStats,
+}
+
+impl Default for Tokenizers {
+    fn default() -> Self {
+        Tokenizers::empty()
+    }
+}
+
+impl fmt::Debug for Tokenizers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizers")
+            .field("models", &self.models.keys().collect::<Vec<_>>())
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+/// A model directory found by the walk.
+struct Candidate {
+    id: String,
+    dir: PathBuf,
+    has_tokenizer_json: bool,
+}
+
+impl Tokenizers {
+    /// No models: every lookup is [`TokenizeError::UnknownModel`].
+    pub fn empty() -> Tokenizers {
+        Tokenizers {
+            models: BTreeMap::new(),
+            stats: LoadStats::default(),
+        }
+    }
+
+    /// Loads every model below `dir` (see the crate docs). Never fails; problems are logged.
+    pub fn load(dir: &Path) -> Tokenizers {
+        let mut out = Tokenizers::empty();
+        if !cfg!(feature = "hf") {
+            tracing::warn!(
+                dir = %dir.display(),
+                "tokenize: tokenizer support is compiled out (feature `hf`), no models loaded"
+            );
+            return out;
+        }
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                tracing::warn!(dir = %dir.display(), "tokenize: models dir is not a directory, no models loaded");
+                return out;
+            }
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "tokenize: models dir is missing or unreadable, no models loaded");
+                return out;
+            }
+        }
+        let mut candidates = Vec::new();
+        let mut ancestors = HashSet::new();
+        if let Ok(canon) = std::fs::canonicalize(dir) {
+            ancestors.insert(canon);
+        }
+        walk(dir, &mut Vec::new(), &mut ancestors, &mut candidates);
+
+        for cand in candidates {
+            if !is_safe_model_id(&cand.id) {
+                tracing::warn!(model = %cand.id, dir = %cand.dir.display(), "tokenize: unsafe model id, skipped");
+                out.stats.unsafe_ids += 1;
+                continue;
+            }
+            if !cand.has_tokenizer_json {
+                tracing::warn!(model = %cand.id, dir = %cand.dir.display(), "tokenize: tiktoken models are not supported by this build, skipped");
+                out.stats.failed += 1;
+                continue;
+            }
+            match load_model(&cand.dir) {
+                Ok(model) => {
+                    tracing::debug!(model = %cand.id, "tokenize: model loaded");
+                    out.models.insert(cand.id, model);
+                    out.stats.loaded += 1;
+                }
+                Err(error) => {
+                    tracing::warn!(model = %cand.id, dir = %cand.dir.display(), %error, "tokenize: model failed to load, skipped");
+                    out.stats.failed += 1;
+                }
+            }
+        }
+        tracing::info!(
+            dir = %dir.display(),
+            loaded = out.stats.loaded,
+            failed = out.stats.failed,
+            unsafe_ids = out.stats.unsafe_ids,
+            "tokenize: models loaded"
+        );
+        out
+    }
+
+    /// Counts from loading.
+    pub fn stats(&self) -> LoadStats {
+        self.stats
+    }
+
+    /// Number of loaded models.
+    pub fn len(&self) -> usize {
+        self.models.len()
+    }
+
+    /// Whether no model is loaded.
+    pub fn is_empty(&self) -> bool {
+        self.models.is_empty()
+    }
+
+    /// Loaded model ids, sorted.
+    pub fn model_ids(&self) -> impl Iterator<Item = &str> {
+        self.models.keys().map(String::as_str)
+    }
+
+    /// Whether `model_id` is loaded (false for unsafe ids).
+    pub fn contains(&self, model_id: &str) -> bool {
+        self.get(model_id).is_ok()
+    }
+
+    /// Whether the model is loaded and has a chat template.
+    pub fn has_chat_template(&self, model_id: &str) -> bool {
+        match self.get(model_id) {
+            Ok(model) => model_has_chat_template(model),
+            Err(_) => false,
+        }
+    }
+
+    /// The text [`encode_chat`](Self::encode_chat) encodes: the rendered chat template for one
+    /// user message, or the prompt itself for a model without a template.
+    pub fn render_chat(&self, model_id: &str, prompt: &str) -> Result<String, TokenizeError> {
+        render(self.get(model_id)?, prompt)
+    }
+
+    /// Token ids for `prompt` as one user message (rendered template, encoded without adding
+    /// special tokens).
+    pub fn encode_chat(&self, model_id: &str, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
+        let model = self.get(model_id)?;
+        let text = render(model, prompt)?;
+        encode(model, &text, false)
+    }
+
+    /// Encodes `text` directly, adding the tokenizer's special tokens (BOS/EOS per its
+    /// post-processor). Text containing NUL is rejected.
+    pub fn encode_raw(&self, model_id: &str, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let model = self.get(model_id)?;
+        if text.contains('\0') {
+            return Err(TokenizeError::InvalidInput(
+                "text contains a NUL character".to_owned(),
+            ));
+        }
+        encode(model, text, true)
+    }
+
+    fn get(&self, model_id: &str) -> Result<&Model, TokenizeError> {
+        if !is_safe_model_id(model_id) {
+            return Err(TokenizeError::UnsafeModelId);
+        }
+        self.models.get(model_id).ok_or(TokenizeError::UnknownModel)
+    }
+}
+
+impl PromptTokenizer for Tokenizers {
+    fn encode_chat(&self, model_id: &str, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
+        Tokenizers::encode_chat(self, model_id, prompt)
+    }
+
+    fn encode_chat_until(
+        &self,
+        model_id: &str,
+        prompt: &str,
+        deadline: Instant,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        if Instant::now() >= deadline {
+            return Err(TokenizeError::DeadlineExceeded);
+        }
+        let model = self.get(model_id)?;
+        let text = render(model, prompt)?;
+        if Instant::now() >= deadline {
+            return Err(TokenizeError::DeadlineExceeded);
+        }
+        encode(model, &text, false)
+    }
+}
+
+#[cfg(feature = "hf")]
+fn load_model(dir: &Path) -> Result<Model, String> {
+    Model::load(dir)
+}
+
+#[cfg(not(feature = "hf"))]
+fn load_model(_dir: &Path) -> Result<Model, String> {
+    Err("tokenizer support is compiled out".to_owned())
+}
+
+#[cfg(feature = "hf")]
+fn render(model: &Model, prompt: &str) -> Result<String, TokenizeError> {
+    model.render_chat(prompt)
+}
+
+#[cfg(not(feature = "hf"))]
+fn render(model: &Model, _prompt: &str) -> Result<String, TokenizeError> {
+    match *model {}
+}
+
+#[cfg(feature = "hf")]
+fn encode(model: &Model, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
+    model.encode(text, add_special)
+}
+
+#[cfg(not(feature = "hf"))]
+fn encode(model: &Model, _text: &str, _add_special: bool) -> Result<Vec<u32>, TokenizeError> {
+    match *model {}
+}
+
+#[cfg(feature = "hf")]
+fn model_has_chat_template(model: &Model) -> bool {
+    model.has_chat_template()
+}
+
+#[cfg(not(feature = "hf"))]
+fn model_has_chat_template(model: &Model) -> bool {
+    match *model {}
+}
+
+/// Collects model directories below `dir`; `rel` holds the path segments from the root and
+/// `ancestors` the canonical paths of the directories on the way down.
+fn walk(
+    dir: &Path,
+    rel: &mut Vec<String>,
+    ancestors: &mut HashSet<PathBuf>,
+    out: &mut Vec<Candidate>,
+) {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "tokenize: unreadable directory, skipped");
+            return;
+        }
+    };
+    // Sorted, so the walk (and its log lines) is deterministic.
+    let mut names: Vec<_> = entries
+        .filter_map(Result::ok)
+        .map(|e| e.file_name())
+        .collect();
+    names.sort();
+
+    let mut subdirs = Vec::new();
+    let mut has_tokenizer_json = false;
+    let mut has_tiktoken = false;
+    for name in names {
+        let path = dir.join(&name);
+        // `metadata` follows symlinks, so symlinked model dirs and files (HF cache) work.
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue;
+        };
+        if meta.is_dir() {
+            subdirs.push(name);
+        } else if meta.is_file() {
+            if name == "tokenizer.json" {
+                has_tokenizer_json = true;
+            } else if Path::new(&name)
+                .extension()
+                .is_some_and(|ext| ext == "tiktoken")
+            {
+                has_tiktoken = true;
+            }
+        }
+    }
+
+    if has_tokenizer_json || has_tiktoken {
+        if rel.is_empty() {
+            tracing::warn!(dir = %dir.display(), "tokenize: tokenizer files directly in the models dir are ignored; put each model in a sub-directory");
+        } else {
+            out.push(Candidate {
+                id: rel.join("/"),
+                dir: dir.to_path_buf(),
+                has_tokenizer_json,
+            });
+            return;
+        }
+    }
+    if rel.len() >= MAX_WALK_DEPTH {
+        tracing::warn!(dir = %dir.display(), "tokenize: directory nesting too deep, not descending");
+        return;
+    }
+    for name in subdirs {
+        let path = dir.join(&name);
+        let Some(segment) = name.to_str() else {
+            tracing::warn!(dir = %path.display(), "tokenize: directory name is not UTF-8, skipped");
+            continue;
+        };
+        // A symlink back to a directory on the current path would loop: skip it. (Aliases
+        // elsewhere are fine: each alias is its own model id.)
+        let Ok(canon) = std::fs::canonicalize(&path) else {
+            continue;
+        };
+        if !ancestors.insert(canon.clone()) {
+            tracing::warn!(dir = %path.display(), "tokenize: directory symlink loop, skipped");
+            continue;
+        }
+        rel.push(segment.to_owned());
+        walk(&path, rel, ancestors, out);
+        rel.pop();
+        ancestors.remove(&canon);
+    }
+}
