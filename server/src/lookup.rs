@@ -16,6 +16,8 @@ pub const MAX_LOOKUP_TOKENS: usize = 1 << 20;
 pub const MAX_PROMPT_TEXT_BYTES: usize = 1 << 20;
 /// Deadline applied when the server will tokenize and the caller set none.
 pub const DEFAULT_TOKENIZE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Concurrent tokenizations; over the limit a lookup fails open instead of waiting.
+pub const MAX_CONCURRENT_TOKENIZE: usize = 64;
 
 /// What H4 resolved the request's inputs to.
 enum Inputs<'r> {
@@ -75,14 +77,18 @@ fn caller_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
 }
 
 /// Handles one `LookupRoute` call.
-pub fn handle(
+pub async fn handle(
     state: &AppState,
     metadata: &tonic::metadata::MetadataMap,
     req: &pb::LookupRouteRequest,
 ) -> pb::LookupRouteResponse {
     // Step 1: every response reports the time since `start`.
     let start = Instant::now();
-    let answer = route(state, metadata, req, start);
+    let (answer, echo) = if might_tokenize(req) && req.tenant_id != PROBE_TENANT {
+        route_tokenizing(state, metadata, req, start).await
+    } else {
+        (route(state, metadata, req, start), Vec::new())
+    };
     let elapsed = start.elapsed();
     let hint_used = !answer.scores.is_empty();
     // Step 17: exactly one observation per call.
@@ -93,7 +99,7 @@ pub fn handle(
         replica_scores: answer.scores,
         reason_code: answer.reason.to_string(),
         lookup_latency_us: i64::try_from(elapsed.as_micros()).unwrap_or(i64::MAX),
-        token_ids: Vec::new(),
+        token_ids: echo,
         adapter_id: if answer.consulted {
             req.adapter_id.clone()
         } else {
@@ -113,8 +119,104 @@ fn route(
         return Answer::envelope(reason::NO_HINT);
     }
     state.policies().with_policy(&req.tenant_id, |policy| {
-        route_with_policy(state, metadata, req, policy, start)
+        route_with_policy(state, metadata, req, policy, start, None)
     })
+}
+
+/// Whether `prompt_text` could be the input (the policy decides for a wire chain, step 5).
+fn might_tokenize(req: &pb::LookupRouteRequest) -> bool {
+    !req.prompt_text.is_empty() && req.prefix_hash.is_empty() && req.token_ids.is_empty()
+}
+
+fn will_tokenize(req: &pb::LookupRouteRequest, chain_on: bool) -> bool {
+    might_tokenize(req)
+        && (!chain_on || (req.block_hashes.is_empty() && req.block_token_counts.is_empty()))
+}
+
+/// The deadline of H2 and step 5.
+fn deadline_for(
+    metadata: &tonic::metadata::MetadataMap,
+    policy: &Policy,
+    will_tokenize: bool,
+    start: Instant,
+) -> Option<Instant> {
+    let budget = (policy.lookup_timeout_ms > 0)
+        .then(|| Duration::from_millis(policy.lookup_timeout_ms as u64));
+    let mut deadline = caller_timeout(metadata).map(|t| start + t);
+    if let Some(b) = budget {
+        let ours = start + b;
+        deadline = Some(deadline.map_or(ours, |d| d.min(ours)));
+    }
+    if deadline.is_none() && will_tokenize {
+        deadline = Some(start + DEFAULT_TOKENIZE_TIMEOUT);
+    }
+    deadline
+}
+
+/// The `prompt_text` path (§7.2 case 3, §7.3): tokenize off the runtime's workers, abandon the
+/// work when the deadline fires first, then run the ordinary pipeline on the tokens. Every answer
+/// built after tokenizing echoes the tokens (§7.4).
+async fn route_tokenizing(
+    state: &AppState,
+    metadata: &tonic::metadata::MetadataMap,
+    req: &pb::LookupRouteRequest,
+    start: Instant,
+) -> (Answer, Vec<u32>) {
+    let policy = state.policies().resolve(&req.tenant_id);
+    if !will_tokenize(req, policy.enable_chain_matching) {
+        return (
+            route_with_policy(state, metadata, req, &policy, start, None),
+            Vec::new(),
+        );
+    }
+    let deadline = deadline_for(metadata, &policy, true, start);
+    // Step 6.
+    if deadline.is_some_and(|d| Instant::now() >= d) {
+        return (Answer::envelope(reason::TIMEOUT), Vec::new());
+    }
+    // H3: prompt_text never counts as a chain.
+    if policy.require_chain {
+        return (Answer::envelope(reason::POLICY_REQUIRES_CHAIN), Vec::new());
+    }
+    let tokens = match tokenize(state, req, deadline).await {
+        Ok(tokens) => tokens,
+        Err(answer) => return (answer, Vec::new()),
+    };
+    let answer = route_with_policy(state, metadata, req, &policy, start, Some(&tokens));
+    (answer, tokens)
+}
+
+/// Tokenizes `prompt_text` (H4 case 3), or returns the fail-open answer (never an echo).
+async fn tokenize(
+    state: &AppState,
+    req: &pb::LookupRouteRequest,
+    deadline: Option<Instant>,
+) -> Result<Vec<u32>, Answer> {
+    use inferencecache_tokenize::TokenizeError;
+    if req.prompt_text.len() > MAX_PROMPT_TEXT_BYTES {
+        return Err(Answer::envelope(reason::NO_HINT));
+    }
+    let Some(tokenizer) = state.tokenizer().cloned() else {
+        return Err(Answer::envelope(reason::NO_HINT));
+    };
+    // Never wait for a slot: saturation fails open.
+    let Ok(permit) = state.tokenizer_slots().clone().try_acquire_owned() else {
+        return Err(Answer::envelope(reason::NO_HINT));
+    };
+    let (model, prompt) = (req.model_id.clone(), req.prompt_text.clone());
+    let deadline = deadline.unwrap_or_else(|| Instant::now() + DEFAULT_TOKENIZE_TIMEOUT);
+    // The permit moves into the blocking task, so abandoned work keeps its slot until it ends.
+    let work = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        tokenizer.encode_chat_until(&model, &prompt, deadline)
+    });
+    match tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), work).await {
+        Err(_) | Ok(Ok(Err(TokenizeError::DeadlineExceeded))) => {
+            Err(Answer::envelope(reason::TIMEOUT))
+        }
+        Ok(Ok(Ok(tokens))) if !tokens.is_empty() && tokens.len() <= MAX_LOOKUP_TOKENS => Ok(tokens),
+        Ok(_) => Err(Answer::envelope(reason::NO_HINT)),
+    }
 }
 
 fn route_with_policy(
@@ -123,25 +225,15 @@ fn route_with_policy(
     req: &pb::LookupRouteRequest,
     policy: &Policy,
     start: Instant,
+    prompt_tokens: Option<&[u32]>,
 ) -> Answer {
-    // H2: the tighter of the caller's deadline and the tenant's budget.
-    let budget = (policy.lookup_timeout_ms > 0)
-        .then(|| Duration::from_millis(policy.lookup_timeout_ms as u64));
-    let mut deadline = caller_timeout(metadata).map(|t| start + t);
-    if let Some(b) = budget {
-        let ours = start + b;
-        deadline = Some(deadline.map_or(ours, |d| d.min(ours)));
-    }
     // Step 4.
     let chain_on = policy.enable_chain_matching;
-    // Step 5: tokenizing without a deadline gets the default one.
-    let will_tokenize = !req.prompt_text.is_empty()
-        && req.prefix_hash.is_empty()
-        && req.token_ids.is_empty()
-        && (!chain_on || (req.block_hashes.is_empty() && req.block_token_counts.is_empty()));
-    if deadline.is_none() && will_tokenize {
-        deadline = Some(start + DEFAULT_TOKENIZE_TIMEOUT);
-    }
+    // H2 and step 5: the tighter of the caller's deadline and the tenant's budget; tokenizing
+    // without a deadline gets the default one.
+    let budget = (policy.lookup_timeout_ms > 0)
+        .then(|| Duration::from_millis(policy.lookup_timeout_ms as u64));
+    let deadline = deadline_for(metadata, policy, will_tokenize(req, chain_on), start);
     let expired = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
     // Step 6.
     if expired(deadline) {
@@ -154,7 +246,7 @@ fn route_with_policy(
         return Answer::envelope(reason::POLICY_REQUIRES_CHAIN);
     }
     // H4.
-    let inputs = resolve_inputs(state, req, chain_on);
+    let inputs = resolve_inputs(state, req, chain_on, prompt_tokens);
     // Step 9.
     if expired(deadline) {
         return Answer::envelope(reason::TIMEOUT);
@@ -230,6 +322,7 @@ fn resolve_inputs<'r>(
     state: &AppState,
     req: &'r pb::LookupRouteRequest,
     chain_on: bool,
+    prompt_tokens: Option<&[u32]>,
 ) -> Inputs<'r> {
     let has_wire_chain = !req.block_hashes.is_empty() || !req.block_token_counts.is_empty();
     if chain_on {
@@ -256,9 +349,12 @@ fn resolve_inputs<'r>(
         return derive(&req.token_ids, state.block_size(), chain_on);
     }
     if !req.prompt_text.is_empty() {
-        // The tokenizer path (§7.3) is not built into this server yet: the contract's answer for
-        // "tokenizer unavailable" is a fail-open NO_HINT, checked size first.
-        return Inputs::FailOpen;
+        // Tokenized before the pipeline ran (`route_tokenizing`); without tokens the tokenizer
+        // was unavailable, saturated or failed.
+        return match prompt_tokens {
+            Some(tokens) => derive(tokens, state.block_size(), chain_on),
+            None => Inputs::FailOpen,
+        };
     }
     if !chain_on && has_wire_chain {
         // Chain matching disabled and only a wire chain: nothing usable (§7.2 disabled, case 3).

@@ -15,6 +15,7 @@ use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_server::{
     InferenceCache, InferenceCacheServer,
 };
+use inferencecache_tokenize::PromptTokenizer;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::net::TcpListener;
@@ -38,7 +39,7 @@ pub mod reason {
 }
 
 /// Server-wide knobs the handlers read.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServerOptions {
     /// Tokens per block for `token_ids` / `prompt_text` fingerprints.
     pub block_size: usize,
@@ -50,6 +51,8 @@ pub struct ServerOptions {
     pub stream_max_subscribers: usize,
     /// gRPC TLS (and mTLS) configuration; `None` serves plaintext.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Tokenizer for `prompt_text` lookups; `None` fails those lookups open (`NO_HINT`).
+    pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
 }
 
 impl Default for ServerOptions {
@@ -60,6 +63,7 @@ impl Default for ServerOptions {
             stream_buffer_events: crate::streams::DEFAULT_BUFFER_EVENTS,
             stream_max_subscribers: crate::streams::DEFAULT_MAX_SUBSCRIBERS,
             tls: None,
+            tokenizer: None,
         }
     }
 }
@@ -76,6 +80,8 @@ struct Shared {
     metrics: Arc<Metrics>,
     broadcaster: Arc<Broadcaster>,
     tls: Option<Arc<rustls::ServerConfig>>,
+    tokenizer: Option<Arc<dyn PromptTokenizer>>,
+    tokenizer_slots: Arc<tokio::sync::Semaphore>,
     block_size: usize,
     ready: AtomicBool,
 }
@@ -107,6 +113,10 @@ impl AppState {
                 metrics,
                 broadcaster,
                 tls: options.tls.clone(),
+                tokenizer: options.tokenizer.clone(),
+                tokenizer_slots: Arc::new(tokio::sync::Semaphore::new(
+                    lookup::MAX_CONCURRENT_TOKENIZE,
+                )),
                 block_size: options.block_size.max(1),
                 ready: AtomicBool::new(false),
             }),
@@ -146,6 +156,16 @@ impl AppState {
     /// TLS configuration of the gRPC listener, if any.
     pub fn tls(&self) -> Option<&Arc<rustls::ServerConfig>> {
         self.inner.tls.as_ref()
+    }
+
+    /// The `prompt_text` tokenizer, if one was configured.
+    pub fn tokenizer(&self) -> Option<&Arc<dyn PromptTokenizer>> {
+        self.inner.tokenizer.as_ref()
+    }
+
+    /// Slots bounding concurrent tokenizations (taken without waiting).
+    pub fn tokenizer_slots(&self) -> &Arc<tokio::sync::Semaphore> {
+        &self.inner.tokenizer_slots
     }
 
     pub fn block_size(&self) -> usize {
@@ -191,11 +211,9 @@ impl InferenceCache for CacheService {
         request: Request<pb::LookupRouteRequest>,
     ) -> Result<Response<pb::LookupRouteResponse>, Status> {
         let (metadata, _, message) = request.into_parts();
-        Ok(Response::new(lookup::handle(
-            &self.state,
-            &metadata,
-            &message,
-        )))
+        Ok(Response::new(
+            lookup::handle(&self.state, &metadata, &message).await,
+        ))
     }
 
     async fn lookup_pd_route(

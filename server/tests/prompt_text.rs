@@ -1,0 +1,206 @@
+//! `prompt_text` lookups through an injected tokenizer double (server.md §7.2–§7.4; SV48–SV50,
+//! the stalled-tokenizer fault).
+
+mod common;
+
+use common::{TestServer, manual_state};
+use inferencecache_engine::fingerprint;
+use inferencecache_proto::v1alpha1 as pb;
+use inferencecache_server::policy::decode_push;
+use inferencecache_server::service::ServerOptions;
+use inferencecache_tokenize::{PromptTokenizer, TokenizeError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Returns fixed tokens and records what it was asked; optionally stalls.
+#[derive(Default)]
+struct Double {
+    tokens: Vec<u32>,
+    stall: Option<Duration>,
+    calls: Mutex<Vec<(String, String)>>,
+}
+
+impl PromptTokenizer for Double {
+    fn encode_chat(&self, model_id: &str, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((model_id.to_string(), prompt.to_string()));
+        if let Some(d) = self.stall {
+            std::thread::sleep(d);
+        }
+        if model_id == "unknown" {
+            return Err(TokenizeError::UnknownModel);
+        }
+        Ok(self.tokens.clone())
+    }
+}
+
+async fn server_with(double: Arc<Double>) -> TestServer {
+    let options = ServerOptions {
+        tokenizer: Some(double),
+        ..Default::default()
+    };
+    TestServer::start_with(manual_state(options).0).await
+}
+
+fn prompt(model: &str, text: &str) -> pb::LookupRouteRequest {
+    pb::LookupRouteRequest {
+        tenant_id: "t".into(),
+        model_id: model.into(),
+        hash_scheme: "vllm".into(),
+        prompt_text: text.into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn sv49_prompt_text_matches_with_echo() {
+    let tokens: Vec<u32> = (500..564).collect();
+    let double = Arc::new(Double {
+        tokens: tokens.clone(),
+        ..Default::default()
+    });
+    let server = server_with(double.clone()).await;
+    let mut c = server.client().await;
+    let (wire, counts) = fingerprint::chain(&tokens, 16);
+    let update = pb::CacheStateUpdate {
+        replica_id: "r1".into(),
+        model_id: "m".into(),
+        tenant_id: "t".into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![pb::PrefixEntry {
+            block_hashes: wire.iter().map(|h| h.to_vec()).collect(),
+            block_token_counts: counts,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    c.report_cache_state(tokio_stream::iter(vec![update]))
+        .await
+        .unwrap();
+    let r = c
+        .lookup_route(prompt("m", "hello there"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.reason_code, "PREFIX_MATCH");
+    assert_eq!(r.replica_scores[0].matched_tokens, 64);
+    assert_eq!(r.token_ids, tokens, "tokens are echoed");
+    assert_eq!(
+        double.calls.lock().unwrap().as_slice(),
+        [("m".to_string(), "hello there".to_string())]
+    );
+    // An unknown model fails open without echo.
+    let r = c
+        .lookup_route(prompt("unknown", "hello"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn sv50_sub_block_prompt_fails_open_with_echo() {
+    let double = Arc::new(Double {
+        tokens: vec![1, 2, 3],
+        ..Default::default()
+    });
+    let server = server_with(double).await;
+    let mut c = server.client().await;
+    let r = c
+        .lookup_route(prompt("m", "hi"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.reason_code, "NO_HINT");
+    assert_eq!(
+        r.token_ids,
+        [1, 2, 3],
+        "a sub-block prompt fails open with echo"
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn stalled_tokenizer_times_out_within_the_deadline() {
+    let double = Arc::new(Double {
+        tokens: (0..32).collect(),
+        stall: Some(Duration::from_millis(400)),
+        ..Default::default()
+    });
+    let server = server_with(double).await;
+    server.state.policies().replace_pushed(
+        decode_push(br#"{"version":7,"policies":[{"namespace":"t","lookupTimeoutMs":20}]}"#)
+            .unwrap(),
+    );
+    let mut c = server.client().await;
+    let started = Instant::now();
+    let r = c
+        .lookup_route(prompt("m", "slow"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.reason_code, "TIMEOUT");
+    assert!(r.token_ids.is_empty());
+    assert!(
+        started.elapsed() < Duration::from_millis(300),
+        "answered at the deadline, not after the work"
+    );
+    assert!(r.lookup_latency_us >= 20_000);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn sv48_oversized_prompt_and_missing_tokenizer_fail_open() {
+    let double = Arc::new(Double {
+        tokens: (0..32).collect(),
+        ..Default::default()
+    });
+    let server = server_with(double.clone()).await;
+    let mut c = server.client().await;
+    let big = "x".repeat((1 << 20) + 1);
+    let r = c
+        .lookup_route(prompt("m", &big))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.reason_code, "NO_HINT");
+    assert!(double.calls.lock().unwrap().is_empty(), "never tokenized");
+    server.shutdown().await;
+
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    let r = c
+        .lookup_route(prompt("m", "no tokenizer configured"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn require_chain_refuses_prompt_text_before_tokenizing() {
+    let double = Arc::new(Double {
+        tokens: (0..32).collect(),
+        ..Default::default()
+    });
+    let server = server_with(double.clone()).await;
+    server.state.policies().replace_pushed(
+        decode_push(
+            br#"{"version":7,"policies":[{"namespace":"t","strategy":{"requireChain":true}}]}"#,
+        )
+        .unwrap(),
+    );
+    let mut c = server.client().await;
+    let r = c
+        .lookup_route(prompt("m", "hello"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.reason_code, "POLICY_REQUIRES_CHAIN");
+    assert!(double.calls.lock().unwrap().is_empty());
+    server.shutdown().await;
+}
