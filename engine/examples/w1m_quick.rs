@@ -40,6 +40,30 @@ fn rolling(q: &[u64]) -> Vec<[u8; 8]> {
     out
 }
 
+fn rss_bytes() -> i64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<i64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// This thread's on-CPU time in ns (`/proc/thread-self/schedstat`), robust to a shared machine.
+fn cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn pct(v: &mut [u64], p: f64) -> u64 {
+    v.sort_unstable();
+    v[((v.len() as f64 * p) as usize).min(v.len() - 1)]
+}
+
 fn main() {
     const CHAINS: u64 = 16384;
     let now = 1_700_000_000_000_000i64;
@@ -59,6 +83,8 @@ fn main() {
     let reps: Vec<String> = (0..8).map(|w| format!("w{w}")).collect();
     let counts = [16i32; 64];
     let mem0 = ix.memory_bytes();
+    let rss0 = rss_bytes();
+    let c0 = cpu_ns();
     let t = Instant::now();
     for (c, hs) in chains.iter().enumerate() {
         ix.ingest(CacheStateUpdate {
@@ -80,7 +106,20 @@ fn main() {
         });
     }
     let dt = t.elapsed();
+    let cpu = cpu_ns() - c0;
+    let rss1 = rss_bytes();
     let n = CHAINS * 64;
+    println!(
+        "insert (on-CPU time): {:.2} M blocks/s ({:.1} ns/block)",
+        n as f64 / cpu as f64 * 1e3,
+        cpu as f64 / n as f64
+    );
+    println!(
+        "RSS delta {} ({:.1} B/entry); memory_bytes / RSS delta = {:.3}",
+        rss1 - rss0,
+        (rss1 - rss0) as f64 / n as f64,
+        (ix.memory_bytes() - mem0) as f64 / (rss1 - rss0) as f64
+    );
     println!(
         "insert: {:.2} M blocks/s ({:.1} ns/block); storage_entries {}; memory_bytes {} ({:.1} B/entry)",
         n as f64 / dt.as_secs_f64() / 1e6,
@@ -120,12 +159,21 @@ fn main() {
     let part = ix.partition("t", "m", "vllm", "").unwrap();
     let mut scratch = MatchScratch::default();
     let mut buf = RouteBuffer::new();
+    // W1M_SKIP_QUERIES=1: insert and remove only (profiling).
+    let skip = std::env::var_os("W1M_SKIP_QUERIES").is_some();
     for (name, set, want) in [
         ("Q50", &qs[0], 2560i64),
         ("Q100", &qs[1], 3072),
         ("Q0", &qs[2], 0),
     ] {
+        if skip {
+            break;
+        }
+        if std::env::var("W1M_ONLY").is_ok_and(|v| v != name) {
+            continue;
+        }
         for round in 0..3 {
+            let c0 = cpu_ns();
             let t = Instant::now();
             let mut total = 0i64;
             for q in set.iter() {
@@ -136,7 +184,9 @@ fn main() {
                 total += s;
             }
             let core = t.elapsed().as_nanos() as f64 / set.len() as f64;
+            let core_cpu = (cpu_ns() - c0) as f64 / set.len() as f64;
             assert_eq!(total, want * set.len() as i64);
+            let c0 = cpu_ns();
             let t = Instant::now();
             let mut score = 0f64;
             for q in set.iter() {
@@ -149,14 +199,45 @@ fn main() {
                 score += buf.scores.iter().map(|s| s.score as f64).sum::<f64>();
             }
             let route = t.elapsed().as_nanos() as f64 / set.len() as f64;
+            let route_cpu = (cpu_ns() - c0) as f64 / set.len() as f64;
             println!(
-                "{name} round {round}: core match {core:.0} ns/op, lookup_route_into {route:.0} ns/op (score sum/query {:.0})",
+                "{name} round {round}: core match {core:.0} ns/op (on-CPU {core_cpu:.0}), lookup_route_into {route:.0} ns/op (on-CPU {route_cpu:.0}) (score sum/query {:.0})",
                 score / set.len() as f64
             );
         }
+        let mut lat: Vec<u64> = Vec::with_capacity(set.len());
+        let mut lat_r: Vec<u64> = Vec::with_capacity(set.len());
+        for q in set.iter() {
+            let t = Instant::now();
+            let mut s = 0i64;
+            ix.match_chain_into(part, q, &counts, now, &mut scratch, |m| {
+                s += m.matched_tokens as i64
+            });
+            lat.push(t.elapsed().as_nanos() as u64);
+            assert_eq!(s, want);
+            let req = LookupRequest {
+                block_hashes: q,
+                block_token_counts: &counts,
+                ..LookupRequest::new("t", "m", "vllm")
+            };
+            let t = Instant::now();
+            ix.lookup_route_into(&req, &mut buf);
+            lat_r.push(t.elapsed().as_nanos() as u64);
+        }
+        println!(
+            "{name} timed pass: core p50 {} p99 {} ns; lookup_route p50 {} p99 {} ns",
+            pct(&mut lat, 0.5),
+            pct(&mut lat, 0.99),
+            pct(&mut lat_r, 0.5),
+            pct(&mut lat_r, 0.99)
+        );
     }
+    // Remove: the first half of the chains with one PREFIX_EVICTED `apply_event` per block, the
+    // second half through the batch API (`evict_prefixes`, hash list built inside the loop).
+    let half = chains.len() / 2;
+    let c0 = cpu_ns();
     let t = Instant::now();
-    for (c, hs) in chains.iter().enumerate() {
+    for (c, hs) in chains[..half].iter().enumerate() {
         for h in hs.iter().rev() {
             ix.apply_event(CacheEventInput {
                 event_type: event_type::PREFIX_EVICTED,
@@ -170,9 +251,28 @@ fn main() {
         }
     }
     let dt = t.elapsed();
+    let nh = (half * 64) as f64;
+    let cpu = (cpu_ns() - c0) as f64;
     println!(
-        "remove: {:.2} M blocks/s; storage_entries after {}",
-        n as f64 / dt.as_secs_f64() / 1e6,
+        "remove (apply_event): {:.2} M blocks/s ({:.1} ns/block; on-CPU {:.1} ns/block)",
+        nh / dt.as_secs_f64() / 1e6,
+        dt.as_nanos() as f64 / nh,
+        cpu / nh
+    );
+    let c0 = cpu_ns();
+    let t = Instant::now();
+    for (c, hs) in chains.iter().enumerate().skip(half) {
+        let keys: Vec<&[u8]> = hs.iter().rev().map(|h| &h[..]).collect();
+        ix.evict_prefixes("t", "m", &reps[c % 8], "", &keys, now);
+    }
+    let dt = t.elapsed();
+    let nh = ((chains.len() - half) * 64) as f64;
+    let cpu = (cpu_ns() - c0) as f64;
+    println!(
+        "remove (evict_prefixes batch): {:.2} M blocks/s ({:.1} ns/block; on-CPU {:.1} ns/block); storage_entries after {}",
+        nh / dt.as_secs_f64() / 1e6,
+        dt.as_nanos() as f64 / nh,
+        cpu / nh,
         ix.storage_entries()
     );
 }

@@ -4,9 +4,10 @@
 //! Concurrency summary (details in `table.rs` and `docs/engine.md`): readers pin an epoch guard,
 //! resolve the partition through a wait-free directory, probe the partition's key table and read
 //! immutable key nodes; they take no lock and never retry. Writers lock one table shard at a time
-//! (per key), build a replacement node and publish it with a Release store. Derived counters are
-//! atomics updated by writers inside the shard lock; they may lag an in-flight write and are exact
-//! once writes quiesce (C3).
+//! (per key, or per shard group of a chain), build a replacement node and publish it with a
+//! Release store. Derived counters are atomics whose deltas writers apply once per (partition,
+//! replica) run of an ingest or eviction batch; they may lag an in-flight write and are exact once
+//! writes quiesce (C3). The chain walk is software-pipelined (prefetch, candidate, resolve).
 
 use crate::clock::{Clock, us_to_ms};
 use crate::config::{Algorithm, IndexConfig, Resolvers};
@@ -18,8 +19,7 @@ use crate::rank::{
 use crate::sink::{ChangeEvent, ChangeKind, ChangeSink};
 use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use crate::table::{
-    DEAD, ENTRY_CELL_BYTES, EntryCell, Holder, KEY_CELL_BYTES, KeyBytes, KeyCell, KeyNode, SHARDS,
-    ShardWriter, tier_code, tier_wire,
+    Cand, DEAD, Holder, KeyNode, KeySum, KeyTable, Probe, SHARDS, ShardWriter, tier_code, tier_wire,
 };
 use crate::types::*;
 use crossbeam_epoch::{self as epoch, Guard};
@@ -76,6 +76,8 @@ struct Run {
 pub struct MatchScratch {
     runs: Vec<Run>,
     nodes: Vec<usize>,
+    /// Per-replica run state of the bitset fast path (indices < 64), sized 64 once.
+    fast: Vec<Run>,
 }
 
 /// One captured LFU hit (L9): identifies one storage entry by key, replica and generation.
@@ -84,7 +86,7 @@ struct Hit {
     replica: Arc<str>,
     rep: u32,
     key: KeyBytesOwned,
-    generation: u64,
+    generation: u32,
 }
 
 #[derive(Clone)]
@@ -222,9 +224,10 @@ pub struct Index {
     /// `[lru_cap, lru_ttl, lfu_cap, lfu_ttl]`.
     evictions: [AtomicU64; 4],
     ingest_blocks: AtomicU64,
-    generation: AtomicU64,
     stats_bytes: AtomicI64,
     sink: RwLock<Option<Arc<dyn ChangeSink>>>,
+    /// Whether a sink is installed (lets writers skip the sink lock when none is).
+    sink_set: AtomicBool,
     ready: AtomicBool,
     ticker: Mutex<Option<Ticker>>,
     sweep_lock: Mutex<()>,
@@ -232,7 +235,6 @@ pub struct Index {
 
 struct Ctx<'a> {
     part: &'a Partition,
-    reserved: bool,
     sink: Option<&'a dyn ChangeSink>,
 }
 
@@ -258,9 +260,9 @@ impl Index {
             reserved_entries: AtomicI64::new(0),
             evictions: Default::default(),
             ingest_blocks: AtomicU64::new(0),
-            generation: AtomicU64::new(1),
             stats_bytes: AtomicI64::new(0),
             sink: RwLock::new(None),
+            sink_set: AtomicBool::new(false),
             ready: AtomicBool::new(false),
             ticker: Mutex::new(None),
             sweep_lock: Mutex::new(()),
@@ -424,7 +426,7 @@ impl Index {
     }
 
     fn active_sink(&self, reserved: bool) -> Option<Arc<dyn ChangeSink>> {
-        if reserved {
+        if reserved || !self.sink_set.load(Ordering::Acquire) {
             return None;
         }
         let s = self.sink.read();
@@ -436,12 +438,16 @@ impl Index {
 
     /// Installs the change sink (N1). With an inactive sink no event is constructed (N4).
     pub fn set_change_sink(&self, sink: Arc<dyn ChangeSink>) {
-        *self.sink.write() = Some(sink);
+        let mut s = self.sink.write();
+        *s = Some(sink);
+        self.sink_set.store(true, Ordering::Release);
     }
 
     /// Removes the change sink.
     pub fn clear_change_sink(&self) {
-        *self.sink.write() = None;
+        let mut s = self.sink.write();
+        *s = None;
+        self.sink_set.store(false, Ordering::Release);
     }
 
     // ----------------------------------------------------------------------------------------
@@ -462,8 +468,12 @@ impl Index {
         let sink = self.active_sink(reserved);
         if !update.hash_scheme.is_empty() {
             let guard = epoch::pin();
-            // Cache of the last partition and replica index (K5: one per ref).
+            // Cache of the last partition and replica index (K5: one per ref), with the derived
+            // counter deltas not yet applied for it (flushed once per partition change and at the
+            // end: counters may lag an in-flight ingest, C3).
             let mut cur: Option<(&Partition, u32)> = None;
+            let mut pend = Pending::default();
+            let mut order: Vec<(u32, i32)> = Vec::new();
             for r in update.prefixes {
                 let adapter = if !r.adapter_id.is_empty() {
                     r.adapter_id
@@ -484,6 +494,9 @@ impl Index {
                 let (part, rep) = match cur {
                     Some((p, rep)) if &*p.adapter == adapter => (p, rep),
                     _ => {
+                        if let Some((p, rep)) = cur {
+                            self.flush_pending(p, rep, &mut pend, &guard);
+                        }
                         let p = self.ensure_part(t, m, update.hash_scheme, adapter);
                         let rep = p.scope.intern(update.replica_id);
                         cur = Some((p, rep));
@@ -492,55 +505,65 @@ impl Index {
                 };
                 let ctx = Ctx {
                     part,
-                    reserved,
                     sink: sink.as_deref(),
                 };
                 let tier = tier_code(r.tier);
-                if chain {
-                    let mut sum: i32 = 0;
-                    for (h, c) in r.block_hashes.iter().zip(r.block_token_counts) {
-                        sum = sum.wrapping_add(*c);
-                        self.upsert(
-                            &ctx,
-                            h.as_ref(),
-                            rep,
-                            update.replica_id,
-                            sum,
-                            ts_ms,
-                            ts_us,
-                            tier,
-                            &guard,
-                            &mut out,
-                        );
-                    }
-                    if !r.prefix_hash.is_empty() {
-                        self.upsert(
-                            &ctx,
-                            r.prefix_hash,
-                            rep,
-                            update.replica_id,
-                            r.token_count,
-                            ts_ms,
-                            ts_us,
-                            tier,
-                            &guard,
-                            &mut out,
-                        );
-                    }
-                } else {
+                let up = |key: &[u8], tokens: i32, pend: &mut Pending, out: &mut IngestOutcome| {
                     self.upsert(
                         &ctx,
-                        r.prefix_hash,
+                        key,
                         rep,
                         update.replica_id,
-                        r.token_count,
+                        tokens,
                         ts_ms,
                         ts_us,
                         tier,
                         &guard,
+                        out,
+                        pend,
+                    )
+                };
+                if chain && ctx.sink.is_none() && r.block_hashes.len() >= GROUP_MIN {
+                    self.upsert_chain_grouped(
+                        part,
+                        r.block_hashes,
+                        r.block_token_counts,
+                        rep,
+                        ts_ms,
+                        tier,
+                        &guard,
                         &mut out,
+                        &mut pend,
+                        &mut order,
                     );
+                    if !r.prefix_hash.is_empty() {
+                        up(r.prefix_hash, r.token_count, &mut pend, &mut out);
+                    }
+                } else if chain {
+                    let mut sum: i32 = 0;
+                    let bh = r.block_hashes;
+                    for (j, (h, c)) in bh.iter().zip(r.block_token_counts).enumerate() {
+                        // Latency hiding: warm the home groups (and candidate nodes) of the
+                        // next blocks; hints only, the upsert re-probes under the shard lock.
+                        if j + PREFETCH < bh.len() {
+                            part.table
+                                .prefetch_home(Probe::new(bh[j + PREFETCH].as_ref()), &guard);
+                        }
+                        if j + 2 < bh.len() {
+                            part.table.candidate(Probe::new(bh[j + 2].as_ref()), &guard);
+                        }
+                        sum = sum.wrapping_add(*c);
+                        up(h.as_ref(), sum, &mut pend, &mut out);
+                    }
+                    if !r.prefix_hash.is_empty() {
+                        up(r.prefix_hash, r.token_count, &mut pend, &mut out);
+                    }
+                } else {
+                    up(r.prefix_hash, r.token_count, &mut pend, &mut out);
                 }
+            }
+            if let Some((p, rep)) = cur {
+                self.flush_pending(p, rep, &mut pend, &guard);
             }
         }
         if let Some(st) = update.stats {
@@ -565,7 +588,105 @@ impl Index {
         out
     }
 
-    /// K11 upsert of one (key, replica) entry.
+    /// Chain upsert without a change sink: blocks are grouped by shard (stable, so a key repeated
+    /// in the chain keeps its last value) and each shard's group is applied under one lock
+    /// acquisition. Readers may see the chain's entries appear in any order (C3 asks for no
+    /// cross-entry snapshot). With a sink, [`Index::ingest`] keeps chain order for N1.
+    #[allow(clippy::too_many_arguments)]
+    fn upsert_chain_grouped<H: AsRef<[u8]>>(
+        &self,
+        part: &Partition,
+        hashes: &[H],
+        counts: &[i32],
+        rep: u32,
+        ts_ms: i64,
+        tier: u8,
+        guard: &Guard,
+        out: &mut IngestOutcome,
+        pend: &mut Pending,
+        order: &mut Vec<(u32, i32)>,
+    ) {
+        let n = hashes.len();
+        let mut per = [0u32; SHARDS + 1];
+        for h in hashes {
+            per[KeyTable::shard_of(Probe::new(h.as_ref())) + 1] += 1;
+        }
+        for s in 0..SHARDS {
+            per[s + 1] += per[s];
+        }
+        order.clear();
+        order.resize(n, (0, 0));
+        let mut pos = per;
+        let mut sum: i32 = 0;
+        for (j, (h, c)) in hashes.iter().zip(counts).enumerate() {
+            sum = sum.wrapping_add(*c);
+            let s = KeyTable::shard_of(Probe::new(h.as_ref()));
+            order[pos[s] as usize] = (j as u32, sum);
+            pos[s] += 1;
+        }
+        for s in 0..SHARDS {
+            let (a, b) = (per[s] as usize, per[s + 1] as usize);
+            if a == b {
+                continue;
+            }
+            let mut w = part.table.writer(s);
+            for k in a..b {
+                if k + PREFETCH < n {
+                    part.table.prefetch_home(
+                        Probe::new(hashes[order[k + PREFETCH].0 as usize].as_ref()),
+                        guard,
+                    );
+                }
+                if k + 2 < n {
+                    part.table
+                        .candidate(Probe::new(hashes[order[k + 2].0 as usize].as_ref()), guard);
+                }
+                let (j, tokens) = order[k];
+                let p = Probe::new(hashes[j as usize].as_ref());
+                Self::upsert_locked(&mut w, p, rep, tokens, ts_ms, tier, guard, out, pend);
+            }
+        }
+    }
+
+    /// Applies the derived counter deltas of one (partition, replica) run of upserts.
+    fn flush_pending(&self, part: &Partition, rep: u32, pend: &mut Pending, guard: &Guard) {
+        let keys = std::mem::take(&mut pend.keys);
+        let entries = std::mem::take(&mut pend.entries);
+        if keys != 0 {
+            part.tenant.keys.fetch_add(keys, Ordering::Relaxed);
+            part.model.keys.fetch_add(keys, Ordering::Relaxed);
+            self.total_keys.fetch_add(keys, Ordering::Relaxed);
+            if !part.tenant.reserved {
+                part.model.gauge.keys.fetch_add(keys, Ordering::Relaxed);
+            }
+        }
+        if entries != 0 {
+            if part.tenant.reserved {
+                self.reserved_entries.fetch_add(entries, Ordering::Relaxed);
+            } else {
+                self.storage_entries.fetch_add(entries, Ordering::Relaxed);
+            }
+            Self::serving_add(part, rep, entries, guard);
+        }
+    }
+
+    /// Adds `delta` to `serving[scope][rep]`, maintaining `serving_n` by threshold crossings
+    /// (each fetch_add sees an exact old value, so crossings telescope: `serving_n` is exact once
+    /// writes quiesce even though batched deltas may make a count transiently negative).
+    fn serving_add(part: &Partition, rep: u32, delta: i64, guard: &Guard) {
+        let reps = part.scope.replicas.load(guard);
+        let old = reps[rep as usize]
+            .serving
+            .fetch_add(delta, Ordering::Relaxed);
+        let new = old + delta;
+        if old <= 0 && new > 0 {
+            part.scope.serving_n.fetch_add(1, Ordering::Relaxed);
+        } else if old > 0 && new <= 0 {
+            part.scope.serving_n.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// K11 upsert of one (key, replica) entry. Derived counters go to `pend`.
     #[allow(clippy::too_many_arguments)]
     fn upsert(
         &self,
@@ -579,77 +700,12 @@ impl Index {
         tier: u8,
         guard: &Guard,
         out: &mut IngestOutcome,
+        pend: &mut Pending,
     ) {
         let part = ctx.part;
-        out.upserts += 1;
-        let mut w = part.table.writer_for(key);
-        let mut new_entry = false;
-        match w.find(key, guard) {
-            Some((i, node)) => {
-                let mut hs: Vec<Holder> = Vec::with_capacity(node.holders.len() + 1);
-                let mut found = false;
-                for h in node.holders.iter() {
-                    if h.rep() == rep {
-                        let mut h2 = *h;
-                        h2.tokens = tokens;
-                        h2.set_tier(tier);
-                        h2.last_seen_ms = h.last_seen_ms.max(ts_ms); // D7
-                        hs.push(h2);
-                        found = true;
-                    } else {
-                        hs.push(*h);
-                    }
-                }
-                if !found {
-                    let cell = self.new_cell(part);
-                    let pos = hs.partition_point(|h| h.rep() < rep);
-                    hs.insert(pos, Holder::new(rep, tier, tokens, ts_ms, cell));
-                    new_entry = true;
-                }
-                let node2 = KeyNode {
-                    key: KeyBytes::from_bytes(key),
-                    kcell: node.kcell,
-                    holders: hs.into_boxed_slice(),
-                };
-                w.replace(i, node2, guard);
-            }
-            None => {
-                let cell = self.new_cell(part);
-                let kcell = Box::into_raw(Box::new(KeyCell {
-                    sum: AtomicI64::new(0),
-                }));
-                part.table.add_bytes(KEY_CELL_BYTES as i64);
-                w.insert(
-                    KeyNode {
-                        key: KeyBytes::from_bytes(key),
-                        kcell,
-                        holders: vec![Holder::new(rep, tier, tokens, ts_ms, cell)]
-                            .into_boxed_slice(),
-                    },
-                    guard,
-                );
-                new_entry = true;
-                out.keys_added += 1;
-                part.tenant.keys.fetch_add(1, Ordering::Relaxed);
-                part.model.keys.fetch_add(1, Ordering::Relaxed);
-                self.total_keys.fetch_add(1, Ordering::Relaxed);
-                if !ctx.reserved {
-                    part.model.gauge.keys.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-        if new_entry {
-            out.entries_added += 1;
-            if ctx.reserved {
-                self.reserved_entries.fetch_add(1, Ordering::Relaxed);
-            } else {
-                self.storage_entries.fetch_add(1, Ordering::Relaxed);
-            }
-            let reps = part.scope.replicas.load(guard);
-            if reps[rep as usize].serving.fetch_add(1, Ordering::Relaxed) == 0 {
-                part.scope.serving_n.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+        let p = Probe::new(key);
+        let mut w = part.table.writer(KeyTable::shard_of(p));
+        let new_entry = Self::upsert_locked(&mut w, p, rep, tokens, ts_ms, tier, guard, out, pend);
         drop(w);
         if new_entry && let Some(s) = ctx.sink {
             s.publish(&ChangeEvent {
@@ -664,12 +720,54 @@ impl Index {
         }
     }
 
-    fn new_cell(&self, part: &Partition) -> *const EntryCell {
-        part.table.add_bytes(ENTRY_CELL_BYTES as i64);
-        Box::into_raw(Box::new(EntryCell {
-            generation: self.generation.fetch_add(1, Ordering::Relaxed),
-            access: AtomicU64::new(0),
-        }))
+    /// The K11 upsert under the key's shard writer. Returns whether a new entry was created.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn upsert_locked(
+        w: &mut ShardWriter<'_>,
+        p: Probe<'_>,
+        rep: u32,
+        tokens: i32,
+        ts_ms: i64,
+        tier: u8,
+        guard: &Guard,
+        out: &mut IngestOutcome,
+        pend: &mut Pending,
+    ) -> bool {
+        out.upserts += 1;
+        let mut new_entry = false;
+        match w.find_p(p, guard) {
+            Some((i, node)) => {
+                let hs = node.holders();
+                let pos = hs.partition_point(|h| h.rep() < rep);
+                if pos < hs.len() && hs[pos].rep() == rep {
+                    let h2 = hs[pos].refreshed(tokens, tier, ts_ms);
+                    if !h2.same_data(&hs[pos]) {
+                        with_holders(hs, |buf| {
+                            buf[pos] = h2;
+                            w.replace(i, buf, guard);
+                        });
+                    }
+                } else {
+                    let g = w.next_generation();
+                    let h = Holder::new(rep, tier, tokens, ts_ms, g);
+                    with_holders_inserted(hs, pos, h, |buf| w.replace(i, buf, guard));
+                    new_entry = true;
+                }
+            }
+            None => {
+                let g = w.next_generation();
+                w.insert_p(p, &[Holder::new(rep, tier, tokens, ts_ms, g)], guard);
+                new_entry = true;
+                out.keys_added += 1;
+                pend.keys += 1;
+            }
+        }
+        if new_entry {
+            out.entries_added += 1;
+            pend.entries += 1;
+        }
+        new_entry
     }
 
     fn store_stats(&self, model: &ModelRec, replica: &str, st: &ReplicaStatsInput, ts_ms: i64) {
@@ -711,22 +809,9 @@ impl Index {
     // ----------------------------------------------------------------------------------------
     // Removal
 
-    fn kill_entry(&self, part: &Partition, kcell: &KeyCell, h: &Holder, guard: &Guard) {
-        let cell = h.cell();
-        let c = cell.access.swap(DEAD, Ordering::AcqRel) & !DEAD;
-        if c > 0 {
-            self.add_key_access(&part.model, kcell, -(c as i64));
-        }
-        part.table.add_bytes(-(ENTRY_CELL_BYTES as i64));
-        let p = h.cell as *mut EntryCell;
-        // SAFETY: the entry was unlinked (its holder is no longer in the current node); readers
-        // pinned earlier may still read the cell, so it is freed through the epoch.
-        unsafe { guard.defer_unchecked(move || drop(Box::from_raw(p))) };
-    }
-
-    fn add_key_access(&self, model: &ModelRec, kcell: &KeyCell, delta: i64) {
+    fn add_key_access(&self, model: &ModelRec, ks: &KeySum, delta: i64) {
         let thr = self.cfg.hot_access_threshold as i64;
-        let old = kcell.sum.fetch_add(delta, Ordering::AcqRel);
+        let old = ks.sum.fetch_add(delta, Ordering::AcqRel);
         let new = old + delta;
         if old < thr && new >= thr {
             model.hot.fetch_add(1, Ordering::Relaxed);
@@ -736,6 +821,10 @@ impl Index {
     }
 
     /// Removes replica `rep` from the key at slot `i` (node `node`). Returns the removed holder.
+    /// Allocates nothing but the replacement node (if other holders remain). Key / entry /
+    /// serving counter deltas go to `pend`; the caller flushes them with
+    /// [`Index::flush_pending`] for `(part, rep)`.
+    #[allow(clippy::too_many_arguments)]
     fn remove_holder(
         &self,
         w: &mut ShardWriter<'_>,
@@ -744,51 +833,25 @@ impl Index {
         node: &KeyNode,
         rep: u32,
         guard: &Guard,
+        pend: &mut Pending,
     ) -> Option<Holder> {
-        let pos = node.holders.iter().position(|h| h.rep() == rep)?;
-        let h = node.holders[pos];
-        let kcell = node.kcell();
-        if node.holders.len() == 1 {
+        let hs = node.holders();
+        let pos = hs.iter().position(|h| h.rep() == rep)?;
+        let h = hs[pos];
+        if hs.len() == 1 {
             w.remove(i, guard);
-            part.tenant.keys.fetch_sub(1, Ordering::Relaxed);
-            part.model.keys.fetch_sub(1, Ordering::Relaxed);
-            self.total_keys.fetch_sub(1, Ordering::Relaxed);
-            if !part.tenant.reserved {
-                part.model.gauge.keys.fetch_sub(1, Ordering::Relaxed);
-            }
-            self.kill_entry(part, kcell, &h, guard);
-            part.table.add_bytes(-(KEY_CELL_BYTES as i64));
-            let kp = node.kcell as *mut KeyCell;
-            // SAFETY: the key was unlinked from the current table; pinned readers may still
-            // read its cell, so it is freed through the epoch.
-            unsafe { guard.defer_unchecked(move || drop(Box::from_raw(kp))) };
+            pend.keys -= 1;
         } else {
-            let hs: Vec<Holder> = node
-                .holders
-                .iter()
-                .filter(|x| x.rep() != rep)
-                .copied()
-                .collect();
-            w.replace(
-                i,
-                KeyNode {
-                    key: KeyBytes::from_bytes(node.key.as_bytes()),
-                    kcell: node.kcell,
-                    holders: hs.into_boxed_slice(),
-                },
-                guard,
-            );
-            self.kill_entry(part, kcell, &h, guard);
+            with_holders_removed(hs, pos, |buf| w.replace(i, buf, guard));
         }
-        if part.tenant.reserved {
-            self.reserved_entries.fetch_sub(1, Ordering::Relaxed);
-        } else {
-            self.storage_entries.fetch_sub(1, Ordering::Relaxed);
+        // LFU state is lost on delete (V3); an LRU-only shard has none.
+        if w.has_lfu()
+            && let Some((c, ks)) = w.lfu_kill(node.key(), rep, h.generation(), guard)
+            && c > 0
+        {
+            self.add_key_access(&part.model, ks, -(c as i64));
         }
-        let reps = part.scope.replicas.load(guard);
-        if reps[rep as usize].serving.fetch_sub(1, Ordering::Relaxed) == 1 {
-            part.scope.serving_n.fetch_sub(1, Ordering::Relaxed);
-        }
+        pend.entries -= 1;
         Some(h)
     }
 
@@ -811,11 +874,13 @@ impl Index {
                 let end = (start + SLICE).min(cap);
                 for i in start..end {
                     while let Some(node) = w.node_at(i, &guard) {
-                        let Some(h) = node.holders.iter().find(|h| select(h)).copied() else {
+                        let Some(h) = node.holders().iter().find(|h| select(h)).copied() else {
                             break;
                         };
                         on_removed(node, &h);
-                        self.remove_holder(&mut w, part, i, node, h.rep(), &guard);
+                        let mut pend = Pending::default();
+                        self.remove_holder(&mut w, part, i, node, h.rep(), &guard, &mut pend);
+                        self.flush_pending(part, h.rep(), &mut pend, &guard);
                         removed += 1;
                     }
                 }
@@ -884,41 +949,117 @@ impl Index {
         if ev.prefix_hash.is_empty() {
             return; // D8
         }
-        let Some(model) = self.model_ref(ev.tenant_id, ev.model_id) else {
-            return;
+        self.evict_prefixes(
+            ev.tenant_id,
+            ev.model_id,
+            ev.replica_id,
+            ev.adapter_id,
+            std::slice::from_ref(&ev.prefix_hash),
+            ev.timestamp_us,
+        );
+    }
+
+    /// Batch E3: the effect of one PREFIX_EVICTED event per key of `prefix_hashes` (same
+    /// tenant, model, replica, adapter filter and timestamp), resolving the pair, its partitions
+    /// and the replica index once. Empty keys are skipped (D8). Change notifications (N1) are
+    /// published per removed entry, partition by partition. Returns the entries removed.
+    pub fn evict_prefixes<H: AsRef<[u8]>>(
+        &self,
+        tenant_id: &str,
+        model_id: &str,
+        replica_id: &str,
+        adapter_id: &str,
+        prefix_hashes: &[H],
+        timestamp_us: i64,
+    ) -> u64 {
+        let Some(model) = self.model_ref(tenant_id, model_id) else {
+            return 0;
         };
-        let ts_us = self.resolve_now_us(ev.timestamp_us);
+        let ts_us = self.resolve_now_us(timestamp_us);
         let sink = self.active_sink(model.tenant.reserved);
-        let parts: Vec<Arc<Partition>> = model.parts.lock().clone();
-        for p in parts.iter() {
-            if !ev.adapter_id.is_empty() && *p.adapter != *ev.adapter_id {
-                continue;
+        let mut removed = 0u64;
+        self.for_each_part(model, |p| {
+            if !adapter_id.is_empty() && *p.adapter != *adapter_id {
+                return;
             }
-            let Some(rep) = p.scope.index_of(ev.replica_id) else {
-                continue;
+            let Some(rep) = p.scope.index_of(replica_id) else {
+                return;
             };
             let guard = epoch::pin();
-            let mut w = p.table.writer_for(ev.prefix_hash);
-            let Some((i, node)) = w.find(ev.prefix_hash, &guard) else {
-                continue;
-            };
-            if self
-                .remove_holder(&mut w, p, i, node, rep, &guard)
-                .is_some()
-            {
-                w.maybe_shrink(&guard);
-                drop(w);
-                if let Some(s) = &sink {
-                    s.publish(&ChangeEvent {
-                        kind: ChangeKind::Removed,
-                        tenant_id: ev.tenant_id,
-                        model_id: ev.model_id,
-                        replica_id: ev.replica_id,
-                        prefix_hash: ev.prefix_hash,
-                        adapter_id: &p.adapter,
-                        timestamp_us: ts_us,
-                    });
+            let mut pend = Pending::default();
+            for (j, key) in prefix_hashes.iter().enumerate() {
+                // Latency hiding, as in `ingest`.
+                if j + PREFETCH < prefix_hashes.len() {
+                    p.table
+                        .prefetch_home(Probe::new(prefix_hashes[j + PREFETCH].as_ref()), &guard);
                 }
+                if j + 2 < prefix_hashes.len() {
+                    p.table
+                        .candidate(Probe::new(prefix_hashes[j + 2].as_ref()), &guard);
+                }
+                let key = key.as_ref();
+                if key.is_empty() {
+                    continue;
+                }
+                let pr = Probe::new(key);
+                let mut w = p.table.writer(KeyTable::shard_of(pr));
+                let Some((i, node)) = w.find_p(pr, &guard) else {
+                    continue;
+                };
+                if self
+                    .remove_holder(&mut w, p, i, node, rep, &guard, &mut pend)
+                    .is_some()
+                {
+                    removed += 1;
+                    w.maybe_shrink(&guard);
+                    drop(w);
+                    if let Some(s) = &sink {
+                        s.publish(&ChangeEvent {
+                            kind: ChangeKind::Removed,
+                            tenant_id,
+                            model_id,
+                            replica_id,
+                            prefix_hash: key,
+                            adapter_id: &p.adapter,
+                            timestamp_us: ts_us,
+                        });
+                    }
+                }
+            }
+            // Counters once per partition (they may lag the batch, exact after it, C3).
+            self.flush_pending(p, rep, &mut pend, &guard);
+        });
+        removed
+    }
+
+    /// Calls `f` on every partition of a (tenant, model) pair without allocating for ≤ 8.
+    fn for_each_part(&self, model: &ModelRec, mut f: impl FnMut(&Partition)) {
+        const N: usize = 8;
+        let mut small: [*const Partition; N] = [std::ptr::null(); N];
+        let big: Vec<Arc<Partition>>;
+        let n;
+        {
+            let l = model.parts.lock();
+            n = l.len();
+            if n <= N {
+                for (d, p) in small.iter_mut().zip(l.iter()) {
+                    *d = Arc::as_ptr(p);
+                }
+                big = Vec::new();
+            } else {
+                big = l.clone();
+            }
+        }
+        if n <= N {
+            for &p in &small[..n] {
+                // SAFETY: partitions are never removed from `model.parts` (nor from
+                // `all_parts`) while the index lives; `&self` outlives this call, so the `Arc`s
+                // in those lists keep every partition alive.
+                f(unsafe { &*p });
+            }
+        } else {
+            for p in big.iter() {
+                f(p);
             }
         }
     }
@@ -966,6 +1107,13 @@ impl Index {
     // ----------------------------------------------------------------------------------------
     // Core match (L4)
 
+    /// L4 steps 1–4: the longest common leading run of every replica fresh at block 0. Leaves
+    /// the closed runs in `scratch.runs`, sorted by replica index (and, with `capture_nodes`, the
+    /// node of every visited block in `scratch.nodes`).
+    ///
+    /// Latency hiding: while block `i` is processed, the home group of block `i + PREFETCH` is
+    /// prefetched and block `i + 1` is already probed and its node prefetched, so the dependent
+    /// misses of consecutive blocks overlap.
     #[allow(clippy::too_many_arguments)]
     fn walk_chain<H: AsRef<[u8]>>(
         part: &Partition,
@@ -977,22 +1125,184 @@ impl Index {
         scratch: &mut MatchScratch,
         capture_nodes: bool,
     ) {
-        let runs = &mut scratch.runs;
-        runs.clear();
+        scratch.runs.clear();
         scratch.nodes.clear();
         let n = hashes.len().min(counts.len());
         if n == 0 || ttl_ms <= 0 {
             return;
         }
-        let Some(n0) = part.table.find(hashes[0].as_ref(), guard) else {
+        let t = &part.table;
+        let Some(n0) = t.find(hashes[0].as_ref(), guard) else {
             return;
         };
-        for h in n0.holders.iter() {
-            if is_live(now_ms, h.last_seen_ms, ttl_ms) {
+        for h in hashes.iter().take(n.min(PREFETCH + 1)).skip(1) {
+            t.prefetch_home(Probe::new(h.as_ref()), guard);
+        }
+        let hs0 = n0.holders();
+        if hs0[hs0.len() - 1].rep() < 64 {
+            Self::walk_fast(
+                t,
+                n0,
+                hashes,
+                counts,
+                n,
+                now_ms,
+                ttl_ms,
+                guard,
+                scratch,
+                capture_nodes,
+            )
+        } else {
+            Self::walk_general(
+                t,
+                n0,
+                hashes,
+                counts,
+                n,
+                now_ms,
+                ttl_ms,
+                guard,
+                scratch,
+                capture_nodes,
+            )
+        }
+    }
+
+    /// Bitset path: every replica fresh at block 0 has a scope-local index < 64.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn walk_fast<H: AsRef<[u8]>>(
+        t: &KeyTable,
+        n0: &KeyNode,
+        hashes: &[H],
+        counts: &[i32],
+        n: usize,
+        now_ms: i64,
+        ttl_ms: i64,
+        guard: &Guard,
+        scratch: &mut MatchScratch,
+        capture_nodes: bool,
+    ) {
+        if scratch.fast.len() < 64 {
+            scratch.fast.resize(64, Run::default());
+        }
+        let fr = &mut scratch.fast[..64];
+        let mut open = 0u64;
+        for h in n0.holders() {
+            let ls = h.last_seen_ms();
+            if is_live(now_ms, ls, ttl_ms) {
+                let r = h.rep();
+                open |= 1 << r;
+                fr[r as usize] = Run {
+                    rep: r,
+                    matched: 0,
+                    oldest: ls,
+                    tier: h.tier(),
+                    blocks: 0,
+                    open: true,
+                };
+            }
+        }
+        if open == 0 {
+            return;
+        }
+        let started = open;
+        if capture_nodes {
+            scratch.nodes.push(n0 as *const KeyNode as usize);
+        }
+        // Σ counts[0..=i] (wrapping), i = last block of the runs still open.
+        let mut acc = counts[0];
+        // Pipeline: home groups are prefetched PREFETCH blocks ahead; the candidates of blocks
+        // i+1 ..= i+AHEAD are read (and their nodes prefetched) before block i is processed.
+        let cand_at = |j: usize| -> Cand {
+            if j < n {
+                t.candidate(Probe::new(hashes[j].as_ref()), guard)
+            } else {
+                Cand::Miss
+            }
+        };
+        let mut ring = [Cand::Miss; 4];
+        for (j, c) in ring.iter_mut().enumerate().take(AHEAD + 1).skip(1) {
+            *c = cand_at(j);
+        }
+        let mut i = 1usize;
+        while i < n {
+            let Some(node) = t.resolve(ring[i & 3], Probe::new(hashes[i].as_ref()), guard) else {
+                break;
+            };
+            if i + PREFETCH < n {
+                t.prefetch_home(Probe::new(hashes[i + PREFETCH].as_ref()), guard);
+            }
+            ring[(i + AHEAD) & 3] = cand_at(i + AHEAD);
+            if capture_nodes {
+                scratch.nodes.push(node as *const KeyNode as usize);
+            }
+            let mut still = 0u64;
+            for h in node.holders() {
+                let r = h.rep();
+                if r < 64 && open & (1 << r) != 0 {
+                    let ls = h.last_seen_ms();
+                    if is_live(now_ms, ls, ttl_ms) {
+                        still |= 1 << r;
+                        let run = &mut fr[r as usize];
+                        run.oldest = run.oldest.min(ls);
+                        run.tier = run.tier.max(h.tier());
+                    }
+                }
+            }
+            let mut closed = open & !still;
+            while closed != 0 {
+                let r = closed.trailing_zeros() as usize;
+                closed &= closed - 1;
+                fr[r].matched = acc;
+                fr[r].blocks = i as u32;
+            }
+            open = still;
+            if open == 0 {
+                break;
+            }
+            acc = acc.wrapping_add(counts[i]);
+            i += 1;
+        }
+        let mut rest = open;
+        while rest != 0 {
+            let r = rest.trailing_zeros() as usize;
+            rest &= rest - 1;
+            fr[r].matched = acc;
+            fr[r].blocks = i as u32;
+        }
+        let mut all = started;
+        while all != 0 {
+            let r = all.trailing_zeros() as usize;
+            all &= all - 1;
+            let mut run = fr[r];
+            run.open = false;
+            scratch.runs.push(run);
+        }
+    }
+
+    /// General path (any replica indices): merge the sorted open runs with each node's sorted
+    /// holders.
+    #[allow(clippy::too_many_arguments)]
+    fn walk_general<H: AsRef<[u8]>>(
+        t: &KeyTable,
+        n0: &KeyNode,
+        hashes: &[H],
+        counts: &[i32],
+        n: usize,
+        now_ms: i64,
+        ttl_ms: i64,
+        guard: &Guard,
+        scratch: &mut MatchScratch,
+        capture_nodes: bool,
+    ) {
+        let runs = &mut scratch.runs;
+        for h in n0.holders().iter() {
+            if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
                 runs.push(Run {
                     rep: h.rep(),
                     matched: counts[0],
-                    oldest: h.last_seen_ms,
+                    oldest: h.last_seen_ms(),
                     tier: h.tier(),
                     blocks: 1,
                     open: true,
@@ -1007,7 +1317,10 @@ impl Index {
         }
         let mut open = runs.len();
         for i in 1..n {
-            let Some(node) = part.table.find(hashes[i].as_ref(), guard) else {
+            if i + PREFETCH < n {
+                t.prefetch_home(Probe::new(hashes[i + PREFETCH].as_ref()), guard);
+            }
+            let Some(node) = t.find(hashes[i].as_ref(), guard) else {
                 break;
             };
             if capture_nodes {
@@ -1015,7 +1328,7 @@ impl Index {
             }
             let c = counts[i];
             // Runs and holders are both sorted by replica index: merge.
-            let hs = &node.holders;
+            let hs = node.holders();
             let mut j = 0usize;
             for r in runs.iter_mut() {
                 if !r.open {
@@ -1026,11 +1339,11 @@ impl Index {
                 }
                 if j < hs.len()
                     && hs[j].rep() == r.rep
-                    && is_live(now_ms, hs[j].last_seen_ms, ttl_ms)
+                    && is_live(now_ms, hs[j].last_seen_ms(), ttl_ms)
                 {
                     let h = &hs[j];
                     r.matched = r.matched.wrapping_add(c);
-                    r.oldest = r.oldest.min(h.last_seen_ms);
+                    r.oldest = r.oldest.min(h.last_seen_ms());
                     r.tier = r.tier.max(h.tier());
                     r.blocks += 1;
                 } else {
@@ -1157,8 +1470,8 @@ impl Index {
                             buf.hits.hits.push(Hit {
                                 replica: rr.name.clone(),
                                 rep: r.rep,
-                                key: own_key(&node.key),
-                                generation: h.cell().generation,
+                                key: own_key(node.key()),
+                                generation: h.generation(),
                             });
                         }
                     }
@@ -1196,8 +1509,8 @@ impl Index {
                 return;
             };
             let reps = part.scope.replicas.load(&guard);
-            for h in node.holders.iter() {
-                let f = freshness(now_ms, h.last_seen_ms, ttl);
+            for h in node.holders().iter() {
+                let f = freshness(now_ms, h.last_seen_ms(), ttl);
                 if f <= 0.0 {
                     continue;
                 }
@@ -1207,17 +1520,17 @@ impl Index {
                 let pf = self.pressure_pf(&part.model, &rr.name, now_ms, ttl, &guard);
                 buf.scores.push(ScoredReplica {
                     replica_id: rr.name.clone(),
-                    score: prefix_score(h.tokens, f, pf, c),
-                    matched_tokens: h.tokens,
+                    score: prefix_score(h.tokens(), f, pf, c),
+                    matched_tokens: h.tokens(),
                     estimated_cache_hit_prob: f,
                     tier: tier_wire(h.tier()),
                 });
-                if capture && h.tokens > 0 {
+                if capture && h.tokens() > 0 {
                     buf.hits.hits.push(Hit {
                         replica: rr.name.clone(),
                         rep: h.rep(),
-                        key: own_key(&node.key),
-                        generation: h.cell().generation,
+                        key: own_key(node.key()),
+                        generation: h.generation(),
                     });
                 }
             }
@@ -1413,16 +1726,32 @@ impl Index {
         };
         let guard = epoch::pin();
         for hit in hits.hits.iter() {
-            let Some(node) = part.table.find(hit.key.as_bytes(), &guard) else {
+            let key = hit.key.as_bytes();
+            let p = Probe::new(key);
+            let Some(node) = part.table.find_p(p, &guard) else {
                 continue;
             };
-            let Some(h) = node.holder(hit.rep) else {
-                continue;
-            };
-            let cell = h.cell();
-            if cell.generation != hit.generation {
-                continue;
+            match node.holder(hit.rep) {
+                Some(h) if h.generation() == hit.generation => {}
+                _ => continue,
             }
+            // Lock-free once the entry has an LFU cell; the first credit creates it under the
+            // shard mutex after re-validating the entry there (removals kill cells under the
+            // same mutex, so a cell is never created for a removed entry).
+            let cell = match part.table.lfu_cell(p, hit.rep, hit.generation, &guard) {
+                Some(c) => c,
+                None => {
+                    let mut w = part.table.writer(KeyTable::shard_of(p));
+                    let Some((_, node)) = w.find_p(p, &guard) else {
+                        continue;
+                    };
+                    match node.holder(hit.rep) {
+                        Some(h) if h.generation() == hit.generation => {}
+                        _ => continue,
+                    }
+                    w.lfu_cell_or_create(key, hit.rep, hit.generation, &guard)
+                }
+            };
             let r = cell
                 .access
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
@@ -1433,7 +1762,7 @@ impl Index {
                     }
                 });
             if r.is_ok() {
-                self.add_key_access(&part.model, node.kcell(), 1);
+                self.add_key_access(&part.model, cell.ksum(), 1);
             }
         }
     }
@@ -1484,7 +1813,7 @@ impl Index {
         for p in parts.iter().filter(|p| !p.tenant.reserved) {
             let reps = p.scope.replicas.load(&guard).clone();
             p.table.for_each_node(&guard, |node| {
-                for h in node.holders.iter() {
+                for h in node.holders().iter() {
                     let Some(rr) = reps.get(h.rep() as usize) else {
                         continue;
                     };
@@ -1500,7 +1829,7 @@ impl Index {
                     row.prefix_count += 1;
                     row.last_event_ms = Some(
                         row.last_event_ms
-                            .map_or(h.last_seen_ms, |x| x.max(h.last_seen_ms)),
+                            .map_or(h.last_seen_ms(), |x| x.max(h.last_seen_ms())),
                     );
                 }
             });
@@ -1661,15 +1990,18 @@ impl Index {
         let guard = epoch::pin();
         let node = p.table.find(key, &guard)?;
         let reps = p.scope.replicas.load(&guard);
-        let h = node.holders.iter().find(|h| {
+        let h = node.holders().iter().find(|h| {
             reps.get(h.rep() as usize)
                 .is_some_and(|r| &*r.name == replica)
         })?;
         Some(EntryView {
-            token_count: h.tokens,
-            last_seen_us: h.last_seen_ms * 1000,
+            token_count: h.tokens(),
+            last_seen_us: h.last_seen_ms() * 1000,
             tier: tier_wire(h.tier()),
-            access_count: (h.cell().access.load(Ordering::Acquire) & !DEAD) as u32,
+            access_count: p
+                .table
+                .lfu_cell(Probe::new(key), h.rep(), h.generation(), &guard)
+                .map_or(0, |c| (c.access.load(Ordering::Acquire) & !DEAD) as u32),
         })
     }
 
@@ -1691,7 +2023,7 @@ impl Index {
         };
         let reps = p.scope.replicas.load(&guard);
         let mut v: Vec<Arc<str>> = node
-            .holders
+            .holders()
             .iter()
             .filter_map(|h| reps.get(h.rep() as usize).map(|r| r.name.clone()))
             .collect();
@@ -1741,7 +2073,7 @@ impl Index {
             let guard = epoch::pin();
             let n = self.walk_remove(
                 p,
-                |h| t_ms - h.last_seen_ms >= ttl,
+                |h| t_ms - h.last_seen_ms() >= ttl,
                 |node, h| {
                     if let Some(s) = &sink {
                         let reps = p.scope.replicas.load(&guard);
@@ -1751,7 +2083,7 @@ impl Index {
                                 tenant_id: &p.tenant.name,
                                 model_id: &p.model.name,
                                 replica_id: &rr.name,
-                                prefix_hash: node.key.as_bytes(),
+                                prefix_hash: node.key(),
                                 adapter_id: &p.adapter,
                                 timestamp_us: t_us,
                             });
@@ -1860,10 +2192,79 @@ impl Drop for Index {
     }
 }
 
-fn own_key(k: &KeyBytes) -> KeyBytesOwned {
-    match k {
-        KeyBytes::Short(a) => KeyBytesOwned::Short(*a),
-        KeyBytes::Long(b) => KeyBytesOwned::Long(b.clone()),
+fn own_key(k: &[u8]) -> KeyBytesOwned {
+    match <[u8; 8]>::try_from(k) {
+        Ok(a) => KeyBytesOwned::Short(a),
+        Err(_) => KeyBytesOwned::Long(k.into()),
+    }
+}
+
+/// Derived counter deltas of an ingest not yet applied (see `Index::flush_pending`).
+#[derive(Default)]
+struct Pending {
+    keys: i64,
+    entries: i64,
+}
+
+/// Chains at least this long are ingested grouped by shard (one lock per shard group).
+const GROUP_MIN: usize = 8;
+
+/// Chain walk: home groups are prefetched this many blocks ahead.
+const PREFETCH: usize = 8;
+/// Chain walk: candidates (home group read, node prefetched) are taken this many blocks ahead
+/// (≤ 3: ring of 4).
+const AHEAD: usize = 3;
+
+/// Holders that fit the stack buffers below without allocating.
+const STACK_HOLDERS: usize = 16;
+
+/// Runs `f` on a mutable copy of `hs` (stack buffer when small).
+fn with_holders<R>(hs: &[Holder], f: impl FnOnce(&mut [Holder]) -> R) -> R {
+    if hs.len() <= STACK_HOLDERS {
+        let mut a = [Holder::default(); STACK_HOLDERS];
+        a[..hs.len()].copy_from_slice(hs);
+        f(&mut a[..hs.len()])
+    } else {
+        let mut v = hs.to_vec();
+        f(&mut v)
+    }
+}
+
+/// Runs `f` on `hs` with `h` inserted at `pos`.
+fn with_holders_inserted<R>(
+    hs: &[Holder],
+    pos: usize,
+    h: Holder,
+    f: impl FnOnce(&[Holder]) -> R,
+) -> R {
+    let n = hs.len() + 1;
+    if n <= STACK_HOLDERS {
+        let mut a = [Holder::default(); STACK_HOLDERS];
+        a[..pos].copy_from_slice(&hs[..pos]);
+        a[pos] = h;
+        a[pos + 1..n].copy_from_slice(&hs[pos..]);
+        f(&a[..n])
+    } else {
+        let mut v = Vec::with_capacity(n);
+        v.extend_from_slice(&hs[..pos]);
+        v.push(h);
+        v.extend_from_slice(&hs[pos..]);
+        f(&v)
+    }
+}
+
+/// Runs `f` on `hs` without the holder at `pos`.
+fn with_holders_removed<R>(hs: &[Holder], pos: usize, f: impl FnOnce(&[Holder]) -> R) -> R {
+    let n = hs.len() - 1;
+    if n <= STACK_HOLDERS {
+        let mut a = [Holder::default(); STACK_HOLDERS];
+        a[..pos].copy_from_slice(&hs[..pos]);
+        a[pos..n].copy_from_slice(&hs[pos + 1..]);
+        f(&a[..n])
+    } else {
+        let mut v = hs.to_vec();
+        v.remove(pos);
+        f(&v)
     }
 }
 
@@ -1885,4 +2286,237 @@ fn sort_final(v: &mut [ScoredReplica]) {
             .unwrap_or(std::cmp::Ordering::Equal)
             .then_with(|| a.replica_id.cmp(&b.replica_id))
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::config::DefaultResolvers;
+
+    const NOW: i64 = 1_700_000_000_000_000;
+
+    fn chain(ix: &Index, rep: &str, keys: &[[u8; 8]]) {
+        let counts = vec![16i32; keys.len()];
+        ix.ingest(CacheStateUpdate {
+            replica_id: rep,
+            model_id: "m",
+            tenant_id: "t",
+            hash_scheme: "s",
+            timestamp_us: NOW,
+            adapter_id: "",
+            stats: None,
+            prefixes: std::iter::once(PrefixRef {
+                prefix_hash: b"",
+                token_count: 0,
+                block_hashes: keys,
+                block_token_counts: &counts,
+                tier: 0,
+                adapter_id: "",
+            }),
+        });
+    }
+
+    fn matches(ix: &Index, keys: &[[u8; 8]]) -> Vec<(String, i32, u32)> {
+        let counts = vec![16i32; keys.len()];
+        let p = ix.partition("t", "m", "s", "").unwrap();
+        let mut v = Vec::new();
+        let mut scratch = MatchScratch::default();
+        ix.match_chain_into(p, keys, &counts, NOW, &mut scratch, |m| {
+            v.push((m.replica_id.to_string(), m.matched_tokens, m.blocks))
+        });
+        v.sort();
+        v
+    }
+
+    /// Replica r holds the first `1 + r % 10` blocks of a 12-block chain.
+    fn expected(reps: std::ops::Range<usize>) -> Vec<(String, i32, u32)> {
+        let mut v: Vec<_> = reps
+            .map(|r| {
+                (
+                    format!("r{r:03}"),
+                    16 * (1 + r % 10) as i32,
+                    (1 + r % 10) as u32,
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn bitset_and_general_paths_agree() {
+        let keys: Vec<[u8; 8]> = (0..12u64).map(|i| (i * 7919 + 3).to_be_bytes()).collect();
+        for nrep in [8usize, 63, 64, 70, 130] {
+            let ix = Index::new(
+                IndexConfig::default(),
+                Arc::new(DefaultResolvers),
+                Arc::new(ManualClock::new(NOW)),
+            );
+            // Interleave ingest order so scope-local indices are not sorted by name.
+            for r in (0..nrep).rev() {
+                chain(&ix, &format!("r{r:03}"), &keys[..1 + r % 10]);
+            }
+            assert_eq!(matches(&ix, &keys), expected(0..nrep), "nrep {nrep}");
+            // Only replicas with index ≥ 64 left at block 0 → general path still exact.
+            assert_eq!(
+                ix.storage_entries(),
+                (0..nrep).map(|r| 1 + r % 10).sum::<usize>() as i64
+            );
+        }
+    }
+
+    #[test]
+    fn node_layout_roundtrip() {
+        for key in [&b"12345678"[..], b"", b"x", b"a-much-longer-key-than-eight"] {
+            let hs = [
+                Holder::new(1, 1, 16, -5, 7),
+                Holder::new(3, 4, -2, 1 << 42, (1 << 28) - 1),
+            ];
+            let n = KeyNode::build(key, crate::table::digest(key), &hs);
+            // SAFETY: fresh node, freed below, never shared.
+            let r = unsafe { n.as_ref() };
+            assert_eq!(r.key(), key);
+            assert_eq!(r.holders().len(), 2);
+            assert!(r.holders()[0].same_data(&hs[0]) && r.holders()[1].same_data(&hs[1]));
+            assert_eq!(r.holders()[1].last_seen_ms(), 1 << 42);
+            assert_eq!(r.holders()[1].tier(), 4);
+            assert_eq!(r.holders()[1].tokens(), -2);
+            assert_eq!(r.holders()[0].last_seen_ms(), -5);
+            assert!(r.matches(key, crate::table::digest(key)));
+            // SAFETY: built by `KeyNode::build` with this layout, unshared.
+            unsafe {
+                std::alloc::dealloc(
+                    n.as_ptr() as *mut u8,
+                    std::alloc::Layout::from_size_align(r.bytes_exact(), 8).unwrap(),
+                )
+            };
+        }
+        assert_eq!(
+            Holder::new(0, 1, 0, i64::MAX, 0).last_seen_ms(),
+            crate::table::clamp_ts(i64::MAX)
+        );
+    }
+}
+
+#[cfg(test)]
+mod lfu_race_tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    struct Lfu;
+    impl Resolvers for Lfu {
+        fn ttl_ms(&self, _: &str) -> Option<i64> {
+            None
+        }
+        fn algorithm(&self, _: &str) -> Algorithm {
+            Algorithm::Lfu
+        }
+        fn quota(&self, _: &str) -> Option<i64> {
+            None
+        }
+    }
+
+    const NOW: i64 = 1_700_000_000_000_000;
+
+    fn put(ix: &Index, rep: &str, key: &[u8]) {
+        ix.ingest(CacheStateUpdate {
+            replica_id: rep,
+            model_id: "m",
+            tenant_id: "t",
+            hash_scheme: "s",
+            timestamp_us: NOW,
+            adapter_id: "",
+            stats: None,
+            prefixes: std::iter::once(PrefixRef::<&[u8]> {
+                prefix_hash: key,
+                token_count: 16,
+                block_hashes: &[],
+                block_token_counts: &[],
+                tier: 0,
+                adapter_id: "",
+            }),
+        });
+    }
+
+    /// Credits racing with evictions and re-creations: once everything quiesces, the hot-key
+    /// counter equals the number of keys whose live holders' access counts sum to ≥ threshold.
+    #[test]
+    fn credits_racing_removals_keep_hot_exact() {
+        let cfg = IndexConfig {
+            hot_access_threshold: 3,
+            ..IndexConfig::default()
+        };
+        let ix = Arc::new(Index::new(
+            cfg,
+            Arc::new(Lfu),
+            Arc::new(ManualClock::new(NOW)),
+        ));
+        let keys: Vec<Vec<u8>> = (0..16u32)
+            .map(|i| format!("key-{i}").into_bytes())
+            .collect();
+        let reps = ["a", "b", "c"];
+        for k in &keys {
+            for r in reps {
+                put(&ix, r, k);
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut hs = Vec::new();
+        for t in 0..3 {
+            let (ix, keys, stop) = (ix.clone(), keys.clone(), stop.clone());
+            hs.push(std::thread::spawn(move || {
+                let mut i = t;
+                while !stop.load(Ordering::Relaxed) {
+                    let k = &keys[i % keys.len()];
+                    i += 7;
+                    let req = LookupRequest::<&[u8]> {
+                        prefix_hash: k,
+                        ..LookupRequest::new("t", "m", "s")
+                    };
+                    let r = ix.lookup_route(&req);
+                    ix.credit_hits(&r.hits);
+                }
+            }));
+        }
+        {
+            let (ix, keys) = (ix.clone(), keys.clone());
+            hs.push(std::thread::spawn(move || {
+                for round in 0..300 {
+                    let k = &keys[round % keys.len()];
+                    let r = reps[round % 3];
+                    ix.apply_event(CacheEventInput {
+                        event_type: event_type::PREFIX_EVICTED,
+                        replica_id: r,
+                        model_id: "m",
+                        tenant_id: "t",
+                        prefix_hash: k,
+                        timestamp_us: NOW,
+                        adapter_id: "",
+                    });
+                    if round % 2 == 0 {
+                        put(&ix, r, k);
+                    }
+                }
+            }));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        stop.store(true, Ordering::Relaxed);
+        for h in hs {
+            h.join().unwrap();
+        }
+        let mut want = 0;
+        for k in &keys {
+            let sum: u64 = reps
+                .iter()
+                .filter_map(|r| ix.entry("t", "m", "s", "", k, r))
+                .map(|e| e.access_count as u64)
+                .sum();
+            if sum >= 3 {
+                want += 1;
+            }
+        }
+        assert_eq!(ix.cache_state("t", "m").hot_prefixes, want);
+        assert!(want > 0);
+    }
 }

@@ -1,52 +1,95 @@
-//! The per-partition key table: a sharded open-addressing hash table of immutable key nodes.
+//! The per-partition key table: a sharded open-addressing hash table of immutable key nodes, plus
+//! the side table of LFU cells (only for credited entries).
 //!
 //! # Layout
 //!
 //! A [`KeyTable`] has [`SHARDS`] shards chosen by the top bits of the mixed key digest. Each shard
-//! owns an epoch-protected [`ShardTable`] (a power-of-two array of [`Slot`]s, linear probing) and a
-//! writer mutex. A slot is `{digest: AtomicU64, node: AtomicPtr<KeyNode>}`; `node` is null (never
-//! used: ends a probe), [`tomb()`] (deleted: probe continues) or a live [`KeyNode`].
+//! owns an epoch-protected [`ShardTable`]: a power-of-two array of 64-byte [`Group`]s (one cache
+//! line each). A group holds 7 node pointers and their 1-byte tags packed in one `AtomicU64`
+//! (lane 7 of the tag word is unused and permanently "full"). A tag is [`EMPTY`] (never used:
+//! ends a probe), [`TOMB`] (deleted: probe continues; reused by inserts) or `0x80 | 7 bits of the
+//! hash` (a fingerprint). Probing is linear over groups; a probe ends at the first group holding
+//! an empty lane, so a miss usually reads one cache line (P2). A 16-bit presence summary per home
+//! group (a superset, cleared only by rebuilds) answers most misses without reading the group.
+//!
+//! A [`KeyNode`] is one allocation: the 8-byte key (or, for other lengths, the big-endian XXH3-64
+//! digest), then its holders inline (16 bytes each, sorted by scope-local replica index, the last
+//! one flagged), then for non-8-byte keys `u32 len` + the key bytes. A single-holder node with an
+//! 8-byte key is 24 bytes (a 32-byte malloc chunk).
+//!
+//! [`Holder`] packs `last_seen` (ms, signed 44 bits: years ~1691–2248; out-of-range timestamps
+//! are clamped), the replica index (20 bits), `token_count` (i32), the tier code (2 bits), a
+//! per-entry generation (28 bits, from a per-shard counter; it wraps after 2^28 creations in one
+//! shard, far longer than any captured hit lives) and two layout flags.
+//!
+//! LFU state lives in a per-shard side table ([`LfuTable`]) that exists only once an entry of the
+//! shard has been credited: `(digest, replica, generation) → LfuCell {count, key sum}`. An
+//! LRU-only index never allocates it.
 //!
 //! # Invariants
 //!
-//! 1. A slot's `digest` is written once, before the slot's first node is published, and never
-//!    changes afterwards (tombstoned slots are not reused; they disappear at the next rebuild).
-//! 2. A published [`KeyNode`] is immutable. Every change to a key's holders builds a new node and
+//! 1. A published [`KeyNode`] is immutable. Every change to a key's holders builds a new node and
 //!    swaps the slot pointer (Release); the old node is retired through the epoch collector.
-//! 3. Every table has at least one null slot (load, tombstones included, stays ≤ 3/4), so a probe
-//!    terminates.
-//! 4. Only the holder of the shard mutex stores into a shard's slots or table pointer.
-//! 5. Nodes, entry cells and key cells are freed only through `Guard::defer*` after being made
-//!    unreachable from the current table, so a reader pinned before the unlink can still read them.
+//! 2. Every table has at least one empty lane in some group (load, tombstones included, stays
+//!    ≤ 4/5), so a probe terminates. A group's lanes only go EMPTY → full → TOMB → full ...; a
+//!    lane becomes EMPTY again only in a fresh (rebuilt) table, so a key lives in the first group
+//!    of its probe sequence that had a free lane when it was inserted, and every group before it
+//!    has no EMPTY lane.
+//! 3. Only the holder of the shard mutex stores into a shard's groups, its table pointer, its LFU
+//!    table pointer or the LFU cells' identity.
+//! 4. Nodes, LFU cells, key sums and tables are freed only through `Guard::defer*` after being
+//!    made unreachable, so a reader pinned before the unlink can still read them.
 //!
 //! # Memory ordering
 //!
-//! Writers publish a node with a `Release` store into `slot.node` after initializing it (and, for
-//! a fresh slot, after the `Relaxed` store of `digest`). Readers load `slot.node` with `Acquire`,
-//! which makes the node's contents and the slot's digest visible: a reader therefore sees a whole
-//! node (C3, never torn). A rebuilt table is published with a `Release` store of the shard's table
-//! pointer and read with `Acquire`; readers that still hold the old table see nodes that are valid
-//! until their guard is dropped (stale but consistent).
+//! Insert: the writer stores the node pointer (Release) and then the group's tag word (Release).
+//! A reader loads the tag word (Acquire) and, on a fingerprint match, the pointer (Acquire): it
+//! sees the node fully initialized (C3, never torn). Replace: one `swap` (AcqRel) of the pointer;
+//! the tag is unchanged. Remove: the pointer is set to null (Release) before the tag becomes TOMB;
+//! a reader that sees a matching tag and a null pointer treats the lane as deleted. A rebuilt
+//! table is fully built with Relaxed stores and published with a Release store of the shard's
+//! table pointer; readers that still hold the old table see nodes that stay valid until their
+//! guard is dropped (stale but consistent).
 
-use crate::sync::{AtomicI64, AtomicPtr, AtomicU64, Ordering};
-use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
+use crate::sync::{AtomicI64, AtomicPtr, AtomicU16, AtomicU64, Ordering};
+use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use crossbeam_utils::CachePadded;
 use parking_lot::{Mutex, MutexGuard};
+use std::alloc::Layout;
+use std::collections::HashMap;
 use std::ptr::NonNull;
 
 /// Number of shards per partition table.
 pub(crate) const SHARDS: usize = 16;
 const SHARD_SHIFT: u32 = 60;
-/// Minimum slots per shard table.
-pub(crate) const MIN_CAP: usize = 8;
-/// Estimated allocator overhead per allocation, for memory accounting.
-pub(crate) const ALLOC_OVERHEAD: usize = 16;
+/// Lanes per group.
+const LANES: usize = 7;
+/// Minimum groups per shard table.
+const MIN_GROUPS: usize = 1;
+/// Estimated allocator overhead per allocation (glibc: 8-byte header, 16-byte chunk rounding).
+pub(crate) const ALLOC_OVERHEAD: usize = 8;
+
+/// Empty lane tag.
+const EMPTY: u64 = 0x00;
+/// Deleted lane tag.
+const TOMB: u64 = 0x01;
+const LO: u64 = 0x0101_0101_0101_0101;
+const HI: u64 = 0x8080_8080_8080_8080;
+/// Lane 7 is unused: permanently TOMB (never empty, never matches a fingerprint).
+const INIT_TAGS: u64 = TOMB << 56;
 
 /// Tier codes as stored (K6 compaction): 1 = T1, 2 = T2, 3 = T3, 4 = colder/invalid.
 pub(crate) const TIER_COLDER: u8 = 4;
-const TIER_SHIFT: u32 = 29;
 /// Largest scope-local replica index.
-pub(crate) const REP_MASK: u32 = (1 << TIER_SHIFT) - 1;
+pub(crate) const REP_MASK: u32 = (1 << REP_BITS) - 1;
+const REP_BITS: u32 = 20;
+const TS_BITS: u32 = 44;
+const TS_MAX: i64 = (1 << (TS_BITS - 1)) - 1;
+const TS_MIN: i64 = -(1 << (TS_BITS - 1));
+/// Per-entry generations are 28-bit.
+pub(crate) const GEN_MASK: u32 = (1 << 28) - 1;
+const F_LONG: u64 = 1 << 62;
+const F_LAST: u64 = 1 << 63;
 
 /// Wire → stored tier (K6).
 #[inline]
@@ -68,150 +111,234 @@ pub(crate) fn tier_wire(code: u8) -> i32 {
     }
 }
 
-/// Per storage entry LFU state, shared by every version of the entry's key node (V3). `generation` is
-/// unique per entry creation, so a captured hit can never credit a different entry (L9, T92).
-pub(crate) struct EntryCell {
-    pub(crate) generation: u64,
-    /// Access count; [`DEAD`] set once the entry is removed.
-    pub(crate) access: AtomicU64,
+/// Clamps a ms timestamp to the 44-bit stored range (years ~1691–2248).
+#[inline]
+pub(crate) fn clamp_ts(ms: i64) -> i64 {
+    ms.clamp(TS_MIN, TS_MAX)
 }
 
-/// Marks an entry cell whose entry was removed (credits become no-ops).
-pub(crate) const DEAD: u64 = 1 << 63;
-
-/// Per key state shared by every version of the key's node: the sum of its holders' access
-/// counts (G1 hot keys).
-pub(crate) struct KeyCell {
-    pub(crate) sum: AtomicI64,
-}
-
-/// One holder of a key (24 bytes).
-#[derive(Clone, Copy, Debug)]
+/// One holder of a key (16 bytes).
+///
+/// `a = last_seen_ms (signed 44) << 20 | rep (20)`;
+/// `b = tokens (u32) | tier−1 (2) << 32 | generation (28) << 34 | F_LONG | F_LAST`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
 pub(crate) struct Holder {
-    pub(crate) last_seen_ms: i64,
-    pub(crate) cell: *const EntryCell,
-    rep_tier: u32,
-    pub(crate) tokens: i32,
+    a: u64,
+    b: u64,
 }
 
 impl Holder {
     #[inline]
-    pub(crate) fn new(
-        rep: u32,
-        tier: u8,
-        tokens: i32,
-        last_seen_ms: i64,
-        cell: *const EntryCell,
-    ) -> Self {
+    pub(crate) fn new(rep: u32, tier: u8, tokens: i32, last_seen_ms: i64, generation: u32) -> Self {
         debug_assert!(rep <= REP_MASK);
-        Self {
-            last_seen_ms,
-            cell,
-            rep_tier: rep | ((tier as u32) << TIER_SHIFT),
-            tokens,
-        }
+        debug_assert!((1..=4).contains(&tier));
+        let a = ((clamp_ts(last_seen_ms) as u64) << REP_BITS) | rep as u64;
+        let b = (tokens as u32 as u64)
+            | (((tier - 1) as u64 & 3) << 32)
+            | (((generation & GEN_MASK) as u64) << 34);
+        Self { a, b }
     }
     #[inline]
     pub(crate) fn rep(&self) -> u32 {
-        self.rep_tier & REP_MASK
+        (self.a & REP_MASK as u64) as u32
+    }
+    #[inline]
+    pub(crate) fn last_seen_ms(&self) -> i64 {
+        (self.a as i64) >> REP_BITS
+    }
+    #[inline]
+    pub(crate) fn tokens(&self) -> i32 {
+        self.b as u32 as i32
     }
     #[inline]
     pub(crate) fn tier(&self) -> u8 {
-        (self.rep_tier >> TIER_SHIFT) as u8
+        ((self.b >> 32) & 3) as u8 + 1
     }
     #[inline]
-    pub(crate) fn set_tier(&mut self, tier: u8) {
-        self.rep_tier = self.rep() | ((tier as u32) << TIER_SHIFT);
+    pub(crate) fn generation(&self) -> u32 {
+        ((self.b >> 34) as u32) & GEN_MASK
     }
-    /// The entry cell.
     #[inline]
-    pub(crate) fn cell(&self) -> &EntryCell {
-        // SAFETY: a holder is only reachable through a node that is reachable (or was reachable
-        // while the current guard was pinned); the cell is freed through the epoch only after the
-        // entry was removed from the current node, so it outlives every such reference.
-        unsafe { &*self.cell }
+    fn is_last(&self) -> bool {
+        self.b & F_LAST != 0
+    }
+    /// Same entry state (flags ignored).
+    #[inline]
+    pub(crate) fn same_data(&self, o: &Holder) -> bool {
+        self.a == o.a && (self.b ^ o.b) & !(F_LONG | F_LAST) == 0
+    }
+    /// K11 refresh: new tokens and tier, `last_seen = max(old, ts)` (D7); generation kept.
+    #[inline]
+    pub(crate) fn refreshed(&self, tokens: i32, tier: u8, ts_ms: i64) -> Self {
+        let ls = self.last_seen_ms().max(clamp_ts(ts_ms));
+        Self::new(self.rep(), tier, tokens, ls, self.generation())
     }
 }
 
-/// Key bytes: 8-byte keys inline, others boxed.
-pub(crate) enum KeyBytes {
-    Short([u8; 8]),
-    Long(Box<[u8]>),
-}
-
-impl KeyBytes {
-    pub(crate) fn from_bytes(b: &[u8]) -> Self {
-        match <[u8; 8]>::try_from(b) {
-            Ok(a) => KeyBytes::Short(a),
-            Err(_) => KeyBytes::Long(b.into()),
-        }
-    }
-    #[inline]
-    pub(crate) fn as_bytes(&self) -> &[u8] {
-        match self {
-            KeyBytes::Short(a) => a,
-            KeyBytes::Long(b) => b,
-        }
-    }
-    #[inline]
-    pub(crate) fn matches(&self, b: &[u8]) -> bool {
-        match self {
-            KeyBytes::Short(a) => b.len() == 8 && a[..] == b[..],
-            KeyBytes::Long(k) => k[..] == b[..],
-        }
-    }
-    fn heap_bytes(&self) -> usize {
-        match self {
-            KeyBytes::Short(_) => 0,
-            KeyBytes::Long(b) => b.len() + ALLOC_OVERHEAD,
-        }
-    }
-}
-
-/// An immutable key node: the key and its holders sorted by scope-local replica index.
+/// An immutable key node. Only the 8-byte key word is a Rust field; the holders (and long key
+/// bytes) follow in the same allocation (see the module docs). Always used by reference.
+#[repr(C, align(8))]
 pub(crate) struct KeyNode {
-    pub(crate) key: KeyBytes,
-    pub(crate) kcell: *const KeyCell,
-    pub(crate) holders: Box<[Holder]>,
+    /// The 8-byte key itself, or the big-endian XXH3-64 digest of a longer / shorter key.
+    k: [u8; 8],
 }
 
-// SAFETY: the raw pointers in a node point to cells that are only accessed through atomics and
-// are freed through the epoch collector; a node is immutable once published.
-unsafe impl Send for KeyNode {}
-// SAFETY: see `Send`; shared access only reads immutable fields or atomics.
-unsafe impl Sync for KeyNode {}
+const HDR: usize = std::mem::size_of::<KeyNode>();
+const HS: usize = std::mem::size_of::<Holder>();
 
 impl KeyNode {
     #[inline]
-    pub(crate) fn holder(&self, rep: u32) -> Option<&Holder> {
-        // Holders are few (usually ≤ 8); a linear scan beats a binary search there.
-        if self.holders.len() <= 16 {
-            self.holders.iter().find(|h| h.rep() == rep)
-        } else {
-            self.holders
-                .binary_search_by_key(&rep, |h| h.rep())
-                .ok()
-                .map(|i| &self.holders[i])
+    fn holders_ptr(&self) -> *const Holder {
+        // SAFETY: a node is always allocated with at least one holder right after the header
+        // (see `build`); the offset stays inside that allocation.
+        unsafe { (self as *const KeyNode as *const u8).add(HDR) as *const Holder }
+    }
+
+    /// The digest of the key (see [`digest`]).
+    #[inline]
+    pub(crate) fn digest(&self) -> u64 {
+        u64::from_be_bytes(self.k)
+    }
+
+    /// Number of holders (≥ 1).
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        let p = self.holders_ptr();
+        let mut n = 0;
+        // SAFETY: holders are contiguous and the last one carries F_LAST (set by `build`), so
+        // the scan stays inside the allocation.
+        unsafe {
+            while !(*p.add(n)).is_last() {
+                n += 1;
+            }
+        }
+        n + 1
+    }
+
+    /// The holders, sorted by replica index.
+    #[inline]
+    pub(crate) fn holders(&self) -> &[Holder] {
+        // SAFETY: `len()` holders are initialized right after the header and live as long as
+        // the node (immutable once published).
+        unsafe { std::slice::from_raw_parts(self.holders_ptr(), self.len()) }
+    }
+
+    #[inline]
+    fn is_long(&self) -> bool {
+        // SAFETY: there is always a first holder.
+        unsafe { (*self.holders_ptr()).b & F_LONG != 0 }
+    }
+
+    /// The key bytes.
+    #[inline]
+    pub(crate) fn key(&self) -> &[u8] {
+        if !self.is_long() {
+            return &self.k;
+        }
+        let n = self.len();
+        // SAFETY: long-key nodes store `u32 len` then the bytes right after the holders (see
+        // `build`); both lie inside the allocation.
+        unsafe {
+            let p = (self as *const KeyNode as *const u8).add(HDR + n * HS);
+            let len = (p as *const u32).read_unaligned() as usize;
+            std::slice::from_raw_parts(p.add(4), len)
         }
     }
+
+    /// Whether this node's key is `key` (whose digest is `d`).
     #[inline]
-    pub(crate) fn kcell(&self) -> &KeyCell {
-        // SAFETY: the key cell is freed through the epoch only after the key was unlinked from
-        // the current table; a node reference implies a pinned guard from before that.
-        unsafe { &*self.kcell }
+    pub(crate) fn matches(&self, key: &[u8], d: u64) -> bool {
+        self.digest() == d && (key.len() == 8 && !self.is_long() || self.key() == key)
     }
+
+    /// The holder of replica `rep`.
+    #[inline]
+    pub(crate) fn holder(&self, rep: u32) -> Option<&Holder> {
+        let hs = self.holders();
+        if hs.len() <= 16 {
+            hs.iter().find(|h| h.rep() == rep)
+        } else {
+            hs.binary_search_by_key(&rep, |h| h.rep())
+                .ok()
+                .map(|i| &hs[i])
+        }
+    }
+
+    fn layout_for(n: usize, key: &[u8]) -> Layout {
+        let extra = if key.len() == 8 { 0 } else { 4 + key.len() };
+        Layout::from_size_align(HDR + n * HS + extra, 8).expect("node layout")
+    }
+
+    fn layout(&self) -> Layout {
+        Self::layout_for(self.len(), self.key())
+    }
+
+    /// Exact allocation size of this node.
+    #[cfg(test)]
+    pub(crate) fn bytes_exact(&self) -> usize {
+        self.layout().size()
+    }
+
+    /// Accounted bytes of this node (allocation rounded like glibc malloc chunks).
     pub(crate) fn bytes(&self) -> usize {
-        std::mem::size_of::<KeyNode>()
-            + self.holders.len() * std::mem::size_of::<Holder>()
-            + 2 * ALLOC_OVERHEAD
-            + self.key.heap_bytes()
+        chunk(self.layout().size())
+    }
+
+    /// Builds a node (one allocation). `holders` must be sorted by replica index and non-empty.
+    pub(crate) fn build(key: &[u8], d: u64, holders: &[Holder]) -> NonNull<KeyNode> {
+        assert!(!holders.is_empty());
+        let n = holders.len();
+        let long = key.len() != 8;
+        let lay = Self::layout_for(n, key);
+        // SAFETY: the layout has a non-zero size (≥ 24 bytes).
+        let p = unsafe { std::alloc::alloc(lay) };
+        let Some(nn) = NonNull::new(p) else {
+            std::alloc::handle_alloc_error(lay)
+        };
+        // SAFETY: `p` is a fresh allocation of `lay.size()` bytes, 8-aligned; we write the
+        // header, `n` holders and (long keys) the length and bytes, all within it.
+        unsafe {
+            (p as *mut [u8; 8]).write(d.to_be_bytes());
+            let hp = p.add(HDR) as *mut Holder;
+            for (i, h) in holders.iter().enumerate() {
+                let mut h = *h;
+                h.b &= !(F_LONG | F_LAST);
+                if long {
+                    h.b |= F_LONG;
+                }
+                if i + 1 == n {
+                    h.b |= F_LAST;
+                }
+                hp.add(i).write(h);
+            }
+            if long {
+                let kp = p.add(HDR + n * HS);
+                (kp as *mut u32).write_unaligned(key.len() as u32);
+                std::ptr::copy_nonoverlapping(key.as_ptr(), kp.add(4), key.len());
+            }
+        }
+        nn.cast()
+    }
+
+    /// Frees a node.
+    ///
+    /// # Safety
+    /// `p` came from [`KeyNode::build`], is unreachable by any reader, and is freed once.
+    unsafe fn free(p: *mut KeyNode) {
+        // SAFETY: per the contract, `p` is a live node built with this layout.
+        unsafe {
+            let lay = (*p).layout();
+            std::alloc::dealloc(p as *mut u8, lay);
+        }
     }
 }
 
-/// Bytes accounted per entry cell.
-pub(crate) const ENTRY_CELL_BYTES: usize = std::mem::size_of::<EntryCell>() + ALLOC_OVERHEAD;
-/// Bytes accounted per key cell.
-pub(crate) const KEY_CELL_BYTES: usize = std::mem::size_of::<KeyCell>() + ALLOC_OVERHEAD;
+/// glibc-like chunk size for an allocation of `n` bytes.
+#[inline]
+pub(crate) fn chunk(n: usize) -> usize {
+    ((n + ALLOC_OVERHEAD + 15) & !15).max(32)
+}
 
 /// The 64-bit digest of a key: an 8-byte key's big-endian value, else XXH3-64.
 #[inline]
@@ -232,50 +359,266 @@ fn mix(mut x: u64) -> u64 {
 }
 
 #[inline]
-fn tomb() -> *mut KeyNode {
-    NonNull::<KeyNode>::dangling().as_ptr()
+fn fingerprint(h: u64) -> u64 {
+    0x80 | ((h >> 48) & 0x7f)
 }
 
-struct Slot {
-    digest: AtomicU64,
-    node: AtomicPtr<KeyNode>,
+/// Bytes of `x` equal to zero → their high bit set (may also flag bytes above a true zero byte,
+/// which callers tolerate: a false candidate is verified, a false "empty" implies a real one).
+#[inline]
+fn zero_bytes(x: u64) -> u64 {
+    x.wrapping_sub(LO) & !x & HI
+}
+
+/// Prefetches the cache line at `p` into all cache levels. A hint only: never faults.
+#[inline(always)]
+pub(crate) fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` is a hint; it does not dereference `p` architecturally and never
+    // faults, whatever the address. SSE is part of the x86_64 baseline.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+thread_local! {
+    static RETIRED: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts a retirement and flushes the thread's deferred bag every 64 (see `docs/engine.md`):
+/// crossbeam-epoch collects at most a few bags per 128 pins on its own, which is slower than a
+/// writer retires nodes under sustained ingest, so garbage (and RSS) would otherwise grow well
+/// past the live size. Flushing pushes our bag and frees expired garbage of earlier epochs.
+#[inline]
+fn note_retired(guard: &Guard) {
+    let n = RETIRED.with(|c| {
+        let n = c.get() + 1;
+        c.set(if n >= 64 { 0 } else { n });
+        n
+    });
+    if n >= 64 {
+        guard.flush();
+    }
+}
+
+/// One cache line: 7 lanes.
+#[repr(C, align(64))]
+struct Group {
+    tags: AtomicU64,
+    ptrs: [AtomicPtr<KeyNode>; LANES],
 }
 
 struct ShardTable {
-    slots: Box<[Slot]>,
+    groups: Box<[Group]>,
+    /// Per home group, a 16-bit presence summary of the keys whose probe starts there (bit
+    /// `summary_bit(h)`). Set before a key is published, cleared only by a rebuild (a superset):
+    /// a clear bit proves absence without touching the group line (P2: ~16 KiB per 1 M slots
+    /// of summary stays cache-resident, the groups do not).
+    summary: Box<[AtomicU16]>,
     mask: usize,
 }
 
+#[inline]
+fn summary_bit(h: u64) -> u16 {
+    1 << ((h >> 40) & 15)
+}
+
 impl ShardTable {
-    fn new(cap: usize) -> Self {
-        debug_assert!(cap.is_power_of_two());
-        let slots = (0..cap)
-            .map(|_| Slot {
-                digest: AtomicU64::new(0),
-                node: AtomicPtr::new(std::ptr::null_mut()),
+    fn new(groups: usize) -> Self {
+        debug_assert!(groups.is_power_of_two());
+        let groups = (0..groups)
+            .map(|_| Group {
+                tags: AtomicU64::new(INIT_TAGS),
+                ptrs: Default::default(),
             })
             .collect::<Vec<_>>()
             .into_boxed_slice();
+        let mask = groups.len() - 1;
+        let summary = (0..groups.len()).map(|_| AtomicU16::new(0)).collect();
         Self {
-            slots,
+            groups,
+            summary,
+            mask,
+        }
+    }
+
+    /// Whether the key with mixed hash `h` may be present (false: definitely absent).
+    #[inline]
+    fn may_contain(&self, h: u64) -> bool {
+        self.summary[h as usize & self.mask].load(Ordering::Relaxed) & summary_bit(h) != 0
+    }
+
+    /// Marks the key with mixed hash `h` present (mutex holder / unpublished table only).
+    #[inline]
+    fn mark(&self, h: u64) {
+        let s = &self.summary[h as usize & self.mask];
+        s.store(
+            s.load(Ordering::Relaxed) | summary_bit(h),
+            Ordering::Relaxed,
+        );
+    }
+    fn slots(&self) -> usize {
+        self.groups.len() * LANES
+    }
+    fn bytes(&self) -> usize {
+        // Large arrays come straight from mmap (no chunk rounding worth counting).
+        self.groups.len() * (std::mem::size_of::<Group>() + 2) + chunk(std::mem::size_of::<Self>())
+    }
+
+    /// Probe for `key` (digest `d`, mixed hash `h`): `(group, lane, node)`.
+    #[inline]
+    fn probe(&self, key: &[u8], d: u64, h: u64) -> Option<(usize, usize, *mut KeyNode)> {
+        if !self.may_contain(h) {
+            return None;
+        }
+        let fp = fingerprint(h) * LO;
+        let mut g = h as usize & self.mask;
+        loop {
+            let grp = &self.groups[g];
+            let tags = grp.tags.load(Ordering::Acquire);
+            let mut m = zero_bytes(tags ^ fp);
+            while m != 0 {
+                let lane = (m.trailing_zeros() / 8) as usize;
+                m &= m - 1;
+                if lane >= LANES {
+                    break;
+                }
+                let n = grp.ptrs[lane].load(Ordering::Acquire);
+                if n.is_null() {
+                    continue;
+                }
+                // SAFETY: a non-null pointer read from a lane is a live node published with
+                // Release (Acquire above) and retired through the epoch, so it stays valid while
+                // the caller's guard is pinned.
+                if unsafe { (*n).matches(key, d) } {
+                    return Some((g, lane, n));
+                }
+            }
+            if zero_bytes(tags) != 0 {
+                return None;
+            }
+            g = (g + 1) & self.mask;
+        }
+    }
+}
+
+/// Per-entry LFU state (V3): created on the entry's first credit, killed on its removal.
+pub(crate) struct LfuCell {
+    digest: u64,
+    rep: u32,
+    generation: u32,
+    /// Access count; [`DEAD`] once the entry was removed.
+    pub(crate) access: AtomicU64,
+    ksum: *const KeySum,
+}
+
+/// Marks an LFU cell whose entry was removed (credits become no-ops).
+pub(crate) const DEAD: u64 = 1 << 63;
+
+/// Per-key access sum (G1 hot keys), shared by the key's LFU cells.
+pub(crate) struct KeySum {
+    pub(crate) sum: AtomicI64,
+    /// Cells pointing here (writer-side, under the shard mutex).
+    refs: AtomicI64,
+}
+
+impl LfuCell {
+    /// The key sum.
+    pub(crate) fn ksum(&self) -> &KeySum {
+        // SAFETY: a key sum is retired (through the epoch) only after every cell pointing to it
+        // was unlinked, and a cell reference implies a guard pinned before that.
+        unsafe { &*self.ksum }
+    }
+}
+
+const LFU_CELL_BYTES: usize = 48; // chunk(size_of::<LfuCell>())
+
+/// Open-addressing table of LFU cell pointers (null = empty, [`ltomb`] = deleted).
+struct LfuTable {
+    slots: Box<[AtomicPtr<LfuCell>]>,
+    mask: usize,
+}
+
+#[inline]
+fn ltomb() -> *mut LfuCell {
+    NonNull::<LfuCell>::dangling().as_ptr()
+}
+
+#[inline]
+fn lfu_hash(d: u64, rep: u32, generation: u32) -> u64 {
+    mix(d ^ ((rep as u64) << 32 | generation as u64).rotate_left(17))
+}
+
+impl LfuTable {
+    fn new(cap: usize) -> Self {
+        Self {
+            slots: (0..cap)
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect(),
             mask: cap - 1,
         }
     }
     fn bytes(&self) -> usize {
-        self.slots.len() * std::mem::size_of::<Slot>()
-            + std::mem::size_of::<Self>()
-            + 2 * ALLOC_OVERHEAD
+        chunk(self.slots.len() * 8) + chunk(std::mem::size_of::<Self>())
+    }
+    fn find(&self, d: u64, rep: u32, generation: u32) -> Option<(usize, *mut LfuCell)> {
+        let mut i = lfu_hash(d, rep, generation) as usize & self.mask;
+        loop {
+            let c = self.slots[i].load(Ordering::Acquire);
+            if c.is_null() {
+                return None;
+            }
+            if c != ltomb() {
+                // SAFETY: live cell (published with Release, retired through the epoch).
+                let r = unsafe { &*c };
+                if r.digest == d && r.rep == rep && r.generation == generation {
+                    return Some((i, c));
+                }
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+    fn put(&self, c: *mut LfuCell) {
+        // SAFETY: `c` is a live cell owned by this table's writer.
+        let r = unsafe { &*c };
+        let mut i = lfu_hash(r.digest, r.rep, r.generation) as usize & self.mask;
+        loop {
+            let s = self.slots[i].load(Ordering::Relaxed);
+            if s.is_null() || s == ltomb() {
+                self.slots[i].store(c, Ordering::Release);
+                return;
+            }
+            i = (i + 1) & self.mask;
+        }
     }
 }
 
 struct ShardState {
+    /// Live keys.
     live: usize,
+    /// Lanes full or TOMB.
     used: usize,
     rebuilds: u64,
+    /// Next per-entry generation (28-bit, wrapping).
+    next_gen: u32,
+    lfu_live: usize,
+    lfu_used: usize,
+    /// Key sums by key (writer side).
+    ksums: HashMap<Box<[u8]>, *mut KeySum>,
 }
+
+// SAFETY: the raw pointers in `ksums` point to key sums only touched under the shard mutex or
+// through atomics; the state itself is only accessed under the mutex.
+unsafe impl Send for ShardState {}
 
 struct Shard {
     table: Atomic<ShardTable>,
+    lfu: Atomic<LfuTable>,
+    /// Bytes held by this shard (nodes, cells, tables). Written only by the mutex holder with a
+    /// plain load + store (no locked instruction), read Relaxed; exact once writes quiesce.
+    bytes: AtomicI64,
     w: Mutex<ShardState>,
 }
 
@@ -286,16 +629,53 @@ pub(crate) struct KeyTable {
     bytes: AtomicI64,
 }
 
+/// Result of [`KeyTable::candidate`].
+#[derive(Clone, Copy)]
+pub(crate) enum Cand {
+    /// Definitely absent (the home group has an empty lane and no fingerprint match).
+    Miss,
+    /// First fingerprint match in the home group (not yet verified).
+    Node(*const KeyNode),
+    /// Inconclusive: needs a full probe.
+    Probe,
+}
+
+/// A key prepared for probing: digest and mixed hash.
+#[derive(Clone, Copy)]
+pub(crate) struct Probe<'k> {
+    key: &'k [u8],
+    d: u64,
+    h: u64,
+}
+
+impl<'k> Probe<'k> {
+    #[inline]
+    pub(crate) fn new(key: &'k [u8]) -> Self {
+        let d = digest(key);
+        Self { key, d, h: mix(d) }
+    }
+    #[inline]
+    fn shard(&self) -> usize {
+        (self.h >> SHARD_SHIFT) as usize & (SHARDS - 1)
+    }
+}
+
 impl KeyTable {
     pub(crate) fn new() -> Self {
         let shards: Box<[CachePadded<Shard>]> = (0..SHARDS)
             .map(|_| {
                 CachePadded::new(Shard {
-                    table: Atomic::new(ShardTable::new(MIN_CAP)),
+                    table: Atomic::new(ShardTable::new(MIN_GROUPS)),
+                    lfu: Atomic::null(),
+                    bytes: AtomicI64::new(0),
                     w: Mutex::new(ShardState {
                         live: 0,
                         used: 0,
                         rebuilds: 0,
+                        next_gen: 1,
+                        lfu_live: 0,
+                        lfu_used: 0,
+                        ksums: HashMap::new(),
                     }),
                 })
             })
@@ -304,7 +684,7 @@ impl KeyTable {
             shards,
             bytes: AtomicI64::new(0),
         };
-        let per = ShardTable::new(MIN_CAP).bytes() + std::mem::size_of::<CachePadded<Shard>>();
+        let per = ShardTable::new(MIN_GROUPS).bytes() + std::mem::size_of::<CachePadded<Shard>>();
         t.add_bytes((per * SHARDS) as i64);
         t
     }
@@ -316,47 +696,104 @@ impl KeyTable {
 
     pub(crate) fn bytes(&self) -> i64 {
         self.bytes.load(Ordering::Relaxed)
+            + self
+                .shards
+                .iter()
+                .map(|s| s.bytes.load(Ordering::Relaxed))
+                .sum::<i64>()
     }
 
     #[inline]
-    fn shard_of(h: u64) -> usize {
-        (h >> SHARD_SHIFT) as usize & (SHARDS - 1)
+    fn table_of<'g>(&self, s: usize, guard: &'g Guard) -> &'g ShardTable {
+        let t = self.shards[s].table.load(Ordering::Acquire, guard);
+        // SAFETY: shard tables are never null (created in `new`, replaced only by non-null
+        // tables) and are retired through the epoch, so the table outlives `guard`.
+        unsafe { t.deref() }
     }
 
     /// Reader lookup: wait-free (bounded probe, no locks, no retries).
     #[inline]
     pub(crate) fn find<'g>(&self, key: &[u8], guard: &'g Guard) -> Option<&'g KeyNode> {
-        let d = digest(key);
-        let h = mix(d);
-        let shard = &self.shards[Self::shard_of(h)];
-        let t = shard.table.load(Ordering::Acquire, guard);
-        // SAFETY: shard tables are never null (created in `new`, replaced only by non-null
-        // tables) and are retired through the epoch, so the table outlives `guard`.
-        let t = unsafe { t.deref() };
-        let mut i = h as usize & t.mask;
-        loop {
-            let s = &t.slots[i];
-            let n = s.node.load(Ordering::Acquire);
-            if n.is_null() {
-                return None;
+        self.find_p(Probe::new(key), guard)
+    }
+
+    /// [`KeyTable::find`] with a prepared probe.
+    #[inline]
+    pub(crate) fn find_p<'g>(&self, p: Probe<'_>, guard: &'g Guard) -> Option<&'g KeyNode> {
+        let t = self.table_of(p.shard(), guard);
+        // SAFETY: see `ShardTable::probe`: the node stays valid while `guard` is pinned.
+        t.probe(p.key, p.d, p.h).map(|(_, _, n)| unsafe { &*n })
+    }
+
+    /// First stage of a pipelined lookup: reads only the home group of `p` (no node
+    /// dereference) and prefetches the candidate node. Resolve with [`KeyTable::resolve`].
+    #[inline]
+    pub(crate) fn candidate(&self, p: Probe<'_>, guard: &Guard) -> Cand {
+        let t = self.table_of(p.shard(), guard);
+        if !t.may_contain(p.h) {
+            return Cand::Miss;
+        }
+        let grp = &t.groups[p.h as usize & t.mask];
+        let tags = grp.tags.load(Ordering::Acquire);
+        let mut m = zero_bytes(tags ^ (fingerprint(p.h) * LO));
+        while m != 0 {
+            let lane = (m.trailing_zeros() / 8) as usize;
+            m &= m - 1;
+            if lane >= LANES {
+                break;
             }
-            if n != tomb() && s.digest.load(Ordering::Relaxed) == d {
-                // SAFETY: `n` is a live node published with Release (Acquire above); it is
-                // retired through the epoch, so it stays valid while `guard` is pinned.
-                let node = unsafe { &*n };
-                if node.key.matches(key) {
-                    return Some(node);
-                }
+            let n = grp.ptrs[lane].load(Ordering::Acquire);
+            if !n.is_null() {
+                // Header and first holders; a node with several holders spans 2–3 lines.
+                prefetch(n as *const KeyNode);
+                prefetch((n as *const u8).wrapping_add(64));
+                return Cand::Node(n);
             }
-            i = (i + 1) & t.mask;
+        }
+        if zero_bytes(tags) != 0 {
+            Cand::Miss
+        } else {
+            Cand::Probe
         }
     }
 
-    /// Locks the shard that holds `key`.
-    pub(crate) fn writer_for(&self, key: &[u8]) -> ShardWriter<'_> {
-        let d = digest(key);
-        let h = mix(d);
-        self.writer(Self::shard_of(h))
+    /// Second stage: the node of `p` given its [`Cand`] (a full probe when the candidate was
+    /// not conclusive or was a fingerprint false positive).
+    #[inline]
+    pub(crate) fn resolve<'g>(
+        &self,
+        c: Cand,
+        p: Probe<'_>,
+        guard: &'g Guard,
+    ) -> Option<&'g KeyNode> {
+        match c {
+            Cand::Miss => None,
+            Cand::Node(n) => {
+                // SAFETY: `n` was read (Acquire) from a lane under `guard`, which is still
+                // pinned; nodes are retired through the epoch, so it is valid.
+                let r = unsafe { &*n };
+                if r.matches(p.key, p.d) {
+                    Some(r)
+                } else {
+                    self.find_p(p, guard)
+                }
+            }
+            Cand::Probe => self.find_p(p, guard),
+        }
+    }
+
+    /// Prefetches the home group of `p` (a hint; reads only the shard's table pointer).
+    #[inline]
+    pub(crate) fn prefetch_home(&self, p: Probe<'_>, guard: &Guard) {
+        let t = self.table_of(p.shard(), guard);
+        let g = p.h as usize & t.mask;
+        prefetch(t.groups.as_ptr().wrapping_add(g));
+    }
+
+    /// The shard index of a prepared probe.
+    #[inline]
+    pub(crate) fn shard_of(p: Probe<'_>) -> usize {
+        p.shard()
     }
 
     /// Locks shard `i`.
@@ -365,50 +802,75 @@ impl KeyTable {
         ShardWriter {
             shard,
             st: shard.w.lock(),
-            table: self,
         }
     }
 
     /// Non-blocking walk over every live node (snapshot; may miss or repeat nodes moved by a
     /// concurrent rebuild; exact when writes quiesce).
     pub(crate) fn for_each_node<'g>(&self, guard: &'g Guard, mut f: impl FnMut(&'g KeyNode)) {
-        for shard in self.shards.iter() {
-            let t = shard.table.load(Ordering::Acquire, guard);
-            // SAFETY: as in `find`.
-            let t = unsafe { t.deref() };
-            for s in t.slots.iter() {
-                let n = s.node.load(Ordering::Acquire);
-                if !n.is_null() && n != tomb() {
-                    // SAFETY: as in `find`.
-                    f(unsafe { &*n });
+        for s in 0..SHARDS {
+            let t = self.table_of(s, guard);
+            for g in t.groups.iter() {
+                for p in g.ptrs.iter() {
+                    let n = p.load(Ordering::Acquire);
+                    if !n.is_null() {
+                        // SAFETY: as in `find`.
+                        f(unsafe { &*n });
+                    }
                 }
             }
         }
+    }
+
+    /// The LFU cell of entry `(key digest, rep, generation)`, if it was ever credited and is
+    /// still linked (lock-free).
+    pub(crate) fn lfu_cell<'g>(
+        &self,
+        p: Probe<'_>,
+        rep: u32,
+        generation: u32,
+        guard: &'g Guard,
+    ) -> Option<&'g LfuCell> {
+        let t = self.shards[p.shard()].lfu.load(Ordering::Acquire, guard);
+        // SAFETY: LFU tables are retired through the epoch; non-null ones outlive `guard`.
+        let t = unsafe { t.as_ref() }?;
+        // SAFETY: cells are retired through the epoch after being unlinked.
+        t.find(p.d, rep, generation).map(|(_, c)| unsafe { &*c })
     }
 }
 
 impl Drop for KeyTable {
     fn drop(&mut self) {
-        // SAFETY: `&mut self`: no other thread can reach this table any more; nodes and cells
-        // still linked from the current tables are owned by it. Retired (unlinked) objects are
-        // owned by the epoch collector and are not touched here.
+        // SAFETY: `&mut self`: no other thread can reach this table any more; nodes, cells and
+        // key sums still linked from the current tables are owned by it. Retired (unlinked)
+        // objects are owned by the epoch collector and are not touched here.
         unsafe {
             let guard = epoch::unprotected();
             for shard in self.shards.iter() {
                 let t = shard.table.load(Ordering::Relaxed, guard);
-                if t.is_null() {
-                    continue;
-                }
-                let tab = t.into_owned();
-                for s in tab.slots.iter() {
-                    let n = s.node.load(Ordering::Relaxed);
-                    if !n.is_null() && n != tomb() {
-                        let node = Box::from_raw(n);
-                        for h in node.holders.iter() {
-                            drop(Box::from_raw(h.cell as *mut EntryCell));
+                if !t.is_null() {
+                    let tab = t.into_owned();
+                    for g in tab.groups.iter() {
+                        for p in g.ptrs.iter() {
+                            let n = p.load(Ordering::Relaxed);
+                            if !n.is_null() {
+                                KeyNode::free(n);
+                            }
                         }
-                        drop(Box::from_raw(node.kcell as *mut KeyCell));
                     }
+                }
+                let l = shard.lfu.load(Ordering::Relaxed, guard);
+                if !l.is_null() {
+                    let lt = l.into_owned();
+                    for s in lt.slots.iter() {
+                        let c = s.load(Ordering::Relaxed);
+                        if !c.is_null() && c != ltomb() {
+                            drop(Box::from_raw(c));
+                        }
+                    }
+                }
+                for (_, k) in shard.w.lock().ksums.drain() {
+                    drop(Box::from_raw(k));
                 }
             }
         }
@@ -419,42 +881,43 @@ impl Drop for KeyTable {
 pub(crate) struct ShardWriter<'a> {
     shard: &'a Shard,
     st: MutexGuard<'a, ShardState>,
-    table: &'a KeyTable,
+}
+
+/// Slot index encoding for writers: `group << 3 | lane` (lane 7 never holds a key).
+#[inline]
+fn slot_id(g: usize, lane: usize) -> usize {
+    g << 3 | lane
 }
 
 impl ShardWriter<'_> {
+    /// Adds to the shard's byte count (mutex holder only: load + store, no RMW).
+    #[inline]
+    fn add_bytes(&self, d: i64) {
+        let b = &self.shard.bytes;
+        b.store(b.load(Ordering::Relaxed) + d, Ordering::Relaxed);
+    }
+
     fn current<'g>(&self, guard: &'g Guard) -> &'g ShardTable {
-        // SAFETY: non-null (see `KeyTable::find`); only we (mutex holder) replace it, and the
-        // old one is retired through the epoch.
+        // SAFETY: non-null (see `KeyTable::table_of`); only we (mutex holder) replace it, and
+        // the old one is retired through the epoch.
         unsafe { self.shard.table.load(Ordering::Acquire, guard).deref() }
     }
 
-    /// Finds `key`: its slot index and node.
-    pub(crate) fn find<'g>(&self, key: &[u8], guard: &'g Guard) -> Option<(usize, &'g KeyNode)> {
-        let d = digest(key);
-        let h = mix(d);
+    /// Finds the key of a prepared probe (which must belong to this shard): its slot id and node.
+    pub(crate) fn find_p<'g>(
+        &self,
+        p: Probe<'_>,
+        guard: &'g Guard,
+    ) -> Option<(usize, &'g KeyNode)> {
         let t = self.current(guard);
-        let mut i = h as usize & t.mask;
-        loop {
-            let s = &t.slots[i];
-            let n = s.node.load(Ordering::Acquire);
-            if n.is_null() {
-                return None;
-            }
-            if n != tomb() && s.digest.load(Ordering::Relaxed) == d {
-                // SAFETY: live node, see `KeyTable::find`.
-                let node = unsafe { &*n };
-                if node.key.matches(key) {
-                    return Some((i, node));
-                }
-            }
-            i = (i + 1) & t.mask;
-        }
+        // SAFETY: live node, see `ShardTable::probe`.
+        t.probe(p.key, p.d, p.h)
+            .map(|(g, l, n)| (slot_id(g, l), unsafe { &*n }))
     }
 
-    /// Number of slots of the current table (for sliced walks).
+    /// Number of slot ids of the current table (for sliced walks).
     pub(crate) fn capacity(&self, guard: &Guard) -> usize {
-        self.current(guard).slots.len()
+        self.current(guard).groups.len() << 3
     }
 
     /// Counter bumped by every rebuild (a sliced walk restarts when it changes).
@@ -462,73 +925,113 @@ impl ShardWriter<'_> {
         self.st.rebuilds
     }
 
-    /// The live node at slot `i`, if any.
+    /// The live node at slot id `i`, if any.
     pub(crate) fn node_at<'g>(&self, i: usize, guard: &'g Guard) -> Option<&'g KeyNode> {
         let t = self.current(guard);
-        let n = t.slots.get(i)?.node.load(Ordering::Acquire);
-        if n.is_null() || n == tomb() {
+        let (g, lane) = (i >> 3, i & 7);
+        if lane >= LANES {
+            return None;
+        }
+        let n = t.groups.get(g)?.ptrs[lane].load(Ordering::Acquire);
+        if n.is_null() {
             None
         } else {
-            // SAFETY: live node, see `KeyTable::find`.
+            // SAFETY: live node, see `ShardTable::probe`.
             Some(unsafe { &*n })
         }
     }
 
-    /// Replaces the node at slot `i` (same key) and retires the old node (not its cells).
-    pub(crate) fn replace(&mut self, i: usize, node: KeyNode, guard: &Guard) {
+    /// A fresh per-entry generation.
+    pub(crate) fn next_generation(&mut self) -> u32 {
+        let g = self.st.next_gen & GEN_MASK;
+        self.st.next_gen = self.st.next_gen.wrapping_add(1);
+        g
+    }
+
+    /// Replaces the node at slot id `i` (same key) with a node built from `holders`; retires
+    /// the old node.
+    pub(crate) fn replace(&mut self, i: usize, holders: &[Holder], guard: &Guard) {
         let t = self.current(guard);
-        self.table.add_bytes(node.bytes() as i64);
-        let new = Box::into_raw(Box::new(node));
-        let old = t.slots[i].node.swap(new, Ordering::AcqRel);
-        debug_assert!(!old.is_null() && old != tomb());
+        let slot = &t.groups[i >> 3].ptrs[i & 7];
+        let old = slot.load(Ordering::Relaxed);
+        debug_assert!(!old.is_null());
+        // SAFETY: `old` is live (we hold the shard mutex; only we unlink).
+        let (key, d) = unsafe { ((*old).key(), (*old).digest()) };
+        let new = KeyNode::build(key, d, holders);
+        // SAFETY: fresh node.
+        self.add_bytes(unsafe { new.as_ref() }.bytes() as i64);
+        slot.swap(new.as_ptr(), Ordering::AcqRel);
         self.retire_node(old, guard);
     }
 
     fn retire_node(&self, old: *mut KeyNode, guard: &Guard) {
-        // SAFETY: `old` was a live node that is now unlinked from the current table; readers
-        // pinned before the unlink may still read it, so it is destroyed through the epoch.
+        note_retired(guard);
+        // SAFETY: `old` was a live node that is now unlinked from the current table (and from
+        // any older table by construction: rebuilds move pointers, and older tables are
+        // retired); readers pinned before the unlink may still read it, so it is freed through
+        // the epoch.
         unsafe {
-            self.table.add_bytes(-((*old).bytes() as i64));
-            guard.defer_destroy(Shared::from(old as *const KeyNode));
+            self.add_bytes(-((*old).bytes() as i64));
+            let p = old as usize;
+            guard.defer_unchecked(move || KeyNode::free(p as *mut KeyNode));
         }
     }
 
-    /// Deletes the key at slot `i` (tombstone) and retires its node (not its cells).
+    /// Deletes the key at slot id `i` (tombstone) and retires its node.
     pub(crate) fn remove(&mut self, i: usize, guard: &Guard) {
         let t = self.current(guard);
-        let old = t.slots[i].node.swap(tomb(), Ordering::AcqRel);
-        debug_assert!(!old.is_null() && old != tomb());
+        let grp = &t.groups[i >> 3];
+        let lane = i & 7;
+        let old = grp.ptrs[lane].swap(std::ptr::null_mut(), Ordering::AcqRel);
+        debug_assert!(!old.is_null());
+        let tags = grp.tags.load(Ordering::Relaxed);
+        let tags = (tags & !(0xff << (8 * lane))) | (TOMB << (8 * lane));
+        grp.tags.store(tags, Ordering::Release);
         self.retire_node(old, guard);
         self.st.live -= 1;
     }
 
     /// Shrinks the table when it is mostly empty (call outside sliced walks).
     pub(crate) fn maybe_shrink(&mut self, guard: &Guard) {
-        let cap = self.capacity(guard);
-        if cap > MIN_CAP && self.st.live * 8 < cap {
+        let t = self.current(guard);
+        if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() {
             self.rebuild(guard);
         }
     }
 
-    /// Inserts a new key (the caller checked it is absent).
-    pub(crate) fn insert(&mut self, node: KeyNode, guard: &Guard) {
-        let cap = self.capacity(guard);
-        if (self.st.used + 1) * 4 > cap * 3 {
+    /// Inserts a new key (the caller checked it is absent) with `holders`; `p` must belong to
+    /// this shard.
+    pub(crate) fn insert_p(&mut self, p: Probe<'_>, holders: &[Holder], guard: &Guard) {
+        if (self.st.used + 1) * 5 > self.current(guard).slots() * 4 {
             self.rebuild(guard);
         }
-        let d = digest(node.key.as_bytes());
-        let h = mix(d);
+        let node = KeyNode::build(p.key, p.d, holders);
+        // SAFETY: fresh node.
+        self.add_bytes(unsafe { node.as_ref() }.bytes() as i64);
         let t = self.current(guard);
-        let mut i = h as usize & t.mask;
-        while !t.slots[i].node.load(Ordering::Relaxed).is_null() {
-            i = (i + 1) & t.mask;
+        // Summary bit before the node is published (a reader that sees the node's tag and
+        // pointer with Acquire also sees the bit; a reader that misses the bit is concurrent).
+        t.mark(p.h);
+        let mut g = p.h as usize & t.mask;
+        loop {
+            let grp = &t.groups[g];
+            let tags = grp.tags.load(Ordering::Relaxed);
+            // Free lanes: EMPTY (0) or TOMB (1), i.e. bytes ≤ 1.
+            let free = zero_bytes((tags & !LO & 0x00ff_ffff_ffff_ffff) | (0xff << 56));
+            if free != 0 {
+                let lane = (free.trailing_zeros() / 8) as usize;
+                debug_assert!(lane < LANES);
+                if (tags >> (8 * lane)) & 0xff == EMPTY {
+                    self.st.used += 1;
+                }
+                grp.ptrs[lane].store(node.as_ptr(), Ordering::Release);
+                let tags = (tags & !(0xff << (8 * lane))) | (fingerprint(p.h) << (8 * lane));
+                grp.tags.store(tags, Ordering::Release);
+                break;
+            }
+            g = (g + 1) & t.mask;
         }
-        self.table.add_bytes(node.bytes() as i64);
-        let new = Box::into_raw(Box::new(node));
-        t.slots[i].digest.store(d, Ordering::Relaxed);
-        t.slots[i].node.store(new, Ordering::Release);
         self.st.live += 1;
-        self.st.used += 1;
     }
 
     /// Rebuilds the table sized for the live keys (drops tombstones, grows or shrinks).
@@ -536,29 +1039,181 @@ impl ShardWriter<'_> {
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
         // SAFETY: non-null, see `current`.
         let old = unsafe { old_shared.deref() };
-        let cap = ((self.st.live + 1) * 2).next_power_of_two().max(MIN_CAP);
-        let new = ShardTable::new(cap);
-        for s in old.slots.iter() {
-            let n = s.node.load(Ordering::Relaxed);
-            if n.is_null() || n == tomb() {
-                continue;
+        // Load ≤ 1/2 after a rebuild.
+        let groups = ((self.st.live + 1) * 2)
+            .div_ceil(LANES)
+            .next_power_of_two()
+            .max(MIN_GROUPS);
+        let new = ShardTable::new(groups);
+        for (gi, grp) in old.groups.iter().enumerate() {
+            // Each move reads the node's digest: prefetch the nodes of a group 2 ahead.
+            if let Some(ahead) = old.groups.get(gi + 2) {
+                for p in ahead.ptrs.iter() {
+                    let n = p.load(Ordering::Relaxed);
+                    if !n.is_null() {
+                        prefetch(n as *const KeyNode);
+                    }
+                }
             }
-            let d = s.digest.load(Ordering::Relaxed);
-            let mut i = mix(d) as usize & new.mask;
-            while !new.slots[i].node.load(Ordering::Relaxed).is_null() {
-                i = (i + 1) & new.mask;
+            for p in grp.ptrs.iter() {
+                let n = p.load(Ordering::Relaxed);
+                if n.is_null() {
+                    continue;
+                }
+                // SAFETY: live node (we hold the mutex).
+                let h = mix(unsafe { (*n).digest() });
+                new.mark(h);
+                let mut g = h as usize & new.mask;
+                loop {
+                    let ng = &new.groups[g];
+                    let tags = ng.tags.load(Ordering::Relaxed);
+                    let e = zero_bytes(tags);
+                    if e != 0 {
+                        let lane = (e.trailing_zeros() / 8) as usize;
+                        ng.ptrs[lane].store(n, Ordering::Relaxed);
+                        ng.tags
+                            .store(tags | fingerprint(h) << (8 * lane), Ordering::Relaxed);
+                        break;
+                    }
+                    g = (g + 1) & new.mask;
+                }
             }
-            new.slots[i].digest.store(d, Ordering::Relaxed);
-            new.slots[i].node.store(n, Ordering::Relaxed);
         }
         let delta = new.bytes() as i64 - old.bytes() as i64;
-        self.table.add_bytes(delta);
+        self.add_bytes(delta);
         // Release: publishes the fully built table.
         self.shard.table.store(Owned::new(new), Ordering::Release);
         // SAFETY: the old table is unlinked; pinned readers may still probe it. Dropping a
-        // `ShardTable` frees only its slot array, never the nodes (which moved to the new table).
+        // `ShardTable` frees only its group array, never the nodes (which moved).
         unsafe { guard.defer_destroy(old_shared) };
         self.st.used = self.st.live;
         self.st.rebuilds += 1;
     }
+
+    // ---- LFU side table ----------------------------------------------------------------------
+
+    fn lfu_table<'g>(&self, guard: &'g Guard) -> Option<&'g LfuTable> {
+        // SAFETY: see `KeyTable::lfu_cell`.
+        unsafe { self.shard.lfu.load(Ordering::Acquire, guard).as_ref() }
+    }
+
+    /// The LFU cell of an entry, creating it (count 0) if absent. The caller has validated,
+    /// under this writer, that the entry `(key, rep, generation)` is live.
+    pub(crate) fn lfu_cell_or_create<'g>(
+        &mut self,
+        key: &[u8],
+        rep: u32,
+        generation: u32,
+        guard: &'g Guard,
+    ) -> &'g LfuCell {
+        let d = digest(key);
+        if let Some(t) = self.lfu_table(guard)
+            && let Some((_, c)) = t.find(d, rep, generation)
+        {
+            // SAFETY: live cell.
+            return unsafe { &*c };
+        }
+        // Key sum.
+        let mut added = 0usize;
+        let ks = match self.st.ksums.get(key) {
+            Some(&k) => k,
+            None => {
+                let k = Box::into_raw(Box::new(KeySum {
+                    sum: AtomicI64::new(0),
+                    refs: AtomicI64::new(0),
+                }));
+                self.st.ksums.insert(key.into(), k);
+                added += chunk(16) + chunk(key.len()) + 32;
+                k
+            }
+        };
+        // SAFETY: `ks` is linked in `ksums` (owned by this shard, mutated under the mutex).
+        unsafe { (*ks).refs.fetch_add(1, Ordering::Relaxed) };
+        let cell = Box::into_raw(Box::new(LfuCell {
+            digest: d,
+            rep,
+            generation,
+            access: AtomicU64::new(0),
+            ksum: ks,
+        }));
+        added += LFU_CELL_BYTES;
+        // Grow / create the table (load ≤ 1/2 including tombstones).
+        let cap = self.lfu_table(guard).map_or(0, |t| t.slots.len());
+        if (self.st.lfu_used + 1) * 2 > cap {
+            let old = self.shard.lfu.load(Ordering::Acquire, guard);
+            let ncap = ((self.st.lfu_live + 1) * 4).next_power_of_two().max(16);
+            let nt = LfuTable::new(ncap);
+            let mut delta = nt.bytes() as i64;
+            // SAFETY: `old` is null or a live table (we hold the mutex).
+            if let Some(ot) = unsafe { old.as_ref() } {
+                delta -= ot.bytes() as i64;
+                for s in ot.slots.iter() {
+                    let c = s.load(Ordering::Relaxed);
+                    if !c.is_null() && c != ltomb() {
+                        nt.put(c);
+                    }
+                }
+            }
+            self.add_bytes(delta);
+            self.shard.lfu.store(Owned::new(nt), Ordering::Release);
+            if !old.is_null() {
+                // SAFETY: unlinked; dropping an `LfuTable` frees only its slot array.
+                unsafe { guard.defer_destroy(old) };
+            }
+            self.st.lfu_used = self.st.lfu_live;
+        }
+        self.lfu_table(guard).expect("lfu table").put(cell);
+        self.st.lfu_live += 1;
+        self.st.lfu_used += 1;
+        self.add_bytes(added as i64);
+        // SAFETY: just linked; retired only through the epoch.
+        unsafe { &*cell }
+    }
+
+    /// Kills the LFU cell of a removed entry, if any: marks it DEAD, unlinks it and returns
+    /// `(final count, key sum)` so the caller can update hot-key counts.
+    pub(crate) fn lfu_kill<'g>(
+        &mut self,
+        key: &[u8],
+        rep: u32,
+        generation: u32,
+        guard: &'g Guard,
+    ) -> Option<(u64, &'g KeySum)> {
+        let t = self.lfu_table(guard)?;
+        let (i, c) = t.find(digest(key), rep, generation)?;
+        t.slots[i].store(ltomb(), Ordering::Release);
+        self.st.lfu_live -= 1;
+        // SAFETY: the cell was live and is now unlinked; readers may still hold it.
+        let cell = unsafe { &*c };
+        let cnt = cell.access.swap(DEAD, Ordering::AcqRel) & !DEAD;
+        let ks = cell.ksum;
+        let mut freed = LFU_CELL_BYTES as i64;
+        // SAFETY: `ks` is linked in `ksums` while refs > 0.
+        if unsafe { (*ks).refs.fetch_sub(1, Ordering::Relaxed) } == 1 {
+            self.st.ksums.remove(key);
+            freed += (chunk(16) + chunk(key.len()) + 32) as i64;
+            let kp = ks as usize;
+            // SAFETY: the key sum is unlinked from `ksums` and no live cell points to it;
+            // readers that loaded it earlier are pinned, so it is freed through the epoch.
+            unsafe { guard.defer_unchecked(move || drop(Box::from_raw(kp as *mut KeySum))) };
+        }
+        let cp = c as usize;
+        // SAFETY: unlinked above; freed through the epoch.
+        unsafe { guard.defer_unchecked(move || drop(Box::from_raw(cp as *mut LfuCell))) };
+        self.add_bytes(-freed);
+        // SAFETY: retired through the epoch, valid for `guard`.
+        Some((cnt, unsafe { &*ks }))
+    }
+
+    /// Whether this shard has any LFU cell (an LRU-only shard skips the kill lookup).
+    #[inline]
+    pub(crate) fn has_lfu(&self) -> bool {
+        self.st.lfu_live > 0
+    }
 }
+
+// SAFETY: `LfuCell::ksum` points to a key sum accessed only through atomics and freed through the
+// epoch collector.
+unsafe impl Send for LfuCell {}
+// SAFETY: see `Send`.
+unsafe impl Sync for LfuCell {}
