@@ -420,9 +420,18 @@ fn consult<H: AsRef<[u8]>>(
         ttft_ms: req.slo.as_ref().map_or(0, |s| s.ttft_ms),
         tbt_ms: req.slo.as_ref().map_or(0, |s| s.tbt_ms),
     };
-    // H7: the production index is wait-free, so it is called inline.
+    // H7: the production index is wait-free, so it is called inline; an index that may block
+    // (a test double) runs on its own thread and is abandoned at the deadline.
     let index_start = Instant::now();
-    let mut result: RouteResult = index.lookup_route(&lookup);
+    let mut result: RouteResult = match state.route_double() {
+        None => index.lookup_route(&lookup),
+        Some(double) => {
+            match call_abandonable(double.clone(), OwnedLookupRequest::from(&lookup), deadline) {
+                Some(result) => result,
+                None => return Answer::envelope(reason::TIMEOUT),
+            }
+        }
+    };
     let index_elapsed = index_start.elapsed();
     state.metrics().observe_index_latency(index_elapsed);
     let late =
@@ -500,6 +509,81 @@ fn consult<H: AsRef<[u8]>>(
         reason: result.strategy.reason_code(),
         scores,
         consulted: true,
+    }
+}
+
+/// An index that may block: only test doubles (the production index is wait-free). It runs on
+/// its own thread so the handler can abandon it at the deadline (H7).
+pub trait BlockingRouteIndex: Send + Sync + 'static {
+    fn lookup_route(&self, req: &OwnedLookupRequest) -> RouteResult;
+}
+
+/// A lookup request that owns its data, for a [`BlockingRouteIndex`].
+#[derive(Debug, Clone, Default)]
+pub struct OwnedLookupRequest {
+    pub tenant_id: String,
+    pub model_id: String,
+    pub hash_scheme: String,
+    pub adapter_id: String,
+    pub prefix_hash: Vec<u8>,
+    pub prefix_token_count: i32,
+    pub block_hashes: Vec<Vec<u8>>,
+    pub block_token_counts: Vec<i32>,
+    pub ttft_ms: i32,
+    pub tbt_ms: i32,
+}
+
+impl<H: AsRef<[u8]>> From<&LookupRequest<'_, H>> for OwnedLookupRequest {
+    fn from(r: &LookupRequest<'_, H>) -> Self {
+        Self {
+            tenant_id: r.tenant_id.to_string(),
+            model_id: r.model_id.to_string(),
+            hash_scheme: r.hash_scheme.to_string(),
+            adapter_id: r.adapter_id.to_string(),
+            prefix_hash: r.prefix_hash.to_vec(),
+            prefix_token_count: r.prefix_token_count,
+            block_hashes: r.block_hashes.iter().map(|h| h.as_ref().to_vec()).collect(),
+            block_token_counts: r.block_token_counts.to_vec(),
+            ttft_ms: r.ttft_ms,
+            tbt_ms: r.tbt_ms,
+        }
+    }
+}
+
+impl OwnedLookupRequest {
+    /// The borrowed form the engine takes.
+    pub fn as_request(&self) -> LookupRequest<'_, Vec<u8>> {
+        LookupRequest {
+            tenant_id: &self.tenant_id,
+            model_id: &self.model_id,
+            hash_scheme: &self.hash_scheme,
+            adapter_id: &self.adapter_id,
+            prefix_hash: &self.prefix_hash,
+            prefix_token_count: self.prefix_token_count,
+            block_hashes: &self.block_hashes,
+            block_token_counts: &self.block_token_counts,
+            ttft_ms: self.ttft_ms,
+            tbt_ms: self.tbt_ms,
+        }
+    }
+}
+
+/// Runs `index` on its own thread; `None` when the deadline fires first (the work is abandoned,
+/// not cancelled).
+fn call_abandonable(
+    index: std::sync::Arc<dyn BlockingRouteIndex>,
+    req: OwnedLookupRequest,
+    deadline: Option<Instant>,
+) -> Option<RouteResult> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(index.lookup_route(&req));
+    });
+    match deadline {
+        Some(d) => rx
+            .recv_timeout(d.saturating_duration_since(Instant::now()))
+            .ok(),
+        None => rx.recv().ok(),
     }
 }
 

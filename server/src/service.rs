@@ -53,6 +53,8 @@ pub struct ServerOptions {
     pub tls: Option<Arc<rustls::ServerConfig>>,
     /// Tokenizer for `prompt_text` lookups; `None` fails those lookups open (`NO_HINT`).
     pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
+    /// Test seam: an index double for LookupRoute that may block (H7). Never set in production.
+    pub route_double: Option<Arc<dyn lookup::BlockingRouteIndex>>,
 }
 
 impl Default for ServerOptions {
@@ -64,6 +66,7 @@ impl Default for ServerOptions {
             stream_max_subscribers: crate::streams::DEFAULT_MAX_SUBSCRIBERS,
             tls: None,
             tokenizer: None,
+            route_double: None,
         }
     }
 }
@@ -82,6 +85,7 @@ struct Shared {
     tls: Option<Arc<rustls::ServerConfig>>,
     tokenizer: Option<Arc<dyn PromptTokenizer>>,
     tokenizer_slots: Arc<tokio::sync::Semaphore>,
+    route_double: Option<Arc<dyn lookup::BlockingRouteIndex>>,
     block_size: usize,
     ready: AtomicBool,
 }
@@ -114,6 +118,7 @@ impl AppState {
                 broadcaster,
                 tls: options.tls.clone(),
                 tokenizer: options.tokenizer.clone(),
+                route_double: options.route_double.clone(),
                 tokenizer_slots: Arc::new(tokio::sync::Semaphore::new(
                     lookup::MAX_CONCURRENT_TOKENIZE,
                 )),
@@ -166,6 +171,11 @@ impl AppState {
     /// Slots bounding concurrent tokenizations (taken without waiting).
     pub fn tokenizer_slots(&self) -> &Arc<tokio::sync::Semaphore> {
         &self.inner.tokenizer_slots
+    }
+
+    /// The LookupRoute index double, if a test installed one.
+    pub fn route_double(&self) -> Option<&Arc<dyn lookup::BlockingRouteIndex>> {
+        self.inner.route_double.as_ref()
     }
 
     pub fn block_size(&self) -> usize {

@@ -1,0 +1,191 @@
+//! Deadlines around an index that may block (H2, H7, SV27, SV28, SV30, SV45), using a double
+//! installed through `ServerOptions::route_double`.
+
+mod common;
+
+use common::{TestServer, manual_state};
+use inferencecache_engine::{Index, RouteResult};
+use inferencecache_proto::v1alpha1 as pb;
+use inferencecache_server::lookup::{BlockingRouteIndex, OwnedLookupRequest};
+use inferencecache_server::policy::decode_push;
+use inferencecache_server::service::ServerOptions;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Sleeps, then answers from the real index (or never answers).
+struct SlowIndex {
+    delay: Option<Duration>,
+    real: OnceLock<Arc<Index>>,
+    calls: AtomicUsize,
+}
+
+impl SlowIndex {
+    fn new(delay: Option<Duration>) -> Arc<Self> {
+        Arc::new(Self {
+            delay,
+            real: OnceLock::new(),
+            calls: AtomicUsize::new(0),
+        })
+    }
+}
+
+impl BlockingRouteIndex for SlowIndex {
+    fn lookup_route(&self, req: &OwnedLookupRequest) -> RouteResult {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        match self.delay {
+            Some(d) => std::thread::sleep(d),
+            None => loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            },
+        }
+        self.real
+            .get()
+            .expect("real index installed")
+            .lookup_route(&req.as_request())
+    }
+}
+
+async fn start(double: Arc<SlowIndex>) -> TestServer {
+    let options = ServerOptions {
+        route_double: Some(double.clone()),
+        ..Default::default()
+    };
+    let server = TestServer::start_with(manual_state(options).0).await;
+    let _ = double.real.set(server.state.index().clone());
+    server
+}
+
+fn legacy(hash: &[u8], tokens: i32) -> pb::CacheStateUpdate {
+    pb::CacheStateUpdate {
+        replica_id: "r1".into(),
+        model_id: "m".into(),
+        tenant_id: "t".into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![pb::PrefixEntry {
+            prefix_hash: hash.to_vec(),
+            token_count: tokens,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn exact(hash: &[u8], tokens: i32) -> pb::LookupRouteRequest {
+    pb::LookupRouteRequest {
+        tenant_id: "t".into(),
+        model_id: "m".into(),
+        hash_scheme: "vllm".into(),
+        prefix_hash: hash.to_vec(),
+        prefix_token_count: tokens,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn sv27_budget_exceeded_is_timeout_and_never_credited() {
+    let double = SlowIndex::new(Some(Duration::from_millis(50)));
+    let server = start(double.clone()).await;
+    server.state.policies().replace_pushed(
+        decode_push(
+            br#"{"version":7,"policies":[{"namespace":"t","lookupTimeoutMs":5,"eviction":"lfu"}]}"#,
+        )
+        .unwrap(),
+    );
+    let mut c = server.client().await;
+    c.report_cache_state(tokio_stream::iter(vec![legacy(b"p", 128)]))
+        .await
+        .unwrap();
+    let r = c.lookup_route(exact(b"p", 128)).await.unwrap().into_inner();
+    assert_eq!(r.reason_code, "TIMEOUT");
+    assert!(r.replica_scores.is_empty());
+    assert_eq!(r.adapter_id, "");
+    // Give the abandoned call time to finish: its hits must still not be credited.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let entry = server
+        .state
+        .index()
+        .entry("t", "m", "vllm", "", b"p", "r1")
+        .expect("entry exists");
+    assert_eq!(entry.access_count, 0);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn sv28_blocking_index_times_out_at_the_budget() {
+    let double = SlowIndex::new(None);
+    let server = start(double).await;
+    server.state.policies().replace_pushed(
+        decode_push(br#"{"version":7,"policies":[{"namespace":"t","lookupTimeoutMs":20}]}"#)
+            .unwrap(),
+    );
+    let mut c = server.client().await;
+    let started = Instant::now();
+    let r = c.lookup_route(exact(b"p", 0)).await.unwrap().into_inner();
+    assert_eq!(r.reason_code, "TIMEOUT");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn sv30_gate_skips_the_index_call() {
+    let double = SlowIndex::new(Some(Duration::from_millis(1)));
+    let server = start(double.clone()).await;
+    server.state.policies().replace_pushed(
+        decode_push(br#"{"version":7,"policies":[{"namespace":"t","minimumPrefixTokens":200,"affinityRouting":false}]}"#)
+            .unwrap(),
+    );
+    let mut c = server.client().await;
+    let r = c.lookup_route(exact(b"p", 10)).await.unwrap().into_inner();
+    assert_eq!(r.reason_code, "NO_HINT");
+    assert_eq!(double.calls.load(Ordering::SeqCst), 0, "index not called");
+    // SV39 too: requireChain refuses before the index.
+    server.state.policies().replace_pushed(
+        decode_push(
+            br#"{"version":7,"policies":[{"namespace":"t","strategy":{"requireChain":true}}]}"#,
+        )
+        .unwrap(),
+    );
+    let r = c.lookup_route(exact(b"p", 10)).await.unwrap().into_inner();
+    assert_eq!(r.reason_code, "POLICY_REQUIRES_CHAIN");
+    assert_eq!(double.calls.load(Ordering::SeqCst), 0, "index not called");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn sv45_latency_is_measured_by_the_server() {
+    let double = SlowIndex::new(Some(Duration::from_millis(50)));
+    let server = start(double).await;
+    let mut c = server.client().await;
+    c.report_cache_state(tokio_stream::iter(vec![legacy(b"p", 128)]))
+        .await
+        .unwrap();
+    let r = c.lookup_route(exact(b"p", 128)).await.unwrap().into_inner();
+    assert_eq!(r.reason_code, "PREFIX_MATCH");
+    assert!(r.lookup_latency_us >= 50_000, "{}", r.lookup_latency_us);
+    let probe = c
+        .lookup_route(pb::LookupRouteRequest {
+            tenant_id: "inferencecache.io/probe".into(),
+            ..exact(b"p", 0)
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(probe.reason_code, "NO_HINT");
+    assert!(probe.lookup_latency_us >= 0);
+    let (_, _, metrics) = common::http_request(server.http, "GET", "/metrics", "").await;
+    // The 50 ms call lands in the 0.05 bucket's neighbourhood: at most 0.1 s, more than 0.025 s.
+    assert!(
+        metrics.contains(
+            r#"inferencecache_lookup_route_latency_seconds_bucket{model="m",le="0.025"} 1"#
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            r#"inferencecache_lookup_route_latency_seconds_bucket{model="m",le="0.1"} 2"#
+        )
+    );
+    assert!(metrics.contains("inferencecache_index_lookup_latency_seconds_count 1"));
+    server.shutdown().await;
+}
