@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use inferencecache_engine::fingerprint::to_wire;
 use inferencecache_engine::{
-    CacheEventInput, CacheStateUpdate, DEFAULT_TTL_MS, DefaultResolvers, Index, IndexConfig,
-    LookupRequest, ManualClock, MatchScratch, PrefixRef, RouteBuffer, Strategy, event_type, tier,
+    CacheStateUpdate, DEFAULT_TTL_MS, DefaultResolvers, Index, IndexConfig, LookupRequest,
+    ManualClock, MatchScratch, PrefixRef, RouteBuffer, Strategy, tier,
 };
 
 use crate::measure::{LookupStats, Plan, Recorder, Sums, bench_lookup, vm_rss_bytes};
@@ -87,8 +87,8 @@ pub fn insert(ix: &Index, events: &[WireChain]) -> Duration {
     t.elapsed()
 }
 
-/// Removes every chain by PREFIX_EVICTED events (E3, empty adapter), tail to head, the key list
-/// built inside the timed loop. The engine has no batch eviction API: one `apply_event` per key.
+/// Removes every chain by PREFIX_EVICTED semantics (E3, empty adapter) through the engine's batch
+/// API `evict_prefixes`, tail to head, the key list built inside the timed loop (as the peers do).
 pub fn remove(ix: &Index, seq: &[Chain]) -> Duration {
     let t = Instant::now();
     for (c, s) in seq.iter().enumerate() {
@@ -96,18 +96,7 @@ pub fn remove(ix: &Index, seq: &[Chain]) -> Duration {
         for (k, v) in keys.iter_mut().zip(s.iter().rev()) {
             *k = to_wire(*v);
         }
-        let replica = REPLICAS[worker(c)];
-        for k in keys.iter() {
-            ix.apply_event(CacheEventInput {
-                event_type: event_type::PREFIX_EVICTED,
-                replica_id: replica,
-                model_id: MODEL,
-                tenant_id: TENANT,
-                prefix_hash: k,
-                timestamp_us: T0_US,
-                adapter_id: ADAPTER,
-            });
-        }
+        ix.evict_prefixes(TENANT, MODEL, REPLICAS[worker(c)], ADAPTER, &keys, T0_US);
     }
     t.elapsed()
 }
