@@ -5,7 +5,7 @@
 //! are accepted: [`normalize_args`] rewrites them before parsing.
 
 use anyhow::{Context, bail};
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser, parser::ValueSource};
 use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -63,6 +63,15 @@ pub struct Cli {
     /// Bearer tokens required on ReportCacheState and PublishEvent.
     #[arg(long)]
     pub producer_token_file: Option<String>,
+    /// Not supported (the reference's Kubernetes TokenReview settings); rejected at startup.
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "")]
+    pub allowed_controller_sa: Option<String>,
+    /// Not supported; rejected at startup.
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "")]
+    pub controller_audience: Option<String>,
+    /// Not supported; rejected at startup.
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "")]
+    pub policy_audience: Option<String>,
     /// Global cap in storage entries (≤ 0 = unbounded).
     #[arg(long, default_value_t = 1_000_000, allow_hyphen_values = true)]
     pub max_entries: i64,
@@ -123,32 +132,41 @@ pub struct Settings {
     pub grpc_addr: SocketAddr,
     pub http_addr: SocketAddr,
     pub snapshot_addr: SocketAddr,
+    /// The snapshot address had an empty host and was bound to loopback (no control-plane token).
+    pub snapshot_loopback_forced: bool,
+    /// Token files and the insecure flag (validated: every configured file holds a token).
+    pub auth: crate::auth::AuthConfig,
     pub block_size: usize,
     pub log_format: LogFormat,
     pub log_level: tracing::Level,
     pub max_entries: i64,
     pub ttl: Duration,
     pub sweep_interval: Duration,
+    /// gRPC TLS files (cert and key both set, optional client CA).
+    pub tls: Option<crate::tls::TlsFiles>,
+    /// Tokenizer tree for `prompt_text` lookups.
+    pub tokenizer_models_dir: Option<std::path::PathBuf>,
+    /// The configuration file, when one was given (its policy layer is reloaded).
+    pub config_file: Option<(std::path::PathBuf, crate::config_file::ConfigFile)>,
 }
 
 impl Settings {
     /// Validates the flags (exit code 2 on any error, decided by the caller).
     pub fn from_cli(cli: &Cli) -> anyhow::Result<Self> {
+        // §2: the reference's TokenReview flags do not exist here (unknown-flag error).
         for (flag, set) in [
-            ("--config", cli.config.is_some()),
-            ("--tls-cert-file", cli.tls_cert_file.is_some()),
-            ("--tls-key-file", cli.tls_key_file.is_some()),
-            ("--tls-client-ca-file", cli.tls_client_ca_file.is_some()),
-            ("--tokenizer-models-dir", cli.tokenizer_models_dir.is_some()),
             (
-                "--controller-token-file",
-                cli.controller_token_file.is_some(),
+                "--allowed-controller-sa",
+                cli.allowed_controller_sa.is_some(),
             ),
-            ("--policy-token-file", cli.policy_token_file.is_some()),
-            ("--producer-token-file", cli.producer_token_file.is_some()),
+            ("--controller-audience", cli.controller_audience.is_some()),
+            ("--policy-audience", cli.policy_audience.is_some()),
         ] {
             if set {
-                bail!("{flag} is not supported by this build yet");
+                bail!(
+                    "unknown flag {flag}: there is no Kubernetes TokenReview; use \
+                     --controller-token-file, --policy-token-file and --producer-token-file"
+                );
             }
         }
         let log_format = parse_log_format(&cli.log_format)?;
@@ -156,14 +174,45 @@ impl Settings {
         let ttl = parse_duration(&cli.ttl).context("invalid --ttl")?;
         let sweep_interval =
             parse_duration(&cli.sweep_interval).context("invalid --sweep-interval")?;
+        let auth = validate_auth(cli)?;
+        // §3 step 6 (the exit-2 part): cert and key come together; a client CA needs both.
+        let tls = match (&cli.tls_cert_file, &cli.tls_key_file) {
+            (Some(cert), Some(key)) => Some(crate::tls::TlsFiles {
+                cert: cert.into(),
+                key: key.into(),
+                client_ca: cli.tls_client_ca_file.as_ref().map(Into::into),
+            }),
+            (None, None) => {
+                if cli.tls_client_ca_file.is_some() {
+                    bail!("--tls-client-ca-file requires --tls-cert-file and --tls-key-file");
+                }
+                None
+            }
+            _ => bail!("--tls-cert-file and --tls-key-file must be set together"),
+        };
+        let config_file = match &cli.config {
+            Some(path) => {
+                let file = crate::config_file::ConfigFile::load(std::path::Path::new(path))?;
+                Some((std::path::PathBuf::from(path), file))
+            }
+            None => None,
+        };
+        // §3 step 5: with no control-plane token and auth enabled, an empty host binds loopback.
+        let snapshot_loopback_only = !auth.insecure_disable_auth
+            && auth.controller_token_file.is_none()
+            && auth.policy_token_file.is_none();
+        let snapshot_addr = parse_bind(&cli.snapshot_bind_address, snapshot_loopback_only)
+            .context("invalid --snapshot-bind-address")?;
+        let snapshot_loopback_forced =
+            snapshot_loopback_only && bind_host(&cli.snapshot_bind_address).is_empty();
         Ok(Self {
             grpc_addr: parse_bind(&cli.grpc_bind_address, false)
                 .context("invalid --grpc-bind-address")?,
             http_addr: parse_bind(&cli.http_bind_address, false)
                 .context("invalid --http-bind-address")?,
-            // D2: with no control-plane token, an empty host binds loopback only.
-            snapshot_addr: parse_bind(&cli.snapshot_bind_address, !cli.insecure_disable_auth)
-                .context("invalid --snapshot-bind-address")?,
+            snapshot_addr,
+            snapshot_loopback_forced,
+            auth,
             block_size: if cli.engine_block_size > 0 {
                 cli.engine_block_size as usize
             } else {
@@ -174,8 +223,173 @@ impl Settings {
             max_entries: cli.max_entries,
             ttl: positive_or(ttl, Duration::from_secs(30 * 60)),
             sweep_interval: positive_or(sweep_interval, Duration::from_secs(60)),
+            tls,
+            tokenizer_models_dir: cli.tokenizer_models_dir.as_ref().map(Into::into),
+            config_file,
         })
     }
+}
+
+/// Parses the command line and folds the `--config` file beneath it (flags win over the file,
+/// the file over built-in defaults). Errors are printed; the `Err` is the exit code.
+pub fn parse_command_line(args: Vec<OsString>) -> Result<Cli, std::process::ExitCode> {
+    let fail = |err: clap::Error| {
+        let code = if err.use_stderr() { 2 } else { 0 };
+        let _ = err.print();
+        std::process::ExitCode::from(code)
+    };
+    let matches = Cli::command().try_get_matches_from(args).map_err(fail)?;
+    let mut cli = Cli::from_arg_matches(&matches).map_err(fail)?;
+    if let Some(path) = cli.config.clone() {
+        match crate::config_file::ConfigFile::load(std::path::Path::new(&path)) {
+            Ok(file) => apply_file(&mut cli, &matches, &file),
+            Err(err) => {
+                eprintln!("inferencecache-server: {err:#}");
+                return Err(std::process::ExitCode::from(2));
+            }
+        }
+    }
+    Ok(cli)
+}
+
+/// Takes every setting the command line did not set explicitly from the file.
+fn apply_file(cli: &mut Cli, matches: &clap::ArgMatches, file: &crate::config_file::ConfigFile) {
+    let from_flag = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    macro_rules! take {
+        ($id:literal, $field:ident, $value:expr) => {
+            if !from_flag($id) {
+                if let Some(v) = $value {
+                    cli.$field = v;
+                }
+            }
+        };
+    }
+    take!(
+        "grpc_bind_address",
+        grpc_bind_address,
+        file.grpc_bind_address.clone()
+    );
+    take!(
+        "http_bind_address",
+        http_bind_address,
+        file.http_bind_address.clone()
+    );
+    take!(
+        "snapshot_bind_address",
+        snapshot_bind_address,
+        file.snapshot_bind_address.clone()
+    );
+    take!(
+        "engine_block_size",
+        engine_block_size,
+        file.engine_block_size
+    );
+    take!("log_format", log_format, file.log_format.clone());
+    take!("log_level", log_level, file.log_level.clone());
+    take!(
+        "insecure_disable_auth",
+        insecure_disable_auth,
+        file.insecure_disable_auth
+    );
+    take!("max_entries", max_entries, file.index.max_entries);
+    take!("ttl", ttl, file.index.ttl.clone());
+    take!(
+        "sweep_interval",
+        sweep_interval,
+        file.index.sweep_interval.clone()
+    );
+    take!(
+        "tls_cert_file",
+        tls_cert_file,
+        file.tls.cert_file.clone().map(Some)
+    );
+    take!(
+        "tls_key_file",
+        tls_key_file,
+        file.tls.key_file.clone().map(Some)
+    );
+    take!(
+        "tls_client_ca_file",
+        tls_client_ca_file,
+        file.tls.client_ca_file.clone().map(Some)
+    );
+    take!(
+        "tokenizer_models_dir",
+        tokenizer_models_dir,
+        file.tokenizer_models_dir.clone().map(Some)
+    );
+    take!(
+        "controller_token_file",
+        controller_token_file,
+        file.auth.controller_token_file.clone().map(Some)
+    );
+    take!(
+        "policy_token_file",
+        policy_token_file,
+        file.auth.policy_token_file.clone().map(Some)
+    );
+    take!(
+        "producer_token_file",
+        producer_token_file,
+        file.auth.producer_token_file.clone().map(Some)
+    );
+}
+
+/// §3 step 3, first match wins: insecure with a control-plane token file; a configured token
+/// file missing, unreadable or empty; no control-plane token, auth enabled and an explicit
+/// non-loopback snapshot host.
+fn validate_auth(cli: &Cli) -> anyhow::Result<crate::auth::AuthConfig> {
+    if cli.insecure_disable_auth
+        && (cli.controller_token_file.is_some() || cli.policy_token_file.is_some())
+    {
+        bail!(
+            "--insecure-disable-auth and --controller-token-file/--policy-token-file are \
+             mutually exclusive"
+        );
+    }
+    for (flag, file) in [
+        ("--controller-token-file", &cli.controller_token_file),
+        ("--policy-token-file", &cli.policy_token_file),
+        ("--producer-token-file", &cli.producer_token_file),
+    ] {
+        let Some(file) = file else { continue };
+        match crate::auth::count_tokens_in_file(std::path::Path::new(file)) {
+            Ok(0) => bail!("{flag} {file:?} holds no token"),
+            Ok(_) => {}
+            Err(e) => bail!("{flag} {file:?}: {e}"),
+        }
+    }
+    if !cli.insecure_disable_auth
+        && cli.controller_token_file.is_none()
+        && cli.policy_token_file.is_none()
+    {
+        let host = bind_host(&cli.snapshot_bind_address);
+        if !host.is_empty() {
+            let addr = parse_bind(&cli.snapshot_bind_address, true)
+                .context("invalid --snapshot-bind-address")?;
+            if !addr.ip().is_loopback() {
+                bail!(
+                    "--snapshot-bind-address {:?} is not loopback: set --controller-token-file \
+                     and/or --policy-token-file, or --insecure-disable-auth",
+                    cli.snapshot_bind_address
+                );
+            }
+        }
+    }
+    Ok(crate::auth::AuthConfig {
+        insecure_disable_auth: cli.insecure_disable_auth,
+        controller_token_file: cli.controller_token_file.as_ref().map(Into::into),
+        policy_token_file: cli.policy_token_file.as_ref().map(Into::into),
+        producer_token_file: cli.producer_token_file.as_ref().map(Into::into),
+    })
+}
+
+/// The host part of `host:port` (brackets removed); empty for `:8081`.
+fn bind_host(addr: &str) -> &str {
+    addr.rsplit_once(':')
+        .map_or("", |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']')
 }
 
 fn positive_or(d: Option<Duration>, default: Duration) -> Duration {
@@ -285,11 +499,7 @@ pub fn init_logging(settings: &Settings) -> anyhow::Result<()> {
         .with_max_level(settings.log_level)
         .with_target(false);
     let result = match settings.log_format {
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .try_init(),
+        LogFormat::Json => builder.event_format(crate::logging::JsonLines).try_init(),
         LogFormat::Text => builder.try_init(),
     };
     result.map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))
@@ -360,6 +570,64 @@ mod tests {
         assert_eq!(cli.log_level, "debug");
         assert!(cli.insecure_disable_auth);
         assert_eq!(cli.ttl, "-1s");
+    }
+
+    #[test]
+    fn snapshot_address_follows_the_auth_matrix() {
+        let dir = std::env::temp_dir().join(format!("ic-config-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tokens = dir.join("tokens");
+        std::fs::write(&tokens, "t\n").unwrap();
+        let tokens = tokens.to_str().unwrap();
+        let settings = |args: &[&str]| {
+            let mut all = vec!["bin"];
+            all.extend_from_slice(args);
+            Settings::from_cli(
+                &Cli::try_parse_from(normalize_args(all.into_iter().map(OsString::from))).unwrap(),
+            )
+        };
+        let s = settings(&[]).unwrap();
+        assert_eq!(s.snapshot_addr.to_string(), "127.0.0.1:8081");
+        assert!(s.snapshot_loopback_forced);
+        let s = settings(&["--snapshot-bind-address", "127.0.0.1:9"]).unwrap();
+        assert!(!s.snapshot_loopback_forced);
+        let s = settings(&["--insecure-disable-auth"]).unwrap();
+        assert_eq!(s.snapshot_addr.to_string(), "0.0.0.0:8081");
+        assert!(!s.snapshot_loopback_forced);
+        let s = settings(&["--controller-token-file", tokens]).unwrap();
+        assert_eq!(s.snapshot_addr.to_string(), "0.0.0.0:8081");
+        let s = settings(&[
+            "--policy-token-file",
+            tokens,
+            "--snapshot-bind-address",
+            "0.0.0.0:1",
+        ]);
+        assert!(s.is_ok());
+        // Producer tokens alone do not guard the control plane.
+        assert!(
+            settings(&[
+                "--producer-token-file",
+                tokens,
+                "--snapshot-bind-address",
+                "[::]:1"
+            ])
+            .is_err()
+        );
+        assert!(
+            settings(&[
+                "--insecure-disable-auth",
+                "--snapshot-bind-address",
+                "[::]:1"
+            ])
+            .is_ok()
+        );
+        assert!(settings(&["--insecure-disable-auth", "--controller-token-file", tokens]).is_err());
+        let err = settings(&["--allowed-controller-sa", "x"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--controller-token-file") && err.contains("--policy-token-file"));
+        assert!(settings(&["--controller-audience"]).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

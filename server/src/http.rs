@@ -45,8 +45,6 @@ pub async fn serve_public(
     listener: TcpListener,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    axum::serve(listener, public_router(state))
-        .with_graceful_shutdown(stop)
-        .await?;
-    Ok(())
+    // Same hyper stack as the control plane: a 5 s read-header timeout (§4).
+    crate::control::serve_http(public_router(state), listener, stop).await
 }

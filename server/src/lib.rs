@@ -4,9 +4,12 @@
 //! handlers (numbered as the spec's handler algorithm, `// H1`…`// H13`), HTTP surfaces,
 //! metrics and process lifecycle.
 
+pub mod auth;
 pub mod config;
 pub mod config_file;
+pub mod control;
 pub mod http;
+pub mod logging;
 pub mod lookup;
 pub mod metrics;
 pub mod policy;
@@ -32,10 +35,43 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         eprintln!("inferencecache-server: {err:#}");
         return ExitCode::from(2);
     }
+    // §3 steps 3 and 5: load the token files, log the auth summary.
+    let token_stores = match auth::TokenStores::load(&settings.auth) {
+        Ok(s) => s,
+        Err(err) => {
+            eprintln!("inferencecache-server: {err:#}");
+            return ExitCode::from(2);
+        }
+    };
+    // §3 step 4: tokenizer models (loaded once; request-time lookups never touch the disk).
+    let tokenizer = load_tokenizers(&settings);
+    auth::log_auth_summary(
+        &token_stores,
+        settings.snapshot_addr,
+        settings.snapshot_loopback_forced,
+    );
+    // §3 step 6: an unloadable certificate, key or client CA is exit 1.
+    let tls = match &settings.tls {
+        Some(files) => match tls::server_config(files) {
+            Ok(config) => Some(config),
+            Err(err) => {
+                error!(err = %format!("{err:#}"), "grpc_tls_load");
+                return ExitCode::from(1);
+            }
+        },
+        None => None,
+    };
+    let file = settings.config_file.as_ref().map(|(_, f)| f);
     info!(
         version = env!("CARGO_PKG_VERSION"),
+        commit = option_env!("INFERENCECACHE_COMMIT").unwrap_or("unknown"),
         grpc_addr = %settings.grpc_addr,
+        grpc_tls = tls.is_some(),
+        grpc_mtls = settings.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
         http_addr = %settings.http_addr,
+        snapshot_addr = %settings.snapshot_addr,
+        max_entries = settings.max_entries,
+        ttl = ?settings.ttl,
         "startup"
     );
     let grpc = match TcpListener::bind(settings.grpc_addr).await {
@@ -46,6 +82,10 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         Ok(l) => l,
         Err(err) => return serve_error("http", settings.http_addr, err),
     };
+    let snapshot = match TcpListener::bind(settings.snapshot_addr).await {
+        Ok(l) => l,
+        Err(err) => return serve_error("snapshot", settings.snapshot_addr, err),
+    };
     let state = service::AppState::new(service::ServerOptions {
         block_size: settings.block_size,
         index: inferencecache_engine::IndexConfig {
@@ -53,12 +93,61 @@ pub async fn run(cli: config::Cli) -> ExitCode {
             sweep_interval_ms: i64::try_from(settings.sweep_interval.as_millis())
                 .unwrap_or(i64::MAX),
             max_entries: settings.max_entries,
+            hot_access_threshold: file
+                .and_then(|f| f.index.hot_access_threshold)
+                .map_or(inferencecache_engine::DEFAULT_HOT_ACCESS_THRESHOLD, |t| {
+                    u32::try_from(t).unwrap_or(u32::MAX)
+                }),
             ..Default::default()
         },
+        stream_buffer_events: file
+            .and_then(|f| f.streams.buffer_events)
+            .map_or(streams::DEFAULT_BUFFER_EVENTS, |v| {
+                usize::try_from(v).unwrap_or(usize::MAX)
+            }),
+        stream_max_subscribers: file
+            .and_then(|f| f.streams.max_subscribers)
+            .map_or(streams::DEFAULT_MAX_SUBSCRIBERS, |v| {
+                usize::try_from(v).unwrap_or(usize::MAX)
+            }),
+        tls,
+        tokenizer,
         ..Default::default()
     });
-    let shutdown = shutdown_signal();
-    match serve(state, grpc, http, shutdown).await {
+    // The file's policy layer applies now and is reloaded when the file changes (D1).
+    if let Some((path, file)) = &settings.config_file {
+        match file.policy_layer() {
+            Ok(layer) => state.policies().replace_file(layer),
+            Err(err) => {
+                error!(err = %format!("{err:#}"), "config_reload_failed");
+                return ExitCode::from(2);
+            }
+        }
+        config_file::spawn_reloader(
+            path.clone(),
+            file.clone(),
+            state.policies().clone(),
+            std::time::Duration::from_secs(2),
+        );
+    }
+    // The control-plane listener (:8081) runs next to gRPC and public HTTP; its failure stops
+    // the others.
+    let auth = std::sync::Arc::new(auth::Auth::new(token_stores, state.metrics().clone()));
+    // D3: producer RPCs check the producer token when one is configured.
+    state.set_auth(auth.clone());
+    let mut control =
+        control::ControlServer::spawn(control::ControlState::new(state.clone(), auth), snapshot);
+    let control_failed = control.failure();
+    let signal = shutdown_signal();
+    let shutdown = async move {
+        tokio::select! {
+            _ = signal => {},
+            _ = control_failed => {},
+        }
+    };
+    let served = serve(state, grpc, http, shutdown).await;
+    let control_result = control.stop().await;
+    match served.and(control_result) {
         Ok(()) => {
             info!("graceful_shutdown_done");
             ExitCode::SUCCESS
@@ -70,9 +159,47 @@ pub async fn run(cli: config::Cli) -> ExitCode {
     }
 }
 
+#[cfg(feature = "tokenizer")]
+fn load_tokenizers(
+    settings: &config::Settings,
+) -> Option<std::sync::Arc<dyn inferencecache_tokenize::PromptTokenizer>> {
+    let dir = settings.tokenizer_models_dir.as_ref()?;
+    Some(std::sync::Arc::new(
+        inferencecache_tokenize::Tokenizers::load(dir),
+    ))
+}
+
+#[cfg(not(feature = "tokenizer"))]
+fn load_tokenizers(
+    settings: &config::Settings,
+) -> Option<std::sync::Arc<dyn inferencecache_tokenize::PromptTokenizer>> {
+    if let Some(dir) = &settings.tokenizer_models_dir {
+        tracing::warn!(
+            reason = "built without the tokenizer feature",
+            tokenizer_models_dir = %dir.display(),
+            effect = "prompt_text lookups answer NO_HINT",
+            "tokenizer_models_dir_ignored"
+        );
+    }
+    None
+}
+
 fn serve_error(listener: &str, addr: SocketAddr, err: std::io::Error) -> ExitCode {
     error!(listener, addr = %addr, err = %err, "serve_error");
     ExitCode::from(1)
+}
+
+/// How long a graceful stop waits for open connections before closing them.
+pub const GRACEFUL_STOP_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A listener task aborted at the end of the grace period stopped as intended.
+fn forgive_abort(
+    res: Result<anyhow::Result<()>, tokio::task::JoinError>,
+) -> Result<anyhow::Result<()>, tokio::task::JoinError> {
+    match res {
+        Err(e) if e.is_cancelled() => Ok(Ok(())),
+        other => other,
+    }
 }
 
 /// Serves gRPC and HTTP on already-bound listeners until `shutdown` resolves.
@@ -106,7 +233,18 @@ pub async fn serve(
         broadcaster.shutdown();
         let _ = stop_tx.send(true);
     });
+    // In-flight RPCs get a grace period; a peer that never lets its connection go (stalled,
+    // or not reading the GOAWAY) cannot hold the process hostage beyond it.
+    let (grpc_abort, http_abort) = (grpc_task.abort_handle(), http_task.abort_handle());
+    let mut stopped = stop_rx.clone();
+    tokio::spawn(async move {
+        let _ = stopped.wait_for(|s| *s).await;
+        tokio::time::sleep(GRACEFUL_STOP_LIMIT).await;
+        grpc_abort.abort();
+        http_abort.abort();
+    });
     let (grpc_res, http_res) = tokio::join!(grpc_task, http_task);
+    let (grpc_res, http_res) = (forgive_abort(grpc_res), forgive_abort(http_res));
     state.stop();
     grpc_res??;
     http_res??;

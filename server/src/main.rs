@@ -4,8 +4,7 @@
 //! (`/healthz`, `/readyz`) on `:8080`. Every default is embedded, so running the binary with no
 //! arguments serves a working (empty) index.
 
-use clap::Parser;
-use inferencecache_server::{config::Cli, run};
+use inferencecache_server::{config::parse_command_line, run};
 use std::process::ExitCode;
 
 #[global_allocator]
@@ -13,13 +12,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = inferencecache_server::config::normalize_args(std::env::args_os());
-    let cli = match Cli::try_parse_from(args) {
+    // Flags, then the optional --config file beneath them (exit 2 on any error).
+    let cli = match parse_command_line(args) {
         Ok(cli) => cli,
-        Err(err) => {
-            let code = if err.use_stderr() { 2 } else { 0 };
-            let _ = err.print();
-            return ExitCode::from(code);
-        }
+        Err(code) => return code,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -86,6 +86,7 @@ struct Shared {
     tokenizer: Option<Arc<dyn PromptTokenizer>>,
     tokenizer_slots: Arc<tokio::sync::Semaphore>,
     route_double: Option<Arc<dyn lookup::BlockingRouteIndex>>,
+    auth: std::sync::OnceLock<Arc<crate::auth::Auth>>,
     block_size: usize,
     ready: AtomicBool,
 }
@@ -119,6 +120,7 @@ impl AppState {
                 tls: options.tls.clone(),
                 tokenizer: options.tokenizer.clone(),
                 route_double: options.route_double.clone(),
+                auth: std::sync::OnceLock::new(),
                 tokenizer_slots: Arc::new(tokio::sync::Semaphore::new(
                     lookup::MAX_CONCURRENT_TOKENIZE,
                 )),
@@ -171,6 +173,16 @@ impl AppState {
     /// Slots bounding concurrent tokenizations (taken without waiting).
     pub fn tokenizer_slots(&self) -> &Arc<tokio::sync::Semaphore> {
         &self.inner.tokenizer_slots
+    }
+
+    /// Installs the credentials checker (producer auth, D3). Set once at startup.
+    pub fn set_auth(&self, auth: Arc<crate::auth::Auth>) {
+        let _ = self.inner.auth.set(auth);
+    }
+
+    /// The credentials checker, if installed.
+    pub fn auth(&self) -> Option<&Arc<crate::auth::Auth>> {
+        self.inner.auth.get()
     }
 
     /// The LookupRoute index double, if a test installed one.
@@ -277,6 +289,10 @@ impl InferenceCache for CacheService {
         &self,
         request: Request<Streaming<pb::CacheStateUpdate>>,
     ) -> Result<Response<pb::Ack>, Status> {
+        // §9.2: producer credentials are checked before any message is read.
+        if let Some(auth) = self.state.auth() {
+            auth.check_producer(request.metadata())?;
+        }
         let mut stream = request.into_inner();
         // §8.2: each message is applied as it arrives; a broken stream ends with its status and
         // everything received before stays applied.
@@ -293,6 +309,9 @@ impl InferenceCache for CacheService {
         &self,
         request: Request<pb::CacheEvent>,
     ) -> Result<Response<pb::Ack>, Status> {
+        if let Some(auth) = self.state.auth() {
+            auth.check_producer(request.metadata())?;
+        }
         let event = request.into_inner();
         // §8.3: the reserved tenant is acknowledged and dropped.
         if event.tenant_id != PROBE_TENANT {
