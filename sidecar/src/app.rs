@@ -1,0 +1,131 @@
+//! Wiring of the sidecar process (spec `sidecar.md` §1): subscriber → reporter, and the
+//! independent stats reporter, with a bounded graceful drain on shutdown.
+
+use crate::client::{GrpcSink, TokenSource, build_channel};
+use crate::config::Settings;
+use crate::metrics::{Deriver, Profile, ScraperConfig};
+use crate::reporter::{Identity, Reporter, ReporterConfig};
+use crate::stats::{Staleness, StatsReporter};
+use crate::subscriber::{self, CHANNEL_CAPACITY, SubscriberStats};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// Bound on each drain step at shutdown.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Builds the gRPC sink (the caller exits 1 on error).
+pub fn build_sink(s: &Settings) -> anyhow::Result<GrpcSink> {
+    let channel = build_channel(&s.server, &s.tls)?;
+    let token = s.token_file.as_ref().map(TokenSource::new).transpose()?;
+    Ok(GrpcSink::new(channel, token))
+}
+
+/// Runs the sidecar until `cancel` fires, then drains.
+pub async fn run(s: Settings, sink: GrpcSink, cancel: CancellationToken) {
+    if s.profile == Profile::Vllm && s.hash_scheme != "vllm" {
+        warn!(hash_scheme = %s.hash_scheme, "unknown hash scheme; using the vLLM metrics profile");
+    }
+    let identity = Identity {
+        replica_id: s.replica_id.clone(),
+        model_id: s.model_id.clone(),
+        tenant_id: s.tenant_id.clone(),
+        hash_scheme: s.hash_scheme.clone(),
+    };
+    info!(
+        engine_endpoint = %s.engine_endpoint,
+        topic = %s.topic,
+        server = %s.server,
+        replica_id = %s.replica_id,
+        model_id = %s.model_id,
+        tenant_id = %s.tenant_id,
+        hash_scheme = %s.hash_scheme,
+        l2_mode = s.l2_mode,
+        lora_adapters = s.adapters.len(),
+        tls = s.tls.enabled(),
+        producer_token = s.token_file.is_some(),
+        "sidecar starting"
+    );
+
+    let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
+    let sub_cancel = cancel.child_token();
+    let sub = tokio::spawn(subscriber::run(
+        s.engine_endpoint.clone(),
+        s.topic.clone(),
+        tx,
+        Arc::new(SubscriberStats::default()),
+        sub_cancel,
+    ));
+    let mut rcfg = ReporterConfig::new(identity.clone());
+    rcfg.window = s.window;
+    rcfg.l2_mode = s.l2_mode;
+    rcfg.adapters = s.adapters.clone();
+    let reporter = tokio::spawn(Reporter::new(rcfg, sink.clone()).run(rx));
+
+    let stats = StatsReporter {
+        identity,
+        url: s.engine_metrics_url.clone(),
+        interval: s.stats_interval,
+        deriver: Deriver::new(ScraperConfig {
+            profile: s.profile,
+            tier: s.cache_tier,
+            model_name: s.engine_model_name.clone(),
+            capacity_bytes: s.capacity_bytes,
+            ceiling: s.ceiling,
+        }),
+        sink,
+        staleness: Staleness::new(),
+    };
+    let stats_task = tokio::spawn(stats.run(cancel.child_token()));
+
+    cancel.cancelled().await;
+    info!("shutdown requested; draining");
+    // The subscriber returns on cancellation and drops the sender, closing the reporter input.
+    let _ = sub.await;
+    match tokio::time::timeout(DRAIN_TIMEOUT, reporter).await {
+        Ok(_) => {}
+        Err(_) => warn!("reporter drain timed out"),
+    }
+    match tokio::time::timeout(DRAIN_TIMEOUT, stats_task).await {
+        Ok(_) => {}
+        Err(_) => warn!("stats reporter stop timed out"),
+    }
+    info!("sidecar stopped");
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = match signal(SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// JSON logs at INFO and above on stderr (`RUST_LOG` may override the level).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_current_span(false)
+        .try_init();
+}

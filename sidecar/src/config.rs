@@ -1,0 +1,358 @@
+//! Command line of `inferencecache-sidecar` (spec `sidecar.md` §2): the reference
+//! `kvevent-subscriber` flags plus optional credentials.
+
+use crate::client::TlsFiles;
+use crate::lora::AdapterMap;
+use crate::metrics::{CacheTierSel, Profile};
+use clap::Parser;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Sidecar flags.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "inferencecache-sidecar",
+    version,
+    about = "Engine KV events and metrics into the InferenceCache index"
+)]
+pub struct Cli {
+    /// Engine ZMQ PUB endpoint; the SUB socket connects to it.
+    #[arg(long, default_value = "tcp://127.0.0.1:5557")]
+    pub engine_endpoint: String,
+    /// Subscription prefix ("" = everything).
+    #[arg(long, default_value = "kv-events")]
+    pub topic: String,
+    /// Server gRPC address.
+    #[arg(long, default_value = "127.0.0.1:9090")]
+    pub server: String,
+    /// Replica identity (typically the pod name).
+    #[arg(long)]
+    pub replica_id: String,
+    /// Index model key.
+    #[arg(long)]
+    pub model_id: String,
+    /// Tenant (typically the pod namespace).
+    #[arg(long, default_value = "")]
+    pub tenant_id: String,
+    /// Hash scheme; also selects the metrics profile (sglang → SGLang, else vLLM).
+    #[arg(long, default_value = "vllm")]
+    pub hash_scheme: String,
+    /// Add-batching flush window (≤ 0 → 100ms).
+    #[arg(long, default_value = "100ms", allow_hyphen_values = true)]
+    pub window: String,
+    /// Engine Prometheus endpoint.
+    #[arg(long, default_value = "http://127.0.0.1:8000/metrics")]
+    pub engine_metrics_url: String,
+    /// Stats period (≤ 0 → 10s).
+    #[arg(long, default_value = "10s", allow_hyphen_values = true)]
+    pub stats_interval: String,
+    /// KV capacity in bytes; cache_memory_bytes = capacity × usage (0 → always 0).
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+    pub engine_cache_size_bytes: i64,
+    /// Pressure denominator (≤ 0 → pressure 0).
+    #[arg(long, default_value_t = 256, allow_hyphen_values = true)]
+    pub max_concurrency_ceiling: i64,
+    /// Usage gauge: auto, kv, gpu, cpu.
+    #[arg(long, default_value = "auto")]
+    pub cache_tier: String,
+    /// Keep only series whose model_name label equals this.
+    #[arg(long, default_value = "")]
+    pub engine_model_name: String,
+    /// The engine has an L2 offload tier: removals are re-reported as T2.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", default_value = "false")]
+    pub ignore_block_removed: bool,
+    /// `id=name,…` map from engine LoRA ids to adapter identities.
+    #[arg(long, default_value = "")]
+    pub lora_adapter_names: String,
+    /// File whose first non-empty, non-# line is sent as `authorization: Bearer <token>`.
+    #[arg(long, alias = "producer-token-file")]
+    pub server_token_file: Option<PathBuf>,
+    /// PEM CA bundle: use TLS and verify the server.
+    #[arg(long)]
+    pub server_tls_ca_file: Option<PathBuf>,
+    /// Client certificate (mTLS); needs --server-tls-key-file.
+    #[arg(long)]
+    pub server_tls_cert_file: Option<PathBuf>,
+    /// Client key (mTLS); needs --server-tls-cert-file.
+    #[arg(long)]
+    pub server_tls_key_file: Option<PathBuf>,
+}
+
+const BOOL_FLAGS: &[&str] = &["ignore-block-removed", "omit-token-ids", "help", "version"];
+
+/// Rewrites single-dash long flags (`-replica-id x`) into double-dash form, as the reference's
+/// Go flag syntax allows. Short flags (`-h`, `-V`) and values are left alone.
+pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
+    let mut out = Vec::new();
+    let mut expect_value = false;
+    for (i, arg) in args.into_iter().enumerate() {
+        if i == 0 || expect_value {
+            expect_value = false;
+            out.push(arg);
+            continue;
+        }
+        match arg.to_str() {
+            Some(s) if s.starts_with("--") => {
+                let name = s[2..].split('=').next().unwrap_or("");
+                expect_value = !s.contains('=') && !BOOL_FLAGS.contains(&name);
+                out.push(arg);
+            }
+            Some(s) if s.starts_with('-') && s.len() > 2 => {
+                let name = s[1..].split('=').next().unwrap_or("");
+                if name.len() > 1 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+                    expect_value = !s.contains('=') && !BOOL_FLAGS.contains(&name);
+                    out.push(OsString::from(format!("-{s}")));
+                } else {
+                    out.push(arg);
+                }
+            }
+            _ => out.push(arg),
+        }
+    }
+    out
+}
+
+/// Parses a Go-style duration (`100ms`, `1m30s`, `1.5s`, `-2s`, `0`) into signed nanoseconds.
+pub fn parse_go_duration(s: &str) -> Result<i128, String> {
+    let orig = s;
+    let bad = || format!("invalid duration {orig:?}");
+    let s = s.trim();
+    let (neg, mut s) = match s.strip_prefix('-') {
+        Some(r) => (true, r),
+        None => (false, s.strip_prefix('+').unwrap_or(s)),
+    };
+    if s == "0" {
+        return Ok(0);
+    }
+    if s.is_empty() {
+        return Err(bad());
+    }
+    let mut total: f64 = 0.0;
+    while !s.is_empty() {
+        let num_end = s
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(bad)?;
+        if num_end == 0 {
+            return Err(bad());
+        }
+        let n: f64 = s[..num_end].parse().map_err(|_| bad())?;
+        s = &s[num_end..];
+        let unit_end = s
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(s.len());
+        let mult = match &s[..unit_end] {
+            "ns" => 1.0,
+            "us" | "µs" | "μs" => 1e3,
+            "ms" => 1e6,
+            "s" => 1e9,
+            "m" => 60e9,
+            "h" => 3600e9,
+            _ => return Err(bad()),
+        };
+        total += n * mult;
+        s = &s[unit_end..];
+    }
+    let ns = total as i128;
+    Ok(if neg { -ns } else { ns })
+}
+
+/// A duration flag where ≤ 0 means the default.
+pub fn duration_or_default(s: &str, default: Duration) -> Result<Duration, String> {
+    let ns = parse_go_duration(s)?;
+    Ok(if ns <= 0 {
+        default
+    } else {
+        Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+    })
+}
+
+/// Validated settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub engine_endpoint: String,
+    pub topic: String,
+    pub server: String,
+    pub replica_id: String,
+    pub model_id: String,
+    pub tenant_id: String,
+    pub hash_scheme: String,
+    pub window: Duration,
+    pub engine_metrics_url: String,
+    pub stats_interval: Duration,
+    pub capacity_bytes: i64,
+    pub ceiling: i64,
+    pub cache_tier: CacheTierSel,
+    pub profile: Profile,
+    pub engine_model_name: String,
+    pub l2_mode: bool,
+    pub adapters: AdapterMap,
+    pub token_file: Option<PathBuf>,
+    pub tls: TlsFiles,
+}
+
+impl Settings {
+    /// Validates the flags (the caller exits 2 on error).
+    pub fn from_cli(cli: Cli) -> Result<Self, String> {
+        if cli.replica_id.is_empty() {
+            return Err("--replica-id is required".into());
+        }
+        if cli.model_id.is_empty() {
+            return Err("--model-id is required".into());
+        }
+        if cli.hash_scheme.is_empty() {
+            return Err("--hash-scheme must not be empty".into());
+        }
+        let window = duration_or_default(&cli.window, crate::reporter::DEFAULT_WINDOW)
+            .map_err(|e| format!("--window: {e}"))?;
+        let stats_interval = duration_or_default(&cli.stats_interval, Duration::from_secs(10))
+            .map_err(|e| format!("--stats-interval: {e}"))?;
+        let cache_tier =
+            CacheTierSel::parse(&cli.cache_tier).map_err(|e| format!("--cache-tier: {e}"))?;
+        let adapters = AdapterMap::parse(&cli.lora_adapter_names)
+            .map_err(|e| format!("--lora-adapter-names: {e}"))?;
+        if cli.server_tls_cert_file.is_some() != cli.server_tls_key_file.is_some() {
+            return Err(
+                "--server-tls-cert-file and --server-tls-key-file must be given together".into(),
+            );
+        }
+        Ok(Self {
+            engine_endpoint: cli.engine_endpoint,
+            topic: cli.topic,
+            server: cli.server,
+            replica_id: cli.replica_id,
+            model_id: cli.model_id,
+            tenant_id: cli.tenant_id,
+            profile: Profile::for_scheme(&cli.hash_scheme),
+            hash_scheme: cli.hash_scheme,
+            window,
+            engine_metrics_url: cli.engine_metrics_url,
+            stats_interval,
+            capacity_bytes: cli.engine_cache_size_bytes,
+            ceiling: cli.max_concurrency_ceiling,
+            cache_tier,
+            engine_model_name: cli.engine_model_name,
+            l2_mode: cli.ignore_block_removed,
+            adapters,
+            token_file: cli.server_token_file,
+            tls: TlsFiles {
+                ca_file: cli.server_tls_ca_file,
+                cert_file: cli.server_tls_cert_file,
+                key_file: cli.server_tls_key_file,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Settings, String> {
+        let argv = std::iter::once("sidecar")
+            .chain(args.iter().copied())
+            .map(OsString::from);
+        let cli = Cli::try_parse_from(normalize_args(argv)).map_err(|e| e.to_string())?;
+        Settings::from_cli(cli)
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_go_duration("100ms").unwrap(), 100_000_000);
+        assert_eq!(parse_go_duration("1m30s").unwrap(), 90_000_000_000);
+        assert_eq!(parse_go_duration("1.5s").unwrap(), 1_500_000_000);
+        assert_eq!(parse_go_duration("-2s").unwrap(), -2_000_000_000);
+        assert_eq!(parse_go_duration("0").unwrap(), 0);
+        assert!(parse_go_duration("10").is_err());
+        assert!(parse_go_duration("").is_err());
+        assert!(parse_go_duration("5x").is_err());
+        assert_eq!(
+            duration_or_default("-1s", Duration::from_secs(10)).unwrap(),
+            Duration::from_secs(10)
+        );
+    }
+
+    #[test]
+    fn defaults_and_forms() {
+        let s = parse(&["--replica-id", "r", "--model-id=m"]).unwrap();
+        assert_eq!(s.engine_endpoint, "tcp://127.0.0.1:5557");
+        assert_eq!(s.topic, "kv-events");
+        assert_eq!(s.server, "127.0.0.1:9090");
+        assert_eq!(s.window, Duration::from_millis(100));
+        assert_eq!(s.stats_interval, Duration::from_secs(10));
+        assert_eq!(s.ceiling, 256);
+        assert!(!s.l2_mode);
+        assert_eq!(s.profile, Profile::Vllm);
+
+        let s = parse(&[
+            "-replica-id",
+            "r",
+            "-model-id=m",
+            "-ignore-block-removed",
+            "-hash-scheme",
+            "sglang",
+            "--window",
+            "0",
+            "--topic",
+            "",
+            "--lora-adapter-names",
+            "1=a",
+        ])
+        .unwrap();
+        assert!(s.l2_mode);
+        assert_eq!(s.profile, Profile::Sglang);
+        assert_eq!(s.window, Duration::from_millis(100));
+        assert_eq!(s.topic, "");
+        assert_eq!(s.adapters.resolve(Some(1)), Some("a"));
+        let s = parse(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--ignore-block-removed=false",
+        ])
+        .unwrap();
+        assert!(!s.l2_mode);
+    }
+
+    #[test]
+    fn invalid_configurations() {
+        assert!(parse(&["--model-id", "m"]).is_err());
+        assert!(parse(&["--replica-id", "", "--model-id", "m"]).is_err());
+        assert!(parse(&["--replica-id", "r", "--model-id", "m", "--hash-scheme", ""]).is_err());
+        assert!(
+            parse(&[
+                "--replica-id",
+                "r",
+                "--model-id",
+                "m",
+                "--cache-tier",
+                "hbm"
+            ])
+            .is_err()
+        );
+        assert!(
+            parse(&[
+                "--replica-id",
+                "r",
+                "--model-id",
+                "m",
+                "--lora-adapter-names",
+                "x=y"
+            ])
+            .is_err()
+        );
+        assert!(parse(&["--replica-id", "r", "--model-id", "m", "--window", "fast"]).is_err());
+        assert!(
+            parse(&[
+                "--replica-id",
+                "r",
+                "--model-id",
+                "m",
+                "--server-tls-cert-file",
+                "c"
+            ])
+            .is_err()
+        );
+    }
+}

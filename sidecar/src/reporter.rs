@@ -1,0 +1,332 @@
+//! The event-path reporter (spec `sidecar.md` §6): decoded batches → `ReportCacheState` updates
+//! and `PublishEvent` calls, with add-batching, store-before-evict ordering, L2 mode and LoRA
+//! partitioning.
+
+use crate::client::Sink;
+use crate::lora::AdapterMap;
+use crate::positional::{Entry, ReverseMap};
+use crate::wire::{BlockStored, Event, EventBatch};
+use inferencecache_proto::v1alpha1::{
+    CacheEvent, CacheStateUpdate, CacheTier, PrefixEntry, cache_event,
+};
+use std::collections::HashSet;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+/// Default add-batching window.
+pub const DEFAULT_WINDOW: Duration = Duration::from_millis(100);
+/// Pending entries that force an immediate flush.
+pub const FLUSH_THRESHOLD: usize = 4096;
+
+/// Identity stamped on every update and event.
+#[derive(Debug, Clone, Default)]
+pub struct Identity {
+    pub replica_id: String,
+    pub model_id: String,
+    pub tenant_id: String,
+    pub hash_scheme: String,
+}
+
+/// Reporter settings.
+#[derive(Debug, Clone)]
+pub struct ReporterConfig {
+    pub identity: Identity,
+    /// Flush window (ticker period).
+    pub window: Duration,
+    /// Pending entries that force a flush.
+    pub flush_threshold: usize,
+    /// L2 mode (`--ignore-block-removed`): removals are re-reported as T2.
+    pub l2_mode: bool,
+    /// LoRA id → adapter mapping.
+    pub adapters: AdapterMap,
+}
+
+impl ReporterConfig {
+    /// Defaults for one identity.
+    pub fn new(identity: Identity) -> Self {
+        Self {
+            identity,
+            window: DEFAULT_WINDOW,
+            flush_threshold: FLUSH_THRESHOLD,
+            l2_mode: false,
+            adapters: AdapterMap::default(),
+        }
+    }
+}
+
+/// Counters, for tests and the final log line.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReporterCounters {
+    pub updates_sent: u64,
+    pub updates_failed: u64,
+    pub events_sent: u64,
+    pub events_failed: u64,
+    pub dropped_unmapped_lora: u64,
+    pub no_index_entries: u64,
+}
+
+/// Converts engine float seconds into µs (`ts ≤ 0 → 0`, else truncated).
+pub fn ts_to_us(ts: f64) -> i64 {
+    if ts.is_nan() || ts <= 0.0 {
+        0
+    } else {
+        (ts * 1e6) as i64
+    }
+}
+
+/// The reporter state machine. Single-threaded: it owns the reverse map.
+pub struct Reporter<S: Sink> {
+    cfg: ReporterConfig,
+    sink: S,
+    map: ReverseMap,
+    pending: Vec<PrefixEntry>,
+    pending_ts_us: i64,
+    warned_lora: HashSet<i64>,
+    counters: ReporterCounters,
+}
+
+fn prefix_entry(e: Entry, tier: CacheTier) -> PrefixEntry {
+    PrefixEntry {
+        prefix_hash: e.prefix_hash.to_vec(),
+        token_count: e.token_count,
+        block_hashes: Vec::new(),
+        block_token_counts: Vec::new(),
+        tier: tier as i32,
+        adapter_id: e.adapter,
+    }
+}
+
+impl<S: Sink> Reporter<S> {
+    /// A reporter with an empty reverse map.
+    pub fn new(cfg: ReporterConfig, sink: S) -> Self {
+        Self {
+            cfg,
+            sink,
+            map: ReverseMap::new(),
+            pending: Vec::new(),
+            pending_ts_us: 0,
+            warned_lora: HashSet::new(),
+            counters: ReporterCounters::default(),
+        }
+    }
+
+    /// The reverse map (tests).
+    pub fn reverse_map(&self) -> &ReverseMap {
+        &self.map
+    }
+
+    /// Entries waiting for the next flush.
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> ReporterCounters {
+        self.counters
+    }
+
+    /// The sink (tests).
+    pub fn sink(&self) -> &S {
+        &self.sink
+    }
+
+    /// Processes one batch, event by event.
+    pub async fn handle_batch(&mut self, batch: &EventBatch) {
+        let ts_us = ts_to_us(batch.ts);
+        for ev in &batch.events {
+            match ev {
+                Event::BlockStored(bs) => self.on_stored(bs, ts_us).await,
+                Event::BlockRemoved { block_hashes } => self.on_removed(block_hashes, ts_us).await,
+                Event::AllBlocksCleared => self.on_cleared(ts_us).await,
+            }
+        }
+    }
+
+    async fn on_stored(&mut self, ev: &BlockStored, ts_us: i64) {
+        let Some(adapter) = self.cfg.adapters.resolve(ev.lora_id).map(str::to_string) else {
+            self.counters.dropped_unmapped_lora += 1;
+            let id = ev.lora_id.unwrap_or_default();
+            if self.warned_lora.insert(id) {
+                warn!(
+                    event = "unmapped_lora",
+                    lora_id = id,
+                    "BlockStored with a LoRA id missing from --lora-adapter-names; dropped"
+                );
+            }
+            return;
+        };
+        let entries = self.map.store(ev, &adapter);
+        if entries.is_empty() {
+            if !ev.block_hashes.is_empty() {
+                self.counters.no_index_entries += 1;
+                warn!(
+                    event = "no_index_entries",
+                    blocks = ev.block_hashes.len(),
+                    tokens = ev.token_ids.len(),
+                    block_size = ev.block_size,
+                    "BlockStored produced no index entries (missing or mismatched token_ids)"
+                );
+            }
+            return;
+        }
+        self.pending
+            .extend(entries.into_iter().map(|e| prefix_entry(e, CacheTier::T1)));
+        if ts_us > 0 {
+            self.pending_ts_us = ts_us;
+        }
+        if self.pending.len() >= self.cfg.flush_threshold {
+            self.flush().await;
+        }
+    }
+
+    async fn on_removed(&mut self, hashes: &[Vec<u8>], ts_us: i64) {
+        let forgotten = self.map.remove(hashes);
+        if self.cfg.l2_mode {
+            if forgotten.is_empty() {
+                return;
+            }
+            self.flush().await;
+            let prefixes = forgotten
+                .into_iter()
+                .map(|e| prefix_entry(e, CacheTier::T2))
+                .collect();
+            let update = self.update(ts_us, prefixes);
+            self.send_update(update).await;
+        } else {
+            self.flush().await;
+            for e in forgotten {
+                let ev = CacheEvent {
+                    r#type: cache_event::Type::PrefixEvicted as i32,
+                    replica_id: self.cfg.identity.replica_id.clone(),
+                    model_id: self.cfg.identity.model_id.clone(),
+                    tenant_id: self.cfg.identity.tenant_id.clone(),
+                    prefix_hash: e.prefix_hash.to_vec(),
+                    timestamp_us: ts_us,
+                    adapter_id: e.adapter,
+                };
+                self.send_event(ev).await;
+            }
+        }
+    }
+
+    async fn on_cleared(&mut self, ts_us: i64) {
+        self.pending.clear();
+        self.pending_ts_us = 0;
+        self.map.clear();
+        let ev = CacheEvent {
+            r#type: cache_event::Type::AllCleared as i32,
+            replica_id: self.cfg.identity.replica_id.clone(),
+            model_id: self.cfg.identity.model_id.clone(),
+            tenant_id: self.cfg.identity.tenant_id.clone(),
+            prefix_hash: Vec::new(),
+            timestamp_us: ts_us,
+            adapter_id: String::new(),
+        };
+        self.send_event(ev).await;
+    }
+
+    fn update(&self, timestamp_us: i64, prefixes: Vec<PrefixEntry>) -> CacheStateUpdate {
+        let id = &self.cfg.identity;
+        CacheStateUpdate {
+            replica_id: id.replica_id.clone(),
+            model_id: id.model_id.clone(),
+            tenant_id: id.tenant_id.clone(),
+            hash_scheme: id.hash_scheme.clone(),
+            timestamp_us,
+            prefixes,
+            stats: None,
+            adapter_id: String::new(),
+        }
+    }
+
+    /// Sends the pending entries as one update (nothing pending → nothing sent). Errors are
+    /// logged and the batch is dropped.
+    pub async fn flush(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let prefixes = std::mem::take(&mut self.pending);
+        let ts = std::mem::take(&mut self.pending_ts_us);
+        let update = self.update(ts, prefixes);
+        self.send_update(update).await;
+    }
+
+    async fn send_update(&mut self, update: CacheStateUpdate) {
+        let n = update.prefixes.len();
+        match self.sink.report(update).await {
+            Ok(_) => self.counters.updates_sent += 1,
+            Err(status) => {
+                self.counters.updates_failed += 1;
+                warn!(
+                    code = ?status.code(),
+                    err = %status.message(),
+                    prefixes = n,
+                    "ReportCacheState failed; batch dropped"
+                );
+            }
+        }
+    }
+
+    async fn send_event(&mut self, ev: CacheEvent) {
+        let ty = ev.r#type;
+        match self.sink.publish(ev).await {
+            Ok(_) => self.counters.events_sent += 1,
+            Err(status) => {
+                self.counters.events_failed += 1;
+                warn!(
+                    code = ?status.code(),
+                    err = %status.message(),
+                    event_type = ty,
+                    "PublishEvent failed"
+                );
+            }
+        }
+    }
+
+    /// Runs until `rx` closes: batches are handled as they come, pending adds are flushed on
+    /// every window tick, and a final flush happens when the input closes.
+    pub async fn run(mut self, mut rx: mpsc::Receiver<EventBatch>) -> Self {
+        let window = if self.cfg.window.is_zero() {
+            DEFAULT_WINDOW
+        } else {
+            self.cfg.window
+        };
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + window, window);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            // Unbiased: a steady stream of batches cannot starve the window tick.
+            tokio::select! {
+                msg = rx.recv() => match msg {
+                    Some(batch) => self.handle_batch(&batch).await,
+                    None => break,
+                },
+                _ = ticker.tick() => self.flush().await,
+            }
+        }
+        self.flush().await;
+        let c = self.counters;
+        info!(
+            updates_sent = c.updates_sent,
+            updates_failed = c.updates_failed,
+            events_sent = c.events_sent,
+            events_failed = c.events_failed,
+            "reporter drained"
+        );
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps() {
+        assert_eq!(ts_to_us(0.0), 0);
+        assert_eq!(ts_to_us(-3.0), 0);
+        assert_eq!(ts_to_us(f64::NAN), 0);
+        assert_eq!(ts_to_us(1.5), 1_500_000);
+        assert_eq!(ts_to_us(2.25), 2_250_000);
+    }
+}

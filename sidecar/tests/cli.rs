@@ -1,0 +1,207 @@
+//! Process-level behavior of the binaries: exit codes (spec `sidecar.md` §2), SC08 (a server
+//! that fails every RPC never stops the process) and the SIGTERM drain.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const SIDECAR: &str = env!("CARGO_BIN_EXE_inferencecache-sidecar");
+const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_inferencecache-fake-engine");
+
+fn exit_code(args: &[&str]) -> i32 {
+    Command::new(SIDECAR)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .code()
+        .unwrap()
+}
+
+#[test]
+fn invalid_configuration_exits_2() {
+    assert_eq!(exit_code(&["--model-id", "m"]), 2, "missing --replica-id");
+    assert_eq!(
+        exit_code(&["--replica-id", "r", "--model-id", "m", "--hash-scheme", ""]),
+        2
+    );
+    assert_eq!(
+        exit_code(&["--replica-id", "r", "--model-id", "m", "--cache-tier", "x"]),
+        2
+    );
+    assert_eq!(
+        exit_code(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--lora-adapter-names",
+            "1=a,1=b"
+        ]),
+        2
+    );
+    assert_eq!(
+        exit_code(&["--replica-id", "r", "--model-id", "m", "--window", "soon"]),
+        2
+    );
+    assert_eq!(
+        exit_code(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--no-such-flag",
+            "1"
+        ]),
+        2
+    );
+}
+
+#[test]
+fn unbuildable_client_exits_1() {
+    assert_eq!(
+        exit_code(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--server",
+            "bad host:1"
+        ]),
+        1
+    );
+    assert_eq!(
+        exit_code(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--server-token-file",
+            "/nonexistent/token"
+        ]),
+        1
+    );
+    assert_eq!(
+        exit_code(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--server-tls-ca-file",
+            "/nonexistent/ca.pem"
+        ]),
+        1
+    );
+}
+
+#[test]
+fn fake_engine_rejects_invalid_sizes() {
+    let code = |args: &[&str]| {
+        Command::new(FAKE_ENGINE)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .code()
+            .unwrap()
+    };
+    assert_eq!(code(&["--block-size", "0"]), 2);
+    assert_eq!(code(&["--num-blocks", "2", "--events", "3"]), 2);
+    assert_eq!(code(&["--block-size", "65536", "--num-blocks", "512"]), 2);
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
+    let dir = std::env::temp_dir().join(format!("sidecar-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let zmq_port = free_port();
+    let dead_grpc = free_port();
+    let mut engine = Command::new(FAKE_ENGINE)
+        .args([
+            "--bind",
+            &format!("tcp://127.0.0.1:{zmq_port}"),
+            "--num-blocks",
+            "2",
+            "--block-size",
+            "16",
+            "--interval",
+            "100ms",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let log = dir.join("sidecar.log");
+    let mut sidecar = Command::new(SIDECAR)
+        .args([
+            "--engine-endpoint",
+            &format!("tcp://127.0.0.1:{zmq_port}"),
+            "--server",
+            &format!("127.0.0.1:{dead_grpc}"),
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--window",
+            "20ms",
+            "--stats-interval",
+            "200ms",
+            "--engine-metrics-url",
+            &format!("http://127.0.0.1:{dead_grpc}/metrics"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("ReportCacheState failed") && text.contains("load_signal_stale") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "expected failures not logged: {text}"
+        );
+        assert!(
+            sidecar.try_wait().unwrap().is_none(),
+            "sidecar exited: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        sidecar.try_wait().unwrap().is_none(),
+        "sidecar keeps running"
+    );
+    let _ = Command::new("kill")
+        .args(["-TERM", &sidecar.id().to_string()])
+        .status();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = sidecar.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "no exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(0));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("sidecar stopped"), "{text}");
+    // Exactly one stale ERROR however many failures followed.
+    assert_eq!(text.matches("load_signal_stale").count(), 1, "{text}");
+    let _ = engine.kill();
+    let _ = engine.wait();
+    let _ = std::fs::remove_dir_all(dir);
+}

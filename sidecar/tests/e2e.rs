@@ -1,0 +1,631 @@
+//! End to end (spec `sidecar.md` SC13–SC15): the real server binary, the sidecar binary and the
+//! fake engine binary on free loopback ports.
+//!
+//! The server binary is looked up in `$CARGO_TARGET_DIR/<profile>/` and then in
+//! `<workspace>/target/<profile>/`. When it is missing the tests print a notice and pass, unless
+//! `CI` is set: then they build it first with `cargo build -p inferencecache-server`.
+
+use inferencecache_engine::fingerprint::{chain, to_wire};
+use inferencecache_proto::v1alpha1 as pb;
+use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
+use inferencecache_sidecar::fake_engine::{Plan, hex};
+use inferencecache_sidecar::wire::encode;
+use rmpv::Value;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::OnceLock;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tonic::transport::Channel;
+
+const BS: usize = 128;
+const SIDECAR: &str = env!("CARGO_BIN_EXE_inferencecache-sidecar");
+const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_inferencecache-fake-engine");
+
+fn profile_dir() -> &'static str {
+    if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    }
+}
+
+fn candidates() -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    if let Some(t) = std::env::var_os("CARGO_TARGET_DIR") {
+        v.push(
+            PathBuf::from(t)
+                .join(profile_dir())
+                .join("inferencecache-server"),
+        );
+    }
+    v.push(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../target")
+            .join(profile_dir())
+            .join("inferencecache-server"),
+    );
+    v
+}
+
+/// The server binary, building it under CI when missing; `None` → skip.
+fn server_binary() -> Option<PathBuf> {
+    static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = candidates().into_iter().find(|p| p.is_file()) {
+            return Some(p);
+        }
+        if std::env::var_os("CI").is_none() {
+            eprintln!(
+                "NOTICE: inferencecache-server binary not found in {:?}; skipping end-to-end test \
+                 (build it with `cargo build -p inferencecache-server`, or set CI=1 to build it here)",
+                candidates()
+            );
+            return None;
+        }
+        let mut cmd = std::process::Command::new(env!("CARGO"));
+        cmd.args(["build", "-p", "inferencecache-server"])
+            .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
+        if profile_dir() == "release" {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("run cargo build");
+        assert!(status.success(), "cargo build -p inferencecache-server failed");
+        let found = candidates().into_iter().find(|p| p.is_file());
+        assert!(found.is_some(), "server binary still missing after build");
+        found
+    })
+    .clone()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "sidecar-e2e-{tag}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+struct Server {
+    _child: Child,
+    grpc: u16,
+}
+
+/// Starts the server; `None` when it exits before serving (e.g. an unsupported flag).
+async fn start_server(bin: &Path, extra: &[&str], log: &Path) -> Option<Server> {
+    let tls = extra.contains(&"--tls-cert-file");
+    let (p, q, r) = (free_port(), free_port(), free_port());
+    let mut child = Command::new(bin)
+        .args([
+            "--grpc-bind-address",
+            &format!("127.0.0.1:{p}"),
+            "--http-bind-address",
+            &format!("127.0.0.1:{q}"),
+            "--snapshot-bind-address",
+            &format!("127.0.0.1:{r}"),
+            "--engine-block-size",
+            &BS.to_string(),
+        ])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn server");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            eprintln!(
+                "NOTICE: server exited early ({status}): {}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+            return None;
+        }
+        let ready = if tls {
+            tokio::net::TcpStream::connect(("127.0.0.1", p))
+                .await
+                .is_ok()
+        } else {
+            match InferenceCacheClient::connect(format!("http://127.0.0.1:{p}")).await {
+                Ok(mut c) => c
+                    .get_cache_state(pb::GetCacheStateRequest::default())
+                    .await
+                    .is_ok(),
+                Err(_) => false,
+            }
+        };
+        if ready {
+            return Some(Server {
+                _child: child,
+                grpc: p,
+            });
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "server did not come up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Starts the fake engine; returns the child, its bound endpoint and its EXPECT lines.
+async fn start_fake_engine(args: &[&str]) -> (Child, String, Vec<String>) {
+    let mut child = Command::new(FAKE_ENGINE)
+        .args(["--bind", "tcp://127.0.0.1:0", "--interval", "200ms"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn fake engine");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut endpoint = String::new();
+    let mut expect = Vec::new();
+    let want = expected_lines(args);
+    let read = async {
+        while let Some(l) = lines.next_line().await.unwrap() {
+            if let Some(ep) = l.strip_prefix("LISTENING ") {
+                endpoint = ep.trim().to_string();
+            } else if l.starts_with("EXPECT") {
+                expect.push(l);
+            }
+            if !endpoint.is_empty() && expect.len() >= want {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .expect("fake engine output");
+    // Keep draining stdout so the child never blocks.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (child, endpoint, expect)
+}
+
+fn expected_lines(args: &[&str]) -> usize {
+    if args.contains(&"--omit-token-ids") {
+        return 1;
+    }
+    args.iter()
+        .position(|a| *a == "--num-blocks")
+        .map(|i| args[i + 1].parse().unwrap())
+        .unwrap_or(1)
+}
+
+fn start_sidecar(endpoint: &str, grpc: u16, model: &str, extra: &[&str], log: &Path) -> Child {
+    Command::new(SIDECAR)
+        .args([
+            "--engine-endpoint",
+            endpoint,
+            "--server",
+            &format!("127.0.0.1:{grpc}"),
+            "--replica-id",
+            "fake-engine-0",
+            "--model-id",
+            model,
+            "--tenant-id",
+            "team-a",
+            "--window",
+            "50ms",
+            "--engine-metrics-url",
+            "http://127.0.0.1:1/metrics",
+            "--stats-interval",
+            "1h",
+        ])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn sidecar")
+}
+
+async fn client(grpc: u16) -> InferenceCacheClient<Channel> {
+    InferenceCacheClient::connect(format!("http://127.0.0.1:{grpc}"))
+        .await
+        .unwrap()
+}
+
+fn lookup(model: &str) -> pb::LookupRouteRequest {
+    pb::LookupRouteRequest {
+        model_id: model.into(),
+        tenant_id: "team-a".into(),
+        hash_scheme: "vllm".into(),
+        ..Default::default()
+    }
+}
+
+async fn route(
+    c: &mut InferenceCacheClient<Channel>,
+    req: pb::LookupRouteRequest,
+) -> pb::LookupRouteResponse {
+    c.lookup_route(req).await.unwrap().into_inner()
+}
+
+async fn wait_for_match(
+    c: &mut InferenceCacheClient<Channel>,
+    req: pb::LookupRouteRequest,
+) -> pb::LookupRouteResponse {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = route(c, req.clone()).await;
+        if r.reason_code == "PREFIX_MATCH" || tokio::time::Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn assert_no_match(r: &pb::LookupRouteResponse, what: &str) {
+    assert!(
+        r.reason_code == "AFFINITY_HINT" || r.reason_code == "NO_HINT",
+        "{what}: {r:?}"
+    );
+    assert!(
+        r.replica_scores.iter().all(|s| s.matched_tokens == 0),
+        "{what}: {r:?}"
+    );
+}
+
+/// The SC13 checks against a server that has the fake engine's two blocks.
+async fn check_sc13(mut c: InferenceCacheClient<Channel>, model: &str, expect: &[String]) {
+    let tokens: Vec<u32> = (0..2 * BS as u32).collect();
+    // The fake engine's EXPECT lines are the gateway fingerprint.
+    let (wire, counts) = chain(&tokens, BS);
+    assert_eq!(counts, vec![128, 128]);
+    assert_eq!(
+        expect,
+        &[
+            format!("EXPECT prefix_hash[0]={} token_count=128", hex(&wire[0])),
+            format!("EXPECT prefix_hash[1]={} token_count=256", hex(&wire[1])),
+        ]
+    );
+    // token_ids lookup of the fake engine's tokens.
+    let r = wait_for_match(
+        &mut c,
+        pb::LookupRouteRequest {
+            token_ids: tokens.clone(),
+            ..lookup(model)
+        },
+    )
+    .await;
+    assert_eq!(r.reason_code, "PREFIX_MATCH", "{r:?}");
+    assert_eq!(r.replica_scores[0].replica_id, "fake-engine-0");
+    assert_eq!(r.replica_scores[0].matched_tokens, 256);
+    // Gateway-computed chain.
+    let r = route(
+        &mut c,
+        pb::LookupRouteRequest {
+            block_hashes: wire.iter().map(|h| h.to_vec()).collect(),
+            block_token_counts: counts.clone(),
+            ..lookup(model)
+        },
+    )
+    .await;
+    assert_eq!(r.reason_code, "PREFIX_MATCH", "{r:?}");
+    assert_eq!(r.replica_scores[0].matched_tokens, 256);
+    // The one-block prefix.
+    let r = route(
+        &mut c,
+        pb::LookupRouteRequest {
+            block_hashes: vec![wire[0].to_vec()],
+            block_token_counts: vec![128],
+            ..lookup(model)
+        },
+    )
+    .await;
+    assert_eq!(r.reason_code, "PREFIX_MATCH", "{r:?}");
+    assert_eq!(r.replica_scores[0].matched_tokens, 128);
+    let r = route(
+        &mut c,
+        pb::LookupRouteRequest {
+            token_ids: tokens[..BS].to_vec(),
+            ..lookup(model)
+        },
+    )
+    .await;
+    assert_eq!(r.replica_scores[0].matched_tokens, 128, "{r:?}");
+    // Novel content.
+    let novel: Vec<u32> = (50_000..50_000 + 2 * BS as u32).collect();
+    let r = route(
+        &mut c,
+        pb::LookupRouteRequest {
+            token_ids: novel,
+            ..lookup(model)
+        },
+    )
+    .await;
+    assert_no_match(&r, "novel tokens");
+    // Raw engine hashes are not index keys.
+    let r = route(
+        &mut c,
+        pb::LookupRouteRequest {
+            block_hashes: vec![
+                0xE000u64.to_be_bytes().to_vec(),
+                0xE001u64.to_be_bytes().to_vec(),
+            ],
+            block_token_counts: vec![128, 128],
+            ..lookup(model)
+        },
+    )
+    .await;
+    assert_no_match(&r, "raw engine hashes");
+    // And the sidecar's own wire form is the BE u64.
+    assert_eq!(wire[0], to_wire(u64::from_be_bytes(wire[0])));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sc13_fake_engine_sidecar_server_prefix_match() {
+    let Some(bin) = server_binary() else { return };
+    let dir = temp_dir("sc13");
+    let server = start_server(&bin, &[], &dir.join("server.log"))
+        .await
+        .expect("server starts");
+    let (_engine, endpoint, expect) =
+        start_fake_engine(&["--block-size", "128", "--num-blocks", "2", "--events", "2"]).await;
+    let mut sidecar = start_sidecar(&endpoint, server.grpc, "m13", &[], &dir.join("sidecar.log"));
+    check_sc13(client(server.grpc).await, "m13", &expect).await;
+
+    // Graceful drain on SIGTERM: exit 0 and a stop line.
+    let pid = sidecar.id().unwrap();
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let status = tokio::time::timeout(Duration::from_secs(15), sidecar.wait())
+        .await
+        .expect("sidecar exits after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status}");
+    let log = std::fs::read_to_string(dir.join("sidecar.log")).unwrap();
+    assert!(log.contains("subscribed to engine KV events"), "{log}");
+    assert!(log.contains("sidecar stopped"), "{log}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sc14_omitted_token_ids_and_truncated_event_index_nothing() {
+    use bytes::Bytes;
+    use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+    let Some(bin) = server_binary() else { return };
+    let dir = temp_dir("sc14");
+    let server = start_server(&bin, &[], &dir.join("server.log"))
+        .await
+        .expect("server starts");
+    // The fake engine binary's own --omit-token-ids output.
+    let (_engine, _ep, expect) =
+        start_fake_engine(&["--num-blocks", "2", "--omit-token-ids"]).await;
+    assert!(
+        expect[0].starts_with("EXPECT no index entries"),
+        "{expect:?}"
+    );
+    // An in-test publisher sends the same omitted-token batch plus a truncated BlockStored.
+    let mut publ = PubSocket::new();
+    let ep = publ.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let omitted = Plan::new(128, 2, 1, 0, true).unwrap().payload();
+    let truncated = encode(&Value::Array(vec![
+        Value::F64(0.0),
+        Value::Array(vec![Value::Array(vec![
+            Value::from("BlockStored"),
+            Value::Array(vec![Value::from(0xE000u64)]),
+            Value::Nil,
+        ])]),
+    ]));
+    let mut sidecar = start_sidecar(&ep, server.grpc, "m14", &[], &dir.join("sidecar.log"));
+    let log_path = dir.join("sidecar.log");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut seq = 0u64;
+    loop {
+        for payload in [&omitted, &truncated] {
+            let msg = ZmqMessage::try_from(vec![
+                Bytes::from_static(b"kv-events"),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                Bytes::from(payload.clone()),
+            ])
+            .unwrap();
+            seq += 1;
+            publ.send(msg).await.unwrap();
+        }
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        if log.contains("no_index_entries") && log.contains("undecodable_batch") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "log lines missing: {log}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        sidecar.try_wait().unwrap().is_none(),
+        "sidecar keeps running"
+    );
+    let mut c = client(server.grpc).await;
+    let st = c
+        .get_cache_state(pb::GetCacheStateRequest {
+            model_id: "m14".into(),
+            tenant_id: "team-a".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.summary.unwrap().total_prefixes, 0);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sc15_producer_token_required() {
+    let Some(bin) = server_binary() else { return };
+    let dir = temp_dir("sc15");
+    let token_file = dir.join("producer.tokens");
+    std::fs::write(&token_file, "# producers\nsidecar-token-1\n").unwrap();
+    let Some(server) = start_server(
+        &bin,
+        &["--producer-token-file", token_file.to_str().unwrap()],
+        &dir.join("server.log"),
+    )
+    .await
+    else {
+        eprintln!("NOTICE: this server build does not accept --producer-token-file; SC15 skipped");
+        return;
+    };
+    let (_engine, endpoint, expect) =
+        start_fake_engine(&["--block-size", "128", "--num-blocks", "2", "--events", "2"]).await;
+
+    // Without a token: UNAUTHENTICATED is logged, the process keeps running, nothing indexed.
+    let log_a = dir.join("sidecar-a.log");
+    let mut a = start_sidecar(&endpoint, server.grpc, "m15a", &[], &log_a);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let log = std::fs::read_to_string(&log_a).unwrap_or_default();
+        if log.contains("Unauthenticated") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no UNAUTHENTICATED in {log}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(a.try_wait().unwrap().is_none(), "sidecar keeps running");
+    let mut c = client(server.grpc).await;
+    let st = c
+        .get_cache_state(pb::GetCacheStateRequest {
+            model_id: "m15a".into(),
+            tenant_id: "team-a".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.summary.unwrap().total_prefixes, 0);
+
+    // With the token (the reference flag name and the server-side alias both work).
+    let sidecar_token = dir.join("sidecar.token");
+    std::fs::write(&sidecar_token, "sidecar-token-1\n").unwrap();
+    let _b = start_sidecar(
+        &endpoint,
+        server.grpc,
+        "m15b",
+        &["--server-token-file", sidecar_token.to_str().unwrap()],
+        &dir.join("sidecar-b.log"),
+    );
+    check_sc13(client(server.grpc).await, "m15b", &expect).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+struct Ca {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+impl Ca {
+    fn new(name: &str) -> Self {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        Self {
+            issuer: rcgen::CertifiedIssuer::self_signed(
+                params,
+                rcgen::KeyPair::generate().unwrap(),
+            )
+            .unwrap(),
+        }
+    }
+    fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+    fn leaf(&self) -> (String, String) {
+        let params =
+            rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+                .unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sc15_mutual_tls_end_to_end() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let Some(bin) = server_binary() else { return };
+    let dir = temp_dir("sc15tls");
+    let server_ca = Ca::new("server-ca");
+    let client_ca = Ca::new("client-ca");
+    let (srv_cert, srv_key) = server_ca.leaf();
+    let (cli_cert, cli_key) = client_ca.leaf();
+    let w = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let (sc, sk, cca) = (
+        w("server.pem", &srv_cert),
+        w("server.key", &srv_key),
+        w("client-ca.pem", &client_ca.pem()),
+    );
+    let (ca, cc, ck) = (
+        w("server-ca.pem", &server_ca.pem()),
+        w("client.pem", &cli_cert),
+        w("client.key", &cli_key),
+    );
+    let Some(server) = start_server(
+        &bin,
+        &[
+            "--tls-cert-file",
+            &sc,
+            "--tls-key-file",
+            &sk,
+            "--tls-client-ca-file",
+            &cca,
+        ],
+        &dir.join("server.log"),
+    )
+    .await
+    else {
+        eprintln!("NOTICE: this server build does not serve gRPC TLS yet; SC15 (mTLS) skipped");
+        return;
+    };
+    let (_engine, endpoint, expect) =
+        start_fake_engine(&["--block-size", "128", "--num-blocks", "2", "--events", "2"]).await;
+    let _sidecar = start_sidecar(
+        &endpoint,
+        server.grpc,
+        "m15tls",
+        &[
+            "--server-tls-ca-file",
+            &ca,
+            "--server-tls-cert-file",
+            &cc,
+            "--server-tls-key-file",
+            &ck,
+        ],
+        &dir.join("sidecar.log"),
+    );
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(server_ca.pem()))
+        .identity(Identity::from_pem(cli_cert, cli_key));
+    let channel = Channel::from_shared(format!("https://127.0.0.1:{}", server.grpc))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    check_sc13(InferenceCacheClient::new(channel), "m15tls", &expect).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
