@@ -58,7 +58,7 @@ pub struct IndexConfig {
     pub global_ttl_ms: i64,
     /// Sweep interval in ms; ≤ 0 is replaced by 60 s.
     pub sweep_interval_ms: i64,
-    /// Global cap in storage entries (≤ 0 = unbounded). **Not enforced yet** (V2, issue 4).
+    /// Global cap in storage entries (≤ 0 = unbounded), enforced at the end of every ingest (V2).
     pub max_entries: i64,
     /// Hot access threshold (D4); 0 is treated as 1.
     pub hot_access_threshold: u32,
@@ -66,6 +66,9 @@ pub struct IndexConfig {
     pub ranker: RankerConfig,
     /// Reserved tenants (K15); `""` is ignored.
     pub reserved_tenants: Vec<String>,
+    /// Seed of the eviction sampler (V2, V5 approximate victim selection; T89 runs the
+    /// acceptance scenarios under many seeds). Any value is valid; the default is 0.
+    pub eviction_seed: u64,
 }
 
 impl Default for IndexConfig {
@@ -77,6 +80,7 @@ impl Default for IndexConfig {
             hot_access_threshold: DEFAULT_HOT_ACCESS_THRESHOLD,
             ranker: RankerConfig::default(),
             reserved_tenants: vec![PROBE_TENANT.to_string()],
+            eviction_seed: 0,
         }
     }
 }
@@ -125,7 +129,7 @@ pub trait Resolvers: Send + Sync {
     fn ttl_ms(&self, tenant: &str) -> Option<i64>;
     /// The tenant's eviction algorithm.
     fn algorithm(&self, tenant: &str) -> Algorithm;
-    /// The tenant's key quota; `None` = unbounded. (Enforcement: issue 4.)
+    /// The tenant's key quota in distinct keys (V5); `None` or a negative value = unbounded.
     fn quota(&self, tenant: &str) -> Option<i64>;
 }
 

@@ -7,7 +7,7 @@
 //! mutex (copy on insert, O(records) per new record, which is rare) and read wait-free under an
 //! epoch guard.
 
-use crate::sync::{AtomicI64, Ordering};
+use crate::sync::{AtomicI64, AtomicU64, Ordering};
 use crate::table::KeyTable;
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use parking_lot::Mutex;
@@ -165,6 +165,10 @@ pub(crate) struct TenantRec {
     /// Distinct keys of the tenant (all models), stale-unswept included.
     pub(crate) keys: AtomicI64,
     pub(crate) models: Mutex<Vec<Arc<ModelRec>>>,
+    /// Keys removed by the tenant quota (V5, `tenant_evictions_total{over_entries}`).
+    pub(crate) quota_evictions: AtomicU64,
+    /// Victim-selection state of the tenant quota (V5; see `eviction.rs`).
+    pub(crate) quota_hand: Mutex<crate::index::eviction::Hand>,
 }
 
 /// Per-model gauge (V7): distinct non-reserved keys across tenants.
@@ -290,4 +294,8 @@ pub(crate) struct Partition {
     pub(crate) scheme: Arc<str>,
     pub(crate) adapter: Arc<str>,
     pub(crate) table: KeyTable,
+    /// Distinct keys of the partition (eviction sampling weights, V5).
+    pub(crate) keys: AtomicI64,
+    /// Storage entries of the partition (eviction sampling weights, V2).
+    pub(crate) entries: AtomicI64,
 }

@@ -28,10 +28,13 @@ use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
+#[path = "eviction.rs"]
+pub(crate) mod eviction;
+
 /// Eviction reason for `index_evictions_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EvictionReason {
-    /// Global cap (V2; not enforced yet).
+    /// Global cap (V2).
     Cap,
     /// TTL sweep (V1).
     Ttl,
@@ -231,6 +234,8 @@ pub struct Index {
     ready: AtomicBool,
     ticker: Mutex<Option<Ticker>>,
     sweep_lock: Mutex<()>,
+    /// Victim-selection state of the global cap (V2; see `eviction.rs`).
+    cap_hand: Mutex<eviction::Hand>,
 }
 
 struct Ctx<'a> {
@@ -244,6 +249,7 @@ const PARTITION_BYTES: i64 = 512;
 impl Index {
     /// A new, empty index. The config is normalized (≤ 0 TTL / interval → defaults).
     pub fn new(config: IndexConfig, resolvers: Arc<dyn Resolvers>, clock: Arc<dyn Clock>) -> Self {
+        let config_seed = config.eviction_seed;
         Self {
             cfg: config.normalized(),
             resolvers,
@@ -266,6 +272,7 @@ impl Index {
             ready: AtomicBool::new(false),
             ticker: Mutex::new(None),
             sweep_lock: Mutex::new(()),
+            cap_hand: Mutex::new(eviction::Hand::new(eviction::seed_of(config_seed, 0))),
         }
     }
 
@@ -314,6 +321,11 @@ impl Index {
                         reserved: self.is_reserved(t),
                         keys: AtomicI64::new(0),
                         models: Mutex::new(Vec::new()),
+                        quota_evictions: AtomicU64::new(0),
+                        quota_hand: Mutex::new(eviction::Hand::new(eviction::seed_of(
+                            self.cfg.eviction_seed,
+                            hash_strs(&[t]),
+                        ))),
                     })
                 },
             )
@@ -386,6 +398,8 @@ impl Index {
                     scheme: s.into(),
                     adapter: a.into(),
                     table: crate::table::KeyTable::new(),
+                    keys: AtomicI64::new(0),
+                    entries: AtomicI64::new(0),
                 })
             },
         );
@@ -453,7 +467,8 @@ impl Index {
     // ----------------------------------------------------------------------------------------
     // Ingest (K1–K16, S1–S4)
 
-    /// Applies one `CacheStateUpdate` (K14 steps 1, 2 and 5; quota and cap are issue 4).
+    /// Applies one `CacheStateUpdate` (K14): upserts, stats, then the ingesting tenant's quota
+    /// (V5) and the global cap (V2), also for an empty hash_scheme (K4).
     pub fn ingest<'a, H, I>(&self, update: CacheStateUpdate<'a, I>) -> IngestOutcome
     where
         H: AsRef<[u8]> + 'a,
@@ -582,6 +597,9 @@ impl Index {
                 });
             }
         }
+        // K14 steps 3 and 4 (after the update's own upserts: they are eligible victims).
+        self.enforce_quota(t, ts_us);
+        self.enforce_cap();
         if !reserved {
             self.ingest_blocks.fetch_add(out.upserts, Ordering::Relaxed);
         }
@@ -653,6 +671,7 @@ impl Index {
         let keys = std::mem::take(&mut pend.keys);
         let entries = std::mem::take(&mut pend.entries);
         if keys != 0 {
+            part.keys.fetch_add(keys, Ordering::Relaxed);
             part.tenant.keys.fetch_add(keys, Ordering::Relaxed);
             part.model.keys.fetch_add(keys, Ordering::Relaxed);
             self.total_keys.fetch_add(keys, Ordering::Relaxed);
@@ -661,6 +680,7 @@ impl Index {
             }
         }
         if entries != 0 {
+            part.entries.fetch_add(entries, Ordering::Relaxed);
             if part.tenant.reserved {
                 self.reserved_entries.fetch_add(entries, Ordering::Relaxed);
             } else {
@@ -1966,6 +1986,22 @@ impl Index {
         self.evictions[evict_slot(algorithm, reason)].load(Ordering::Relaxed)
     }
 
+    /// `tenant_evictions_total{tenant_id, reason="over_entries"}`: keys removed by each tenant's
+    /// quota (V5), for every tenant with at least one removal, sorted by tenant.
+    pub fn tenant_evictions(&self) -> Vec<(Arc<str>, u64)> {
+        let mut v: Vec<(Arc<str>, u64)> = self
+            .tenants
+            .all()
+            .iter()
+            .filter_map(|t| {
+                let n = t.quota_evictions.load(Ordering::Relaxed);
+                (n > 0).then(|| (t.name.clone(), n))
+            })
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
     /// Approximate bytes held by the index structures (tables, nodes, cells, records, stats).
     pub fn memory_bytes(&self) -> i64 {
         let parts = self.all_parts.lock();
@@ -2518,5 +2554,15 @@ mod lfu_race_tests {
         }
         assert_eq!(ix.cache_state("t", "m").hot_prefixes, want);
         assert!(want > 0);
+    }
+}
+
+/// Loom models only (`loom-tests/`): internal counters without a public accessor.
+#[cfg(loom)]
+impl Index {
+    /// `serving_n` of scope (tenant, model, scheme): replicas with a serving count > 0.
+    pub fn loom_serving_n(&self, tenant: &str, model: &str, scheme: &str) -> i64 {
+        self.scope_ref(tenant, model, scheme)
+            .map_or(0, |s| s.serving_n.load(Ordering::Relaxed))
     }
 }

@@ -11,6 +11,8 @@ mod clock;
 mod config;
 mod dir;
 mod index;
+#[cfg(loom)]
+pub mod loom_api;
 pub mod rank;
 mod sink;
 mod sync;

@@ -51,10 +51,11 @@
 //! table pointer; readers that still hold the old table see nodes that stay valid until their
 //! guard is dropped (stale but consistent).
 
-use crate::sync::{AtomicI64, AtomicPtr, AtomicU16, AtomicU64, Ordering};
+use crate::sync::{
+    AtomicI64, AtomicPtr, AtomicU16, AtomicU64, Mutex, MutexGuard, Ordering, thread_local,
+};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use crossbeam_utils::CachePadded;
-use parking_lot::{Mutex, MutexGuard};
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ptr::NonNull;
@@ -190,6 +191,8 @@ const HS: usize = std::mem::size_of::<Holder>();
 impl KeyNode {
     #[inline]
     fn holders_ptr(&self) -> *const Holder {
+        #[cfg(loom)]
+        crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
         // SAFETY: a node is always allocated with at least one holder right after the header
         // (see `build`); the offset stays inside that allocation.
         unsafe { (self as *const KeyNode as *const u8).add(HDR) as *const Holder }
@@ -198,6 +201,8 @@ impl KeyNode {
     /// The digest of the key (see [`digest`]).
     #[inline]
     pub(crate) fn digest(&self) -> u64 {
+        #[cfg(loom)]
+        crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
         u64::from_be_bytes(self.k)
     }
 
@@ -318,6 +323,8 @@ impl KeyNode {
                 std::ptr::copy_nonoverlapping(key.as_ptr(), kp.add(4), key.len());
             }
         }
+        #[cfg(loom)]
+        crate::loom_api::created(crate::loom_api::Kind::Node, p as usize);
         nn.cast()
     }
 
@@ -329,6 +336,8 @@ impl KeyNode {
         // SAFETY: per the contract, `p` is a live node built with this layout.
         unsafe {
             let lay = (*p).layout();
+            #[cfg(loom)]
+            crate::loom_api::destroyed(crate::loom_api::Kind::Node, p as usize);
             std::alloc::dealloc(p as *mut u8, lay);
         }
     }
@@ -383,8 +392,14 @@ pub(crate) fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+#[cfg(not(loom))]
 thread_local! {
     static RETIRED: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+// Loom: a loom thread-local (per model thread, reset per execution) so flushes stay deterministic.
+#[cfg(loom)]
+thread_local! {
+    static RETIRED: std::cell::Cell<u32> = std::cell::Cell::new(0);
 }
 
 /// Counts a retirement and flushes the thread's deferred bag every 64 (see `docs/engine.md`):
@@ -527,6 +542,8 @@ pub(crate) struct KeySum {
 impl LfuCell {
     /// The key sum.
     pub(crate) fn ksum(&self) -> &KeySum {
+        #[cfg(loom)]
+        crate::loom_api::read(crate::loom_api::Kind::KeySum, self.ksum as usize);
         // SAFETY: a key sum is retired (through the epoch) only after every cell pointing to it
         // was unlinked, and a cell reference implies a guard pinned before that.
         unsafe { &*self.ksum }
@@ -571,6 +588,8 @@ impl LfuTable {
                 return None;
             }
             if c != ltomb() {
+                #[cfg(loom)]
+                crate::loom_api::read(crate::loom_api::Kind::LfuCell, c as usize);
                 // SAFETY: live cell (published with Release, retired through the epoch).
                 let r = unsafe { &*c };
                 if r.digest == d && r.rep == rep && r.generation == generation {
@@ -822,6 +841,66 @@ impl KeyTable {
         }
     }
 
+    /// Number of slot ids (`group << 3 | lane`) of shard `s`'s current table (lock-free; the
+    /// eviction hand's walk and sampler, `eviction.rs`).
+    pub(crate) fn slot_ids(&self, s: usize, guard: &Guard) -> usize {
+        self.table_of(s, guard).groups.len() << 3
+    }
+
+    /// Lock-free read of the node at slot id `i` of shard `s` (None if empty or out of range:
+    /// the table may have been rebuilt since `slot_ids`). Like [`KeyTable::find`], the node may
+    /// be replaced or removed right after; writers re-validate under the shard mutex.
+    pub(crate) fn node_at<'g>(&self, s: usize, i: usize, guard: &'g Guard) -> Option<&'g KeyNode> {
+        let t = self.table_of(s, guard);
+        let (g, lane) = (i >> 3, i & 7);
+        if lane >= LANES {
+            return None;
+        }
+        let n = t.groups.get(g)?.ptrs[lane].load(Ordering::Acquire);
+        // SAFETY: as in `find`: a non-null lane pointer is a published node retired through
+        // the epoch, valid while `guard` is pinned.
+        (!n.is_null()).then(|| unsafe { &*n })
+    }
+
+    /// Lock-free sequential scan of groups `g0 .. g0 + n` of shard `s`'s current table, calling
+    /// `f` on every live node (occupied lanes found from the tag word; the nodes of the group
+    /// two ahead are prefetched). Returns the number of groups of the table scanned (a rebuild
+    /// may change it between calls; callers treat positions as approximate).
+    pub(crate) fn scan_groups<'g>(
+        &self,
+        s: usize,
+        g0: usize,
+        n: usize,
+        guard: &'g Guard,
+        mut f: impl FnMut(&'g KeyNode),
+    ) -> usize {
+        let t = self.table_of(s, guard);
+        let len = t.groups.len();
+        for g in g0..(g0 + n).min(len) {
+            if let Some(ahead) = t.groups.get(g + 2) {
+                for p in ahead.ptrs.iter() {
+                    let x = p.load(Ordering::Relaxed);
+                    if !x.is_null() {
+                        prefetch(x as *const KeyNode);
+                    }
+                }
+            }
+            let grp = &t.groups[g];
+            let tags = grp.tags.load(Ordering::Acquire);
+            for (lane, p) in grp.ptrs.iter().enumerate() {
+                if (tags >> (8 * lane)) & 0x80 == 0 {
+                    continue;
+                }
+                let x = p.load(Ordering::Acquire);
+                if !x.is_null() {
+                    // SAFETY: as in `find`: a published node retired through the epoch.
+                    f(unsafe { &*x });
+                }
+            }
+        }
+        len
+    }
+
     /// The LFU cell of entry `(key digest, rep, generation)`, if it was ever credited and is
     /// still linked (lock-free).
     pub(crate) fn lfu_cell<'g>(
@@ -865,11 +944,15 @@ impl Drop for KeyTable {
                     for s in lt.slots.iter() {
                         let c = s.load(Ordering::Relaxed);
                         if !c.is_null() && c != ltomb() {
+                            #[cfg(loom)]
+                            crate::loom_api::destroyed(crate::loom_api::Kind::LfuCell, c as usize);
                             drop(Box::from_raw(c));
                         }
                     }
                 }
                 for (_, k) in shard.w.lock().ksums.drain() {
+                    #[cfg(loom)]
+                    crate::loom_api::destroyed(crate::loom_api::Kind::KeySum, k as usize);
                     drop(Box::from_raw(k));
                 }
             }
@@ -1122,6 +1205,8 @@ impl ShardWriter<'_> {
                     sum: AtomicI64::new(0),
                     refs: AtomicI64::new(0),
                 }));
+                #[cfg(loom)]
+                crate::loom_api::created(crate::loom_api::Kind::KeySum, k as usize);
                 self.st.ksums.insert(key.into(), k);
                 added += chunk(16) + chunk(key.len()) + 32;
                 k
@@ -1136,6 +1221,8 @@ impl ShardWriter<'_> {
             access: AtomicU64::new(0),
             ksum: ks,
         }));
+        #[cfg(loom)]
+        crate::loom_api::created(crate::loom_api::Kind::LfuCell, cell as usize);
         added += LFU_CELL_BYTES;
         // Grow / create the table (load ≤ 1/2 including tombstones).
         let cap = self.lfu_table(guard).map_or(0, |t| t.slots.len());
@@ -1195,11 +1282,23 @@ impl ShardWriter<'_> {
             let kp = ks as usize;
             // SAFETY: the key sum is unlinked from `ksums` and no live cell points to it;
             // readers that loaded it earlier are pinned, so it is freed through the epoch.
-            unsafe { guard.defer_unchecked(move || drop(Box::from_raw(kp as *mut KeySum))) };
+            unsafe {
+                guard.defer_unchecked(move || {
+                    #[cfg(loom)]
+                    crate::loom_api::destroyed(crate::loom_api::Kind::KeySum, kp);
+                    drop(Box::from_raw(kp as *mut KeySum))
+                })
+            };
         }
         let cp = c as usize;
         // SAFETY: unlinked above; freed through the epoch.
-        unsafe { guard.defer_unchecked(move || drop(Box::from_raw(cp as *mut LfuCell))) };
+        unsafe {
+            guard.defer_unchecked(move || {
+                #[cfg(loom)]
+                crate::loom_api::destroyed(crate::loom_api::Kind::LfuCell, cp);
+                drop(Box::from_raw(cp as *mut LfuCell))
+            })
+        };
         self.add_bytes(-freed);
         // SAFETY: retired through the epoch, valid for `guard`.
         Some((cnt, unsafe { &*ks }))

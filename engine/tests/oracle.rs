@@ -33,6 +33,7 @@ fn key(i: u8) -> Vec<u8> {
 struct Res {
     lfu: HashSet<&'static str>,
     ttl: HashMap<&'static str, i64>,
+    quota: HashMap<&'static str, i64>,
 }
 impl Resolvers for Res {
     fn ttl_ms(&self, t: &str) -> Option<i64> {
@@ -45,8 +46,8 @@ impl Resolvers for Res {
             Algorithm::Lru
         }
     }
-    fn quota(&self, _: &str) -> Option<i64> {
-        None
+    fn quota(&self, t: &str) -> Option<i64> {
+        self.quota.get(t).copied()
     }
 }
 
@@ -201,22 +202,69 @@ fn to_mref(spec: &(RefSpec, i32, u8)) -> MRef {
     }
 }
 
+/// Eviction configuration of a run: global cap (0 = unbounded) and quotas of "t" and "u".
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    cap: i64,
+    quota_t: Option<i64>,
+    quota_u: Option<i64>,
+    seed: u64,
+}
+
+fn limits_s() -> impl proptest::strategy::Strategy<Value = Limits> {
+    (
+        prop_oneof![3 => Just(0i64), 1 => Just(1), 1 => Just(3), 1 => Just(6)],
+        prop_oneof![3 => Just(None), 1 => Just(Some(0i64)), 1 => Just(Some(2)), 1 => Just(Some(-1))],
+        prop_oneof![3 => Just(None), 1 => Just(Some(1i64)), 1 => Just(Some(3))],
+        0u64..1000,
+    )
+        .prop_map(|(cap, quota_t, quota_u, seed)| Limits {
+            cap,
+            quota_t,
+            quota_u,
+            seed,
+        })
+}
+
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    run_with(
+        Limits {
+            cap: 0,
+            quota_t: None,
+            quota_u: None,
+            seed: 0,
+        },
+        ops,
+    )
+}
+
+fn run_with(lim: Limits, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let clock = Arc::new(ManualClock::new(T0));
+    let mut quota = HashMap::new();
+    if let Some(q) = lim.quota_t {
+        quota.insert("t", q);
+    }
+    if let Some(q) = lim.quota_u {
+        quota.insert("u", q);
+    }
     let res = Arc::new(Res {
         lfu: ["u"].into(),
         ttl: [("u", 3 * 60_000)].into(),
+        quota: quota.clone(),
     });
     let cfg = IndexConfig {
         global_ttl_ms: GLOBAL_TTL,
-        max_entries: 0,
+        max_entries: lim.cap,
         hot_access_threshold: 2,
+        eviction_seed: lim.seed,
         ..IndexConfig::default()
     };
     let ix = Index::new(cfg.clone(), res.clone(), clock.clone());
     let mut md = Model::new(T0, GLOBAL_TTL, cfg.ranker.clone(), 2);
     md.lfu.insert("u".into());
     md.ttl.insert("u".into(), 3 * 60_000);
+    md.cap = lim.cap;
+    md.quota = quota.iter().map(|(k, v)| (k.to_string(), *v)).collect();
     let mut last_hits: (CapturedHits, Vec<(model::Key, String, u64)>) =
         (CapturedHits::default(), vec![]);
     let sink_events = Arc::new(Mutex::new(0usize));
@@ -522,6 +570,24 @@ fn check_state(ix: &Index, md: &Model) -> Result<(), TestCaseError> {
         .collect();
     prop_assert_eq!(got_t, tenants);
     prop_assert_eq!((snap.total_prefixes, snap.hot_prefixes), (total, hot));
+    let te: Vec<(String, u64)> = ix
+        .tenant_evictions()
+        .iter()
+        .map(|(t, n)| (t.to_string(), *n))
+        .collect();
+    let want_te: Vec<(String, u64)> = md
+        .tenant_evictions
+        .iter()
+        .map(|(t, n)| (t.clone(), *n))
+        .collect();
+    prop_assert_eq!(te, want_te);
+    prop_assert_eq!(
+        [
+            ix.evictions(Algorithm::Lru, EvictionReason::Cap),
+            ix.evictions(Algorithm::Lfu, EvictionReason::Cap)
+        ],
+        md.cap_evictions
+    );
     let gauge: i64 = ix.entry_counts_by_model().iter().map(|x| x.1).sum();
     prop_assert_eq!(
         gauge,
@@ -535,5 +601,12 @@ proptest! {
     #[test]
     fn t90_oracle(ops in proptest::collection::vec(op_s(), 1..40)) {
         run(ops)?;
+    }
+
+    /// T90 with cap and quota configurations (V2, V5: ≤ 16 live entries, so the engine must
+    /// evict exactly in the ideal order).
+    #[test]
+    fn t90_oracle_cap_quota(lim in limits_s(), ops in proptest::collection::vec(op_s(), 1..40)) {
+        run_with(lim, ops)?;
     }
 }

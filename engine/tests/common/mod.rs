@@ -14,6 +14,7 @@ pub const HOUR_MS: i64 = 3_600_000;
 pub struct TestResolvers {
     pub ttl: Mutex<HashMap<String, i64>>,
     pub lfu: Mutex<HashSet<String>>,
+    pub quota: Mutex<HashMap<String, i64>>,
 }
 
 impl Resolvers for TestResolvers {
@@ -27,8 +28,8 @@ impl Resolvers for TestResolvers {
             Algorithm::Lru
         }
     }
-    fn quota(&self, _tenant: &str) -> Option<i64> {
-        None
+    fn quota(&self, tenant: &str) -> Option<i64> {
+        self.quota.lock().get(tenant).copied()
     }
 }
 
@@ -87,6 +88,9 @@ impl Env {
     }
     pub fn set_lfu(&self, tenant: &str) {
         self.res.lfu.lock().insert(tenant.into());
+    }
+    pub fn set_quota(&self, tenant: &str, keys: i64) {
+        self.res.quota.lock().insert(tenant.into(), keys);
     }
     pub fn set_ttl(&self, tenant: &str, ms: i64) {
         self.res.ttl.lock().insert(tenant.into(), ms);

@@ -52,6 +52,14 @@ pub struct Model {
     pub reserved: BTreeSet<String>,
     pub entries: BTreeMap<Key, BTreeMap<String, Ent>>,
     pub stats: BTreeMap<(String, String, String), St>,
+    /// Global cap in storage entries (V2); ≤ 0 = unbounded.
+    pub cap: i64,
+    /// Tenant quotas in distinct keys (V5); absent or negative = unbounded.
+    pub quota: BTreeMap<String, i64>,
+    /// `tenant_evictions_total{tenant}` (keys).
+    pub tenant_evictions: BTreeMap<String, u64>,
+    /// `index_evictions_total{lru|lfu, cap}`.
+    pub cap_evictions: [u64; 2],
     next_gen: u64,
 }
 
@@ -103,6 +111,10 @@ impl Model {
             reserved: ["inferencecache.io/probe".to_string()].into(),
             entries: BTreeMap::new(),
             stats: BTreeMap::new(),
+            cap: 0,
+            quota: BTreeMap::new(),
+            tenant_evictions: BTreeMap::new(),
+            cap_evictions: [0; 2],
             next_gen: 1,
         }
     }
@@ -207,6 +219,65 @@ impl Model {
                     reported: rep,
                 },
             );
+        }
+        self.enforce_quota(t);
+        self.enforce_cap();
+    }
+
+    /// V5 for the ingesting tenant, exact ideal order: whole keys by (max last_seen, model,
+    /// scheme, adapter, hash).
+    fn enforce_quota(&mut self, t: &str) {
+        let Some(&b) = self.quota.get(t) else {
+            return;
+        };
+        if b < 0 {
+            return;
+        }
+        let mut keys: Vec<(i64, Key)> = self
+            .entries
+            .iter()
+            .filter(|(k, _)| k.0 == t)
+            .map(|(k, h)| (h.values().map(|e| e.last).max().unwrap(), k.clone()))
+            .collect();
+        if keys.len() as i64 <= b {
+            return;
+        }
+        keys.sort_by(|a, b| {
+            (a.0, &a.1.1, &a.1.2, &a.1.3, &a.1.4).cmp(&(b.0, &b.1.1, &b.1.2, &b.1.3, &b.1.4))
+        });
+        let n = keys.len() - b as usize;
+        for (_, k) in keys.into_iter().take(n) {
+            self.entries.remove(&k);
+            *self.tenant_evictions.entry(t.to_string()).or_default() += 1;
+        }
+    }
+
+    /// V2, exact ideal order over non-reserved storage entries.
+    fn enforce_cap(&mut self) {
+        if self.cap <= 0 {
+            return;
+        }
+        type Ideal = (u64, i64, Key, String);
+        let mut all: Vec<Ideal> = Vec::new();
+        for (k, h) in &self.entries {
+            if self.reserved.contains(&k.0) {
+                continue;
+            }
+            let lfu = self.lfu.contains(&k.0);
+            for (r, e) in h {
+                let eff = if lfu { e.access as u64 } else { 0 };
+                all.push((eff, e.last, k.clone(), r.clone()));
+            }
+        }
+        if all.len() as i64 <= self.cap {
+            return;
+        }
+        all.sort();
+        let n = all.len() - self.cap as usize;
+        for (_, _, k, r) in all.into_iter().take(n) {
+            let lfu = self.lfu.contains(&k.0);
+            self.cap_evictions[lfu as usize] += 1;
+            self.remove_entry(&k, &r);
         }
     }
 

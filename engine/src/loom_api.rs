@@ -1,0 +1,154 @@
+//! Loom-only instrumentation (compiled only with `--cfg loom`; see `loom-tests/`).
+//!
+//! Loom checks causality for its atomics and for `loom::cell::UnsafeCell` accesses, but not for
+//! plain memory reached through raw pointers — and the engine's key nodes, LFU cells and key sums
+//! are exactly that (immutable allocations published through atomic pointers and freed through
+//! crossbeam-epoch). So every such object gets a **shadow cell** in a per-test ledger:
+//!
+//! - creation is a loom *write* access of the shadow cell (the builder initialises the object);
+//! - every engine dereference (`KeyNode::digest` / holder access, LFU cell identity reads, key
+//!   sum access) is a loom *read* access;
+//! - freeing is a loom *write* access, and the ledger marks the object dead.
+//!
+//! Loom then reports a causality violation if a reader can see an object whose initialisation
+//! does not happen-before the read (a torn / unpublished node: missing Release/Acquire), or if a
+//! free is not ordered after every read (use-after-free: broken epoch protection). A read of an
+//! object already marked dead, and a double free, panic directly. The ledger also counts
+//! creations and frees so a model can check that nothing leaks once every reader has left.
+//!
+//! The ledger lives in a `std` thread-local: loom runs all threads of one model on the test's OS
+//! thread, and each `#[test]` has its own OS thread. It is only active between [`arm`] and
+//! [`disarm`] (objects freed when loom tears an execution down, outside the model, are ignored).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+/// Kind of a tracked object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// A key node (`table::KeyNode`).
+    Node,
+    /// An LFU cell (`table::LfuCell`).
+    LfuCell,
+    /// A per-key access sum (`table::KeySum`).
+    KeySum,
+}
+
+struct Entry {
+    kind: Kind,
+    shadow: loom::cell::UnsafeCell<()>,
+}
+
+#[derive(Default)]
+struct Ledger {
+    armed: bool,
+    live: HashMap<usize, Entry>,
+    built: HashMap<Kind, u64>,
+    freed: HashMap<Kind, u64>,
+}
+
+std::thread_local! {
+    static LEDGER: RefCell<Ledger> = RefCell::new(Ledger::default());
+}
+
+/// Starts tracking (call first thing inside the `loom::model` closure): clears the ledger.
+pub fn arm() {
+    LEDGER.with(|l| {
+        let mut l = l.borrow_mut();
+        *l = Ledger::default();
+        l.armed = true;
+    });
+}
+
+/// Stops tracking (call last thing inside the `loom::model` closure).
+pub fn disarm() {
+    LEDGER.with(|l| *l.borrow_mut() = Ledger::default());
+}
+
+/// Objects of `kind` created since [`arm`].
+pub fn built(kind: Kind) -> u64 {
+    LEDGER.with(|l| l.borrow().built.get(&kind).copied().unwrap_or(0))
+}
+
+/// Objects of `kind` freed since [`arm`].
+pub fn freed(kind: Kind) -> u64 {
+    LEDGER.with(|l| l.borrow().freed.get(&kind).copied().unwrap_or(0))
+}
+
+/// Objects of `kind` created since [`arm`] and not freed yet.
+pub fn live(kind: Kind) -> usize {
+    LEDGER.with(|l| l.borrow().live.values().filter(|e| e.kind == kind).count())
+}
+
+pub(crate) fn created(kind: Kind, addr: usize) {
+    LEDGER.with(|l| {
+        let mut l = l.borrow_mut();
+        if !l.armed {
+            return;
+        }
+        let shadow = loom::cell::UnsafeCell::new(());
+        shadow.with_mut(|_| ());
+        if let Some(old) = l.live.insert(addr, Entry { kind, shadow }) {
+            panic!(
+                "loom ledger: {kind:?} created at the address of a live {:?}",
+                old.kind
+            );
+        }
+        *l.built.entry(kind).or_default() += 1;
+    });
+}
+
+pub(crate) fn read(kind: Kind, addr: usize) {
+    LEDGER.with(|l| {
+        let l = l.borrow();
+        if !l.armed {
+            return;
+        }
+        match l.live.get(&addr) {
+            Some(e) if e.kind == kind => e.shadow.with(|_| ()),
+            _ => panic!("loom ledger: read of a freed or unknown {kind:?} at {addr:#x}"),
+        }
+    });
+}
+
+pub(crate) fn destroyed(kind: Kind, addr: usize) {
+    LEDGER.with(|l| {
+        let mut l = l.borrow_mut();
+        if !l.armed {
+            return;
+        }
+        match l.live.remove(&addr) {
+            Some(e) if e.kind == kind => {
+                e.shadow.with_mut(|_| ());
+                *l.freed.entry(kind).or_default() += 1;
+            }
+            _ => panic!("loom ledger: free of a freed or unknown {kind:?} at {addr:#x}"),
+        }
+    });
+}
+
+/// Pushes the calling thread's deferred-garbage bag to the global queue (what its epoch handle's
+/// destructor does at thread exit).
+pub fn flush_thread_garbage() {
+    crossbeam_epoch::pin().flush();
+}
+
+/// Repeatedly pins and flushes the calling thread's epoch handle so that garbage retired by
+/// threads that have exited is collected (call after joining every other thread).
+pub fn collect_garbage() {
+    for _ in 0..8 {
+        crossbeam_epoch::pin().flush();
+        if std::env::var_os("LOOM_LEDGER_DEBUG").is_some() {
+            eprintln!(
+                "flush: nodes built {} freed {}",
+                built(Kind::Node),
+                freed(Kind::Node)
+            );
+        }
+    }
+}
+
+/// The shard (0..16) of a key in its partition's table (to build same-shard key sets).
+pub fn shard_of(key: &[u8]) -> usize {
+    crate::table::KeyTable::shard_of(crate::table::Probe::new(key))
+}

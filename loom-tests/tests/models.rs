@@ -1,0 +1,572 @@
+//! Loom models of the engine's concurrent protocols, run against the real engine code.
+//!
+//! Build: `RUSTFLAGS="--cfg loom --cfg crossbeam_loom"` (see `README.md` / `run.sh`). Under that
+//! build the engine's atomics, its shard writer mutex and crossbeam-epoch are loom's, and every key
+//! node / LFU cell / key sum has a shadow `loom::cell::UnsafeCell` (`engine/src/loom_api.rs`):
+//! creation and free are writes, every engine dereference is a read. A torn publication (node
+//! visible before its initialisation happens-before the read) or a use-after-free (free not
+//! ordered after a pinned reader's read) is therefore a loom causality failure, and a read of an
+//! already-freed object or a double free panics.
+//!
+//! Every model drives the public `Index` API (ingest, events, lookups, crediting, sweeps) on a
+//! partition and replicas created before the threads start (directory records are created once
+//! and never removed, so creating them up front keeps the models small; the directory's own RCU is
+//! exercised by the lookups' wait-free reads). Index-wide parking_lot locks other than the shard
+//! writer are only taken in critical sections without loom operations, so they are never held
+//! across a loom context switch.
+#![cfg(loom)]
+
+use inferencecache_engine::loom_api::{self, Kind};
+use inferencecache_engine::{
+    Algorithm, CacheEventInput, CacheStateUpdate, CapturedHits, ChangeEvent, ChangeKind,
+    ChangeSink, Index, IndexConfig, IngestOutcome, LookupRequest, ManualClock, PrefixRef,
+    Resolvers, Strategy, event_type,
+};
+use std::sync::{Arc, Mutex};
+
+const T: &str = "t";
+const M: &str = "m";
+const S: &str = "s";
+const A: &str = "a";
+const B: &str = "b";
+const NO_BLOCKS: [[u8; 8]; 0] = [];
+
+fn key(i: u64) -> [u8; 8] {
+    i.to_be_bytes()
+}
+
+struct Policy {
+    alg: Algorithm,
+    ttl_ms: Option<i64>,
+}
+
+impl Resolvers for Policy {
+    fn ttl_ms(&self, _: &str) -> Option<i64> {
+        self.ttl_ms
+    }
+    fn algorithm(&self, _: &str) -> Algorithm {
+        self.alg
+    }
+    fn quota(&self, _: &str) -> Option<i64> {
+        None
+    }
+}
+
+/// An index whose clock reads `now_ms`, with (tenant t, model m, scheme s, adapter "") created.
+fn index(alg: Algorithm, ttl_ms: Option<i64>, hot: u32, now_ms: i64) -> Arc<Index> {
+    let cfg = IndexConfig {
+        hot_access_threshold: hot,
+        ..IndexConfig::default()
+    };
+    Arc::new(Index::new(
+        cfg,
+        Arc::new(Policy { alg, ttl_ms }),
+        Arc::new(ManualClock::new(now_ms * 1000)),
+    ))
+}
+
+/// One legacy (exact-key) ingest of `keys` by `replica` at `ts_ms`.
+fn put(ix: &Index, replica: &str, keys: &[([u8; 8], i32)], ts_ms: i64) -> IngestOutcome {
+    ix.ingest(CacheStateUpdate {
+        replica_id: replica,
+        model_id: M,
+        tenant_id: T,
+        hash_scheme: S,
+        timestamp_us: ts_ms * 1000,
+        adapter_id: "",
+        prefixes: keys.iter().map(|(k, tokens)| PrefixRef {
+            prefix_hash: k,
+            token_count: *tokens,
+            block_hashes: &NO_BLOCKS,
+            block_token_counts: &[],
+            tier: 1,
+            adapter_id: "",
+        }),
+        stats: None,
+    })
+}
+
+fn event(ix: &Index, kind: i32, replica: &str, k: &[u8]) {
+    ix.apply_event(CacheEventInput {
+        event_type: kind,
+        replica_id: replica,
+        model_id: M,
+        tenant_id: T,
+        prefix_hash: k,
+        timestamp_us: 0,
+        adapter_id: "",
+    });
+}
+
+fn req(k: &[u8]) -> LookupRequest<'_, [u8; 8]> {
+    LookupRequest {
+        prefix_hash: k,
+        ..LookupRequest::new(T, M, S)
+    }
+}
+
+/// Bare lookup of one exact key: (replica, matched tokens).
+fn lookup(ix: &Index, k: &[u8]) -> Vec<(String, i32)> {
+    ix.lookup(&req(k))
+        .into_iter()
+        .map(|s| (s.replica_id.to_string(), s.matched_tokens))
+        .collect()
+}
+
+fn holders(ix: &Index, k: &[u8]) -> Vec<String> {
+    ix.holders(T, M, S, "", k)
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
+/// Tokens and last_seen (ms) of entry (k, replica).
+fn entry(ix: &Index, k: &[u8], replica: &str) -> Option<(i32, i64)> {
+    ix.entry(T, M, S, "", k, replica)
+        .map(|e| (e.token_count, e.last_seen_us / 1000))
+}
+
+/// Captured LFU hits of a routed lookup of `k`.
+fn capture(ix: &Index, k: &[u8]) -> CapturedHits {
+    let r = ix.lookup_route(&req(k));
+    assert!(!r.hits.is_empty(), "LFU lookup captured no hit");
+    r.hits
+}
+
+/// Derived counters are exact once writes quiesce (C3): they must equal a recount of the final
+/// state. `entries` = storage entries of replica `a` (the only replica in these models unless
+/// stated), `keys` = distinct keys.
+fn assert_counters(ix: &Index, keys: i64, entries: i64) {
+    assert_eq!(ix.total_keys(), keys, "total_keys");
+    assert_eq!(ix.storage_entries(), entries, "storage_entries");
+    assert_eq!(ix.cache_state(T, M).total_prefixes, keys, "model keys");
+    assert_eq!(ix.serving_count(T, M, S, A), entries, "serving[a]");
+    assert_eq!(
+        ix.loom_serving_n(T, M, S),
+        i64::from(entries > 0),
+        "serving_n"
+    );
+}
+
+/// `loom::thread::spawn`, flushing the thread's epoch bag when `f` returns. Loom lets `join`
+/// return before the thread's thread-locals (crossbeam-epoch's handle, whose drop pushes the
+/// thread's garbage bag to the global queue) are destroyed, so without this flush garbage retired
+/// by a joined thread could still be unreachable to the collecting main thread.
+fn spawn<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> loom::thread::JoinHandle<R> {
+    loom::thread::spawn(move || {
+        let r = f();
+        loom_api::flush_thread_garbage();
+        r
+    })
+}
+
+/// Runs `f` under `loom::model` with the shadow-object ledger armed.
+/// Loom's default branch limit (1,000 atomic operations per execution) is too small for the
+/// sliced walks (sweep, ALL_CLEARED visit all 16 shards); bounds otherwise come from the `LOOM_*`
+/// environment variables (`LOOM_MAX_PREEMPTIONS`, `LOOM_MAX_DURATION`, see `run.sh`).
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut b = loom::model::Builder::new();
+    b.max_branches = b.max_branches.max(100_000);
+    b.check(move || {
+        loom_api::arm();
+        f();
+        loom_api::disarm();
+    });
+}
+
+/// After every other thread has been joined: try to collect the epoch garbage, then check the
+/// ledger: every object still linked in the index is alive (never freed early), no object was
+/// freed twice (the ledger panics), and at most the retired ones are gone.
+///
+/// Limitation (see README): under loom, crossbeam-epoch's global epoch does not advance here once
+/// a second loom thread has pinned, so retired objects are normally only freed when loom tears
+/// the execution down (outside the ledger). The use-after-free check therefore applies to frees
+/// that do happen inside an execution, and the "freed once readers leave" half is checked by the
+/// `built - freed` bound only.
+fn assert_reclaimed(nodes_linked: usize, cells_linked: usize, sums_linked: usize) {
+    loom_api::collect_garbage();
+    for (k, linked) in [
+        (Kind::Node, nodes_linked),
+        (Kind::LfuCell, cells_linked),
+        (Kind::KeySum, sums_linked),
+    ] {
+        assert!(
+            loom_api::live(k) >= linked,
+            "{k:?}: a linked object was freed"
+        );
+        assert!(
+            loom_api::built(k) - loom_api::freed(k) >= linked as u64,
+            "{k:?}: built - freed below the linked count"
+        );
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// 1. Publication
+
+/// Model 1: a writer publishes a new holder set for an existing key (node replacement: one
+/// pointer swap) and a brand-new key (node + tag publication, presence-summary bit) in one
+/// ingest, while a reader looks both keys up. The reader sees each entry either before or after
+/// the write, never torn (C3): the holder set is `[a]` or `[a, b]`, and an entry it sees carries
+/// exactly the written token count and last_seen. Shadow cells make loom check that the node's
+/// initialisation happens-before every read through the published pointer.
+#[test]
+fn m1_publish_vs_reader() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        let w = {
+            let ix = ix.clone();
+            spawn(move || {
+                put(&ix, B, &[(key(1), 20), (key(2), 30)], 1_000);
+            })
+        };
+        let h = holders(&ix, &key(1));
+        assert!(h == [A] || h == [A, B], "torn holder set {h:?}");
+        match entry(&ix, &key(2), B) {
+            None => {}
+            Some(e) => assert_eq!(e, (30, 1_000), "torn entry"),
+        }
+        w.join().unwrap();
+        assert_eq!(holders(&ix, &key(1)), [A, B]);
+        assert_eq!(entry(&ix, &key(1), B), Some((20, 1_000)));
+        assert_eq!(entry(&ix, &key(2), B), Some((30, 1_000)));
+        // 3 nodes built (k1 [a], k1 [a, b], k2 [b]); the replaced one is reclaimed.
+        assert_reclaimed(2, 0, 0);
+    });
+}
+
+/// Model 1b: a table rebuild (growth) moves every node of a shard into a new group array and
+/// publishes it (Release) while a reader probes: an existing key is always found with its holder,
+/// whichever table the reader loaded; the new key is absent or complete.
+#[test]
+fn m1b_rebuild_vs_reader() {
+    // Six keys of one shard: the sixth insert exceeds the 4/5 load bound of a 1-group table.
+    let shard = loom_api::shard_of(&key(1));
+    let same: Vec<u64> = (1..)
+        .filter(|&i| loom_api::shard_of(&key(i)) == shard)
+        .take(6)
+        .collect();
+    model(move || {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        let first: Vec<_> = same[..5].iter().map(|&i| (key(i), 1)).collect();
+        put(&ix, A, &first, 1_000);
+        let last = key(same[5]);
+        let w = {
+            let ix = ix.clone();
+            spawn(move || {
+                put(&ix, A, &[(last, 7)], 1_000);
+            })
+        };
+        assert_eq!(entry(&ix, &key(same[0]), A), Some((1, 1_000)));
+        assert!(matches!(entry(&ix, &last, A), None | Some((7, 1_000))));
+        w.join().unwrap();
+        for &i in &same[..5] {
+            assert_eq!(entry(&ix, &key(i), A), Some((1, 1_000)));
+        }
+        assert_eq!(entry(&ix, &last, A), Some((7, 1_000)));
+        assert_counters(&ix, 6, 6);
+        assert_reclaimed(6, 0, 0);
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 2. Removal and reclamation
+
+/// Model 2: a writer replaces a key's node twice and then removes the key (three retirements
+/// through crossbeam-epoch) while a pinned reader walks it. The reader sees one of the four
+/// states; loom checks that no node is freed while a reader pinned before its unlink can still
+/// read it (shadow cells), and once the reader has left every retired node is freed exactly once
+/// (no leak, no double free).
+#[test]
+fn m2_remove_reclaim_vs_pinned_reader() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        let w = {
+            let ix = ix.clone();
+            spawn(move || {
+                put(&ix, B, &[(key(1), 10)], 1_000);
+                event(&ix, event_type::PREFIX_EVICTED, A, &key(1));
+                event(&ix, event_type::PREFIX_EVICTED, B, &key(1));
+            })
+        };
+        let h = holders(&ix, &key(1));
+        assert!(
+            h.is_empty() || h == [A] || h == [A, B] || h == [B],
+            "impossible holder set {h:?}"
+        );
+        w.join().unwrap();
+        assert!(holders(&ix, &key(1)).is_empty());
+        assert_eq!(ix.total_keys(), 0);
+        assert_eq!(ix.storage_entries(), 0);
+        assert_eq!(loom_api::built(Kind::Node), 3);
+        assert_reclaimed(0, 0, 0);
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 3. Concurrent upserts of one key
+
+/// Model 3: two producers upsert the same new (key, replica) entry with different timestamps.
+/// Exactly one of them creates the key and the entry (keys_added / entries_added sum to 1), the
+/// final entry has `last_seen` = the newer timestamp whatever the order (D7: max), and the
+/// derived counters are exact.
+#[test]
+fn m3_concurrent_upserts_same_key() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 3_000);
+        // Replica `a` interned and the partition created (another key, so counters start at 1).
+        put(&ix, A, &[(key(9), 1)], 3_000);
+        let p = {
+            let ix = ix.clone();
+            spawn(move || put(&ix, A, &[(key(1), 10)], 2_000))
+        };
+        let q = put(&ix, A, &[(key(1), 20)], 3_000);
+        let p = p.join().unwrap();
+        assert_eq!(p.keys_added + q.keys_added, 1, "key created once");
+        assert_eq!(p.entries_added + q.entries_added, 1, "entry created once");
+        let (tokens, last_seen) = entry(&ix, &key(1), A).expect("entry");
+        assert_eq!(last_seen, 3_000, "last_seen is the newer timestamp (D7)");
+        assert!(tokens == 10 || tokens == 20);
+        assert_eq!(holders(&ix, &key(1)), [A]);
+        assert_counters(&ix, 2, 2);
+        assert_reclaimed(2, 0, 0);
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 4. LFU crediting
+
+/// Model 4a: two threads credit the same captured hit of a never-credited entry: both race to
+/// create its LFU cell (first credit takes the shard mutex and re-validates), then increment
+/// lock-free. No increment is lost (count 2), the hot-key counter crosses the threshold (2)
+/// exactly once, and exactly one cell and one key sum exist.
+#[test]
+fn m4a_lfu_first_credit_race() {
+    model(|| {
+        let ix = index(Algorithm::Lfu, None, 2, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        let hits = capture(&ix, &key(1));
+        let c = {
+            let ix = ix.clone();
+            let hits = hits.clone();
+            spawn(move || ix.credit_hits(&hits))
+        };
+        ix.credit_hits(&hits);
+        c.join().unwrap();
+        let e = ix.entry(T, M, S, "", &key(1), A).expect("entry");
+        assert_eq!(e.access_count, 2, "lost increment");
+        assert_eq!(ix.cache_state(T, M).hot_prefixes, 1);
+        assert_reclaimed(1, 1, 1);
+    });
+}
+
+/// Model 4b: a credit races with the removal and re-creation of its entry (same key and replica,
+/// new generation). The credit either lands on the old entry before its removal (its count is
+/// then lost with the entry, V3) or is ignored; it never reaches the re-created entry (T92). The
+/// hot counter (threshold 1) ends at 0, and every cell / key sum created is freed.
+#[test]
+fn m4b_lfu_credit_vs_remove_recreate() {
+    model(|| {
+        let ix = index(Algorithm::Lfu, None, 1, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        let hits = capture(&ix, &key(1));
+        let c = {
+            let ix = ix.clone();
+            spawn(move || ix.credit_hits(&hits))
+        };
+        event(&ix, event_type::PREFIX_EVICTED, A, &key(1));
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        c.join().unwrap();
+        let e = ix.entry(T, M, S, "", &key(1), A).expect("re-created entry");
+        assert_eq!(e.access_count, 0, "credit reached a re-created entry (T92)");
+        assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count");
+        assert_counters(&ix, 1, 1);
+        assert_reclaimed(1, 0, 0);
+    });
+}
+
+/// Model 4c: an already-credited entry (cell exists: lock-free path) is credited by two threads
+/// while a third removes it. The removal swaps DEAD into the cell and subtracts the final count
+/// from the key sum: whatever the interleaving, no credit is applied after the kill, the key sum
+/// ends at 0 (hot count 0 with threshold 1) and the cell and key sum are reclaimed.
+#[test]
+fn m4c_lfu_credits_vs_kill() {
+    model(|| {
+        let ix = index(Algorithm::Lfu, None, 1, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        let hits = capture(&ix, &key(1));
+        ix.credit_hits(&hits);
+        assert_eq!(ix.cache_state(T, M).hot_prefixes, 1);
+        let c = {
+            let ix = ix.clone();
+            let hits = hits.clone();
+            spawn(move || ix.credit_hits(&hits))
+        };
+        let r = {
+            let ix = ix.clone();
+            spawn(move || event(&ix, event_type::PREFIX_EVICTED, A, &key(1)))
+        };
+        ix.credit_hits(&hits);
+        c.join().unwrap();
+        r.join().unwrap();
+        assert!(ix.entry(T, M, S, "", &key(1), A).is_none());
+        assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count after kill");
+        assert_counters(&ix, 0, 0);
+        assert_reclaimed(0, 0, 0);
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 5. TTL sweep vs ingest vs lookup
+
+/// Model 5: one stale entry; a TTL sweep, a refreshing re-ingest and a lookup run concurrently.
+/// The sweep decides under the shard mutex on the node it reads, so it either removes the stale
+/// entry before the refresh (which then re-creates it) or sees the refreshed one and keeps it:
+/// the entry always ends fresh with the new token count; the lookup sees nothing (stale or
+/// absent) or the fresh entry, never a stale hit; counters are exact.
+#[test]
+fn m5_sweep_vs_ingest_vs_lookup() {
+    model(|| {
+        // TTL 1 s; the entry was seen at 3 s, the clock (sweep and lookups) reads 5 s.
+        let ix = index(Algorithm::Lru, Some(1_000), 8, 5_000);
+        put(&ix, A, &[(key(1), 10)], 3_000);
+        let s = {
+            let ix = ix.clone();
+            spawn(move || ix.sweep_now().entries_removed)
+        };
+        let i = {
+            let ix = ix.clone();
+            spawn(move || put(&ix, A, &[(key(1), 20)], 5_000))
+        };
+        let l = lookup(&ix, &key(1));
+        assert!(
+            l.is_empty() || l == [(A.to_string(), 20)],
+            "lookup saw {l:?}"
+        );
+        let removed = s.join().unwrap();
+        let out = i.join().unwrap();
+        assert_eq!(entry(&ix, &key(1), A), Some((20, 5_000)));
+        assert_eq!(removed, out.entries_added, "re-created iff swept first");
+        assert_eq!(
+            ix.evictions(Algorithm::Lru, inferencecache_engine::EvictionReason::Ttl),
+            removed
+        );
+        assert_counters(&ix, 1, 1);
+        assert_reclaimed(1, 0, 0);
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 6. ALL_CLEARED
+
+/// Model 6: ALL_CLEARED for replica `a` (a sliced walk over every shard) runs against a re-ingest
+/// of one of its keys and a lookup of that key. The other key is always gone; the re-ingested
+/// one survives iff the clear's walk passed its shard before the re-ingest (either is allowed);
+/// the lookup sees the key or nothing, never a torn entry; counters match the final state.
+#[test]
+fn m6_all_cleared_vs_lookup_vs_reingest() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        put(&ix, A, &[(key(1), 10), (key(2), 10)], 1_000);
+        let c = {
+            let ix = ix.clone();
+            spawn(move || event(&ix, event_type::ALL_CLEARED, A, &[]))
+        };
+        let i = {
+            let ix = ix.clone();
+            spawn(move || put(&ix, A, &[(key(1), 20)], 1_000))
+        };
+        let l = lookup(&ix, &key(1));
+        assert!(
+            l.is_empty() || l == [(A.to_string(), 10)] || l == [(A.to_string(), 20)],
+            "lookup saw {l:?}"
+        );
+        c.join().unwrap();
+        i.join().unwrap();
+        assert!(entry(&ix, &key(2), A).is_none(), "ALL_CLEARED missed a key");
+        let k1 = entry(&ix, &key(1), A);
+        assert!(k1.is_none() || k1 == Some((20, 1_000)), "k1 = {k1:?}");
+        let n = i64::from(k1.is_some());
+        assert_counters(&ix, n, n);
+        assert_reclaimed(n as usize, 0, 0);
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 7. Other atomic protocols
+
+/// Model 7a: serving counts and `serving_n` are maintained by threshold crossings of per-replica
+/// `fetch_add`s. One thread removes the replica's only entry (serving 1 → 0, a down-crossing)
+/// while another adds a new entry (an up-crossing from whichever value it sees); a third replica
+/// is unaffected. Crossings telescope, so `serving_n` ends exact (2) and `classify` sees a
+/// serving scope.
+#[test]
+fn m7a_serving_n_crossings() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        put(&ix, B, &[(key(3), 10)], 1_000);
+        let r = {
+            let ix = ix.clone();
+            spawn(move || event(&ix, event_type::PREFIX_EVICTED, A, &key(1)))
+        };
+        put(&ix, A, &[(key(2), 10)], 1_000);
+        r.join().unwrap();
+        assert_eq!(ix.serving_count(T, M, S, A), 1);
+        assert_eq!(ix.serving_count(T, M, S, B), 1);
+        assert_eq!(ix.loom_serving_n(T, M, S), 2);
+        assert_eq!(ix.classify(T, M, S), Strategy::None);
+        event(&ix, event_type::PREFIX_EVICTED, A, &key(2));
+        assert_eq!(ix.loom_serving_n(T, M, S), 1);
+        assert_reclaimed(1, 0, 0);
+    });
+}
+
+#[derive(Default)]
+struct RecordingSink {
+    events: Mutex<Vec<(ChangeKind, Vec<u8>)>>,
+}
+
+impl ChangeSink for RecordingSink {
+    fn is_active(&self) -> bool {
+        true
+    }
+    fn publish(&self, e: &ChangeEvent<'_>) {
+        self.events
+            .lock()
+            .unwrap()
+            .push((e.kind, e.prefix_hash.to_vec()));
+    }
+}
+
+/// Model 7b: the change-sink fast path (`sink_set` flag, Release on install / Acquire in
+/// writers, then the sink lock). A sink installed concurrently with an ingest receives the
+/// ingest's ADDED event or nothing — never a partial event — and every write after the install
+/// happens-before is published.
+#[test]
+fn m7b_change_sink_install_vs_ingest() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        put(&ix, A, &[(key(9), 1)], 1_000);
+        let sink = Arc::new(RecordingSink::default());
+        let i = {
+            let ix = ix.clone();
+            spawn(move || put(&ix, A, &[(key(1), 10)], 1_000))
+        };
+        ix.set_change_sink(sink.clone());
+        i.join().unwrap();
+        {
+            let ev = sink.events.lock().unwrap();
+            assert!(
+                ev.is_empty() || *ev == [(ChangeKind::Added, key(1).to_vec())],
+                "events {ev:?}"
+            );
+        }
+        let n = sink.events.lock().unwrap().len();
+        put(&ix, A, &[(key(2), 10)], 1_000);
+        assert_eq!(sink.events.lock().unwrap().len(), n + 1);
+        assert_reclaimed(3, 0, 0);
+    });
+}
