@@ -2,10 +2,10 @@
 # Loom model checks of the engine (see loom-tests/README.md). Bounded for CI: ≤ ~10 minutes on
 # 2 cores. Env overrides: LOOM_MAX_PREEMPTIONS (default 2), LOOM_MAX_DURATION (seconds per model,
 # default 30: exploration stops there and the model passes if no violation was found so far),
-# CARGO_TARGET_DIR (default /work/target-loom).
+# LOOM_TARGET_DIR (default target/loom: loom builds use other RUSTFLAGS than the workspace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/work/target-loom}"
+export CARGO_TARGET_DIR="${LOOM_TARGET_DIR:-$PWD/target/loom}"
 export RUSTFLAGS="--cfg loom --cfg crossbeam_loom"
 export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}"
 export LOOM_MAX_DURATION="${LOOM_MAX_DURATION:-30}"

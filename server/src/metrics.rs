@@ -297,12 +297,23 @@ impl Metrics {
         out.push(calls);
         out.push(latency);
 
-        let tenant_evictions = Family::new(
+        let mut tenant_evictions = Family::new(
             "inferencecache_tenant_evictions_total",
             "counter",
             "keys removed by tenant quota",
         );
-        // Series appear once the engine enforces tenant quotas (issue 4) and reports removals.
+        let mut by_tenant = index.tenant_evictions();
+        by_tenant.sort();
+        for (tenant, n) in by_tenant {
+            tenant_evictions.push(
+                "inferencecache_tenant_evictions_total",
+                vec![
+                    ("tenant_id".into(), tenant.to_string()),
+                    ("reason".into(), "over_entries".into()),
+                ],
+                n as f64,
+            );
+        }
         out.push(tenant_evictions);
         let mut evictions = Family::new(
             "inferencecache_index_evictions_total",

@@ -633,3 +633,39 @@ async fn events_and_cache_state_round_trip() {
     assert!(metrics.contains(r#"inferencecache_events_total{type="ALL_CLEARED"} 1"#));
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn quota_evictions_are_exported() {
+    let server = TestServer::start().await;
+    push(
+        &server,
+        r#"{"version":7,"policies":[],"tenants":[{"tenantID":"t","maxIndexEntries":1}]}"#,
+    );
+    let mut c = server.client().await;
+    report(
+        &mut c,
+        vec![legacy("r1", b"a", 16, 0), legacy("r1", b"b", 16, 0)],
+    )
+    .await;
+    let state = c
+        .get_cache_state(pb::GetCacheStateRequest {
+            model_id: "m".into(),
+            tenant_id: "t".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        state.summary.unwrap().total_prefixes,
+        1,
+        "quota 1 keeps one key"
+    );
+    let (_, _, metrics) = common::http_request(server.http, "GET", "/metrics", "").await;
+    assert!(
+        metrics.contains(
+            r#"inferencecache_tenant_evictions_total{tenant_id="t",reason="over_entries"} 1"#
+        ),
+        "{metrics}"
+    );
+    server.shutdown().await;
+}
