@@ -1,0 +1,214 @@
+//! P8 churn bench (`benchmarks.md` §6): memory bounded by the cap under insert / remove / TTL
+//! churn.
+//!
+//! ```text
+//! churn [--minutes N] [--cap N] [--warmup-s N]
+//! ```
+//!
+//! Cap 1,000,000 storage entries, TTL 10 s, sweep every 1 s (the index's own ticker thread). One
+//! writer ingests fresh 64-block chains as fast as it can (the rate is reported; the scenario
+//! asks for ≥ 1 M blocks/s), keeping the index at the cap through cap evictions; 25% of its
+//! chains are removed by PREFIX_EVICTED (batch form) 1,000 chains after their ingest, the rest
+//! are left to the cap and the TTL. After a 60 s warm-up, `VmRSS`, `storage_entries` and
+//! `memory_bytes` are sampled every 10 s. Verdict (P8): max RSS of the second half of the
+//! measured window ≤ 1.05 × max RSS of the first half (minutes 5–10 vs 1–5 for the default
+//! 10-minute run). Exits non-zero when P8 fails.
+
+use inferencecache_engine::*;
+use std::collections::VecDeque;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const BLOCKS: usize = 64;
+const REPLICAS: u64 = 8;
+const EVICT_LAG: usize = 1000;
+
+fn vm_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+struct Sample {
+    t_s: u64,
+    rss_kib: u64,
+    entries: i64,
+    mem: i64,
+    blocks: u64,
+}
+
+fn main() -> ExitCode {
+    let mut minutes = 10u64;
+    let mut cap = 1_000_000i64;
+    let mut warmup_s = 60u64;
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let v = it.next().and_then(|v| v.parse::<u64>().ok());
+        match (a.as_str(), v) {
+            ("--minutes", Some(v)) if v > 0 => minutes = v,
+            ("--cap", Some(v)) if v > 0 => cap = v as i64,
+            ("--warmup-s", Some(v)) => warmup_s = v,
+            _ => {
+                eprintln!("usage: churn [--minutes N] [--cap N] [--warmup-s N]");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let total = Duration::from_secs(minutes * 60);
+    let ix = Arc::new(Index::new(
+        IndexConfig {
+            global_ttl_ms: 10_000,
+            sweep_interval_ms: 1_000,
+            max_entries: cap,
+            ..IndexConfig::default()
+        },
+        Arc::new(DefaultResolvers),
+        Arc::new(SystemClock),
+    ));
+    ix.start();
+    let rss0 = vm_rss_kib();
+    println!(
+        "churn: cap {cap}, TTL 10 s, sweep 1 s, {minutes} min, warm-up {warmup_s} s, \
+         baseline RSS {} MiB",
+        rss0 / 1024
+    );
+    let counts = [16i32; BLOCKS];
+    let replica_names: Vec<String> = (0..REPLICAS).map(|r| format!("replica-{r}")).collect();
+    let mut pending: VecDeque<(u64, [[u8; 8]; BLOCKS])> = VecDeque::new();
+    let start = Instant::now();
+    let mut next_sample = Duration::from_secs(warmup_s);
+    let mut samples: Vec<Sample> = Vec::new();
+    let mut blocks = 0u64;
+    let mut removed = 0u64;
+    let mut c = 0u64;
+    loop {
+        let now = start.elapsed();
+        if now >= next_sample {
+            samples.push(Sample {
+                t_s: now.as_secs(),
+                rss_kib: vm_rss_kib(),
+                entries: ix.storage_entries(),
+                mem: ix.memory_bytes(),
+                blocks,
+            });
+            next_sample += Duration::from_secs(10);
+        }
+        if now >= total {
+            break;
+        }
+        let mut hashes = [[0u8; 8]; BLOCKS];
+        for (i, h) in hashes.iter_mut().enumerate() {
+            *h = (c << 6 | i as u64).to_be_bytes();
+        }
+        let rep = &replica_names[(c % REPLICAS) as usize];
+        let none: &[u8] = &[];
+        let refs = [PrefixRef {
+            prefix_hash: none,
+            token_count: 0,
+            block_hashes: &hashes[..],
+            block_token_counts: &counts[..],
+            tier: 0,
+            adapter_id: "",
+        }];
+        ix.ingest(CacheStateUpdate {
+            replica_id: rep,
+            model_id: "m",
+            tenant_id: "t",
+            hash_scheme: "vllm",
+            timestamp_us: 0,
+            adapter_id: "",
+            prefixes: refs.iter().copied(),
+            stats: None,
+        });
+        blocks += BLOCKS as u64;
+        if c.is_multiple_of(4) {
+            pending.push_back((c, hashes));
+        }
+        while pending.len() > EVICT_LAG / 4 {
+            let (pc, ph) = pending.pop_front().expect("non-empty");
+            removed += ix.evict_prefixes(
+                "t",
+                "m",
+                &replica_names[(pc % REPLICAS) as usize],
+                "",
+                &ph[..],
+                0,
+            );
+        }
+        c += 1;
+    }
+    ix.stop();
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "writer: {blocks} blocks in {secs:.0} s = {:.2} M blocks/s (target ≥ 1 M/s); \
+         {removed} removed by PREFIX_EVICTED; cap evictions {}, TTL evictions {}",
+        blocks as f64 / secs / 1e6,
+        ix.evictions(Algorithm::Lru, EvictionReason::Cap),
+        ix.evictions(Algorithm::Lru, EvictionReason::Ttl),
+    );
+    println!();
+    println!(
+        "| t (s) | VmRSS (MiB) | storage_entries | memory_bytes (MiB) | RSS−baseline B/entry | blocks ingested (M) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for s in &samples {
+        let per = if s.entries > 0 {
+            (s.rss_kib.saturating_sub(rss0) * 1024) as f64 / s.entries as f64
+        } else {
+            0.0
+        };
+        println!(
+            "| {} | {:.1} | {} | {:.1} | {:.1} | {:.1} |",
+            s.t_s,
+            s.rss_kib as f64 / 1024.0,
+            s.entries,
+            s.mem as f64 / 1048576.0,
+            per,
+            s.blocks as f64 / 1e6
+        );
+    }
+    let split = (total.as_secs() / 2).max(warmup_s);
+    let first = samples
+        .iter()
+        .filter(|s| s.t_s < split)
+        .map(|s| s.rss_kib)
+        .max();
+    let second = samples
+        .iter()
+        .filter(|s| s.t_s >= split)
+        .map(|s| s.rss_kib)
+        .max();
+    match (first, second) {
+        (Some(a), Some(b)) => {
+            let ratio = b as f64 / a as f64;
+            let ok = ratio <= 1.05;
+            println!();
+            println!(
+                "P8: max RSS {}–{} s = {:.1} MiB, {}–{} s = {:.1} MiB, ratio {ratio:.3} (bar ≤ 1.05): {}",
+                warmup_s,
+                split,
+                a as f64 / 1024.0,
+                split,
+                total.as_secs(),
+                b as f64 / 1024.0,
+                if ok { "PASS" } else { "FAIL" }
+            );
+            if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        _ => {
+            println!("P8: not enough samples (run longer than the warm-up)");
+            ExitCode::FAILURE
+        }
+    }
+}
