@@ -204,3 +204,45 @@ async fn require_chain_refuses_prompt_text_before_tokenizing() {
     assert!(double.calls.lock().unwrap().is_empty());
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saturated_tokenizer_fails_open_without_waiting() {
+    let double = Arc::new(Double {
+        tokens: (0..32).collect(),
+        stall: Some(Duration::from_millis(600)),
+        ..Default::default()
+    });
+    let server = server_with(double.clone()).await;
+    let mut busy = Vec::new();
+    for _ in 0..64 {
+        let mut c = server.client().await;
+        busy.push(tokio::spawn(async move {
+            c.lookup_route(prompt("m", "slow"))
+                .await
+                .unwrap()
+                .into_inner()
+        }));
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while double.calls.lock().unwrap().len() < 64 {
+        assert!(Instant::now() < deadline, "64 tokenizations in flight");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut c = server.client().await;
+    let started = Instant::now();
+    let r = c
+        .lookup_route(prompt("m", "one too many"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
+    assert!(
+        started.elapsed() < Duration::from_millis(300),
+        "did not wait for a slot"
+    );
+    for b in busy {
+        let r = b.await.unwrap();
+        assert_eq!(r.token_ids.len(), 32);
+    }
+    server.shutdown().await;
+}

@@ -1,0 +1,231 @@
+//! `prompt_text` end to end with real files: a tokenizer built here with the `tokenizers` crate
+//! and a ChatML-style `tokenizer_config.json` in a temporary models dir, served by the real
+//! binary (server.md §7.2–§7.4; SV46–SV50).
+
+use inferencecache_engine::fingerprint;
+use inferencecache_proto::v1alpha1 as pb;
+use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tokenizers::models::wordlevel::WordLevel;
+use tokenizers::pre_tokenizers::whitespace::WhitespaceSplit;
+use tokenizers::{AddedToken, Tokenizer};
+
+const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+const BLOCK: usize = 8;
+
+fn tokenizer() -> Tokenizer {
+    let words = [
+        "[UNK]",
+        "<|im_start|>",
+        "<|im_end|>",
+        "user",
+        "assistant",
+        "hello",
+        "world",
+        "cache",
+        "route",
+    ];
+    let vocab = words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.to_string(), i as u32))
+        .collect();
+    let model = WordLevel::builder()
+        .vocab(vocab)
+        .unk_token("[UNK]".into())
+        .build()
+        .unwrap();
+    let mut tok = Tokenizer::new(model);
+    tok.with_pre_tokenizer(Some(WhitespaceSplit));
+    tok.add_special_tokens([
+        AddedToken::from("<|im_start|>", true),
+        AddedToken::from("<|im_end|>", true),
+    ])
+    .unwrap();
+    tok
+}
+
+fn models_dir() -> PathBuf {
+    let root = std::env::temp_dir().join(format!("ic-tok-e2e-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let dir = root.join("org").join("chat");
+    std::fs::create_dir_all(&dir).unwrap();
+    tokenizer().save(dir.join("tokenizer.json"), false).unwrap();
+    let config = serde_json::json!({ "chat_template": CHATML, "eos_token": "<|im_end|>" });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    // Tiny test blocks: turn the default 64-token matched floor off for tenant "t".
+    std::fs::write(
+        root.join("server.toml"),
+        "[[policy.namespaces]]\nnamespace = \"t\"\nminimumMatchedTokens = 0\n",
+    )
+    .unwrap();
+    root
+}
+
+/// Renders the one-user-turn prompt and encodes it without special tokens, independently of
+/// the server.
+fn expected_tokens(prompt: &str) -> Vec<u32> {
+    let rendered = format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n");
+    tokenizer()
+        .encode(rendered, false)
+        .unwrap()
+        .get_ids()
+        .to_vec()
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Server(Child, u16);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start(models: &Path) -> Server {
+    let grpc = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_inferencecache-server"))
+        .args([
+            "--grpc-bind-address",
+            &format!("127.0.0.1:{grpc}"),
+            "--http-bind-address",
+            &format!("127.0.0.1:{}", free_port()),
+            "--snapshot-bind-address",
+            &format!("127.0.0.1:{}", free_port()),
+            "--engine-block-size",
+            &BLOCK.to_string(),
+            "--tokenizer-models-dir",
+            models.to_str().unwrap(),
+            "--config",
+            models.join("server.toml").to_str().unwrap(),
+            "--log-level",
+            "warn",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", grpc)).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Server(child, grpc)
+}
+
+fn prompt(model: &str, text: &str) -> pb::LookupRouteRequest {
+    pb::LookupRouteRequest {
+        tenant_id: "t".into(),
+        model_id: model.into(),
+        hash_scheme: "vllm".into(),
+        prompt_text: text.into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
+    let models = models_dir();
+    let server = start(&models);
+    let channel = tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", server.1))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut c = InferenceCacheClient::new(channel);
+
+    let text = "hello world cache route hello world";
+    let expected = expected_tokens(text);
+    assert_eq!(expected.len(), 11, "{expected:?}");
+    // Nothing indexed yet: the answer is built after tokenizing, so the tokens are echoed.
+    let r = c
+        .lookup_route(prompt("org/chat", text))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.reason_code, "NO_HINT");
+    assert_eq!(
+        r.token_ids, expected,
+        "echo equals an independent render + encode"
+    );
+
+    // Blocks ingested from those tokens are found by the prompt.
+    let (wire, counts) = fingerprint::chain(&expected, BLOCK);
+    let update = pb::CacheStateUpdate {
+        replica_id: "r1".into(),
+        model_id: "org/chat".into(),
+        tenant_id: "t".into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![pb::PrefixEntry {
+            block_hashes: wire.iter().map(|h| h.to_vec()).collect(),
+            block_token_counts: counts,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    c.report_cache_state(tokio_stream::iter(vec![update]))
+        .await
+        .unwrap();
+    let r = c
+        .lookup_route(prompt("org/chat", text))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.reason_code, "PREFIX_MATCH");
+    assert_eq!(
+        r.replica_scores[0].matched_tokens, BLOCK as i32,
+        "one full block of 8 tokens"
+    );
+    assert_eq!(r.token_ids, expected);
+
+    // A sub-block prompt fails open with echo.
+    let short = c
+        .lookup_route(prompt("org/chat", "hi"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(short.reason_code, "NO_HINT");
+    assert_eq!(short.token_ids, expected_tokens("hi"));
+    // Unknown or unsafe model ids and oversized text fail open without echo.
+    for model in [
+        "org/other",
+        "../org/chat",
+        "/org/chat",
+        "org//chat",
+        "org\\chat",
+        "",
+    ] {
+        let r = c
+            .lookup_route(prompt(model, text))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            (r.reason_code.as_str(), r.token_ids.len()),
+            ("NO_HINT", 0),
+            "model {model:?}"
+        );
+    }
+    let huge = "hello ".repeat((1 << 20) / 6 + 1);
+    let r = c
+        .lookup_route(prompt("org/chat", &huge))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
+    let _ = std::fs::remove_dir_all(models);
+}
