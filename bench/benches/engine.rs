@@ -251,6 +251,26 @@ fn bench_credit(c: &mut Criterion) {
     g.bench_function("credit_only_8x16", |b| {
         b.iter(|| ix.credit_hits(black_box(&result.hits)))
     });
+    // The same 128 hot entries credited from every core at once (a shared system prompt):
+    // per-core stripes keep this from serializing on one cache line per entry. One iteration
+    // is one credit of all 128 entries on each thread.
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    g.throughput(Throughput::Elements((threads * result.hits.len()) as u64));
+    g.bench_function(format!("credit_hot_8x16_{threads}_threads"), |b| {
+        b.iter_custom(|iters| {
+            let start = std::time::Instant::now();
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(|| {
+                        for _ in 0..iters {
+                            ix.credit_hits(black_box(&result.hits));
+                        }
+                    });
+                }
+            });
+            start.elapsed()
+        })
+    });
     g.finish();
 }
 

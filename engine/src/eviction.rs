@@ -46,7 +46,7 @@ use crate::dir::{Partition, TenantRec};
 use crate::index::EvictionReason;
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
-use crate::table::{DEAD, Holder, KeyNode, KeyTable, Probe, SHARDS};
+use crate::table::{Holder, KeyNode, KeyTable, Probe, SHARDS};
 use crossbeam_epoch::{self as epoch, Guard};
 use std::sync::Arc;
 
@@ -197,7 +197,7 @@ fn eff_count(p: &Partition, key: &[u8], h: &Holder, alg: Algorithm, guard: &Guar
     }
     p.table
         .lfu_cell(Probe::new(key), h.rep(), h.generation(), guard)
-        .map_or(0, |c| c.access.load(Ordering::Acquire) & !DEAD)
+        .map_or(0, |c| c.count())
 }
 
 /// A key's quota age (V5): the max `last_seen` over its holders.

@@ -19,7 +19,8 @@ use crate::rank::{
 use crate::sink::{ChangeEvent, ChangeKind, ChangeSink};
 use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use crate::table::{
-    Cand, DEAD, Holder, KeyNode, KeySum, KeyTable, Probe, SHARDS, ShardWriter, tier_code, tier_wire,
+    Cand, Credited, Holder, KeyNode, KeySum, KeyTable, Probe, SHARDS, ShardWriter, tier_code,
+    tier_wire,
 };
 use crate::types::*;
 use crossbeam_epoch::{self as epoch, Guard};
@@ -236,6 +237,8 @@ pub struct Index {
     sweep_lock: Mutex<()>,
     /// Victim-selection state of the global cap (V2; see `eviction.rs`).
     cap_hand: Mutex<eviction::Hand>,
+    /// Lanes per LFU stripe set (see `table::LfuCell`).
+    stripe_lanes: usize,
 }
 
 struct Ctx<'a> {
@@ -273,6 +276,7 @@ impl Index {
             ticker: Mutex::new(None),
             sweep_lock: Mutex::new(()),
             cap_hand: Mutex::new(eviction::Hand::new(eviction::seed_of(config_seed, 0))),
+            stripe_lanes: crate::table::stripe_lanes(),
         }
     }
 
@@ -829,8 +833,17 @@ impl Index {
     // ----------------------------------------------------------------------------------------
     // Removal
 
+    /// The hot access threshold (D4), ≥ 1.
+    #[inline]
+    fn hot_threshold(&self) -> u64 {
+        u64::from(self.cfg.hot_access_threshold.max(1))
+    }
+
+    /// Adds `delta` to a key sum, which holds Σ min(count, threshold) over the key's cells: the
+    /// key is hot exactly when that reaches the threshold (if one cell reaches it alone, the
+    /// sum does; otherwise every term is the count itself).
     fn add_key_access(&self, model: &ModelRec, ks: &KeySum, delta: i64) {
-        let thr = self.cfg.hot_access_threshold as i64;
+        let thr = self.hot_threshold() as i64;
         let old = ks.sum.fetch_add(delta, Ordering::AcqRel);
         let new = old + delta;
         if old < thr && new >= thr {
@@ -866,10 +879,12 @@ impl Index {
         }
         // LFU state is lost on delete (V3); an LRU-only shard has none.
         if w.has_lfu()
-            && let Some((c, ks)) = w.lfu_kill(node.key(), rep, h.generation(), guard)
-            && c > 0
+            && let Some((base, ks)) = w.lfu_kill(node.key(), rep, h.generation(), guard)
+            && base > 0
         {
-            self.add_key_access(&part.model, ks, -(c as i64));
+            // The cell added min(base, threshold) to the key sum (see `table::LfuCell`).
+            let contribution = base.min(self.hot_threshold());
+            self.add_key_access(&part.model, ks, -(contribution as i64));
         }
         pend.entries -= 1;
         Some(h)
@@ -1772,16 +1787,10 @@ impl Index {
                     w.lfu_cell_or_create(key, hit.rep, hit.generation, &guard)
                 }
             };
-            let r = cell
-                .access
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-                    if v & DEAD != 0 || v >= u32::MAX as u64 {
-                        None
-                    } else {
-                        Some(v + 1)
-                    }
-                });
-            if r.is_ok() {
+            // Counts above the threshold go to per-core stripes under contention and leave the
+            // key sum alone: it only needs min(count, threshold) per cell to decide "hot" (D4).
+            let lanes = self.stripe_lanes;
+            if cell.credit(self.hot_threshold(), lanes, &part.table) == Credited::BelowThreshold {
                 self.add_key_access(&part.model, cell.ksum(), 1);
             }
         }
@@ -2037,7 +2046,7 @@ impl Index {
             access_count: p
                 .table
                 .lfu_cell(Probe::new(key), h.rep(), h.generation(), &guard)
-                .map_or(0, |c| (c.access.load(Ordering::Acquire) & !DEAD) as u32),
+                .map_or(0, |c| c.count() as u32),
         })
     }
 

@@ -768,3 +768,45 @@ fn cap_with_concurrent_writers() {
     assert_eq!(serving, 2_000);
     assert_eq!(gauge(&e.ix, "m"), 2_000);
 }
+
+/// A hot entry credited from many threads at once (the shared-system-prompt case): every
+/// credit is counted exactly, whether it landed in the base counter or a per-core stripe, and
+/// the hot-key count follows the key's summed count through removals.
+#[test]
+fn lfu_hot_entry_credited_from_many_threads_is_exact() {
+    let e = env_with(cfg_1h());
+    e.set_lfu("t");
+    e.put("r0", b"sys", 16);
+    e.put("r1", b"sys", 16);
+    let r = e.route(&LookupRequest::<Vec<u8>> {
+        prefix_hash: b"sys",
+        ..LookupRequest::new("t", "m", "vllm")
+    });
+    assert_eq!(r.hits.len(), 2, "both holders captured");
+    const THREADS: u32 = 4;
+    const PER_THREAD: u32 = 20_000;
+    std::thread::scope(|s| {
+        for _ in 0..THREADS {
+            s.spawn(|| {
+                for _ in 0..PER_THREAD {
+                    e.ix.credit_hits(&r.hits);
+                }
+            });
+        }
+    });
+    for rep in ["r0", "r1"] {
+        let v = e.ix.entry("t", "m", "vllm", "", b"sys", rep).unwrap();
+        assert_eq!(v.access_count, THREADS * PER_THREAD, "{rep}");
+    }
+    assert_eq!(e.ix.cache_state("t", "m").hot_prefixes, 1);
+    // Removing one holder leaves the key hot through the other; removing both clears it.
+    const EVICT: i32 = event_type::PREFIX_EVICTED;
+    e.event(EVICT, "r0", b"sys", "");
+    assert_eq!(e.ix.cache_state("t", "m").hot_prefixes, 1);
+    e.event(EVICT, "r1", b"sys", "");
+    assert_eq!(e.ix.cache_state("t", "m").hot_prefixes, 0);
+    // A re-ingested entry starts from zero (V3: LFU state is lost on delete).
+    e.put("r0", b"sys", 16);
+    let v = e.ix.entry("t", "m", "vllm", "", b"sys", "r0").unwrap();
+    assert_eq!(v.access_count, 0);
+}
