@@ -615,14 +615,18 @@ fn lane_index() -> usize {
     LANE.with(|l| *l)
 }
 
-/// Loom build: a lane derived from the loom thread id, so every execution of a model picks the
-/// same lanes (a process-global counter would differ between executions).
+/// Loom build: the same first-come numbering with loom's per-execution statics, so a model's
+/// lane choice is a function of its schedule (thread ids are unique across executions, so hashing
+/// them would make executions diverge on replay).
 #[cfg(loom)]
 fn lane_index() -> usize {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    loom::thread::current().id().hash(&mut h);
-    h.finish() as usize
+    loom::lazy_static! {
+        static ref NEXT: loom::sync::atomic::AtomicUsize = loom::sync::atomic::AtomicUsize::new(0);
+    }
+    loom::thread_local! {
+        static LANE: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    LANE.with(|l| *l)
 }
 
 /// Outcome of [`LfuCell::credit`].

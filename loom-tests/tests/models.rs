@@ -418,6 +418,39 @@ fn m4c_lfu_credits_vs_kill() {
     });
 }
 
+/// Model 4d: per-core LFU counting. A hot entry (threshold 1, already credited once) is credited
+/// by two threads at once, twice each; a failed CAS on the base moves a credit to the thread's
+/// stripe (allocated by whichever thread gets there first, the loser frees its copy). Whatever
+/// the interleaving, the count is exactly 5, the key stays hot once (no double transition), and
+/// removing the entry afterwards leaves the hot count at 0 with everything reclaimed.
+#[test]
+fn m4d_lfu_striped_credits_are_exact() {
+    model(|| {
+        let ix = index(Algorithm::Lfu, None, 1, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        let hits = capture(&ix, &key(1));
+        ix.credit_hits(&hits);
+        let c = {
+            let ix = ix.clone();
+            let hits = hits.clone();
+            spawn(move || {
+                ix.credit_hits(&hits);
+                ix.credit_hits(&hits);
+            })
+        };
+        ix.credit_hits(&hits);
+        ix.credit_hits(&hits);
+        c.join().unwrap();
+        let e = ix.entry(T, M, S, "", &key(1), A).expect("entry");
+        assert_eq!(e.access_count, 5, "a credit was lost or doubled");
+        assert_eq!(ix.cache_state(T, M).hot_prefixes, 1, "hot count");
+        event(&ix, event_type::PREFIX_EVICTED, A, &key(1));
+        assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count after kill");
+        assert_counters(&ix, 0, 0);
+        assert_reclaimed(0, 0, 0);
+    });
+}
+
 // ------------------------------------------------------------------------------------------------
 // 5. TTL sweep vs ingest vs lookup
 
