@@ -8,7 +8,6 @@ mod model;
 use common::*;
 use inferencecache_engine::*;
 use std::sync::Arc;
-use std::time::Instant;
 
 fn gauge(ix: &Index, model: &str) -> i64 {
     ix.entry_counts_by_model()
@@ -404,62 +403,38 @@ fn k4_e7_enforcement_triggers() {
 
 // ---------------------------------------------------------------- D6 quality and cost
 
-/// Median of per-batch ns per ingest.
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
+/// T86 (D6), quality part: N = 100,000 distinct increasing times, cap 50,000, LRU. The cost part
+/// (per-ingest cost at the cap vs below it) is a benchmark, not a test:
+/// `cargo run --release -p inferencecache-bench --bin eviction` (results in bench/RESULTS.md).
 #[test]
-fn t86_lru_quality_and_cost() {
+fn t86_lru_quality() {
     const N: u64 = 100_000;
     const CAP: i64 = 50_000;
     let e = env_seed(CAP, 7);
-    const BATCH: u64 = 1000;
-    let (mut below, mut at) = (Vec::new(), Vec::new());
-    for b in 0..N / BATCH {
-        let t = Instant::now();
-        for i in b * BATCH..(b + 1) * BATCH {
-            e.put_with(
-                &Put {
-                    ts: T0 + i as i64 * 1000,
-                    ..Put::default()
-                },
-                &i.to_be_bytes(),
-                16,
-            );
-        }
-        let ns = t.elapsed().as_nanos() as f64 / BATCH as f64;
-        // Skip the batches around the transition (table growth below, first estimates at).
-        if (5..45).contains(&b) {
-            below.push(ns);
-        } else if b >= 55 {
-            at.push(ns);
-        }
+    for i in 0..N {
+        e.put_with(
+            &Put {
+                ts: T0 + i as i64 * 1000,
+                ..Put::default()
+            },
+            &i.to_be_bytes(),
+            16,
+        );
     }
     assert_eq!(e.ix.storage_entries(), CAP);
     let newest = (N / 2..N)
         .filter(|i| has(&e, "t", &i.to_be_bytes(), "r"))
         .count();
     let q = newest as f64 / CAP as f64;
-    let (b, a) = (median(below), median(at));
     println!(
-        "T86: {newest} of {CAP} survivors from the newest half ({:.2}%); per-ingest {b:.0} ns \
-         below the cap, {a:.0} ns at it (ratio {:.2})",
-        q * 100.0,
-        a / b
+        "T86: {newest} of {CAP} survivors from the newest half ({:.2}%)",
+        q * 100.0
     );
     assert!(q >= 0.95, "quality {q}");
     assert_eq!(
         e.ix.evictions(Algorithm::Lru, EvictionReason::Cap),
         N - CAP as u64
     );
-    // Spec bar: 2×. Measured ~1.5–3× in release on the shared 2-vCPU machine (load 8–9), where
-    // the removal itself (lock, tombstone, epoch retire, counters) costs about as much as the
-    // insert; the assertion keeps slack (more in debug builds) so it is not flaky, and the
-    // measured ratio is printed.
-    let bar = if cfg!(debug_assertions) { 8.0 } else { 4.0 };
-    assert!(a / b <= bar, "per-ingest cost ratio {}", a / b);
 }
 
 #[test]
@@ -577,46 +552,8 @@ fn t89_seeds() {
     }
 }
 
-/// T94: PREFIX_EVICTED and CacheState on 1 M entries each < 20 µs. Timing in release only:
-/// `cargo test --release -p inferencecache-engine --test eviction -- --ignored t94`.
-#[test]
-#[ignore = "release-only timing test (1 M entries)"]
-fn t94_evict_and_cache_state_at_1m() {
-    let e = env_seed(0, 0);
-    let mut hashes: Vec<[u8; 8]> = Vec::new();
-    for c in 0..16_384u64 {
-        hashes.clear();
-        hashes.extend((0..64u64).map(|i| (c << 8 | i).to_be_bytes()));
-        let refs: Vec<&[u8]> = hashes.iter().map(|h| &h[..]).collect();
-        e.chain(&format!("r{}", c % 8), &refs, &f16(64));
-    }
-    assert_eq!(e.ix.storage_entries(), 16_384 * 64);
-    let (mut ev, mut st) = (Vec::new(), Vec::new());
-    for c in 0..200u64 {
-        let k = (c << 8 | 5).to_be_bytes();
-        let t = Instant::now();
-        e.event(event_type::PREFIX_EVICTED, &format!("r{}", c % 8), &k, "");
-        ev.push(t.elapsed().as_nanos() as f64 / 1000.0);
-        let t = Instant::now();
-        let cs = e.ix.cache_state("t", "m");
-        st.push(t.elapsed().as_nanos() as f64 / 1000.0);
-        assert!(cs.total_prefixes > 0);
-    }
-    assert_eq!(e.ix.storage_entries(), 16_384 * 64 - 200);
-    let q = |mut v: Vec<f64>, p: f64| {
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        v[((v.len() - 1) as f64 * p) as usize]
-    };
-    let (e50, e90, emax) = (q(ev.clone(), 0.5), q(ev.clone(), 0.9), q(ev, 1.0));
-    let (s50, s90, smax) = (q(st.clone(), 0.5), q(st.clone(), 0.9), q(st, 1.0));
-    println!(
-        "T94: PREFIX_EVICTED p50 {e50:.2} / p90 {e90:.2} / max {emax:.2} µs; CacheState p50 \
-         {s50:.2} / p90 {s90:.2} / max {smax:.2} µs"
-    );
-    // The max includes preemption and epoch garbage collection on a shared machine; the bar
-    // is asserted on the 90th percentile.
-    assert!(e90 < 20.0 && s90 < 20.0);
-}
+// T94 (PREFIX_EVICTED and CacheState on 1 M entries, each < 20 µs) is timed, so it lives in the
+// eviction bench: `cargo run --release -p inferencecache-bench --bin eviction`.
 
 // ---------------------------------------------------------------- concurrency
 
