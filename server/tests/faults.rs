@@ -1082,3 +1082,57 @@ async fn undecodable_protobuf_is_internal_and_the_server_is_unaffected() {
     );
     server.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// A stalled StreamCacheEvents subscriber (D5, §8.5)
+
+#[tokio::test]
+async fn stalled_subscriber_never_blocks_ingest_and_every_event_is_delivered_or_counted() {
+    let (state, _clock) = manual_state(ServerOptions {
+        stream_buffer_events: 4,
+        ..Default::default()
+    });
+    let server = TestServer::start_with(state).await;
+    let mut c = server.client().await;
+    let mut stalled = c
+        .stream_cache_events(pb::StreamEventsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    // 2,000 new keys while the subscriber reads nothing: publishing never waits, so the ingest
+    // completes and every key is stored.
+    let updates: Vec<_> = (0..2_000)
+        .map(|i| legacy("r", format!("k{i}").as_bytes(), 128))
+        .collect();
+    tokio::time::timeout(Duration::from_secs(20), report(&mut c, updates))
+        .await
+        .expect("ingest never waits for a subscriber");
+    assert_eq!(server.state.index().storage_entries(), 2_000);
+    let dropped = server
+        .state
+        .metrics()
+        .stream_events_dropped
+        .load(Ordering::Relaxed);
+    assert!(dropped > 0, "a 4-event buffer cannot hold 2,000 events");
+    // Once it reads again, what was queued arrives, then new events flow.
+    report(&mut c, vec![legacy("r", b"marker", 128)]).await;
+    let mut delivered = 0u64;
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(10), stalled.message())
+            .await
+            .expect("events flow again")
+            .expect("stream ok")
+            .expect("stream open");
+        assert_eq!(ev.r#type, pb::cache_event::Type::PrefixAdded as i32);
+        if ev.prefix_hash == b"marker" {
+            break;
+        }
+        delivered += 1;
+    }
+    assert_eq!(
+        delivered + dropped,
+        2_000,
+        "every change is either delivered or counted as dropped"
+    );
+    server.shutdown().await;
+}
