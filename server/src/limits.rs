@@ -269,7 +269,8 @@ pub fn admit<'u>(
 
 type Keyed = governor::DefaultKeyedRateLimiter<Option<SocketAddr>>;
 
-/// Per-producer write budget: a token bucket per client connection (peer address), charged one
+/// Per-producer write budget: a token bucket per client connection (peer address; connections
+/// without a known peer share one bucket), charged one
 /// token per key upsert (chain block or `prefix_hash`) and at least one per message or event.
 /// Over budget the handler waits before applying (and so before reading the next message):
 /// backpressure through HTTP/2 flow control, never a dropped update, since a producer RPC must
