@@ -1136,3 +1136,15 @@ async fn stalled_subscriber_never_blocks_ingest_and_every_event_is_delivered_or_
     );
     server.shutdown().await;
 }
+
+#[test]
+fn invalid_limit_values_are_startup_errors() {
+    for args in [
+        &["--max-message-bytes", "0"][..],
+        &["--max-chain-length", "-1"],
+        &["--producer-max-blocks-per-sec", "many"],
+    ] {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+    }
+}
