@@ -81,6 +81,28 @@ pub struct Cli {
     /// TTL sweep period (≤ 0 → 60s).
     #[arg(long, default_value = "60s", allow_hyphen_values = true)]
     pub sweep_interval: String,
+    /// Blocks kept per ingested chain (longer chains are cut); a longer lookup chain fails
+    /// open (0 = no limit).
+    #[arg(long, default_value_t = crate::limits::DEFAULT_MAX_CHAIN_LENGTH)]
+    pub max_chain_length: u64,
+    /// Longest block hash or prefix_hash ingested; a ref with a longer one is left out
+    /// (0 = no limit).
+    #[arg(long, default_value_t = crate::limits::DEFAULT_MAX_HASH_BYTES)]
+    pub max_hash_bytes: u64,
+    /// Longest tenant, model, hash-scheme, adapter or replica id ingested; an update with a
+    /// longer one is left out (0 = no limit).
+    #[arg(long, default_value_t = crate::limits::DEFAULT_MAX_ID_BYTES)]
+    pub max_id_bytes: u64,
+    /// Prefix refs applied per CacheStateUpdate; the rest are left out (0 = no limit).
+    #[arg(long, default_value_t = crate::limits::DEFAULT_MAX_PREFIXES_PER_UPDATE)]
+    pub max_prefixes_per_update: u64,
+    /// Largest gRPC request message in bytes; larger → RESOURCE_EXHAUSTED (must be ≥ 1).
+    #[arg(long, default_value_t = crate::limits::DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: u64,
+    /// Key upserts per second per producer connection; over it the server reads more slowly
+    /// (0 = no limit).
+    #[arg(long, default_value_t = crate::limits::DEFAULT_PRODUCER_MAX_BLOCKS_PER_SEC)]
+    pub producer_max_blocks_per_sec: u64,
 }
 
 /// Rewrites single-dash long flags (`-grpc-bind-address`) into double-dash form. Short flags
@@ -148,6 +170,8 @@ pub struct Settings {
     pub tokenizer_models_dir: Option<std::path::PathBuf>,
     /// The configuration file, when one was given (its policy layer is reloaded).
     pub config_file: Option<(std::path::PathBuf, crate::config_file::ConfigFile)>,
+    /// Memory and rate limits (`docs/robustness.md`).
+    pub limits: crate::limits::Limits,
 }
 
 impl Settings {
@@ -175,6 +199,9 @@ impl Settings {
         let sweep_interval =
             parse_duration(&cli.sweep_interval).context("invalid --sweep-interval")?;
         let auth = validate_auth(cli)?;
+        if cli.max_message_bytes == 0 {
+            bail!("--max-message-bytes must be at least 1");
+        }
         // §3 step 6 (the exit-2 part): cert and key come together; a client CA needs both.
         let tls = match (&cli.tls_cert_file, &cli.tls_key_file) {
             (Some(cert), Some(key)) => Some(crate::tls::TlsFiles {
@@ -226,6 +253,14 @@ impl Settings {
             tls,
             tokenizer_models_dir: cli.tokenizer_models_dir.as_ref().map(Into::into),
             config_file,
+            limits: crate::limits::Limits {
+                max_chain_length: cli.max_chain_length,
+                max_hash_bytes: cli.max_hash_bytes,
+                max_id_bytes: cli.max_id_bytes,
+                max_prefixes_per_update: cli.max_prefixes_per_update,
+                max_message_bytes: cli.max_message_bytes,
+                producer_max_blocks_per_sec: cli.producer_max_blocks_per_sec,
+            },
         })
     }
 }
@@ -297,6 +332,28 @@ fn apply_file(cli: &mut Cli, matches: &clap::ArgMatches, file: &crate::config_fi
         "sweep_interval",
         sweep_interval,
         file.index.sweep_interval.clone()
+    );
+    take!(
+        "max_chain_length",
+        max_chain_length,
+        file.limits.max_chain_length
+    );
+    take!("max_hash_bytes", max_hash_bytes, file.limits.max_hash_bytes);
+    take!("max_id_bytes", max_id_bytes, file.limits.max_id_bytes);
+    take!(
+        "max_prefixes_per_update",
+        max_prefixes_per_update,
+        file.limits.max_prefixes_per_update
+    );
+    take!(
+        "max_message_bytes",
+        max_message_bytes,
+        file.limits.max_message_bytes
+    );
+    take!(
+        "producer_max_blocks_per_sec",
+        producer_max_blocks_per_sec,
+        file.limits.producer_max_blocks_per_sec
     );
     take!(
         "tls_cert_file",
@@ -627,6 +684,42 @@ mod tests {
             .to_string();
         assert!(err.contains("--controller-token-file") && err.contains("--policy-token-file"));
         assert!(settings(&["--controller-audience"]).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn limits_come_from_flags_then_the_file_then_defaults() {
+        let dir = std::env::temp_dir().join(format!("ic-config-limits-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("c.toml");
+        std::fs::write(
+            &file,
+            "[limits]\nmax_chain_length = 100\nmax_hash_bytes = 64\nproducer_max_blocks_per_sec = 0\n",
+        )
+        .unwrap();
+        let args = [
+            "bin",
+            "--config",
+            file.to_str().unwrap(),
+            "--max-hash-bytes",
+            "32",
+        ];
+        let cli = parse_command_line(normalize_args(args.map(OsString::from))).unwrap();
+        let limits = Settings::from_cli(&cli).unwrap().limits;
+        assert_eq!(limits.max_chain_length, 100, "from the file");
+        assert_eq!(limits.max_hash_bytes, 32, "the flag wins");
+        assert_eq!(
+            limits.producer_max_blocks_per_sec, 0,
+            "0 = off, from the file"
+        );
+        assert_eq!(limits.max_id_bytes, crate::limits::DEFAULT_MAX_ID_BYTES);
+        assert_eq!(
+            limits.max_message_bytes,
+            crate::limits::DEFAULT_MAX_MESSAGE_BYTES
+        );
+        let cli = Cli::try_parse_from(["bin", "--max-message-bytes", "0"]).unwrap();
+        assert!(Settings::from_cli(&cli).is_err());
+        assert!(Cli::try_parse_from(["bin", "--max-chain-length", "-1"]).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -36,6 +36,8 @@ pub struct ConfigFile {
     #[serde(default)]
     pub streams: StreamsSection,
     #[serde(default)]
+    pub limits: LimitsSection,
+    #[serde(default)]
     pub policy: PolicySection,
     #[serde(default)]
     pub tenants: Vec<TenantToml>,
@@ -71,6 +73,19 @@ pub struct IndexSection {
 pub struct StreamsSection {
     pub buffer_events: Option<i64>,
     pub max_subscribers: Option<i64>,
+}
+
+/// `[limits]`: the memory and rate limits (same names as the flags; `docs/robustness.md`).
+/// Negative values are type errors (exit 2).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSection {
+    pub max_chain_length: Option<u64>,
+    pub max_hash_bytes: Option<u64>,
+    pub max_id_bytes: Option<u64>,
+    pub max_prefixes_per_update: Option<u64>,
+    pub max_message_bytes: Option<u64>,
+    pub producer_max_blocks_per_sec: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
@@ -182,6 +197,9 @@ impl ConfigFile {
                 bail!("{key} must be at least 1, got {v}");
             }
         }
+        if self.limits.max_message_bytes == Some(0) {
+            bail!("limits.max_message_bytes must be at least 1");
+        }
         self.policy_layer().map(|_| ())
     }
 
@@ -239,6 +257,7 @@ impl ConfigFile {
             "auth" => auth,
             "index" => index,
             "streams" => streams,
+            "limits" => limits,
         );
         keys
     }
@@ -358,6 +377,9 @@ isolationMode = "Fairness"
             "[[policy.namespaces]]\nnamespace = \"a\"\nevictionTTL = \"forever\"",
             "[[policy.namespaces]]\nnamespace = \"a\"\nwhatever = true",
             "[streams]\nbuffer_events = 0",
+            "[limits]\nmax_chain_length = -1",
+            "[limits]\nmax_message_bytes = 0",
+            "[limits]\nmax_hash = 5",
         ] {
             assert!(ConfigFile::parse(bad).is_err(), "{bad:?} must be rejected");
         }

@@ -9,6 +9,7 @@ pub mod config;
 pub mod config_file;
 pub mod control;
 pub mod http;
+pub mod limits;
 pub mod logging;
 pub mod lookup;
 pub mod metrics;
@@ -112,6 +113,7 @@ pub async fn run(cli: config::Cli) -> ExitCode {
             }),
         tls,
         tokenizer,
+        limits: settings.limits,
         ..Default::default()
     });
     // The file's policy layer applies now and is reloaded when the file changes (D1).

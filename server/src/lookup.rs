@@ -330,6 +330,15 @@ fn resolve_inputs<'r>(
             if req.block_hashes.len() != req.block_token_counts.len() {
                 return Inputs::FailOpen;
             }
+            // Like `MaxLookupTokens` for token_ids: a chain longer than any ingested chain may
+            // be (`--max-chain-length`) fails open before the index is asked.
+            if state.limits().lookup_chain_too_long(req.block_hashes.len()) {
+                state
+                    .metrics()
+                    .limits
+                    .add(crate::limits::Exceeded::LookupChainLength, 1);
+                return Inputs::FailOpen;
+            }
             return Inputs::Explicit {
                 chain: &req.block_hashes,
                 counts: &req.block_token_counts,

@@ -73,6 +73,8 @@ pub struct Metrics {
     lookups: papaya::HashMap<Box<str>, Arc<ModelLookups>>,
     events: [AtomicU64; EVENT_TYPES.len()],
     pub stream_events_dropped: AtomicU64,
+    /// Inputs cut by the memory limits and producer waits (`docs/robustness.md`).
+    pub limits: crate::limits::LimitCounters,
     producer_auth: [AtomicU64; 2],
     producer_auth_enabled: std::sync::atomic::AtomicBool,
     snapshot_auth: [AtomicU64; 4],
@@ -111,6 +113,7 @@ impl Metrics {
             lookups: papaya::HashMap::new(),
             events: Default::default(),
             stream_events_dropped: AtomicU64::new(0),
+            limits: Default::default(),
             producer_auth: Default::default(),
             producer_auth_enabled: Default::default(),
             snapshot_auth: Default::default(),
@@ -398,6 +401,33 @@ impl Metrics {
             self.stream_events_dropped.load(Ordering::Relaxed) as f64,
         );
         out.push(dropped);
+        let mut limited = Family::new(
+            "inferencecache_limit_exceeded_total",
+            "counter",
+            "inputs cut by a server limit (ingest refs or lookups), by limit",
+        );
+        for which in crate::limits::Exceeded::ALL {
+            let v = self.limits.get(which);
+            if v > 0 {
+                limited.push(
+                    "inferencecache_limit_exceeded_total",
+                    vec![("limit".into(), which.label().into())],
+                    v as f64,
+                );
+            }
+        }
+        out.push(limited);
+        let mut throttled = Family::new(
+            "inferencecache_producer_throttled_total",
+            "counter",
+            "producer messages and events delayed by the per-producer rate limit",
+        );
+        throttled.push(
+            "inferencecache_producer_throttled_total",
+            Vec::new(),
+            self.limits.throttled() as f64,
+        );
+        out.push(throttled);
         out.push(self.index_latency_family());
         if self.producer_auth_enabled.load(Ordering::Relaxed) {
             let mut fam = Family::new(

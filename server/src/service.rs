@@ -3,6 +3,7 @@
 //! Consumer RPCs never turn request content into an error (contract §5): every outcome is an OK
 //! response with a reason code.
 
+use crate::limits::{Limits, ProducerLimiter};
 use crate::lookup;
 use crate::metrics::Metrics;
 use crate::policy::PolicyStore;
@@ -16,13 +17,15 @@ use inferencecache_proto::v1alpha1::inference_cache_server::{
     InferenceCache, InferenceCacheServer,
 };
 use inferencecache_tokenize::PromptTokenizer;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status, Streaming};
 
-/// Largest request message accepted (contract §5: larger → RESOURCE_EXHAUSTED).
-pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+/// Largest request message accepted by default (contract §5: larger → RESOURCE_EXHAUSTED);
+/// `--max-message-bytes` changes it.
+pub const MAX_MESSAGE_BYTES: usize = crate::limits::DEFAULT_MAX_MESSAGE_BYTES as usize;
 
 /// Reason codes of `LookupRoute` (contract §4.1; an open vocabulary).
 pub mod reason {
@@ -55,6 +58,8 @@ pub struct ServerOptions {
     pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
     /// Test seam: an index double for LookupRoute that may block (H7). Never set in production.
     pub route_double: Option<Arc<dyn lookup::BlockingRouteIndex>>,
+    /// Memory and rate limits (`docs/robustness.md`).
+    pub limits: Limits,
 }
 
 impl Default for ServerOptions {
@@ -67,6 +72,7 @@ impl Default for ServerOptions {
             tls: None,
             tokenizer: None,
             route_double: None,
+            limits: Limits::default(),
         }
     }
 }
@@ -89,6 +95,8 @@ struct Shared {
     auth: std::sync::OnceLock<Arc<crate::auth::Auth>>,
     block_size: usize,
     ready: AtomicBool,
+    limits: Limits,
+    producer_limiter: ProducerLimiter,
 }
 
 impl AppState {
@@ -126,6 +134,8 @@ impl AppState {
                 )),
                 block_size: options.block_size.max(1),
                 ready: AtomicBool::new(false),
+                limits: options.limits,
+                producer_limiter: ProducerLimiter::new(options.limits.producer_max_blocks_per_sec),
             }),
         }
     }
@@ -192,6 +202,37 @@ impl AppState {
 
     pub fn block_size(&self) -> usize {
         self.inner.block_size
+    }
+
+    /// The memory and rate limits in force.
+    pub fn limits(&self) -> &Limits {
+        &self.inner.limits
+    }
+
+    /// Applies one `CacheStateUpdate` within the limits, after waiting for the producer's rate
+    /// budget (`peer` = the producer's connection). The reserved tenant is skipped silently.
+    pub async fn ingest_limited(&self, peer: Option<SocketAddr>, update: &pb::CacheStateUpdate) {
+        if update.tenant_id == PROBE_TENANT {
+            return;
+        }
+        let counters = &self.inner.metrics.limits;
+        let Some((admitted, cost)) = crate::limits::admit(update, &self.inner.limits, counters)
+        else {
+            return;
+        };
+        self.inner
+            .producer_limiter
+            .acquire(peer, cost, counters)
+            .await;
+        self.inner.index.ingest(admitted);
+    }
+
+    /// Waits for one unit of the producer's rate budget (a `PublishEvent`).
+    pub async fn charge_event(&self, peer: Option<SocketAddr>) {
+        self.inner
+            .producer_limiter
+            .acquire(peer, 1, &self.inner.metrics.limits)
+            .await;
     }
 
     /// Whether the index is started (drives `/readyz`).
@@ -293,11 +334,13 @@ impl InferenceCache for CacheService {
         if let Some(auth) = self.state.auth() {
             auth.check_producer(request.metadata())?;
         }
+        let peer = request.remote_addr();
         let mut stream = request.into_inner();
         // §8.2: each message is applied as it arrives; a broken stream ends with its status and
-        // everything received before stays applied.
+        // everything received before stays applied. Limits cut what is over them (never an
+        // error), and the rate limit delays the next read instead of dropping.
         while let Some(update) = stream.message().await? {
-            ingest(self.state.index(), &update);
+            self.state.ingest_limited(peer, &update).await;
         }
         Ok(Response::new(pb::Ack {
             accepted: true,
@@ -312,9 +355,11 @@ impl InferenceCache for CacheService {
         if let Some(auth) = self.state.auth() {
             auth.check_producer(request.metadata())?;
         }
+        let peer = request.remote_addr();
         let event = request.into_inner();
         // §8.3: the reserved tenant is acknowledged and dropped.
         if event.tenant_id != PROBE_TENANT {
+            self.state.charge_event(peer).await;
             self.state.metrics().observe_event(event.r#type);
             self.state.index().apply_event(CacheEventInput {
                 event_type: event.r#type,
@@ -388,6 +433,28 @@ pub fn ingest(index: &Index, update: &pb::CacheStateUpdate) {
     });
 }
 
+/// tonic refuses a message over the decoding limit with `OUT_OF_RANGE`; the contract (§5, like
+/// grpc-go and the reference) says `RESOURCE_EXHAUSTED`. No handler produces `OUT_OF_RANGE`, so
+/// every such status is a size refusal (also on a producer stream, whose error ends the call
+/// before any response byte, i.e. in a trailers-only response).
+fn size_refusal_is_resource_exhausted<B>(
+    mut response: tonic::codegen::http::Response<B>,
+) -> tonic::codegen::http::Response<B> {
+    const OUT_OF_RANGE: &str = "11";
+    const RESOURCE_EXHAUSTED: &str = "8";
+    let headers = response.headers_mut();
+    if headers
+        .get("grpc-status")
+        .is_some_and(|v| v.as_bytes() == OUT_OF_RANGE.as_bytes())
+    {
+        headers.insert(
+            "grpc-status",
+            tonic::codegen::http::HeaderValue::from_static(RESOURCE_EXHAUSTED),
+        );
+    }
+    response
+}
+
 /// Serves gRPC (the service, `grpc.health.v1.Health`, reflection v1 and v1alpha) until `stop`.
 pub async fn serve_grpc(
     state: AppState,
@@ -408,8 +475,11 @@ pub async fn serve_grpc(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
     let service = InferenceCacheServer::new(CacheService::new(state.clone()))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        .max_decoding_message_size(state.limits().message_bytes());
     let router = tonic::transport::Server::builder()
+        .layer(tower::util::MapResponseLayer::new(
+            size_refusal_is_resource_exhausted,
+        ))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
