@@ -20,7 +20,9 @@
 //!    entry — or key — count, then a random shard and slot id; empty slots are retried), every
 //!    holder of a sampled key contributing its rank `(eff_count, last_seen)` (cap) or the key's
 //!    rank `(0, max last_seen)` (quota). The threshold is the sample at rank [`THRESHOLD_RANK`]
-//!    (≈ the 6% quantile of the population); the samples at or below it are the first candidates.
+//!    (≈ the 6% quantile of the population), or at [`THRESHOLD_RANK_BY_AGE`] (≈ 14%) when all
+//!    samples share one `eff_count` (pure age order); the samples at or below it are the first
+//!    candidates.
 //! 2. *Walk*: a persistent cursor (partition, shard, group) walks the table lock-free, collecting
 //!    entries whose rank is ≤ the threshold into a small candidate buffer (≤ [`CANDIDATES`], at
 //!    most [`WALK_BUDGET`] groups per refill), sorted so the smallest rank goes first.
@@ -31,12 +33,13 @@
 //!    the threshold was evicted (the threshold goes stale as its entries disappear), or when a
 //!    walk finds nothing within its budget.
 //!
-//! Quality: every victim has a rank within the lowest ~6% (± sampling noise) of the population
-//! at sampling time, and below-threshold candidates are taken smallest first. Measured (T86,
-//! N = 100,000, cap 50,000, LRU): ~98% of survivors from the newest half; T87 (LFU): ~49,000 of
-//! the 50,000 credited entries survive. Cost: ≈ 1/quantile ≈ 15 lock-free node visits per
-//! victim (sequential over the group arrays, occupied lanes from the tag word, nodes prefetched
-//! two groups ahead) plus one re-probe and the removal under the shard lock; the 64-sample
+//! Quality: every victim has a rank within the lowest ~6% (age order: ~14%) (± sampling noise)
+//! of the population at sampling time, and below-threshold candidates are taken smallest first.
+//! Measured (T86, N = 100,000, cap 50,000, LRU): ~98% of survivors from the newest half; T87
+//! (LFU): ~49,000 of the 50,000 credited entries survive (`cargo run --release -p
+//! inferencecache-bench --bin eviction` for N = 100k and 1M). Cost: ≈ 1/quantile ≈ 7 (age
+//! order) to 15 lock-free node visits per victim (sequential over the group arrays, occupied
+//! lanes from the tag word, nodes prefetched two groups ahead) plus one re-probe and the removal under the shard lock; the 64-sample
 //! re-estimation is amortized over ~3% of the population. A lower quantile buys quality with
 //! walk cost (rank 1 of 64: ~99.8% / ~35 visits per victim).
 
@@ -59,6 +62,11 @@ const SAMPLE_ATTEMPTS: usize = SAMPLES * 16;
 /// Index of the threshold in the sorted samples (the 4th smallest of 64: ≈ 6% quantile; see
 /// the module docs for the quality / cost trade-off).
 const THRESHOLD_RANK: usize = 3;
+/// Threshold index when every sample has the same `eff_count` (LRU, or LFU with nothing
+/// credited): the order is by age alone and the 9th smallest (≈ 14% quantile) halves the walk
+/// per victim at no measured quality cost; with mixed counts a looser threshold would admit
+/// credited entries while uncredited ones remain.
+const THRESHOLD_RANK_BY_AGE: usize = 8;
 /// Candidate buffer size.
 const CANDIDATES: usize = 32;
 /// Groups (7 slots each) a refill walks at most.
@@ -430,7 +438,13 @@ impl Index {
             return;
         }
         hand.samples.sort_unstable_by_key(|v| v.rank);
-        let k = THRESHOLD_RANK.min(hand.samples.len() - 1);
+        let uniform = hand.samples[0].rank.0 == hand.samples[hand.samples.len() - 1].rank.0;
+        let k = if uniform {
+            THRESHOLD_RANK_BY_AGE
+        } else {
+            THRESHOLD_RANK
+        }
+        .min(hand.samples.len() - 1);
         let thr = hand.samples[k].rank;
         hand.thr = Some(thr);
         // Estimated population at or below the threshold; re-estimate after half of it.

@@ -31,10 +31,13 @@
 //! 1. A published [`KeyNode`] is immutable. Every change to a key's holders builds a new node and
 //!    swaps the slot pointer (Release); the old node is retired through the epoch collector.
 //! 2. Every table has at least one empty lane in some group (load, tombstones included, stays
-//!    ≤ 4/5), so a probe terminates. A group's lanes only go EMPTY → full → TOMB → full ...; a
-//!    lane becomes EMPTY again only in a fresh (rebuilt) table, so a key lives in the first group
-//!    of its probe sequence that had a free lane when it was inserted, and every group before it
-//!    has no EMPTY lane.
+//!    ≤ 4/5), so a probe terminates. A group that loses its last EMPTY lane never gets one back
+//!    until the table is rebuilt: a removal leaves a TOMB in such a group, and may leave EMPTY
+//!    only in a group that still has another EMPTY lane (as in Swiss tables). So a group with an
+//!    EMPTY lane has had one continuously since the table was built, no probe ever continued
+//!    past it, and every key lives in the first group of its probe sequence that had a free lane
+//!    when it was inserted, with no EMPTY lane in any group before it. Under insert/remove churn
+//!    this keeps tombstones (and long probes) to the groups that were once full.
 //! 3. Only the holder of the shard mutex stores into a shard's groups, its table pointer, its LFU
 //!    table pointer or the LFU cells' identity.
 //! 4. Nodes, LFU cells, key sums and tables are freed only through `Guard::defer*` after being
@@ -1287,7 +1290,16 @@ impl ShardWriter<'_> {
         let old = grp.ptrs[lane].swap(std::ptr::null_mut(), Ordering::AcqRel);
         debug_assert!(!old.is_null());
         let tags = grp.tags.load(Ordering::Relaxed);
-        let tags = (tags & !(0xff << (8 * lane))) | (TOMB << (8 * lane));
+        // Invariant 2: a group that still has an EMPTY lane has had one since the table was
+        // built, so no probe ever went past it and no key lives beyond it; the freed lane can be
+        // EMPTY again (probes keep ending here). Otherwise it must stay a tombstone.
+        let freed = if zero_bytes(tags) != 0 {
+            self.st.used -= 1;
+            EMPTY
+        } else {
+            TOMB
+        };
+        let tags = (tags & !(0xff << (8 * lane))) | (freed << (8 * lane));
         grp.tags.store(tags, Ordering::Release);
         self.retire_node(old, guard);
         self.st.live -= 1;

@@ -2,7 +2,7 @@
 //! T94): the timed halves of those scenarios, which are benchmarks rather than unit tests.
 //!
 //! ```text
-//! eviction [--n N]... [--seed S]
+//! eviction [--n N]... [--seed S] [--alg lru|lfu] [--no-t94]
 //! ```
 //!
 //! For each population `N` (default 100,000 and 1,000,000) with cap `N / 2`:
@@ -209,14 +209,26 @@ fn t94() {
 fn main() {
     let mut sizes = Vec::new();
     let mut seed = 7u64;
+    let mut algs = vec![false, true];
+    let mut with_t94 = true;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
-        let v = args.next().and_then(|v| v.parse::<u64>().ok());
-        match (a.as_str(), v) {
-            ("--n", Some(v)) if v >= 20 * BATCH => sizes.push(v),
-            ("--seed", Some(v)) => seed = v,
+        if a == "--no-t94" {
+            with_t94 = false;
+            continue;
+        }
+        let v = args.next();
+        match (a.as_str(), v.as_deref()) {
+            ("--alg", Some("lru")) => algs = vec![false],
+            ("--alg", Some("lfu")) => algs = vec![true],
+            ("--n", Some(v)) if v.parse::<u64>().is_ok_and(|v| v >= 20 * BATCH) => {
+                sizes.push(v.parse().unwrap_or_default())
+            }
+            ("--seed", Some(v)) if v.parse::<u64>().is_ok() => seed = v.parse().unwrap_or(7),
             _ => {
-                eprintln!("usage: eviction [--n N (≥ 20000)]... [--seed S]");
+                eprintln!(
+                    "usage: eviction [--n N (≥ 20000)]... [--seed S] [--alg lru|lfu] [--no-t94]"
+                );
                 std::process::exit(2);
             }
         }
@@ -230,7 +242,7 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|---|");
     for &n in &sizes {
-        for lfu in [false, true] {
+        for &lfu in &algs {
             let o = run(n, lfu, seed);
             let (alg, what) = if lfu {
                 ("LFU (T87)", "credited survivors")
@@ -246,5 +258,7 @@ fn main() {
             );
         }
     }
-    t94();
+    if with_t94 {
+        t94();
+    }
 }
