@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Regenerates bench/RESULTS.md. Every section lives in bench/results/<name>.md and is produced by
+# one command; this script (re)runs the sections asked for and assembles the page from all of
+# them, so a section not re-run keeps its last recorded run (each section carries its own date,
+# machine, load and command).
+#
+#   bench/run-all.sh                 # every section (about 25 minutes on 2 cores)
+#   bench/run-all.sh w1m eviction    # only these sections, then reassemble
+#   bench/run-all.sh --assemble      # only reassemble
+#
+# Sections: w1m (bench/run-w1m.sh), eviction (bin `eviction`), churn (bin `churn`, 10 minutes),
+# plus any other bench/results/*.md written by the server-side scripts listed in bench/README.md.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+RES="$ROOT/bench/results"
+TARGET="${BENCH_TARGET_DIR:-$ROOT/../target-bench}"
+mkdir -p "$RES"
+
+header() { # title, command
+  local model
+  model="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
+  echo "## $1"
+  echo
+  echo "- Date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "- Machine: ${model:-unknown}, $(nproc) cores, kernel $(uname -r)"
+  echo "- Load average at the start: $(cut -d' ' -f1-3 /proc/loadavg) (shared machine: compare ratios)"
+  echo "- rustc: $(rustc --version)"
+  echo "- Command: \`$2\`"
+  echo
+}
+
+build() {
+  (cd "$ROOT" && CARGO_TARGET_DIR="$TARGET" nice -n 10 \
+    cargo build --release --quiet -p inferencecache-bench --bin "$1")
+}
+
+section() {
+  case "$1" in
+    w1m)
+      "$ROOT/bench/run-w1m.sh" -n 3 --out "$RES/w1m.md" >/dev/null ;;
+    eviction)
+      build eviction
+      { header "Eviction quality and cost at the cap (T86, T87, T94)" \
+          "cargo run --release -p inferencecache-bench --bin eviction"
+        "$TARGET/release/eviction"
+      } >"$RES/eviction.tmp" && mv "$RES/eviction.tmp" "$RES/eviction.md" ;;
+    churn)
+      build churn
+      { header "Churn at the cap (P8, 10 minutes)" \
+          "cargo run --release -p inferencecache-bench --bin churn -- --minutes 10"
+        "$TARGET/release/churn" --minutes 10 || true
+      } >"$RES/churn.tmp" && mv "$RES/churn.tmp" "$RES/churn.md" ;;
+    *)
+      echo "unknown section: $1 (w1m, eviction, churn)" >&2; exit 2 ;;
+  esac
+}
+
+assemble() {
+  {
+    echo "# Benchmark results"
+    echo
+    echo "Assembled by \`bench/run-all.sh\` from \`bench/results/*.md\`; each section states the"
+    echo "command that produced it, its date, the machine and its load. Workloads, methods and pass"
+    echo "bars: \`benchmarks.md\` of the spec, summarized in \`bench/README.md\`."
+    echo
+    for f in "$RES"/w1m.md "$RES"/eviction.md "$RES"/churn.md; do
+      [ -f "$f" ] && { cat "$f"; echo; }
+    done
+    for f in "$RES"/*.md; do
+      case "$(basename "$f")" in w1m.md|eviction.md|churn.md) continue ;; esac
+      cat "$f"; echo
+    done
+  } >"$ROOT/bench/RESULTS.md"
+}
+
+if [ "${1:-}" = "--assemble" ]; then
+  assemble
+  exit 0
+fi
+if [ $# -eq 0 ]; then
+  set -- w1m eviction churn
+fi
+for s in "$@"; do
+  echo "== section $s" >&2
+  section "$s"
+done
+assemble
+echo "bench/RESULTS.md assembled" >&2
