@@ -10,6 +10,9 @@ export CARGO_TARGET_DIR="${LOOM_TARGET_DIR:-$PWD/target/loom}"
 export RUSTFLAGS="--cfg loom --cfg crossbeam_loom"
 export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}"
 export LOOM_MAX_DURATION="${LOOM_MAX_DURATION:-30}"
+# Loom checks LOOM_MAX_DURATION only every LOOM_CHECKPOINT_INTERVAL executions (default 20,000):
+# check every 1,000 so the cap is honoured within about a second.
+export LOOM_CHECKPOINT_INTERVAL="${LOOM_CHECKPOINT_INTERVAL:-1000}"
 # Loom reads these as numbers; an absent variable means "no bound".
 [ "$LOOM_MAX_PREEMPTIONS" = none ] && unset LOOM_MAX_PREEMPTIONS
 [ "$LOOM_MAX_DURATION" = none ] && unset LOOM_MAX_DURATION

@@ -477,6 +477,30 @@ fn m4c_lfu_credits_vs_kill() {
     });
 }
 
+/// Model 4d: two-thread core of m4c, exhaustive at bound 2 in CI: one lock-free credit of an
+/// already-credited entry races with its removal (DEAD swap, key-sum subtraction). The credit
+/// lands before the kill (and is subtracted with the final count) or is refused; the hot count
+/// ends at 0, counters are 0, the cell and key sum are freed.
+#[test]
+fn m4d_lfu_credit_vs_kill() {
+    model(|| {
+        let ix = index(Algorithm::Lfu, None, 1, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        let hits = capture(&ix, &key(1));
+        ix.credit_hits(&hits);
+        let r = {
+            let ix = ix.clone();
+            spawn(move || event(&ix, event_type::PREFIX_EVICTED, A, &key(1)))
+        };
+        ix.credit_hits(&hits);
+        r.join().unwrap();
+        assert!(ix.entry(T, M, S, "", &key(1), A).is_none());
+        assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count after kill");
+        assert_counters(&ix, 0, 0);
+        assert_reclaimed(0, 0, 0);
+    });
+}
+
 // ------------------------------------------------------------------------------------------------
 // 5. TTL sweep vs ingest vs lookup
 
@@ -523,6 +547,36 @@ fn m5_sweep_vs_ingest_vs_lookup() {
     });
 }
 
+/// Model 5b: two-thread core of m5, exhaustive at bound 2 in CI: the TTL sweep against the
+/// refreshing re-ingest of its stale entry (the lookup of m5 removed). Same assertions: the entry
+/// ends fresh at `(20, 5 s)`, removed by the sweep iff re-created by the ingest, metrics agree.
+#[test]
+fn m5b_sweep_vs_ingest() {
+    model(|| {
+        let ix = index(Algorithm::Lru, Some(1_000), 8, 5_000);
+        put(&ix, A, &[(key(1), 10)], 3_000);
+        let s = {
+            let ix = ix.clone();
+            spawn(move || ix.sweep_now().entries_removed)
+        };
+        let out = put(&ix, A, &[(key(1), 20)], 5_000);
+        let removed = s.join().unwrap();
+        assert_eq!(entry(&ix, &key(1), A), Some((20, 5_000)));
+        assert_eq!(removed, out.entries_added, "re-created iff swept first");
+        assert_eq!(
+            ix.evictions(Algorithm::Lru, inferencecache_engine::EvictionReason::Ttl),
+            removed
+        );
+        outcome(if removed == 1 {
+            "swept first"
+        } else {
+            "refreshed first"
+        });
+        assert_counters(&ix, 1, 1);
+        assert_reclaimed(1, 0, 0);
+    });
+}
+
 // ------------------------------------------------------------------------------------------------
 // 6. ALL_CLEARED
 
@@ -559,6 +613,34 @@ fn m6_all_cleared_vs_lookup_vs_reingest() {
         } else {
             "k1 cleared after the re-ingest"
         });
+        assert_counters(&ix, n, n);
+        assert_reclaimed(n as usize, 0, 0);
+    });
+}
+
+/// Model 6b: two-thread core of m6, exhaustive at bound 2 in CI: ALL_CLEARED for `a` against a
+/// re-ingest of k1 (the lookup of m6 removed). k2 always gone; k1 survives (re-ingested, 20
+/// tokens) iff the walk had passed its shard; counters match the final state; every node freed.
+#[test]
+fn m6b_all_cleared_vs_reingest() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        put(&ix, A, &[(key(1), 10), (key(2), 10)], 1_000);
+        let c = {
+            let ix = ix.clone();
+            spawn(move || event(&ix, event_type::ALL_CLEARED, A, &[]))
+        };
+        put(&ix, A, &[(key(1), 20)], 1_000);
+        c.join().unwrap();
+        assert!(entry(&ix, &key(2), A).is_none(), "ALL_CLEARED missed a key");
+        let k1 = entry(&ix, &key(1), A);
+        assert!(k1.is_none() || k1 == Some((20, 1_000)), "k1 = {k1:?}");
+        outcome(if k1.is_some() {
+            "k1 re-ingested after the clear passed"
+        } else {
+            "k1 cleared after the re-ingest"
+        });
+        let n = i64::from(k1.is_some());
         assert_counters(&ix, n, n);
         assert_reclaimed(n as usize, 0, 0);
     });
