@@ -852,3 +852,45 @@ fn m8c_quota_key_eviction_vs_holder_removal() {
         assert_reclaimed(1, 0, 0);
     });
 }
+
+// ------------------------------------------------------------------------------------------------
+// 9. Directory records (RCU)
+
+/// Model 9: two producers ingest the same key into a brand-new (tenant, model, scheme) at once, so
+/// both race through the directory's read-copy-update inserts (tenant, gauge, model, scope,
+/// partition: wait-free lookup, then re-check under the writer lock) and intern their replica
+/// into the same scope (name map + replica-vector RCU). Exactly one record of each kind is
+/// created (one partition holds both entries: 1 key, 2 entries), the two replicas get distinct
+/// scope indices (both holders present), serving counts and `serving_n` are exact, and the key
+/// node built by the second writer is the only one left linked.
+#[test]
+fn m9_concurrent_partition_creation() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        let p = {
+            let ix = ix.clone();
+            spawn(move || put(&ix, B, &[(key(1), 10)], 1_000))
+        };
+        let q = put(&ix, A, &[(key(1), 10)], 1_000);
+        let p = p.join().unwrap();
+        assert_eq!(p.keys_added + q.keys_added, 1, "key created once");
+        outcome(if p.keys_added == 1 {
+            "b created the key"
+        } else {
+            "a created the key"
+        });
+        // `holders` maps each holder's scope index to its name: two distinct indices.
+        assert_eq!(
+            holders(&ix, &key(1)),
+            [A, B],
+            "both holders, distinct replica indices"
+        );
+        assert_eq!(ix.total_keys(), 1);
+        assert_eq!(ix.storage_entries(), 2);
+        assert_eq!(ix.cache_state(T, M).total_prefixes, 1, "one model record");
+        assert_eq!(ix.serving_count(T, M, S, A), 1);
+        assert_eq!(ix.serving_count(T, M, S, B), 1);
+        assert_eq!(ix.loom_serving_n(T, M, S), 2);
+        assert_reclaimed(1, 0, 0);
+    });
+}
