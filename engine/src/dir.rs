@@ -51,14 +51,15 @@ pub(crate) fn hash_strs(parts: &[&str]) -> u64 {
 /// A read-copy-update cell: wait-free reads, writers copy and swap under a mutex.
 pub(crate) struct Rcu<T> {
     cur: Atomic<T>,
-    lock: Mutex<()>,
+    /// Writer lock through the sync seam (parking_lot; loom's under `cfg(loom)`).
+    lock: crate::sync::Mutex<()>,
 }
 
 impl<T> Rcu<T> {
     pub(crate) fn new(v: T) -> Self {
         Self {
             cur: Atomic::new(v),
-            lock: Mutex::new(()),
+            lock: crate::sync::Mutex::new(()),
         }
     }
 
@@ -229,8 +230,8 @@ pub(crate) struct ScopeRec {
     pub(crate) scheme: Arc<str>,
     /// Replicas by scope-local index (append only).
     pub(crate) replicas: Rcu<Vec<Arc<ScopeReplica>>>,
-    /// Writer-side name → local index.
-    pub(crate) by_name: Mutex<HashMap<Arc<str>, u32>>,
+    /// Writer-side name → local index (sync seam: held across the replicas RCU update).
+    pub(crate) by_name: crate::sync::Mutex<HashMap<Arc<str>, u32>>,
     /// Replicas with serving > 0.
     pub(crate) serving_n: AtomicI64,
 }
@@ -242,7 +243,7 @@ impl ScopeRec {
             model,
             scheme,
             replicas: Rcu::new(Vec::new()),
-            by_name: Mutex::new(HashMap::new()),
+            by_name: crate::sync::Mutex::new(HashMap::new()),
             serving_n: AtomicI64::new(0),
         }
     }

@@ -127,26 +127,41 @@ pub(crate) fn destroyed(kind: Kind, addr: usize) {
     });
 }
 
-/// Pushes the calling thread's deferred-garbage bag to the global queue (what its epoch handle's
-/// destructor does at thread exit).
-pub fn flush_thread_garbage() {
+/// One eager collection step on the calling thread: pushes its deferred-garbage bag to the
+/// global queue and tries to advance the epoch and free expired bags (what the engine's writers
+/// do every 64 retirements, `table::note_retired`). A writer that calls this twice right after
+/// unlinking can free what it retired while another model thread is still pinned — exactly the
+/// window in which a broken epoch protocol would let a reader use freed memory.
+pub fn reclaim_step() {
     crossbeam_epoch::pin().flush();
 }
 
-/// Repeatedly pins and flushes the calling thread's epoch handle so that garbage retired by
-/// threads that have exited is collected (call after joining every other thread).
-pub fn collect_garbage() {
-    for _ in 0..8 {
-        crossbeam_epoch::pin().flush();
-        if std::env::var_os("LOOM_LEDGER_DEBUG").is_some() {
-            eprintln!(
-                "flush: nodes built {} freed {}",
-                built(Kind::Node),
-                freed(Kind::Node)
-            );
+/// Collects the epoch garbage retired during the model, until `done()` holds or a bound of
+/// rounds is reached; returns the final `done()`. Call on the main model thread after joining
+/// every other thread.
+///
+/// One round pins, flushes (pushes this thread's bag and runs one collection step: the global
+/// epoch advances by one when no participant is pinned in an older epoch, and bags sealed two
+/// epochs back are freed) and yields. The yield matters: loom's `join` returns as soon as the
+/// thread's closure has returned, but the thread's thread-locals — its crossbeam-epoch handle,
+/// whose destructor pins, pushes the thread's last bag and unregisters it — are only dropped
+/// afterwards, when loom finishes the thread. Yielding lets loom run that tail; without it some
+/// interleavings leave the exiting thread pinned in an old epoch while the main thread flushes,
+/// the epoch cannot advance and retired objects look leaked.
+pub fn collect_garbage(mut done: impl FnMut() -> bool) -> bool {
+    for _ in 0..COLLECT_ROUNDS {
+        if done() {
+            return true;
         }
+        crossbeam_epoch::pin().flush();
+        loom::thread::yield_now();
     }
+    done()
 }
+
+/// Upper bound on [`collect_garbage`] rounds: a bag needs two epoch advances, and a collection
+/// step frees at most 8 bags; the models retire far fewer.
+const COLLECT_ROUNDS: usize = 16;
 
 /// The shard (0..16) of a key in its partition's table (to build same-shard key sets).
 pub fn shard_of(key: &[u8]) -> usize {

@@ -19,8 +19,8 @@
 use inferencecache_engine::loom_api::{self, Kind};
 use inferencecache_engine::{
     Algorithm, CacheEventInput, CacheStateUpdate, CapturedHits, ChangeEvent, ChangeKind,
-    ChangeSink, Index, IndexConfig, IngestOutcome, LookupRequest, ManualClock, PrefixRef,
-    Resolvers, Strategy, event_type,
+    ChangeSink, DEFAULT_MAX_ENTRIES, Index, IndexConfig, IngestOutcome, LookupRequest, ManualClock,
+    PrefixRef, Resolvers, Strategy, event_type,
 };
 use std::sync::{Arc, Mutex};
 
@@ -38,6 +38,7 @@ fn key(i: u64) -> [u8; 8] {
 struct Policy {
     alg: Algorithm,
     ttl_ms: Option<i64>,
+    quota: Option<i64>,
 }
 
 impl Resolvers for Policy {
@@ -48,19 +49,33 @@ impl Resolvers for Policy {
         self.alg
     }
     fn quota(&self, _: &str) -> Option<i64> {
-        None
+        self.quota
     }
 }
 
-/// An index whose clock reads `now_ms`, with (tenant t, model m, scheme s, adapter "") created.
+/// An index whose clock reads `now_ms` (no cap to speak of, no quota).
 fn index(alg: Algorithm, ttl_ms: Option<i64>, hot: u32, now_ms: i64) -> Arc<Index> {
+    index_with(alg, ttl_ms, hot, now_ms, DEFAULT_MAX_ENTRIES, None)
+}
+
+/// An index with a global cap of `max_entries` storage entries (V2) and tenant quota `quota`
+/// (V5, distinct keys).
+fn index_with(
+    alg: Algorithm,
+    ttl_ms: Option<i64>,
+    hot: u32,
+    now_ms: i64,
+    max_entries: i64,
+    quota: Option<i64>,
+) -> Arc<Index> {
     let cfg = IndexConfig {
         hot_access_threshold: hot,
+        max_entries,
         ..IndexConfig::default()
     };
     Arc::new(Index::new(
         cfg,
-        Arc::new(Policy { alg, ttl_ms }),
+        Arc::new(Policy { alg, ttl_ms, quota }),
         Arc::new(ManualClock::new(now_ms * 1000)),
     ))
 }
@@ -148,16 +163,10 @@ fn assert_counters(ix: &Index, keys: i64, entries: i64) {
     );
 }
 
-/// `loom::thread::spawn`, flushing the thread's epoch bag when `f` returns. Loom lets `join`
-/// return before the thread's thread-locals (crossbeam-epoch's handle, whose drop pushes the
-/// thread's garbage bag to the global queue) are destroyed, so without this flush garbage retired
-/// by a joined thread could still be unreachable to the collecting main thread.
+/// `loom::thread::spawn` (a seam kept for per-thread setup; the thread's epoch handle pushes its
+/// garbage bag when loom drops the thread's locals, see `loom_api::collect_garbage`).
 fn spawn<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> loom::thread::JoinHandle<R> {
-    loom::thread::spawn(move || {
-        let r = f();
-        loom_api::flush_thread_garbage();
-        r
-    })
+    loom::thread::spawn(f)
 }
 
 /// Runs `f` under `loom::model` with the shadow-object ledger armed.
@@ -171,33 +180,53 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
         loom_api::arm();
         f();
         loom_api::disarm();
+        outcome("");
+    });
+    OUTCOMES.with(|o| {
+        let mut o = std::mem::take(&mut *o.borrow_mut());
+        // `run.sh` shows this line: how many complete executions were explored, and which of the
+        // allowed final states they reached.
+        let n = o.remove("").unwrap_or(0);
+        let list: Vec<String> = o.iter().map(|(k, n)| format!("{k}: {n}")).collect();
+        println!("\nexplored {n} executions; outcomes: {}", list.join("; "));
     });
 }
 
-/// After every other thread has been joined: try to collect the epoch garbage, then check the
-/// ledger: every object still linked in the index is alive (never freed early), no object was
-/// freed twice (the ledger panics), and at most the retired ones are gone.
-///
-/// Limitation (see README): under loom, crossbeam-epoch's global epoch does not advance here once
-/// a second loom thread has pinned, so retired objects are normally only freed when loom tears
-/// the execution down (outside the ledger). The use-after-free check therefore applies to frees
-/// that do happen inside an execution, and the "freed once readers leave" half is checked by the
-/// `built - freed` bound only.
+std::thread_local! {
+    /// Final-state tally of the current `#[test]` (each test runs on its own OS thread; loom
+    /// runs every execution of a model on that thread).
+    static OUTCOMES: std::cell::RefCell<std::collections::BTreeMap<&'static str, u64>> =
+        Default::default();
+}
+
+/// Records which allowed final state an execution ended in (printed after the model).
+fn outcome(label: &'static str) {
+    OUTCOMES.with(|o| *o.borrow_mut().entry(label).or_default() += 1);
+}
+
+/// After every other thread has been joined: collect the epoch garbage, then check the ledger
+/// exactly. Every object still linked in the index is alive (never freed early), every object
+/// that was unlinked has been freed (no leak once the readers have left), and nothing was freed
+/// twice (the ledger panics on a double free). `*_linked` are the objects the final index state
+/// links: key nodes (one per key), LFU cells (one per credited live entry), key sums (one per key
+/// with a cell).
 fn assert_reclaimed(nodes_linked: usize, cells_linked: usize, sums_linked: usize) {
-    loom_api::collect_garbage();
-    for (k, linked) in [
+    let want = [
         (Kind::Node, nodes_linked),
         (Kind::LfuCell, cells_linked),
         (Kind::KeySum, sums_linked),
-    ] {
-        assert!(
-            loom_api::live(k) >= linked,
-            "{k:?}: a linked object was freed"
+    ];
+    let settled = || want.iter().all(|&(k, n)| loom_api::live(k) == n);
+    loom_api::collect_garbage(settled);
+    for (k, linked) in want {
+        assert_eq!(
+            loom_api::built(k) - loom_api::freed(k),
+            linked as u64,
+            "{k:?}: built {} freed {}, {linked} linked: leak or early free",
+            loom_api::built(k),
+            loom_api::freed(k)
         );
-        assert!(
-            loom_api::built(k) - loom_api::freed(k) >= linked as u64,
-            "{k:?}: built - freed below the linked count"
-        );
+        assert_eq!(loom_api::live(k), linked, "{k:?}: live objects");
     }
 }
 
@@ -219,14 +248,23 @@ fn m1_publish_vs_reader() {
             let ix = ix.clone();
             spawn(move || {
                 put(&ix, B, &[(key(1), 20), (key(2), 30)], 1_000);
+                // Eager reclamation: the replaced node can be freed while the reader is pinned.
+                loom_api::reclaim_step();
+                loom_api::reclaim_step();
             })
         };
         let h = holders(&ix, &key(1));
         assert!(h == [A] || h == [A, B], "torn holder set {h:?}");
-        match entry(&ix, &key(2), B) {
-            None => {}
-            Some(e) => assert_eq!(e, (30, 1_000), "torn entry"),
+        let k2 = entry(&ix, &key(2), B);
+        if let Some(e) = k2 {
+            assert_eq!(e, (30, 1_000), "torn entry");
         }
+        outcome(match (h.len(), k2.is_some()) {
+            (1, false) => "saw k1 old, k2 absent",
+            (1, true) => "saw k1 old, k2 new",
+            (_, false) => "saw k1 new, k2 absent",
+            (_, true) => "saw k1 new, k2 new",
+        });
         w.join().unwrap();
         assert_eq!(holders(&ix, &key(1)), [A, B]);
         assert_eq!(entry(&ix, &key(1), B), Some((20, 1_000)));
@@ -289,6 +327,9 @@ fn m2_remove_reclaim_vs_pinned_reader() {
                 put(&ix, B, &[(key(1), 10)], 1_000);
                 event(&ix, event_type::PREFIX_EVICTED, A, &key(1));
                 event(&ix, event_type::PREFIX_EVICTED, B, &key(1));
+                // Eager reclamation: retired nodes can be freed while the reader is pinned.
+                loom_api::reclaim_step();
+                loom_api::reclaim_step();
             })
         };
         let h = holders(&ix, &key(1));
@@ -296,6 +337,19 @@ fn m2_remove_reclaim_vs_pinned_reader() {
             h.is_empty() || h == [A] || h == [A, B] || h == [B],
             "impossible holder set {h:?}"
         );
+        // Frees that happened while the reader was still running: the epoch really reclaims
+        // concurrently with a pinned reader in the explored interleavings.
+        outcome(match loom_api::freed(Kind::Node) {
+            0 => "0 nodes freed before the reader returned",
+            1 => "1 node freed before the reader returned",
+            _ => "2+ nodes freed before the reader returned",
+        });
+        outcome(match h.len() {
+            0 => "reader saw []",
+            2 => "reader saw [a, b]",
+            _ if h == [A] => "reader saw [a]",
+            _ => "reader saw [b]",
+        });
         w.join().unwrap();
         assert!(holders(&ix, &key(1)).is_empty());
         assert_eq!(ix.total_keys(), 0);
@@ -325,6 +379,11 @@ fn m3_concurrent_upserts_same_key() {
         let q = put(&ix, A, &[(key(1), 20)], 3_000);
         let p = p.join().unwrap();
         assert_eq!(p.keys_added + q.keys_added, 1, "key created once");
+        outcome(if p.keys_added == 1 {
+            "2 s producer created the key"
+        } else {
+            "3 s producer created the key"
+        });
         assert_eq!(p.entries_added + q.entries_added, 1, "entry created once");
         let (tokens, last_seen) = entry(&ix, &key(1), A).expect("entry");
         assert_eq!(last_seen, 3_000, "last_seen is the newer timestamp (D7)");
@@ -418,13 +477,37 @@ fn m4c_lfu_credits_vs_kill() {
     });
 }
 
-/// Model 4d: per-core LFU counting. A hot entry (threshold 1, already credited once) is credited
+/// Model 4d: two-thread core of m4c, exhaustive at bound 2 in CI: one lock-free credit of an
+/// already-credited entry races with its removal (DEAD swap, key-sum subtraction). The credit
+/// lands before the kill (and is subtracted with the final count) or is refused; the hot count
+/// ends at 0, counters are 0, the cell and key sum are freed.
+#[test]
+fn m4d_lfu_credit_vs_kill() {
+    model(|| {
+        let ix = index(Algorithm::Lfu, None, 1, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        let hits = capture(&ix, &key(1));
+        ix.credit_hits(&hits);
+        let r = {
+            let ix = ix.clone();
+            spawn(move || event(&ix, event_type::PREFIX_EVICTED, A, &key(1)))
+        };
+        ix.credit_hits(&hits);
+        r.join().unwrap();
+        assert!(ix.entry(T, M, S, "", &key(1), A).is_none());
+        assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count after kill");
+        assert_counters(&ix, 0, 0);
+        assert_reclaimed(0, 0, 0);
+    });
+}
+
+/// Model 4e: per-core LFU counting. A hot entry (threshold 1, already credited once) is credited
 /// by two threads at once, twice each; a failed CAS on the base moves a credit to the thread's
 /// stripe (allocated by whichever thread gets there first, the loser frees its copy). Whatever
 /// the interleaving, the count is exactly 5, the key stays hot once (no double transition), and
 /// removing the entry afterwards leaves the hot count at 0 with everything reclaimed.
 #[test]
-fn m4d_lfu_striped_credits_are_exact() {
+fn m4e_lfu_striped_credits_are_exact() {
     model(|| {
         let ix = index(Algorithm::Lfu, None, 1, 1_000);
         put(&ix, A, &[(key(1), 10)], 1_000);
@@ -482,10 +565,46 @@ fn m5_sweep_vs_ingest_vs_lookup() {
         let out = i.join().unwrap();
         assert_eq!(entry(&ix, &key(1), A), Some((20, 5_000)));
         assert_eq!(removed, out.entries_added, "re-created iff swept first");
+        outcome(match (removed, l.is_empty()) {
+            (1, true) => "swept first; lookup saw nothing",
+            (1, false) => "swept first; lookup saw the fresh entry",
+            (_, true) => "refreshed first; lookup saw nothing",
+            (_, false) => "refreshed first; lookup saw the fresh entry",
+        });
         assert_eq!(
             ix.evictions(Algorithm::Lru, inferencecache_engine::EvictionReason::Ttl),
             removed
         );
+        assert_counters(&ix, 1, 1);
+        assert_reclaimed(1, 0, 0);
+    });
+}
+
+/// Model 5b: two-thread core of m5, exhaustive at bound 2 in CI: the TTL sweep against the
+/// refreshing re-ingest of its stale entry (the lookup of m5 removed). Same assertions: the entry
+/// ends fresh at `(20, 5 s)`, removed by the sweep iff re-created by the ingest, metrics agree.
+#[test]
+fn m5b_sweep_vs_ingest() {
+    model(|| {
+        let ix = index(Algorithm::Lru, Some(1_000), 8, 5_000);
+        put(&ix, A, &[(key(1), 10)], 3_000);
+        let s = {
+            let ix = ix.clone();
+            spawn(move || ix.sweep_now().entries_removed)
+        };
+        let out = put(&ix, A, &[(key(1), 20)], 5_000);
+        let removed = s.join().unwrap();
+        assert_eq!(entry(&ix, &key(1), A), Some((20, 5_000)));
+        assert_eq!(removed, out.entries_added, "re-created iff swept first");
+        assert_eq!(
+            ix.evictions(Algorithm::Lru, inferencecache_engine::EvictionReason::Ttl),
+            removed
+        );
+        outcome(if removed == 1 {
+            "swept first"
+        } else {
+            "refreshed first"
+        });
         assert_counters(&ix, 1, 1);
         assert_reclaimed(1, 0, 0);
     });
@@ -521,6 +640,39 @@ fn m6_all_cleared_vs_lookup_vs_reingest() {
         assert!(entry(&ix, &key(2), A).is_none(), "ALL_CLEARED missed a key");
         let k1 = entry(&ix, &key(1), A);
         assert!(k1.is_none() || k1 == Some((20, 1_000)), "k1 = {k1:?}");
+        let n = i64::from(k1.is_some());
+        outcome(if k1.is_some() {
+            "k1 re-ingested after the clear passed"
+        } else {
+            "k1 cleared after the re-ingest"
+        });
+        assert_counters(&ix, n, n);
+        assert_reclaimed(n as usize, 0, 0);
+    });
+}
+
+/// Model 6b: two-thread core of m6, exhaustive at bound 2 in CI: ALL_CLEARED for `a` against a
+/// re-ingest of k1 (the lookup of m6 removed). k2 always gone; k1 survives (re-ingested, 20
+/// tokens) iff the walk had passed its shard; counters match the final state; every node freed.
+#[test]
+fn m6b_all_cleared_vs_reingest() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        put(&ix, A, &[(key(1), 10), (key(2), 10)], 1_000);
+        let c = {
+            let ix = ix.clone();
+            spawn(move || event(&ix, event_type::ALL_CLEARED, A, &[]))
+        };
+        put(&ix, A, &[(key(1), 20)], 1_000);
+        c.join().unwrap();
+        assert!(entry(&ix, &key(2), A).is_none(), "ALL_CLEARED missed a key");
+        let k1 = entry(&ix, &key(1), A);
+        assert!(k1.is_none() || k1 == Some((20, 1_000)), "k1 = {k1:?}");
+        outcome(if k1.is_some() {
+            "k1 re-ingested after the clear passed"
+        } else {
+            "k1 cleared after the re-ingest"
+        });
         let n = i64::from(k1.is_some());
         assert_counters(&ix, n, n);
         assert_reclaimed(n as usize, 0, 0);
@@ -601,5 +753,177 @@ fn m7b_change_sink_install_vs_ingest() {
         put(&ix, A, &[(key(2), 10)], 1_000);
         assert_eq!(sink.events.lock().unwrap().len(), n + 1);
         assert_reclaimed(3, 0, 0);
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 8. Global cap (V2) and tenant quota (V5)
+//
+// Enforcement holds a parking_lot mutex (the cap hand, the tenant's quota hand) across loom
+// operations, so loom must never see two enforcements contend for it (a blocked OS thread would
+// hang the model). In these models exactly one thread ingests past the cap / quota; the racing
+// threads use paths that never enforce (events, E7; credits; lookups).
+
+/// Model 8a: the cap (2 entries, LRU) evicts while its victim disappears under it. `a` holds k1
+/// (1 s) and k2 (2 s); the main thread ingests k3 (3 s), so the exact path enumerates the
+/// population and evicts the oldest entry, k1, re-validating it under its shard lock; another
+/// thread removes k1 by PREFIX_EVICTED at the same time. k1 ends gone and k3 (the newest) always
+/// survives; the cap removes at most one entry, and removes k1 itself or (when the concurrent
+/// removal's counter decrement is still in flight, C3: counters may lag an in-flight write) the
+/// next oldest, k2. Counters end exact and `index_evictions_total{lru, cap}` equals the entries
+/// the cap removed.
+#[test]
+fn m8a_cap_eviction_vs_victim_removal() {
+    model(|| {
+        let ix = index_with(Algorithm::Lru, None, 8, 3_000, 2, None);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        put(&ix, A, &[(key(2), 10)], 2_000);
+        let r = {
+            let ix = ix.clone();
+            spawn(move || event(&ix, event_type::PREFIX_EVICTED, A, &key(1)))
+        };
+        put(&ix, A, &[(key(3), 10)], 3_000);
+        r.join().unwrap();
+        assert!(entry(&ix, &key(1), A).is_none(), "k1 survived");
+        assert_eq!(
+            entry(&ix, &key(3), A),
+            Some((10, 3_000)),
+            "the newest entry was evicted"
+        );
+        let k2 = entry(&ix, &key(2), A);
+        let cap = ix.evictions(Algorithm::Lru, inferencecache_engine::EvictionReason::Cap);
+        assert!(cap <= 1, "cap evicted {cap} entries");
+        if k2.is_none() {
+            assert_eq!(cap, 1, "k2 gone without a cap eviction");
+        } else {
+            assert_eq!(k2, Some((10, 2_000)));
+        }
+        let n = 1 + i64::from(k2.is_some());
+        assert_counters(&ix, n, n);
+        assert_reclaimed(n as usize, 0, 0);
+        outcome(match (k2.is_some(), cap) {
+            (true, 1) => "cap evicted k1",
+            (true, _) => "removal first, no cap eviction",
+            (false, _) => "removal in flight, cap evicted k2",
+        });
+    });
+}
+
+/// Model 8b: LFU cap eviction vs the first credit of its would-be victim. Cap 2, LFU, hot
+/// threshold 1: `a` holds k1 (1 s, credited once by a concurrent thread) and k2 (2 s); the main
+/// thread ingests k3 (3 s). Victim order is `(count, last_seen)`: if the credit is visible to the
+/// enumeration, k1 ranks `(1, 1 s)` and k2 `(0, 2 s)` goes; otherwise k1 goes and the credit
+/// either lands before the removal (the removal kills the cell and subtracts its count from the
+/// key sum) or is ignored. Exactly one entry is evicted, k3 survives, a surviving k1 carries
+/// exactly the one credit, the hot-key count matches it, and cells / key sums are exact.
+#[test]
+fn m8b_lfu_cap_eviction_vs_credit() {
+    model(|| {
+        let ix = index_with(Algorithm::Lfu, None, 1, 3_000, 2, None);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        put(&ix, A, &[(key(2), 10)], 2_000);
+        let hits = capture(&ix, &key(1));
+        let c = {
+            let ix = ix.clone();
+            spawn(move || ix.credit_hits(&hits))
+        };
+        put(&ix, A, &[(key(3), 10)], 3_000);
+        c.join().unwrap();
+        assert_eq!(
+            ix.evictions(Algorithm::Lfu, inferencecache_engine::EvictionReason::Cap),
+            1
+        );
+        assert_eq!(entry(&ix, &key(3), A), Some((10, 3_000)));
+        let k1 = ix.entry(T, M, S, "", &key(1), A).map(|e| e.access_count);
+        let k2 = entry(&ix, &key(2), A);
+        assert!(
+            k1.is_some() != k2.is_some(),
+            "k1 {k1:?} k2 {k2:?}: not exactly one evicted"
+        );
+        if let Some(count) = k1 {
+            assert_eq!(count, 1, "a surviving k1 was saved by its credit");
+        }
+        assert_eq!(
+            ix.cache_state(T, M).hot_prefixes,
+            i64::from(k1.is_some()),
+            "hot count"
+        );
+        assert_counters(&ix, 2, 2);
+        let cells = usize::from(k1.is_some());
+        assert_reclaimed(2, cells, cells);
+        outcome(if k1.is_some() {
+            "credit first, k2 evicted"
+        } else {
+            "k1 evicted"
+        });
+    });
+}
+
+/// Model 8c: quota eviction of a whole key vs a concurrent removal of one of its holders.
+/// Quota 1 key: k1 is held by `a` and `b` (1 s); the main thread (replica `a`) ingests k2 (2 s),
+/// so the tenant's oldest key k1 is deleted with all its holders, while another thread removes
+/// `b`'s holder by PREFIX_EVICTED. Whatever the order, k1 ends gone and k2 present, exactly one
+/// key is counted in `tenant_evictions_total`, serving counts are `a` = 1 and `b` = 0, and every
+/// replaced / removed node is retired exactly once.
+#[test]
+fn m8c_quota_key_eviction_vs_holder_removal() {
+    model(|| {
+        let ix = index_with(Algorithm::Lru, None, 8, 2_000, DEFAULT_MAX_ENTRIES, Some(1));
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        put(&ix, B, &[(key(1), 10)], 1_000);
+        let r = {
+            let ix = ix.clone();
+            spawn(move || event(&ix, event_type::PREFIX_EVICTED, B, &key(1)))
+        };
+        put(&ix, A, &[(key(2), 10)], 2_000);
+        r.join().unwrap();
+        assert!(holders(&ix, &key(1)).is_empty(), "k1 survived the quota");
+        assert_eq!(entry(&ix, &key(2), A), Some((10, 2_000)));
+        assert_eq!(ix.tenant_evictions(), [(Arc::from(T), 1)]);
+        assert_eq!(ix.serving_count(T, M, S, B), 0);
+        assert_counters(&ix, 1, 1);
+        assert_reclaimed(1, 0, 0);
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 9. Directory records (RCU)
+
+/// Model 9: two producers ingest the same key into a brand-new (tenant, model, scheme) at once, so
+/// both race through the directory's read-copy-update inserts (tenant, gauge, model, scope,
+/// partition: wait-free lookup, then re-check under the writer lock) and intern their replica
+/// into the same scope (name map + replica-vector RCU). Exactly one record of each kind is
+/// created (one partition holds both entries: 1 key, 2 entries), the two replicas get distinct
+/// scope indices (both holders present), serving counts and `serving_n` are exact, and the key
+/// node built by the second writer is the only one left linked.
+#[test]
+fn m9_concurrent_partition_creation() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        let p = {
+            let ix = ix.clone();
+            spawn(move || put(&ix, B, &[(key(1), 10)], 1_000))
+        };
+        let q = put(&ix, A, &[(key(1), 10)], 1_000);
+        let p = p.join().unwrap();
+        assert_eq!(p.keys_added + q.keys_added, 1, "key created once");
+        outcome(if p.keys_added == 1 {
+            "b created the key"
+        } else {
+            "a created the key"
+        });
+        // `holders` maps each holder's scope index to its name: two distinct indices.
+        assert_eq!(
+            holders(&ix, &key(1)),
+            [A, B],
+            "both holders, distinct replica indices"
+        );
+        assert_eq!(ix.total_keys(), 1);
+        assert_eq!(ix.storage_entries(), 2);
+        assert_eq!(ix.cache_state(T, M).total_prefixes, 1, "one model record");
+        assert_eq!(ix.serving_count(T, M, S, A), 1);
+        assert_eq!(ix.serving_count(T, M, S, B), 1);
+        assert_eq!(ix.loom_serving_n(T, M, S), 2);
+        assert_reclaimed(1, 0, 0);
     });
 }
