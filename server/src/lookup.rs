@@ -8,6 +8,7 @@ use inferencecache_engine::fingerprint;
 use inferencecache_engine::{Index, LookupRequest, PROBE_TENANT, RouteResult, Strategy};
 use inferencecache_proto::v1alpha1 as pb;
 use sha2::{Digest, Sha256};
+use smallvec::SmallVec;
 use std::time::{Duration, Instant};
 
 /// Most token ids a lookup may carry (`MaxLookupTokens`).
@@ -592,10 +593,14 @@ fn affinity<H: AsRef<[u8]>>(
         .map(|r| r.to_string())
 }
 
+/// Seed bytes kept on the stack: 1 KiB holds the O5 seed of 85 derived (8-byte) or 28 wire
+/// SHA-256 hashes; longer chains spill to the heap.
+pub type AffinitySeed = SmallVec<[u8; 1024]>;
+
 /// O5: `u32_be(len) ‖ hash` over a non-empty resolved chain, else the exact key, else none.
-pub fn affinity_seed<H: AsRef<[u8]>>(chain: &[H], exact: &[u8]) -> Option<Vec<u8>> {
+pub fn affinity_seed<H: AsRef<[u8]>>(chain: &[H], exact: &[u8]) -> Option<AffinitySeed> {
     if !chain.is_empty() {
-        let mut seed = Vec::with_capacity(chain.iter().map(|h| h.as_ref().len() + 4).sum());
+        let mut seed = AffinitySeed::new();
         for h in chain {
             let h = h.as_ref();
             seed.extend_from_slice(&u32::try_from(h.len()).unwrap_or(u32::MAX).to_be_bytes());
@@ -603,7 +608,7 @@ pub fn affinity_seed<H: AsRef<[u8]>>(chain: &[H], exact: &[u8]) -> Option<Vec<u8
         }
         return Some(seed);
     }
-    (!exact.is_empty()).then(|| exact.to_vec())
+    (!exact.is_empty()).then(|| AffinitySeed::from_slice(exact))
 }
 
 /// `u64_be(SHA-256(seed)[0..8])`, exposed for tests of the golden picks.
@@ -633,7 +638,8 @@ mod tests {
     fn affinity_seed_golden_chain() {
         let chain = [b"b1".to_vec(), b"b2".to_vec()];
         let seed = affinity_seed(&chain, b"ignored").unwrap();
-        assert_eq!(seed, [0, 0, 0, 2, b'b', b'1', 0, 0, 0, 2, b'b', b'2']);
+        assert_eq!(seed[..], [0, 0, 0, 2, b'b', b'1', 0, 0, 0, 2, b'b', b'2']);
+        assert!(!seed.spilled());
         assert_eq!(
             format!("{:016x}", seed_digest_prefix(&seed)),
             "81c893cc7a618745"
@@ -643,5 +649,20 @@ mod tests {
             "d274f6242b8bb8ff"
         );
         assert_eq!(affinity_seed::<Vec<u8>>(&[], b""), None);
+        let exact = affinity_seed::<Vec<u8>>(&[], b"any-fingerprint").unwrap();
+        assert_eq!(&exact[..], b"any-fingerprint");
+    }
+
+    #[test]
+    fn affinity_seed_longer_than_the_stack_buffer() {
+        // 100 SHA-256-sized hashes: 3600 seed bytes, past the inline 1 KiB.
+        let chain: Vec<Vec<u8>> = (0..100u8).map(|i| vec![i; 32]).collect();
+        let seed = affinity_seed(&chain, b"").unwrap();
+        assert!(seed.spilled());
+        assert_eq!(seed.len(), 100 * 36);
+        for (i, part) in seed.chunks(36).enumerate() {
+            assert_eq!(part[..4], [0, 0, 0, 32]);
+            assert!(part[4..].iter().all(|b| usize::from(*b) == i));
+        }
     }
 }
