@@ -1,6 +1,8 @@
 //! Process-level behavior of the binaries: exit codes (spec `sidecar.md` §2), SC08 (a server
 //! that fails every RPC never stops the process) and the SIGTERM drain.
 
+mod common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -182,9 +184,7 @@ fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
         sidecar.try_wait().unwrap().is_none(),
         "sidecar keeps running"
     );
-    let _ = Command::new("kill")
-        .args(["-TERM", &sidecar.id().to_string()])
-        .status();
+    common::sigterm(sidecar.id());
     let start = Instant::now();
     let status = loop {
         if let Some(s) = sidecar.try_wait().unwrap() {

@@ -5,6 +5,8 @@
 //! `<workspace>/target/<profile>/`. When it is missing the tests print a notice and pass, unless
 //! `CI` is set: then they build it first with `cargo build -p inferencecache-server`.
 
+mod common;
+
 use inferencecache_engine::fingerprint::{chain, to_wire};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
@@ -381,10 +383,7 @@ async fn sc13_fake_engine_sidecar_server_prefix_match() {
     check_sc13(client(server.grpc).await, "m13", &expect).await;
 
     // Graceful drain on SIGTERM: exit 0 and a stop line.
-    let pid = sidecar.id().unwrap();
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status();
+    common::sigterm(sidecar.id().expect("sidecar still running"));
     let status = tokio::time::timeout(Duration::from_secs(15), sidecar.wait())
         .await
         .expect("sidecar exits after SIGTERM")
