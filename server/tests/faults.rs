@@ -27,19 +27,9 @@ const MIB: usize = 1024 * 1024;
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
+/// A legacy prefix of tenant `t`.
 fn legacy(replica: &str, hash: &[u8], tokens: i32) -> pb::CacheStateUpdate {
-    pb::CacheStateUpdate {
-        replica_id: replica.into(),
-        model_id: "m".into(),
-        tenant_id: "t".into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            prefix_hash: hash.to_vec(),
-            token_count: tokens,
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
+    common::legacy_update(replica, "t", hash, tokens)
 }
 
 fn chain_entry(tag: u8, blocks: usize, hash_len: usize) -> pb::PrefixEntry {
@@ -67,15 +57,9 @@ fn update_of(prefixes: Vec<pb::PrefixEntry>) -> pb::CacheStateUpdate {
     }
 }
 
+/// An exact lookup of tenant `t`.
 fn exact(hash: &[u8], tokens: i32) -> pb::LookupRouteRequest {
-    pb::LookupRouteRequest {
-        tenant_id: "t".into(),
-        model_id: "m".into(),
-        hash_scheme: "vllm".into(),
-        prefix_hash: hash.to_vec(),
-        prefix_token_count: tokens,
-        ..Default::default()
-    }
+    common::exact_lookup("t", hash, tokens)
 }
 
 fn chain_req(entry: &pb::PrefixEntry) -> pb::LookupRouteRequest {

@@ -64,30 +64,14 @@ async fn start(delay: Option<Duration>) -> (TestServer, Arc<SlowIndex>) {
     (TestServer::start_with(state).await, double)
 }
 
+/// A legacy prefix on replica `r1` of tenant `t`.
 fn legacy(hash: &[u8], tokens: i32) -> pb::CacheStateUpdate {
-    pb::CacheStateUpdate {
-        replica_id: "r1".into(),
-        model_id: "m".into(),
-        tenant_id: "t".into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            prefix_hash: hash.to_vec(),
-            token_count: tokens,
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
+    common::legacy_update("r1", "t", hash, tokens)
 }
 
+/// An exact lookup of tenant `t`.
 fn exact(hash: &[u8], tokens: i32) -> pb::LookupRouteRequest {
-    pb::LookupRouteRequest {
-        tenant_id: "t".into(),
-        model_id: "m".into(),
-        hash_scheme: "vllm".into(),
-        prefix_hash: hash.to_vec(),
-        prefix_token_count: tokens,
-        ..Default::default()
-    }
+    common::exact_lookup("t", hash, tokens)
 }
 
 #[tokio::test]

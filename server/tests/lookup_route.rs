@@ -13,19 +13,9 @@ use tonic::transport::Channel;
 type Client = InferenceCacheClient<Channel>;
 
 fn legacy(replica: &str, hash: &[u8], tokens: i32, tier: i32) -> pb::CacheStateUpdate {
-    pb::CacheStateUpdate {
-        replica_id: replica.into(),
-        model_id: "m".into(),
-        tenant_id: "t".into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            prefix_hash: hash.to_vec(),
-            token_count: tokens,
-            tier,
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
+    let mut update = common::legacy_update(replica, "t", hash, tokens);
+    update.prefixes[0].tier = tier;
+    update
 }
 
 fn chain_update(replica: &str, hashes: &[&[u8]], per_block: i32) -> pb::CacheStateUpdate {
@@ -69,12 +59,9 @@ fn exact(
     tokens: i32,
 ) -> pb::LookupRouteRequest {
     pb::LookupRouteRequest {
-        tenant_id: tenant.into(),
         model_id: model.into(),
         hash_scheme: scheme.into(),
-        prefix_hash: hash.to_vec(),
-        prefix_token_count: tokens,
-        ..Default::default()
+        ..common::exact_lookup(tenant, hash, tokens)
     }
 }
 

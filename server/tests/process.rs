@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{SERVER_BIN, ServerProcess, free_port, temp_dir};
+use common::{SERVER_BIN, ServerProcess, exact_lookup, free_port, legacy_update, temp_dir};
 use inferencecache_proto::v1alpha1 as pb;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -23,30 +23,14 @@ fn exit_code(args: &[&str]) -> (i32, String) {
     )
 }
 
+/// A 128-token legacy prefix on replica `r1`.
 fn legacy(tenant: &str, hash: &[u8]) -> pb::CacheStateUpdate {
-    pb::CacheStateUpdate {
-        replica_id: "r1".into(),
-        model_id: "m".into(),
-        tenant_id: tenant.into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            prefix_hash: hash.to_vec(),
-            token_count: 128,
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
+    legacy_update("r1", tenant, hash, 128)
 }
 
+/// A 128-token exact lookup.
 fn exact(tenant: &str, hash: &[u8]) -> pb::LookupRouteRequest {
-    pb::LookupRouteRequest {
-        tenant_id: tenant.into(),
-        model_id: "m".into(),
-        hash_scheme: "vllm".into(),
-        prefix_hash: hash.to_vec(),
-        prefix_token_count: 128,
-        ..Default::default()
-    }
+    exact_lookup(tenant, hash, 128)
 }
 
 #[test]

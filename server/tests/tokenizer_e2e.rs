@@ -2,13 +2,12 @@
 //! and a ChatML-style `tokenizer_config.json` in a temporary models dir, served by the real
 //! binary (server.md §7.2–§7.4; SV46–SV50).
 
+mod common;
+
+use common::ServerProcess;
 use inferencecache_engine::fingerprint;
 use inferencecache_proto::v1alpha1 as pb;
-use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 use tokenizers::models::wordlevel::WordLevel;
 use tokenizers::pre_tokenizers::whitespace::WhitespaceSplit;
 use tokenizers::{AddedToken, Tokenizer};
@@ -76,33 +75,11 @@ fn expected_tokens(prompt: &str) -> Vec<u32> {
         .to_vec()
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Server(Child, u16);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start(models: &Path) -> Server {
-    let grpc = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_inferencecache-server"))
-        .args([
-            "--grpc-bind-address",
-            &format!("127.0.0.1:{grpc}"),
-            "--http-bind-address",
-            &format!("127.0.0.1:{}", free_port()),
-            "--snapshot-bind-address",
-            &format!("127.0.0.1:{}", free_port()),
+/// The binary with the models directory (and its config) of [`models_dir`].
+fn start(models: &Path) -> ServerProcess {
+    ServerProcess::start(
+        models,
+        &[
             "--engine-block-size",
             &BLOCK.to_string(),
             "--tokenizer-models-dir",
@@ -111,20 +88,8 @@ fn start(models: &Path) -> Server {
             models.join("server.toml").to_str().unwrap(),
             "--log-level",
             "warn",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", grpc)).is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "server did not start"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Server(child, grpc)
+        ],
+    )
 }
 
 fn prompt(model: &str, text: &str) -> pb::LookupRouteRequest {
@@ -141,12 +106,7 @@ fn prompt(model: &str, text: &str) -> pb::LookupRouteRequest {
 async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     let models = models_dir();
     let server = start(&models);
-    let channel = tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", server.1))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut c = InferenceCacheClient::new(channel);
+    let mut c = server.client().await;
 
     let text = "hello world cache route hello world";
     let expected = expected_tokens(text);

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use inferencecache_engine::ManualClock;
+use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_server::service::{AppState, ServerOptions};
 use std::net::SocketAddr;
@@ -132,6 +133,39 @@ pub fn temp_dir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// A one-prefix legacy update (model `m`, scheme `vllm`).
+pub fn legacy_update(
+    replica: &str,
+    tenant: &str,
+    hash: &[u8],
+    tokens: i32,
+) -> pb::CacheStateUpdate {
+    pb::CacheStateUpdate {
+        replica_id: replica.into(),
+        model_id: "m".into(),
+        tenant_id: tenant.into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![pb::PrefixEntry {
+            prefix_hash: hash.to_vec(),
+            token_count: tokens,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// An exact-key lookup (model `m`, scheme `vllm`).
+pub fn exact_lookup(tenant: &str, hash: &[u8], tokens: i32) -> pb::LookupRouteRequest {
+    pb::LookupRouteRequest {
+        tenant_id: tenant.into(),
+        model_id: "m".into(),
+        hash_scheme: "vllm".into(),
+        prefix_hash: hash.to_vec(),
+        prefix_token_count: tokens,
+        ..Default::default()
+    }
 }
 
 /// Sends SIGTERM to a child this test spawned and has not reaped yet.
