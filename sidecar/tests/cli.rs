@@ -3,6 +3,7 @@
 
 mod common;
 
+use common::{free_port, temp_dir};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -113,18 +114,9 @@ fn fake_engine_rejects_invalid_sizes() {
     assert_eq!(code(&["--block-size", "65536", "--num-blocks", "512"]), 2);
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
-    let dir = std::env::temp_dir().join(format!("sidecar-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = temp_dir("cli-sc08");
     let zmq_port = free_port();
     let dead_grpc = free_port();
     let mut engine = Command::new(FAKE_ENGINE)

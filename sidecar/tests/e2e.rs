@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::{free_port, temp_dir};
 use inferencecache_engine::fingerprint::{chain, to_wire};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
@@ -79,27 +80,6 @@ fn server_binary() -> Option<PathBuf> {
         found
     })
     .clone()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "sidecar-e2e-{tag}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 struct Server {

@@ -222,3 +222,12 @@ pub fn sigterm(pid: u32) {
     let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
     assert_eq!(rc, 0, "kill(SIGTERM)");
 }
+
+/// A free loopback port (free when asked; the caller binds it soon after).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
