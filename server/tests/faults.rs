@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{SERVER_BIN, ServerProcess, T0_US, TestServer, manual_state};
+use common::{SERVER_BIN, ServerProcess, T0_US, TestServer, lookup, manual_state};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_server::limits::{Exceeded, Limits};
@@ -71,13 +71,6 @@ fn chain_req(entry: &pb::PrefixEntry) -> pb::LookupRouteRequest {
         block_token_counts: entry.block_token_counts.clone(),
         ..Default::default()
     }
-}
-
-async fn lookup(c: &mut Client, req: pb::LookupRouteRequest) -> pb::LookupRouteResponse {
-    c.lookup_route(req)
-        .await
-        .expect("LookupRoute never returns an error status")
-        .into_inner()
 }
 
 async fn report(c: &mut Client, updates: Vec<pb::CacheStateUpdate>) {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{T0_US, TestServer};
+use common::{T0_US, TestServer, lookup};
 use inferencecache_engine::{Index, ManualClock, RouteResult};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_server::lookup::{RouteIndex, RouteQuery};
@@ -87,7 +87,7 @@ async fn sv27_budget_exceeded_is_timeout_and_never_credited() {
     c.report_cache_state(tokio_stream::iter(vec![legacy(b"p", 128)]))
         .await
         .unwrap();
-    let r = c.lookup_route(exact(b"p", 128)).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact(b"p", 128)).await;
     assert_eq!(r.reason_code, "TIMEOUT");
     assert!(r.replica_scores.is_empty());
     assert_eq!(r.adapter_id, "");
@@ -111,7 +111,7 @@ async fn sv28_blocking_index_times_out_at_the_budget() {
     );
     let mut c = server.client().await;
     let started = Instant::now();
-    let r = c.lookup_route(exact(b"p", 0)).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact(b"p", 0)).await;
     assert_eq!(r.reason_code, "TIMEOUT");
     assert!(started.elapsed() < Duration::from_secs(1));
     server.shutdown().await;
@@ -125,7 +125,7 @@ async fn sv30_gate_skips_the_index_call() {
             .unwrap(),
     );
     let mut c = server.client().await;
-    let r = c.lookup_route(exact(b"p", 10)).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact(b"p", 10)).await;
     assert_eq!(r.reason_code, "NO_HINT");
     assert_eq!(double.calls.load(Ordering::SeqCst), 0, "index not called");
     // SV39 too: requireChain refuses before the index.
@@ -135,7 +135,7 @@ async fn sv30_gate_skips_the_index_call() {
         )
         .unwrap(),
     );
-    let r = c.lookup_route(exact(b"p", 10)).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact(b"p", 10)).await;
     assert_eq!(r.reason_code, "POLICY_REQUIRES_CHAIN");
     assert_eq!(double.calls.load(Ordering::SeqCst), 0, "index not called");
     server.shutdown().await;
@@ -148,17 +148,17 @@ async fn sv45_latency_is_measured_by_the_server() {
     c.report_cache_state(tokio_stream::iter(vec![legacy(b"p", 128)]))
         .await
         .unwrap();
-    let r = c.lookup_route(exact(b"p", 128)).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact(b"p", 128)).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH");
     assert!(r.lookup_latency_us >= 50_000, "{}", r.lookup_latency_us);
-    let probe = c
-        .lookup_route(pb::LookupRouteRequest {
+    let probe = lookup(
+        &mut c,
+        pb::LookupRouteRequest {
             tenant_id: "inferencecache.io/probe".into(),
             ..exact(b"p", 0)
-        })
-        .await
-        .unwrap()
-        .into_inner();
+        },
+    )
+    .await;
     assert_eq!(probe.reason_code, "NO_HINT");
     assert!(probe.lookup_latency_us >= 0);
     let (_, _, metrics) = common::http_request(server.http, "GET", "/metrics", "").await;

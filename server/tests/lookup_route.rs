@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{TestServer, manual_state};
+use common::{TestServer, lookup, manual_state};
 use inferencecache_engine::fingerprint;
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
@@ -74,14 +74,6 @@ fn chain_req(hashes: &[&[u8]], per_block: i32) -> pb::LookupRouteRequest {
         block_token_counts: vec![per_block; hashes.len()],
         ..Default::default()
     }
-}
-
-async fn lookup(client: &mut Client, req: pb::LookupRouteRequest) -> pb::LookupRouteResponse {
-    client
-        .lookup_route(req)
-        .await
-        .expect("LookupRoute never returns an error status")
-        .into_inner()
 }
 
 fn push(server: &TestServer, body: &str) {

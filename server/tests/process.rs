@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{SERVER_BIN, ServerProcess, exact_lookup, free_port, legacy_update, temp_dir};
+use common::{SERVER_BIN, ServerProcess, exact_lookup, free_port, legacy_update, lookup, temp_dir};
 use inferencecache_proto::v1alpha1 as pb;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -91,11 +91,7 @@ maxIndexEntries = 0
     c.report_cache_state(tokio_stream::iter(vec![legacy("team-a", b"p")]))
         .await
         .unwrap();
-    let r = c
-        .lookup_route(exact("team-a", b"p"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, exact("team-a", b"p")).await;
     assert_eq!(
         r.reason_code, "POLICY_REQUIRES_CHAIN",
         "the file's namespace policy applies"
@@ -110,11 +106,7 @@ minimumMatchedTokens = 0
     );
     let deadline = Instant::now() + Duration::from_secs(6);
     loop {
-        let r = c
-            .lookup_route(exact("team-a", b"p"))
-            .await
-            .unwrap()
-            .into_inner();
+        let r = lookup(&mut c, exact("team-a", b"p")).await;
         if r.reason_code == "PREFIX_MATCH" {
             break;
         }
@@ -128,11 +120,7 @@ minimumMatchedTokens = 0
     // An invalid edit keeps the previous layer.
     write("[[policy.namespaces]]\nnamespace = \"team-a\"\nnot_a_key = 1\n");
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let r = c
-        .lookup_route(exact("team-a", b"p"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, exact("team-a", b"p")).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH");
     let (code, logs) = terminate(server).await;
     assert_eq!(code, 0, "{logs}");
@@ -169,11 +157,7 @@ async fn sv18_producer_token_guards_producer_rpcs_only() {
         tonic::Code::Unauthenticated
     );
     assert_eq!(
-        c.lookup_route(exact("t", b"p"))
-            .await
-            .unwrap()
-            .into_inner()
-            .reason_code,
+        lookup(&mut c, exact("t", b"p")).await.reason_code,
         "NO_HINT",
         "nothing applied"
     );
@@ -183,7 +167,7 @@ async fn sv18_producer_token_guards_producer_rpcs_only() {
     c.report_cache_state(good)
         .await
         .expect("a valid token is accepted");
-    let r = c.lookup_route(exact("t", b"p")).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact("t", b"p")).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH", "consumer RPCs need no token");
     let state = c
         .get_cache_state(pb::GetCacheStateRequest {

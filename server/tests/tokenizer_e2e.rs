@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::ServerProcess;
+use common::{ServerProcess, lookup};
 use inferencecache_engine::fingerprint;
 use inferencecache_proto::v1alpha1 as pb;
 use std::path::{Path, PathBuf};
@@ -112,11 +112,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     let expected = expected_tokens(text);
     assert_eq!(expected.len(), 11, "{expected:?}");
     // Nothing indexed yet: the answer is built after tokenizing, so the tokens are echoed.
-    let r = c
-        .lookup_route(prompt("org/chat", text))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("org/chat", text)).await;
     assert_eq!(r.reason_code, "NO_HINT");
     assert_eq!(
         r.token_ids, expected,
@@ -140,11 +136,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     c.report_cache_state(tokio_stream::iter(vec![update]))
         .await
         .unwrap();
-    let r = c
-        .lookup_route(prompt("org/chat", text))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("org/chat", text)).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH");
     assert_eq!(
         r.replica_scores[0].matched_tokens, BLOCK as i32,
@@ -153,11 +145,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     assert_eq!(r.token_ids, expected);
 
     // A sub-block prompt fails open with echo.
-    let short = c
-        .lookup_route(prompt("org/chat", "hi"))
-        .await
-        .unwrap()
-        .into_inner();
+    let short = lookup(&mut c, prompt("org/chat", "hi")).await;
     assert_eq!(short.reason_code, "NO_HINT");
     assert_eq!(short.token_ids, expected_tokens("hi"));
     // Unknown or unsafe model ids and oversized text fail open without echo.
@@ -169,11 +157,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
         "org\\chat",
         "",
     ] {
-        let r = c
-            .lookup_route(prompt(model, text))
-            .await
-            .unwrap()
-            .into_inner();
+        let r = lookup(&mut c, prompt(model, text)).await;
         assert_eq!(
             (r.reason_code.as_str(), r.token_ids.len()),
             ("NO_HINT", 0),
@@ -181,11 +165,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
         );
     }
     let huge = "hello ".repeat((1 << 20) / 6 + 1);
-    let r = c
-        .lookup_route(prompt("org/chat", &huge))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("org/chat", &huge)).await;
     assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
     let _ = std::fs::remove_dir_all(models);
 }

@@ -168,6 +168,18 @@ pub fn exact_lookup(tenant: &str, hash: &[u8], tokens: i32) -> pb::LookupRouteRe
     }
 }
 
+/// One LookupRoute call; the RPC itself never fails (consumer RPCs answer every request).
+pub async fn lookup(
+    client: &mut InferenceCacheClient<Channel>,
+    req: pb::LookupRouteRequest,
+) -> pb::LookupRouteResponse {
+    client
+        .lookup_route(req)
+        .await
+        .expect("LookupRoute never returns an error status")
+        .into_inner()
+}
+
 /// Sends SIGTERM to a child this test spawned and has not reaped yet.
 pub fn sigterm(child: &Child) {
     let pid = i32::try_from(child.id()).expect("pid fits in pid_t");
