@@ -10,8 +10,14 @@ use std::time::{Duration, Instant};
 const SIDECAR: &str = env!("CARGO_BIN_EXE_inferencecache-sidecar");
 const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_inferencecache-fake-engine");
 
+/// Exit code of the sidecar run with `args`.
 fn exit_code(args: &[&str]) -> i32 {
-    Command::new(SIDECAR)
+    exit_code_of(SIDECAR, args)
+}
+
+/// Exit code of `bin` run with `args`, output discarded.
+fn exit_code_of(bin: &str, args: &[&str]) -> i32 {
+    Command::new(bin)
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -99,16 +105,7 @@ fn unbuildable_client_exits_1() {
 
 #[test]
 fn fake_engine_rejects_invalid_sizes() {
-    let code = |args: &[&str]| {
-        Command::new(FAKE_ENGINE)
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .unwrap()
-            .code()
-            .unwrap()
-    };
+    let code = |args: &[&str]| exit_code_of(FAKE_ENGINE, args);
     assert_eq!(code(&["--block-size", "0"]), 2);
     assert_eq!(code(&["--num-blocks", "2", "--events", "3"]), 2);
     assert_eq!(code(&["--block-size", "65536", "--num-blocks", "512"]), 2);
