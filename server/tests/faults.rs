@@ -124,20 +124,6 @@ fn open_fds(server: &ServerProcess) -> usize {
         .unwrap_or(0)
 }
 
-/// GET on the public HTTP listener; returns the body.
-async fn http_get(port: u16, path: &str) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).to_string();
-    text.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
-}
-
 fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
@@ -338,7 +324,8 @@ async fn sigterm_under_load_completes_in_flight_rpcs_and_exits_0() {
     // The second event is waiting for its budget (and nothing else waits).
     let waiting = Instant::now();
     loop {
-        let metrics = http_get(server.http, "/metrics").await;
+        let http = std::net::SocketAddr::from(([127, 0, 0, 1], server.http));
+        let (_, _, metrics) = common::http_request(http, "GET", "/metrics", "").await;
         let throttled = metric(&metrics, "inferencecache_producer_throttled_total");
         if throttled == Some(1.0) {
             break;
