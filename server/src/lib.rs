@@ -114,7 +114,6 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         tls,
         tokenizer,
         limits: settings.limits,
-        ..Default::default()
     });
     // The file's policy layer applies now and is reloaded when the file changes (D1).
     if let Some((path, file)) = &settings.config_file {

@@ -5,9 +5,10 @@
 use crate::policy::Policy;
 use crate::service::{AppState, reason};
 use inferencecache_engine::fingerprint;
-use inferencecache_engine::{LookupRequest, PROBE_TENANT, RouteResult, Strategy};
+use inferencecache_engine::{Index, LookupRequest, PROBE_TENANT, RouteResult, Strategy};
 use inferencecache_proto::v1alpha1 as pb;
 use sha2::{Digest, Sha256};
+use smallvec::SmallVec;
 use std::time::{Duration, Instant};
 
 /// Most token ids a lookup may carry (`MaxLookupTokens`).
@@ -393,7 +394,7 @@ fn derive<'r>(tokens: &[u32], block_size: usize, chain_on: bool) -> Inputs<'r> {
 
 /// Steps 11–16: gates, the index call, floors, affinity, credit.
 #[allow(clippy::too_many_arguments)]
-fn consult<H: AsRef<[u8]>>(
+fn consult<H: ChainHash>(
     state: &AppState,
     req: &pb::LookupRouteRequest,
     policy: &Policy,
@@ -429,17 +430,11 @@ fn consult<H: AsRef<[u8]>>(
         ttft_ms: req.slo.as_ref().map_or(0, |s| s.ttft_ms),
         tbt_ms: req.slo.as_ref().map_or(0, |s| s.tbt_ms),
     };
-    // H7: the production index is wait-free, so it is called inline; an index that may block
-    // (a test double) runs on its own thread and is abandoned at the deadline.
+    // H7: the production index is wait-free and answers inline; an index that may block gives
+    // up at the deadline itself (`RouteIndex`).
     let index_start = Instant::now();
-    let mut result: RouteResult = match state.route_double() {
-        None => index.lookup_route(&lookup),
-        Some(double) => {
-            match call_abandonable(double.clone(), OwnedLookupRequest::from(&lookup), deadline) {
-                Some(result) => result,
-                None => return Answer::envelope(reason::TIMEOUT),
-            }
-        }
+    let Some(mut result) = state.route_index().route(H::query(&lookup), deadline) else {
+        return Answer::envelope(reason::TIMEOUT);
     };
     let index_elapsed = index_start.elapsed();
     state.metrics().observe_index_latency(index_elapsed);
@@ -521,78 +516,55 @@ fn consult<H: AsRef<[u8]>>(
     }
 }
 
-/// An index that may block: only test doubles (the production index is wait-free). It runs on
-/// its own thread so the handler can abandon it at the deadline (H7).
-pub trait BlockingRouteIndex: Send + Sync + 'static {
-    fn lookup_route(&self, req: &OwnedLookupRequest) -> RouteResult;
+/// The one index call `LookupRoute` makes (step 13, H7). The production [`Index`] is wait-free
+/// and answers inline; an implementation that may block (a test double) must give up at
+/// `deadline` and return `None`, which the handler answers with `TIMEOUT`.
+pub trait RouteIndex: Send + Sync {
+    /// Answers `query`, or `None` when `deadline` fired first (the work is abandoned).
+    fn route(&self, query: RouteQuery<'_, '_>, deadline: Option<Instant>) -> Option<RouteResult>;
 }
 
-/// A lookup request that owns its data, for a [`BlockingRouteIndex`].
-#[derive(Debug, Clone, Default)]
-pub struct OwnedLookupRequest {
-    pub tenant_id: String,
-    pub model_id: String,
-    pub hash_scheme: String,
-    pub adapter_id: String,
-    pub prefix_hash: Vec<u8>,
-    pub prefix_token_count: i32,
-    pub block_hashes: Vec<Vec<u8>>,
-    pub block_token_counts: Vec<i32>,
-    pub ttft_ms: i32,
-    pub tbt_ms: i32,
+/// A lookup as the handler resolved it: the wire chain, or fingerprints derived from tokens.
+/// Two concrete forms keep [`RouteIndex`] object-safe without copying the chain.
+#[derive(Clone, Copy)]
+pub enum RouteQuery<'q, 'r> {
+    /// Chain and exact key as sent (also the empty request).
+    Wire(&'q LookupRequest<'r, Vec<u8>>),
+    /// Chain or exact key fingerprinted from `token_ids` / `prompt_text`.
+    Fingerprint(&'q LookupRequest<'r, [u8; 8]>),
 }
 
-impl<H: AsRef<[u8]>> From<&LookupRequest<'_, H>> for OwnedLookupRequest {
-    fn from(r: &LookupRequest<'_, H>) -> Self {
-        Self {
-            tenant_id: r.tenant_id.to_string(),
-            model_id: r.model_id.to_string(),
-            hash_scheme: r.hash_scheme.to_string(),
-            adapter_id: r.adapter_id.to_string(),
-            prefix_hash: r.prefix_hash.to_vec(),
-            prefix_token_count: r.prefix_token_count,
-            block_hashes: r.block_hashes.iter().map(|h| h.as_ref().to_vec()).collect(),
-            block_token_counts: r.block_token_counts.to_vec(),
-            ttft_ms: r.ttft_ms,
-            tbt_ms: r.tbt_ms,
+impl RouteQuery<'_, '_> {
+    /// Runs the query on the engine index.
+    pub fn route_on(self, index: &Index) -> RouteResult {
+        match self {
+            Self::Wire(req) => index.lookup_route(req),
+            Self::Fingerprint(req) => index.lookup_route(req),
         }
     }
 }
 
-impl OwnedLookupRequest {
-    /// The borrowed form the engine takes.
-    pub fn as_request(&self) -> LookupRequest<'_, Vec<u8>> {
-        LookupRequest {
-            tenant_id: &self.tenant_id,
-            model_id: &self.model_id,
-            hash_scheme: &self.hash_scheme,
-            adapter_id: &self.adapter_id,
-            prefix_hash: &self.prefix_hash,
-            prefix_token_count: self.prefix_token_count,
-            block_hashes: &self.block_hashes,
-            block_token_counts: &self.block_token_counts,
-            ttft_ms: self.ttft_ms,
-            tbt_ms: self.tbt_ms,
-        }
+impl RouteIndex for Index {
+    /// Wait-free, so the deadline never interrupts it (the handler checks it afterwards).
+    fn route(&self, query: RouteQuery<'_, '_>, _deadline: Option<Instant>) -> Option<RouteResult> {
+        Some(query.route_on(self))
     }
 }
 
-/// Runs `index` on its own thread; `None` when the deadline fires first (the work is abandoned,
-/// not cancelled).
-fn call_abandonable(
-    index: std::sync::Arc<dyn BlockingRouteIndex>,
-    req: OwnedLookupRequest,
-    deadline: Option<Instant>,
-) -> Option<RouteResult> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(index.lookup_route(&req));
-    });
-    match deadline {
-        Some(d) => rx
-            .recv_timeout(d.saturating_duration_since(Instant::now()))
-            .ok(),
-        None => rx.recv().ok(),
+/// The chain element types the handler resolves to, each with its [`RouteQuery`] form.
+trait ChainHash: AsRef<[u8]> + Sized {
+    fn query<'q, 'r>(req: &'q LookupRequest<'r, Self>) -> RouteQuery<'q, 'r>;
+}
+
+impl ChainHash for Vec<u8> {
+    fn query<'q, 'r>(req: &'q LookupRequest<'r, Self>) -> RouteQuery<'q, 'r> {
+        RouteQuery::Wire(req)
+    }
+}
+
+impl ChainHash for [u8; 8] {
+    fn query<'q, 'r>(req: &'q LookupRequest<'r, Self>) -> RouteQuery<'q, 'r> {
+        RouteQuery::Fingerprint(req)
     }
 }
 
@@ -621,10 +593,14 @@ fn affinity<H: AsRef<[u8]>>(
         .map(|r| r.to_string())
 }
 
+/// Seed bytes kept on the stack: 1 KiB holds the O5 seed of 85 derived (8-byte) or 28 wire
+/// SHA-256 hashes; longer chains spill to the heap.
+pub type AffinitySeed = SmallVec<[u8; 1024]>;
+
 /// O5: `u32_be(len) ‖ hash` over a non-empty resolved chain, else the exact key, else none.
-pub fn affinity_seed<H: AsRef<[u8]>>(chain: &[H], exact: &[u8]) -> Option<Vec<u8>> {
+pub fn affinity_seed<H: AsRef<[u8]>>(chain: &[H], exact: &[u8]) -> Option<AffinitySeed> {
     if !chain.is_empty() {
-        let mut seed = Vec::with_capacity(chain.iter().map(|h| h.as_ref().len() + 4).sum());
+        let mut seed = AffinitySeed::new();
         for h in chain {
             let h = h.as_ref();
             seed.extend_from_slice(&u32::try_from(h.len()).unwrap_or(u32::MAX).to_be_bytes());
@@ -632,7 +608,7 @@ pub fn affinity_seed<H: AsRef<[u8]>>(chain: &[H], exact: &[u8]) -> Option<Vec<u8
         }
         return Some(seed);
     }
-    (!exact.is_empty()).then(|| exact.to_vec())
+    (!exact.is_empty()).then(|| AffinitySeed::from_slice(exact))
 }
 
 /// `u64_be(SHA-256(seed)[0..8])`, exposed for tests of the golden picks.
@@ -662,7 +638,8 @@ mod tests {
     fn affinity_seed_golden_chain() {
         let chain = [b"b1".to_vec(), b"b2".to_vec()];
         let seed = affinity_seed(&chain, b"ignored").unwrap();
-        assert_eq!(seed, [0, 0, 0, 2, b'b', b'1', 0, 0, 0, 2, b'b', b'2']);
+        assert_eq!(seed[..], [0, 0, 0, 2, b'b', b'1', 0, 0, 0, 2, b'b', b'2']);
+        assert!(!seed.spilled());
         assert_eq!(
             format!("{:016x}", seed_digest_prefix(&seed)),
             "81c893cc7a618745"
@@ -672,5 +649,20 @@ mod tests {
             "d274f6242b8bb8ff"
         );
         assert_eq!(affinity_seed::<Vec<u8>>(&[], b""), None);
+        let exact = affinity_seed::<Vec<u8>>(&[], b"any-fingerprint").unwrap();
+        assert_eq!(&exact[..], b"any-fingerprint");
+    }
+
+    #[test]
+    fn affinity_seed_longer_than_the_stack_buffer() {
+        // 100 SHA-256-sized hashes: 3600 seed bytes, past the inline 1 KiB.
+        let chain: Vec<Vec<u8>> = (0..100u8).map(|i| vec![i; 32]).collect();
+        let seed = affinity_seed(&chain, b"").unwrap();
+        assert!(seed.spilled());
+        assert_eq!(seed.len(), 100 * 36);
+        for (i, part) in seed.chunks(36).enumerate() {
+            assert_eq!(part[..4], [0, 0, 0, 32]);
+            assert!(part[4..].iter().all(|b| usize::from(*b) == i));
+        }
     }
 }

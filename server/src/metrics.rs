@@ -128,15 +128,17 @@ impl Metrics {
 
     /// One LookupRoute call (step 17): calls{model, reason_code, hint_used} and latency{model}.
     pub fn observe_lookup(&self, model: &str, reason: &str, hint_used: bool, elapsed: Duration) {
+        // The series is borrowed under the map's guard (held to the end): no reference count
+        // per call.
         let guard = self.lookups.guard();
-        let series = match self.lookups.get(model, &guard) {
-            Some(s) => s.clone(),
-            None => self
-                .lookups
-                .get_or_insert_with(model.into(), || Arc::new(ModelLookups::default()), &guard)
-                .clone(),
+        let series: &ModelLookups = match self.lookups.get(model, &guard) {
+            Some(s) => s,
+            None => self.lookups.get_or_insert_with(
+                model.into(),
+                || Arc::new(ModelLookups::default()),
+                &guard,
+            ),
         };
-        drop(guard);
         let slot = REASONS.iter().position(|r| *r == reason).unwrap_or(3);
         series.calls[slot][usize::from(hint_used)].fetch_add(1, Ordering::Relaxed);
         let secs = elapsed.as_secs_f64();
@@ -162,17 +164,17 @@ impl Metrics {
         let me = self as *const Self as usize;
         LOCAL_HISTOGRAM.with(|cell| {
             let mut cell = cell.borrow_mut();
-            let slot = match &*cell {
-                Some((owner, slot)) if *owner == me => slot.clone(),
-                _ => {
+            // Borrowed from the thread's cell: the Arc is cloned only when the slot is created.
+            let (_, slot) = match &mut *cell {
+                Some(mine) if mine.0 == me => mine,
+                other => {
                     let slot = Arc::new(Mutex::new(ThreadHistogram {
                         current: new_histogram(),
                         previous: new_histogram(),
                         window,
                     }));
                     self.index_latency.lock().push(slot.clone());
-                    *cell = Some((me, slot.clone()));
-                    slot
+                    other.insert((me, slot))
                 }
             };
             let mut h = slot.lock();

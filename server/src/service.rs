@@ -56,8 +56,6 @@ pub struct ServerOptions {
     pub tls: Option<Arc<rustls::ServerConfig>>,
     /// Tokenizer for `prompt_text` lookups; `None` fails those lookups open (`NO_HINT`).
     pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
-    /// Test seam: an index double for LookupRoute that may block (H7). Never set in production.
-    pub route_double: Option<Arc<dyn lookup::BlockingRouteIndex>>,
     /// Memory and rate limits (`docs/robustness.md`).
     pub limits: Limits,
 }
@@ -71,7 +69,6 @@ impl Default for ServerOptions {
             stream_max_subscribers: crate::streams::DEFAULT_MAX_SUBSCRIBERS,
             tls: None,
             tokenizer: None,
-            route_double: None,
             limits: Limits::default(),
         }
     }
@@ -91,7 +88,8 @@ struct Shared {
     tls: Option<Arc<rustls::ServerConfig>>,
     tokenizer: Option<Arc<dyn PromptTokenizer>>,
     tokenizer_slots: Arc<tokio::sync::Semaphore>,
-    route_double: Option<Arc<dyn lookup::BlockingRouteIndex>>,
+    /// What LookupRoute calls: `index` itself, unless built by [`AppState::with_route_index`].
+    route_index: Arc<dyn lookup::RouteIndex>,
     auth: std::sync::OnceLock<Arc<crate::auth::Auth>>,
     block_size: usize,
     ready: AtomicBool,
@@ -107,6 +105,17 @@ impl AppState {
 
     /// Builds the state over an injected clock (tests).
     pub fn with_clock(options: ServerOptions, clock: Arc<dyn Clock>) -> Self {
+        Self::with_route_index(options, clock, |index| index)
+    }
+
+    /// Builds the state with LookupRoute calling `route_index(index)` instead of the index
+    /// itself (everything else still uses the index). The wrapper gets the real index, so an
+    /// index double (H7) can answer from it.
+    pub fn with_route_index(
+        options: ServerOptions,
+        clock: Arc<dyn Clock>,
+        route_index: impl FnOnce(Arc<Index>) -> Arc<dyn lookup::RouteIndex>,
+    ) -> Self {
         let config = options.index.normalized();
         let policies = Arc::new(PolicyStore::new(
             config.global_ttl_ms.saturating_mul(1_000_000),
@@ -119,15 +128,16 @@ impl AppState {
             options.stream_max_subscribers,
         ));
         index.set_change_sink(broadcaster.clone());
+        let route_index = route_index(index.clone());
         Self {
             inner: Arc::new(Shared {
                 index,
+                route_index,
                 policies,
                 metrics,
                 broadcaster,
                 tls: options.tls.clone(),
                 tokenizer: options.tokenizer.clone(),
-                route_double: options.route_double.clone(),
                 auth: std::sync::OnceLock::new(),
                 tokenizer_slots: Arc::new(tokio::sync::Semaphore::new(
                     lookup::MAX_CONCURRENT_TOKENIZE,
@@ -195,9 +205,9 @@ impl AppState {
         self.inner.auth.get()
     }
 
-    /// The LookupRoute index double, if a test installed one.
-    pub fn route_double(&self) -> Option<&Arc<dyn lookup::BlockingRouteIndex>> {
-        self.inner.route_double.as_ref()
+    /// The index LookupRoute calls (borrowed: no reference count per call).
+    pub fn route_index(&self) -> &dyn lookup::RouteIndex {
+        &*self.inner.route_index
     }
 
     pub fn block_size(&self) -> usize {

@@ -5,14 +5,13 @@
 
 mod common;
 
-use common::{T0_US, TestServer, manual_state};
+use common::{SERVER_BIN, ServerProcess, T0_US, TestServer, lookup, manual_state};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_server::limits::{Exceeded, Limits};
 use inferencecache_server::policy::decode_push;
 use inferencecache_server::service::{AppState, ServerOptions};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -23,25 +22,14 @@ use tonic::transport::Channel;
 
 type Client = InferenceCacheClient<Channel>;
 
-const BIN: &str = env!("CARGO_BIN_EXE_inferencecache-server");
 const MIB: usize = 1024 * 1024;
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
+/// A legacy prefix of tenant `t`.
 fn legacy(replica: &str, hash: &[u8], tokens: i32) -> pb::CacheStateUpdate {
-    pb::CacheStateUpdate {
-        replica_id: replica.into(),
-        model_id: "m".into(),
-        tenant_id: "t".into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            prefix_hash: hash.to_vec(),
-            token_count: tokens,
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
+    common::legacy_update(replica, "t", hash, tokens)
 }
 
 fn chain_entry(tag: u8, blocks: usize, hash_len: usize) -> pb::PrefixEntry {
@@ -69,15 +57,9 @@ fn update_of(prefixes: Vec<pb::PrefixEntry>) -> pb::CacheStateUpdate {
     }
 }
 
+/// An exact lookup of tenant `t`.
 fn exact(hash: &[u8], tokens: i32) -> pb::LookupRouteRequest {
-    pb::LookupRouteRequest {
-        tenant_id: "t".into(),
-        model_id: "m".into(),
-        hash_scheme: "vllm".into(),
-        prefix_hash: hash.to_vec(),
-        prefix_token_count: tokens,
-        ..Default::default()
-    }
+    common::exact_lookup("t", hash, tokens)
 }
 
 fn chain_req(entry: &pb::PrefixEntry) -> pb::LookupRouteRequest {
@@ -89,13 +71,6 @@ fn chain_req(entry: &pb::PrefixEntry) -> pb::LookupRouteRequest {
         block_token_counts: entry.block_token_counts.clone(),
         ..Default::default()
     }
-}
-
-async fn lookup(c: &mut Client, req: pb::LookupRouteRequest) -> pb::LookupRouteResponse {
-    c.lookup_route(req)
-        .await
-        .expect("LookupRoute never returns an error status")
-        .into_inner()
 }
 
 async fn report(c: &mut Client, updates: Vec<pb::CacheStateUpdate>) {
@@ -137,117 +112,16 @@ async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     f()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// The real binary, in a fresh directory named after the test.
+fn start_binary(name: &str, extra: &[&str]) -> ServerProcess {
+    ServerProcess::start(&common::temp_dir(&format!("faults-{name}")), extra)
 }
 
-/// The real binary on loopback ports, stderr captured to a file.
-struct Binary {
-    child: Child,
-    grpc: u16,
-    http: u16,
-    log: PathBuf,
-}
-
-impl Binary {
-    fn start(name: &str, extra: &[&str]) -> Self {
-        let dir = std::env::temp_dir().join(format!("ic-faults-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let (grpc, http) = (free_port(), free_port());
-        let log = dir.join("stderr.log");
-        let child = Command::new(BIN)
-            .args([
-                "--grpc-bind-address".to_string(),
-                format!("127.0.0.1:{grpc}"),
-                "--http-bind-address".into(),
-                format!("127.0.0.1:{http}"),
-                "--snapshot-bind-address".into(),
-                format!("127.0.0.1:{}", free_port()),
-            ])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start server");
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", grpc)).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "server did not listen: {}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Self {
-            child,
-            grpc,
-            http,
-            log,
-        }
-    }
-
-    fn pid(&self) -> i32 {
-        i32::try_from(self.child.id()).unwrap()
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    async fn channel(&self) -> Channel {
-        Channel::from_shared(format!("http://127.0.0.1:{}", self.grpc))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap()
-    }
-
-    fn open_fds(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
-            .map(|d| d.count())
-            .unwrap_or(0)
-    }
-
-    fn sigterm(&self) {
-        // SAFETY: kill(2) with a pid this test spawned and still owns (not yet reaped).
-        let rc = unsafe { libc::kill(self.pid(), libc::SIGTERM) };
-        assert_eq!(rc, 0, "kill(SIGTERM)");
-    }
-
-    /// Waits (off the runtime's workers) for the exit code.
-    async fn wait(mut self) -> (Option<i32>, String) {
-        let mut child = std::mem::replace(&mut self.child, Command::new("true").spawn().unwrap());
-        let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-            .await
-            .unwrap();
-        (status.code(), self.logs())
-    }
-}
-
-impl Drop for Binary {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// GET on the public HTTP listener; returns the body.
-async fn http_get(port: u16, path: &str) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).to_string();
-    text.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
+/// Descriptors the child holds open (Linux `/proc`).
+fn open_fds(server: &ServerProcess) -> usize {
+    std::fs::read_dir(format!("/proc/{}/fd", server.pid()))
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 fn metric(text: &str, series: &str) -> Option<f64> {
@@ -404,7 +278,7 @@ async fn sv55_cancelled_producer_stream_keeps_the_first_update() {
 async fn sigterm_under_load_completes_in_flight_rpcs_and_exits_0() {
     // One event per second per producer: the second PublishEvent is parked in the rate limiter,
     // i.e. in flight, when the signal arrives.
-    let server = Binary::start("sigterm", &["--producer-max-blocks-per-sec", "1"]);
+    let server = start_binary("sigterm", &["--producer-max-blocks-per-sec", "1"]);
     let ch = server.channel().await;
     let event = |hash: &[u8]| pb::CacheEvent {
         r#type: pb::cache_event::Type::PrefixEvicted as i32,
@@ -450,7 +324,8 @@ async fn sigterm_under_load_completes_in_flight_rpcs_and_exits_0() {
     // The second event is waiting for its budget (and nothing else waits).
     let waiting = Instant::now();
     loop {
-        let metrics = http_get(server.http, "/metrics").await;
+        let http = std::net::SocketAddr::from(([127, 0, 0, 1], server.http));
+        let (_, _, metrics) = common::http_request(http, "GET", "/metrics", "").await;
         let throttled = metric(&metrics, "inferencecache_producer_throttled_total");
         if throttled == Some(1.0) {
             break;
@@ -668,9 +543,9 @@ async fn ten_thousand_connections_open_and_close() {
         "RLIMIT_NOFILE hard limit {limit} is too low for this test"
     );
     // The child inherits the raised limit.
-    let server = Binary::start("conns", &[]);
+    let server = start_binary("conns", &[]);
     let mut c = Client::new(server.channel().await);
-    let baseline = server.open_fds();
+    let baseline = open_fds(&server);
     let port = server.grpc;
     for wave in 0..WAVES {
         let mut open = Vec::with_capacity(PER_WAVE);
@@ -693,7 +568,7 @@ async fn ten_thousand_connections_open_and_close() {
             if open.len() % 100 == 0 {
                 let want = baseline + open.len() - 20;
                 let paced = Instant::now();
-                while server.open_fds() < want && paced.elapsed() < Duration::from_secs(10) {
+                while open_fds(&server) < want && paced.elapsed() < Duration::from_secs(10) {
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
             }
@@ -704,10 +579,10 @@ async fn ten_thousand_connections_open_and_close() {
         drop(open);
         // Every closed connection's descriptor is released.
         let start = Instant::now();
-        let mut fds = server.open_fds();
+        let mut fds = open_fds(&server);
         while fds > baseline + 16 && start.elapsed() < Duration::from_secs(15) {
             tokio::time::sleep(Duration::from_millis(20)).await;
-            fds = server.open_fds();
+            fds = open_fds(&server);
         }
         assert!(
             fds <= baseline + 16,
@@ -1144,7 +1019,7 @@ fn invalid_limit_values_are_startup_errors() {
         &["--max-chain-length", "-1"],
         &["--producer-max-blocks-per-sec", "many"],
     ] {
-        let out = Command::new(BIN).args(args).output().unwrap();
+        let out = Command::new(SERVER_BIN).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
     }
 }

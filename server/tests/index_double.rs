@@ -1,91 +1,82 @@
 //! Deadlines around an index that may block (H2, H7, SV27, SV28, SV30, SV45), using a double
-//! installed through `ServerOptions::route_double`.
+//! installed through `AppState::with_route_index`.
 
 mod common;
 
-use common::{TestServer, manual_state};
-use inferencecache_engine::{Index, RouteResult};
+use common::{T0_US, TestServer, lookup};
+use inferencecache_engine::{Index, ManualClock, RouteResult};
 use inferencecache_proto::v1alpha1 as pb;
-use inferencecache_server::lookup::{BlockingRouteIndex, OwnedLookupRequest};
+use inferencecache_server::lookup::{RouteIndex, RouteQuery};
 use inferencecache_server::policy::decode_push;
-use inferencecache_server::service::ServerOptions;
+use inferencecache_server::service::{AppState, ServerOptions};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-/// Sleeps, then answers from the real index (or never answers).
+/// Answers from the real index after a delay (or never), from its own thread, so a caller with
+/// a deadline abandons it the way H7 asks of a blocking index.
 struct SlowIndex {
     delay: Option<Duration>,
-    real: OnceLock<Arc<Index>>,
+    real: Arc<Index>,
     calls: AtomicUsize,
 }
 
-impl SlowIndex {
-    fn new(delay: Option<Duration>) -> Arc<Self> {
-        Arc::new(Self {
-            delay,
-            real: OnceLock::new(),
-            calls: AtomicUsize::new(0),
-        })
-    }
-}
-
-impl BlockingRouteIndex for SlowIndex {
-    fn lookup_route(&self, req: &OwnedLookupRequest) -> RouteResult {
+impl RouteIndex for SlowIndex {
+    fn route(&self, query: RouteQuery<'_, '_>, deadline: Option<Instant>) -> Option<RouteResult> {
         self.calls.fetch_add(1, Ordering::SeqCst);
-        match self.delay {
-            Some(d) => std::thread::sleep(d),
-            None => loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            },
+        // The answer is taken now and delivered late; an abandoned answer is dropped unread, so
+        // its captured hits are never credited.
+        let result = query.route_on(&self.real);
+        let delay = self.delay;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            match delay {
+                Some(d) => std::thread::sleep(d),
+                None => loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                },
+            }
+            let _ = tx.send(result);
+        });
+        match deadline {
+            Some(d) => rx
+                .recv_timeout(d.saturating_duration_since(Instant::now()))
+                .ok(),
+            None => rx.recv().ok(),
         }
-        self.real
-            .get()
-            .expect("real index installed")
-            .lookup_route(&req.as_request())
     }
 }
 
-async fn start(double: Arc<SlowIndex>) -> TestServer {
-    let options = ServerOptions {
-        route_double: Some(double.clone()),
-        ..Default::default()
-    };
-    let server = TestServer::start_with(manual_state(options).0).await;
-    let _ = double.real.set(server.state.index().clone());
-    server
+/// A server whose LookupRoute goes through a [`SlowIndex`] with `delay`; returns the double too.
+async fn start(delay: Option<Duration>) -> (TestServer, Arc<SlowIndex>) {
+    let mut double = None;
+    let clock = Arc::new(ManualClock::new(T0_US));
+    let state = AppState::with_route_index(ServerOptions::default(), clock, |real| {
+        let slow = Arc::new(SlowIndex {
+            delay,
+            real,
+            calls: AtomicUsize::new(0),
+        });
+        double = Some(slow.clone());
+        slow
+    });
+    let double = double.expect("route index built");
+    (TestServer::start_with(state).await, double)
 }
 
+/// A legacy prefix on replica `r1` of tenant `t`.
 fn legacy(hash: &[u8], tokens: i32) -> pb::CacheStateUpdate {
-    pb::CacheStateUpdate {
-        replica_id: "r1".into(),
-        model_id: "m".into(),
-        tenant_id: "t".into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            prefix_hash: hash.to_vec(),
-            token_count: tokens,
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
+    common::legacy_update("r1", "t", hash, tokens)
 }
 
+/// An exact lookup of tenant `t`.
 fn exact(hash: &[u8], tokens: i32) -> pb::LookupRouteRequest {
-    pb::LookupRouteRequest {
-        tenant_id: "t".into(),
-        model_id: "m".into(),
-        hash_scheme: "vllm".into(),
-        prefix_hash: hash.to_vec(),
-        prefix_token_count: tokens,
-        ..Default::default()
-    }
+    common::exact_lookup("t", hash, tokens)
 }
 
 #[tokio::test]
 async fn sv27_budget_exceeded_is_timeout_and_never_credited() {
-    let double = SlowIndex::new(Some(Duration::from_millis(50)));
-    let server = start(double.clone()).await;
+    let (server, _double) = start(Some(Duration::from_millis(50))).await;
     server.state.policies().replace_pushed(
         decode_push(
             br#"{"version":7,"policies":[{"namespace":"t","lookupTimeoutMs":5,"eviction":"lfu"}]}"#,
@@ -96,7 +87,7 @@ async fn sv27_budget_exceeded_is_timeout_and_never_credited() {
     c.report_cache_state(tokio_stream::iter(vec![legacy(b"p", 128)]))
         .await
         .unwrap();
-    let r = c.lookup_route(exact(b"p", 128)).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact(b"p", 128)).await;
     assert_eq!(r.reason_code, "TIMEOUT");
     assert!(r.replica_scores.is_empty());
     assert_eq!(r.adapter_id, "");
@@ -113,15 +104,14 @@ async fn sv27_budget_exceeded_is_timeout_and_never_credited() {
 
 #[tokio::test]
 async fn sv28_blocking_index_times_out_at_the_budget() {
-    let double = SlowIndex::new(None);
-    let server = start(double).await;
+    let (server, _double) = start(None).await;
     server.state.policies().replace_pushed(
         decode_push(br#"{"version":7,"policies":[{"namespace":"t","lookupTimeoutMs":20}]}"#)
             .unwrap(),
     );
     let mut c = server.client().await;
     let started = Instant::now();
-    let r = c.lookup_route(exact(b"p", 0)).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact(b"p", 0)).await;
     assert_eq!(r.reason_code, "TIMEOUT");
     assert!(started.elapsed() < Duration::from_secs(1));
     server.shutdown().await;
@@ -129,14 +119,13 @@ async fn sv28_blocking_index_times_out_at_the_budget() {
 
 #[tokio::test]
 async fn sv30_gate_skips_the_index_call() {
-    let double = SlowIndex::new(Some(Duration::from_millis(1)));
-    let server = start(double.clone()).await;
+    let (server, double) = start(Some(Duration::from_millis(1))).await;
     server.state.policies().replace_pushed(
         decode_push(br#"{"version":7,"policies":[{"namespace":"t","minimumPrefixTokens":200,"affinityRouting":false}]}"#)
             .unwrap(),
     );
     let mut c = server.client().await;
-    let r = c.lookup_route(exact(b"p", 10)).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact(b"p", 10)).await;
     assert_eq!(r.reason_code, "NO_HINT");
     assert_eq!(double.calls.load(Ordering::SeqCst), 0, "index not called");
     // SV39 too: requireChain refuses before the index.
@@ -146,7 +135,7 @@ async fn sv30_gate_skips_the_index_call() {
         )
         .unwrap(),
     );
-    let r = c.lookup_route(exact(b"p", 10)).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact(b"p", 10)).await;
     assert_eq!(r.reason_code, "POLICY_REQUIRES_CHAIN");
     assert_eq!(double.calls.load(Ordering::SeqCst), 0, "index not called");
     server.shutdown().await;
@@ -154,23 +143,22 @@ async fn sv30_gate_skips_the_index_call() {
 
 #[tokio::test]
 async fn sv45_latency_is_measured_by_the_server() {
-    let double = SlowIndex::new(Some(Duration::from_millis(50)));
-    let server = start(double).await;
+    let (server, _double) = start(Some(Duration::from_millis(50))).await;
     let mut c = server.client().await;
     c.report_cache_state(tokio_stream::iter(vec![legacy(b"p", 128)]))
         .await
         .unwrap();
-    let r = c.lookup_route(exact(b"p", 128)).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact(b"p", 128)).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH");
     assert!(r.lookup_latency_us >= 50_000, "{}", r.lookup_latency_us);
-    let probe = c
-        .lookup_route(pb::LookupRouteRequest {
+    let probe = lookup(
+        &mut c,
+        pb::LookupRouteRequest {
             tenant_id: "inferencecache.io/probe".into(),
             ..exact(b"p", 0)
-        })
-        .await
-        .unwrap()
-        .into_inner();
+        },
+    )
+    .await;
     assert_eq!(probe.reason_code, "NO_HINT");
     assert!(probe.lookup_latency_us >= 0);
     let (_, _, metrics) = common::http_request(server.http, "GET", "/metrics", "").await;

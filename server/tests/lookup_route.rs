@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{TestServer, manual_state};
+use common::{TestServer, lookup, manual_state};
 use inferencecache_engine::fingerprint;
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
@@ -13,19 +13,9 @@ use tonic::transport::Channel;
 type Client = InferenceCacheClient<Channel>;
 
 fn legacy(replica: &str, hash: &[u8], tokens: i32, tier: i32) -> pb::CacheStateUpdate {
-    pb::CacheStateUpdate {
-        replica_id: replica.into(),
-        model_id: "m".into(),
-        tenant_id: "t".into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            prefix_hash: hash.to_vec(),
-            token_count: tokens,
-            tier,
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
+    let mut update = common::legacy_update(replica, "t", hash, tokens);
+    update.prefixes[0].tier = tier;
+    update
 }
 
 fn chain_update(replica: &str, hashes: &[&[u8]], per_block: i32) -> pb::CacheStateUpdate {
@@ -69,12 +59,9 @@ fn exact(
     tokens: i32,
 ) -> pb::LookupRouteRequest {
     pb::LookupRouteRequest {
-        tenant_id: tenant.into(),
         model_id: model.into(),
         hash_scheme: scheme.into(),
-        prefix_hash: hash.to_vec(),
-        prefix_token_count: tokens,
-        ..Default::default()
+        ..common::exact_lookup(tenant, hash, tokens)
     }
 }
 
@@ -87,14 +74,6 @@ fn chain_req(hashes: &[&[u8]], per_block: i32) -> pb::LookupRouteRequest {
         block_token_counts: vec![per_block; hashes.len()],
         ..Default::default()
     }
-}
-
-async fn lookup(client: &mut Client, req: pb::LookupRouteRequest) -> pb::LookupRouteResponse {
-    client
-        .lookup_route(req)
-        .await
-        .expect("LookupRoute never returns an error status")
-        .into_inner()
 }
 
 fn push(server: &TestServer, body: &str) {

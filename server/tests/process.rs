@@ -1,147 +1,41 @@
 //! The real binary: configuration file precedence and reload (SV13), TLS flag validation (SV14),
 //! producer auth (SV18), JSON logs and graceful shutdown (SV11, §13).
 
+mod common;
+
+use common::{SERVER_BIN, ServerProcess, exact_lookup, free_port, legacy_update, lookup, temp_dir};
 use inferencecache_proto::v1alpha1 as pb;
-use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-use tonic::transport::Channel;
 
-const BIN: &str = env!("CARGO_BIN_EXE_inferencecache-server");
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ic-process-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-struct Server {
-    child: Child,
-    grpc: u16,
-    log: PathBuf,
-}
-
-impl Server {
-    fn start(dir: &Path, extra: &[&str]) -> Self {
-        let grpc = free_port();
-        let log = dir.join("stderr.log");
-        let mut args: Vec<String> = vec![
-            "--http-bind-address".into(),
-            format!("127.0.0.1:{}", free_port()),
-            "--snapshot-bind-address".into(),
-            format!("127.0.0.1:{}", free_port()),
-        ];
-        if !extra.contains(&"--grpc-bind-address") {
-            args.push("--grpc-bind-address".into());
-            args.push(format!("127.0.0.1:{grpc}"));
-        }
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let child = Command::new(BIN)
-            .args(&args)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start server");
-        let server = Self { child, grpc, log };
-        server.wait_listening();
-        server
-    }
-
-    fn wait_listening(&self) {
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", self.grpc)).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "server did not listen: {}",
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    async fn client(&self) -> InferenceCacheClient<Channel> {
-        let ch = Channel::from_shared(format!("http://127.0.0.1:{}", self.grpc))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        InferenceCacheClient::new(ch)
-    }
-
-    /// SIGTERM (through the `kill` command, no libc binding needed), then the exit code and
-    /// logs. Waits on a blocking thread so the test's own gRPC client keeps being driven.
-    async fn terminate(mut self) -> (i32, String) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let mut child = std::mem::replace(&mut self.child, Command::new("true").spawn().unwrap());
-        let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-            .await
-            .unwrap();
-        let logs = self.logs();
-        (status.code().unwrap_or(-1), logs)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// SIGTERM, then the exit code (-1 for a signal) and the logs.
+async fn terminate(server: ServerProcess) -> (i32, String) {
+    server.sigterm();
+    let (code, logs) = server.wait().await;
+    (code.unwrap_or(-1), logs)
 }
 
 fn exit_code(args: &[&str]) -> (i32, String) {
-    let out = Command::new(BIN).args(args).output().unwrap();
+    let out = Command::new(SERVER_BIN).args(args).output().unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stderr).to_string(),
     )
 }
 
+/// A 128-token legacy prefix on replica `r1`.
 fn legacy(tenant: &str, hash: &[u8]) -> pb::CacheStateUpdate {
-    pb::CacheStateUpdate {
-        replica_id: "r1".into(),
-        model_id: "m".into(),
-        tenant_id: tenant.into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            prefix_hash: hash.to_vec(),
-            token_count: 128,
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
+    legacy_update("r1", tenant, hash, 128)
 }
 
+/// A 128-token exact lookup.
 fn exact(tenant: &str, hash: &[u8]) -> pb::LookupRouteRequest {
-    pb::LookupRouteRequest {
-        tenant_id: tenant.into(),
-        model_id: "m".into(),
-        hash_scheme: "vllm".into(),
-        prefix_hash: hash.to_vec(),
-        prefix_token_count: 128,
-        ..Default::default()
-    }
+    exact_lookup(tenant, hash, 128)
 }
 
 #[test]
 fn sv14_tls_flag_validation() {
-    let dir = temp_dir("sv14");
+    let dir = temp_dir("process-sv14");
     let cert = dir.join("missing-cert.pem");
     let key = dir.join("missing-key.pem");
     let (code, err) = exit_code(&["--tls-cert-file", cert.to_str().unwrap()]);
@@ -163,7 +57,7 @@ fn sv14_tls_flag_validation() {
 
 #[test]
 fn config_file_errors_exit_2() {
-    let dir = temp_dir("badcfg");
+    let dir = temp_dir("process-badcfg");
     let cfg = dir.join("bad.toml");
     std::fs::write(&cfg, "bogus_key = 1\n").unwrap();
     assert_eq!(exit_code(&["--config", cfg.to_str().unwrap()]).0, 2);
@@ -175,7 +69,7 @@ fn config_file_errors_exit_2() {
 
 #[tokio::test]
 async fn sv13_config_file_precedence_and_reload() {
-    let dir = temp_dir("sv13");
+    let dir = temp_dir("process-sv13");
     let cfg = dir.join("config.toml");
     let write = |body: &str| std::fs::write(&cfg, body).unwrap();
     // The file asks for another gRPC address; the flag wins.
@@ -189,7 +83,7 @@ tenantID = "team-q"
 maxIndexEntries = 0
 "#,
     );
-    let server = Server::start(
+    let server = ServerProcess::start(
         &dir,
         &["--config", cfg.to_str().unwrap(), "--log-level", "debug"],
     );
@@ -197,11 +91,7 @@ maxIndexEntries = 0
     c.report_cache_state(tokio_stream::iter(vec![legacy("team-a", b"p")]))
         .await
         .unwrap();
-    let r = c
-        .lookup_route(exact("team-a", b"p"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, exact("team-a", b"p")).await;
     assert_eq!(
         r.reason_code, "POLICY_REQUIRES_CHAIN",
         "the file's namespace policy applies"
@@ -216,11 +106,7 @@ minimumMatchedTokens = 0
     );
     let deadline = Instant::now() + Duration::from_secs(6);
     loop {
-        let r = c
-            .lookup_route(exact("team-a", b"p"))
-            .await
-            .unwrap()
-            .into_inner();
+        let r = lookup(&mut c, exact("team-a", b"p")).await;
         if r.reason_code == "PREFIX_MATCH" {
             break;
         }
@@ -234,13 +120,9 @@ minimumMatchedTokens = 0
     // An invalid edit keeps the previous layer.
     write("[[policy.namespaces]]\nnamespace = \"team-a\"\nnot_a_key = 1\n");
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let r = c
-        .lookup_route(exact("team-a", b"p"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, exact("team-a", b"p")).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH");
-    let (code, logs) = server.terminate().await;
+    let (code, logs) = terminate(server).await;
     assert_eq!(code, 0, "{logs}");
     assert!(logs.contains("\"msg\":\"config_reloaded\""), "{logs}");
     assert!(logs.contains("\"msg\":\"config_reload_failed\""), "{logs}");
@@ -252,10 +134,10 @@ minimumMatchedTokens = 0
 
 #[tokio::test]
 async fn sv18_producer_token_guards_producer_rpcs_only() {
-    let dir = temp_dir("sv18");
+    let dir = temp_dir("process-sv18");
     let tokens = dir.join("producer.tokens");
     std::fs::write(&tokens, "# producers\nsecret-1\n").unwrap();
-    let server = Server::start(&dir, &["--producer-token-file", tokens.to_str().unwrap()]);
+    let server = ServerProcess::start(&dir, &["--producer-token-file", tokens.to_str().unwrap()]);
     let mut c = server.client().await;
     let err = c
         .report_cache_state(tokio_stream::iter(vec![legacy("t", b"p")]))
@@ -275,11 +157,7 @@ async fn sv18_producer_token_guards_producer_rpcs_only() {
         tonic::Code::Unauthenticated
     );
     assert_eq!(
-        c.lookup_route(exact("t", b"p"))
-            .await
-            .unwrap()
-            .into_inner()
-            .reason_code,
+        lookup(&mut c, exact("t", b"p")).await.reason_code,
         "NO_HINT",
         "nothing applied"
     );
@@ -289,7 +167,7 @@ async fn sv18_producer_token_guards_producer_rpcs_only() {
     c.report_cache_state(good)
         .await
         .expect("a valid token is accepted");
-    let r = c.lookup_route(exact("t", b"p")).await.unwrap().into_inner();
+    let r = lookup(&mut c, exact("t", b"p")).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH", "consumer RPCs need no token");
     let state = c
         .get_cache_state(pb::GetCacheStateRequest {
@@ -298,18 +176,18 @@ async fn sv18_producer_token_guards_producer_rpcs_only() {
         })
         .await;
     assert!(state.is_ok());
-    let (code, logs) = server.terminate().await;
+    let (code, logs) = terminate(server).await;
     assert_eq!(code, 0);
     assert!(!logs.contains("secret-1"), "tokens are never logged");
 }
 
 #[tokio::test]
 async fn sv11_json_logs_and_graceful_shutdown() {
-    let dir = temp_dir("sv11");
-    let server = Server::start(&dir, &[]);
+    let dir = temp_dir("process-sv11");
+    let server = ServerProcess::start(&dir, &[]);
     let mut c = server.client().await;
     let _ = c.lookup_route(exact("t", b"secret-prefix")).await.unwrap();
-    let (code, logs) = server.terminate().await;
+    let (code, logs) = terminate(server).await;
     assert_eq!(code, 0, "{logs}");
     let records: Vec<serde_json::Value> = logs
         .lines()

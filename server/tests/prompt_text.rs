@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{TestServer, manual_state};
+use common::{TestServer, lookup, manual_state};
 use inferencecache_engine::fingerprint;
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_server::policy::decode_push;
@@ -79,11 +79,7 @@ async fn sv49_prompt_text_matches_with_echo() {
     c.report_cache_state(tokio_stream::iter(vec![update]))
         .await
         .unwrap();
-    let r = c
-        .lookup_route(prompt("m", "hello there"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("m", "hello there")).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH");
     assert_eq!(r.replica_scores[0].matched_tokens, 64);
     assert_eq!(r.token_ids, tokens, "tokens are echoed");
@@ -92,11 +88,7 @@ async fn sv49_prompt_text_matches_with_echo() {
         [("m".to_string(), "hello there".to_string())]
     );
     // An unknown model fails open without echo.
-    let r = c
-        .lookup_route(prompt("unknown", "hello"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("unknown", "hello")).await;
     assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
     server.shutdown().await;
 }
@@ -109,11 +101,7 @@ async fn sv50_sub_block_prompt_fails_open_with_echo() {
     });
     let server = server_with(double).await;
     let mut c = server.client().await;
-    let r = c
-        .lookup_route(prompt("m", "hi"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("m", "hi")).await;
     assert_eq!(r.reason_code, "NO_HINT");
     assert_eq!(
         r.token_ids,
@@ -137,11 +125,7 @@ async fn stalled_tokenizer_times_out_within_the_deadline() {
     );
     let mut c = server.client().await;
     let started = Instant::now();
-    let r = c
-        .lookup_route(prompt("m", "slow"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("m", "slow")).await;
     assert_eq!(r.reason_code, "TIMEOUT");
     assert!(r.token_ids.is_empty());
     assert!(
@@ -161,22 +145,14 @@ async fn sv48_oversized_prompt_and_missing_tokenizer_fail_open() {
     let server = server_with(double.clone()).await;
     let mut c = server.client().await;
     let big = "x".repeat((1 << 20) + 1);
-    let r = c
-        .lookup_route(prompt("m", &big))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("m", &big)).await;
     assert_eq!(r.reason_code, "NO_HINT");
     assert!(double.calls.lock().unwrap().is_empty(), "never tokenized");
     server.shutdown().await;
 
     let server = TestServer::start().await;
     let mut c = server.client().await;
-    let r = c
-        .lookup_route(prompt("m", "no tokenizer configured"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("m", "no tokenizer configured")).await;
     assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
     server.shutdown().await;
 }
@@ -195,11 +171,7 @@ async fn require_chain_refuses_prompt_text_before_tokenizing() {
         .unwrap(),
     );
     let mut c = server.client().await;
-    let r = c
-        .lookup_route(prompt("m", "hello"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("m", "hello")).await;
     assert_eq!(r.reason_code, "POLICY_REQUIRES_CHAIN");
     assert!(double.calls.lock().unwrap().is_empty());
     server.shutdown().await;
@@ -217,10 +189,7 @@ async fn saturated_tokenizer_fails_open_without_waiting() {
     for _ in 0..64 {
         let mut c = server.client().await;
         busy.push(tokio::spawn(async move {
-            c.lookup_route(prompt("m", "slow"))
-                .await
-                .unwrap()
-                .into_inner()
+            lookup(&mut c, prompt("m", "slow")).await
         }));
     }
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -230,11 +199,7 @@ async fn saturated_tokenizer_fails_open_without_waiting() {
     }
     let mut c = server.client().await;
     let started = Instant::now();
-    let r = c
-        .lookup_route(prompt("m", "one too many"))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("m", "one too many")).await;
     assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
     assert!(
         started.elapsed() < Duration::from_millis(300),

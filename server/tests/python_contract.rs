@@ -5,18 +5,11 @@
 //! Needs `python3` with the packages in `server/tests/python/requirements.txt`. Without them the
 //! test is skipped locally and fails under CI (where `.ci/run` installs them).
 
-use std::net::TcpListener;
+mod common;
+
+use common::ServerProcess;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn python_ready() -> bool {
     Command::new("python3")
@@ -29,15 +22,6 @@ fn python_ready() -> bool {
 
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "0" && v != "false")
-}
-
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]
@@ -53,41 +37,22 @@ fn python_grpcio_client_agrees_with_the_server() {
         return;
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let (grpc, http, snapshot) = (free_port(), free_port(), free_port());
-    let server = Child(
-        Command::new(env!("CARGO_BIN_EXE_inferencecache-server"))
-            .args([
-                "--grpc-bind-address",
-                &format!("127.0.0.1:{grpc}"),
-                "--http-bind-address",
-                &format!("127.0.0.1:{http}"),
-                "--snapshot-bind-address",
-                &format!("127.0.0.1:{snapshot}"),
-                "--log-level",
-                "warn",
-            ])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start inferencecache-server"),
+    let server = ServerProcess::start(
+        &common::temp_dir("python-contract"),
+        &["--log-level", "warn"],
     );
-    let start = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", grpc)).is_err() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "server did not listen on {grpc}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let grpc = server.grpc;
     let output = Command::new("python3")
         .arg(root.join("tests/python/contract_client.py"))
         .args(["--target", &format!("127.0.0.1:{grpc}"), "--proto-root"])
         .arg(root.join("../proto"))
         .output()
         .expect("run python3");
+    let server_logs = server.logs();
     drop(server);
     assert!(
         output.status.success(),
-        "python contract client failed:\nstdout: {}\nstderr: {}",
+        "python contract client failed:\nstdout: {}\nstderr: {}\nserver: {server_logs}",
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );

@@ -42,11 +42,9 @@ impl Ca {
     }
 }
 
+/// A fresh directory for one TLS test.
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ic-tls-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::temp_dir(&format!("tls-{name}"))
 }
 
 fn write_newer(path: &Path, contents: &str) {

@@ -2,13 +2,12 @@
 //! and a ChatML-style `tokenizer_config.json` in a temporary models dir, served by the real
 //! binary (server.md §7.2–§7.4; SV46–SV50).
 
+mod common;
+
+use common::{ServerProcess, lookup};
 use inferencecache_engine::fingerprint;
 use inferencecache_proto::v1alpha1 as pb;
-use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 use tokenizers::models::wordlevel::WordLevel;
 use tokenizers::pre_tokenizers::whitespace::WhitespaceSplit;
 use tokenizers::{AddedToken, Tokenizer};
@@ -76,33 +75,11 @@ fn expected_tokens(prompt: &str) -> Vec<u32> {
         .to_vec()
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Server(Child, u16);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start(models: &Path) -> Server {
-    let grpc = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_inferencecache-server"))
-        .args([
-            "--grpc-bind-address",
-            &format!("127.0.0.1:{grpc}"),
-            "--http-bind-address",
-            &format!("127.0.0.1:{}", free_port()),
-            "--snapshot-bind-address",
-            &format!("127.0.0.1:{}", free_port()),
+/// The binary with the models directory (and its config) of [`models_dir`].
+fn start(models: &Path) -> ServerProcess {
+    ServerProcess::start(
+        models,
+        &[
             "--engine-block-size",
             &BLOCK.to_string(),
             "--tokenizer-models-dir",
@@ -111,20 +88,8 @@ fn start(models: &Path) -> Server {
             models.join("server.toml").to_str().unwrap(),
             "--log-level",
             "warn",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", grpc)).is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "server did not start"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Server(child, grpc)
+        ],
+    )
 }
 
 fn prompt(model: &str, text: &str) -> pb::LookupRouteRequest {
@@ -141,22 +106,13 @@ fn prompt(model: &str, text: &str) -> pb::LookupRouteRequest {
 async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     let models = models_dir();
     let server = start(&models);
-    let channel = tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", server.1))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut c = InferenceCacheClient::new(channel);
+    let mut c = server.client().await;
 
     let text = "hello world cache route hello world";
     let expected = expected_tokens(text);
     assert_eq!(expected.len(), 11, "{expected:?}");
     // Nothing indexed yet: the answer is built after tokenizing, so the tokens are echoed.
-    let r = c
-        .lookup_route(prompt("org/chat", text))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("org/chat", text)).await;
     assert_eq!(r.reason_code, "NO_HINT");
     assert_eq!(
         r.token_ids, expected,
@@ -180,11 +136,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     c.report_cache_state(tokio_stream::iter(vec![update]))
         .await
         .unwrap();
-    let r = c
-        .lookup_route(prompt("org/chat", text))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("org/chat", text)).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH");
     assert_eq!(
         r.replica_scores[0].matched_tokens, BLOCK as i32,
@@ -193,11 +145,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     assert_eq!(r.token_ids, expected);
 
     // A sub-block prompt fails open with echo.
-    let short = c
-        .lookup_route(prompt("org/chat", "hi"))
-        .await
-        .unwrap()
-        .into_inner();
+    let short = lookup(&mut c, prompt("org/chat", "hi")).await;
     assert_eq!(short.reason_code, "NO_HINT");
     assert_eq!(short.token_ids, expected_tokens("hi"));
     // Unknown or unsafe model ids and oversized text fail open without echo.
@@ -209,11 +157,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
         "org\\chat",
         "",
     ] {
-        let r = c
-            .lookup_route(prompt(model, text))
-            .await
-            .unwrap()
-            .into_inner();
+        let r = lookup(&mut c, prompt(model, text)).await;
         assert_eq!(
             (r.reason_code.as_str(), r.token_ids.len()),
             ("NO_HINT", 0),
@@ -221,11 +165,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
         );
     }
     let huge = "hello ".repeat((1 << 20) / 6 + 1);
-    let r = c
-        .lookup_route(prompt("org/chat", &huge))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = lookup(&mut c, prompt("org/chat", &huge)).await;
     assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
     let _ = std::fs::remove_dir_all(models);
 }

@@ -1,14 +1,23 @@
 //! Process-level behavior of the binaries: exit codes (spec `sidecar.md` §2), SC08 (a server
 //! that fails every RPC never stops the process) and the SIGTERM drain.
 
+mod common;
+
+use common::{free_port, temp_dir};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const SIDECAR: &str = env!("CARGO_BIN_EXE_inferencecache-sidecar");
 const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_inferencecache-fake-engine");
 
+/// Exit code of the sidecar run with `args`.
 fn exit_code(args: &[&str]) -> i32 {
-    Command::new(SIDECAR)
+    exit_code_of(SIDECAR, args)
+}
+
+/// Exit code of `bin` run with `args`, output discarded.
+fn exit_code_of(bin: &str, args: &[&str]) -> i32 {
+    Command::new(bin)
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -96,33 +105,15 @@ fn unbuildable_client_exits_1() {
 
 #[test]
 fn fake_engine_rejects_invalid_sizes() {
-    let code = |args: &[&str]| {
-        Command::new(FAKE_ENGINE)
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .unwrap()
-            .code()
-            .unwrap()
-    };
+    let code = |args: &[&str]| exit_code_of(FAKE_ENGINE, args);
     assert_eq!(code(&["--block-size", "0"]), 2);
     assert_eq!(code(&["--num-blocks", "2", "--events", "3"]), 2);
     assert_eq!(code(&["--block-size", "65536", "--num-blocks", "512"]), 2);
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
-    let dir = std::env::temp_dir().join(format!("sidecar-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = temp_dir("cli-sc08");
     let zmq_port = free_port();
     let dead_grpc = free_port();
     let mut engine = Command::new(FAKE_ENGINE)
@@ -182,9 +173,7 @@ fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
         sidecar.try_wait().unwrap().is_none(),
         "sidecar keeps running"
     );
-    let _ = Command::new("kill")
-        .args(["-TERM", &sidecar.id().to_string()])
-        .status();
+    common::sigterm(sidecar.id());
     let start = Instant::now();
     let status = loop {
         if let Some(s) = sidecar.try_wait().unwrap() {

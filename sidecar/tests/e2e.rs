@@ -5,6 +5,9 @@
 //! `<workspace>/target/<profile>/`. When it is missing the tests print a notice and pass, unless
 //! `CI` is set: then they build it first with `cargo build -p inferencecache-server`.
 
+mod common;
+
+use common::{free_port, temp_dir};
 use inferencecache_engine::fingerprint::{chain, to_wire};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
@@ -77,27 +80,6 @@ fn server_binary() -> Option<PathBuf> {
         found
     })
     .clone()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "sidecar-e2e-{tag}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 struct Server {
@@ -381,10 +363,7 @@ async fn sc13_fake_engine_sidecar_server_prefix_match() {
     check_sc13(client(server.grpc).await, "m13", &expect).await;
 
     // Graceful drain on SIGTERM: exit 0 and a stop line.
-    let pid = sidecar.id().unwrap();
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status();
+    common::sigterm(sidecar.id().expect("sidecar still running"));
     let status = tokio::time::timeout(Duration::from_secs(15), sidecar.wait())
         .await
         .expect("sidecar exits after SIGTERM")

@@ -1,7 +1,10 @@
 //! ZMQ subscriber (spec `sidecar.md` §3): dial retry before the publisher exists, multipart
 //! frames, topic filtering, reconnect after the publisher restarts, cancellation.
 
+mod common;
+
 use bytes::Bytes;
+use common::free_port;
 use inferencecache_sidecar::fake_engine::Plan;
 use inferencecache_sidecar::subscriber::{SubscriberStats, run};
 use std::sync::Arc;
@@ -9,14 +12,6 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn msg(topic: &str, seq: u64, payload: &[u8]) -> ZmqMessage {
     ZmqMessage::try_from(vec![

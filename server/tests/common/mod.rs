@@ -1,11 +1,16 @@
-//! Shared helpers: an in-process server on ephemeral loopback ports and small clients.
+//! Shared helpers: an in-process server on ephemeral loopback ports, the real binary as a child
+//! process, small clients and request builders.
 #![allow(dead_code)]
 
 use inferencecache_engine::ManualClock;
+use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_server::service::{AppState, ServerOptions};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -111,4 +116,167 @@ pub async fn http_request(
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     (status, head.to_string(), body.to_string())
+}
+
+/// A free loopback port (free when asked; the caller binds it soon after).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A fresh, empty directory for one test, unique to this test binary's process.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ic-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A one-prefix legacy update (model `m`, scheme `vllm`).
+pub fn legacy_update(
+    replica: &str,
+    tenant: &str,
+    hash: &[u8],
+    tokens: i32,
+) -> pb::CacheStateUpdate {
+    pb::CacheStateUpdate {
+        replica_id: replica.into(),
+        model_id: "m".into(),
+        tenant_id: tenant.into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![pb::PrefixEntry {
+            prefix_hash: hash.to_vec(),
+            token_count: tokens,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// An exact-key lookup (model `m`, scheme `vllm`).
+pub fn exact_lookup(tenant: &str, hash: &[u8], tokens: i32) -> pb::LookupRouteRequest {
+    pb::LookupRouteRequest {
+        tenant_id: tenant.into(),
+        model_id: "m".into(),
+        hash_scheme: "vllm".into(),
+        prefix_hash: hash.to_vec(),
+        prefix_token_count: tokens,
+        ..Default::default()
+    }
+}
+
+/// One LookupRoute call; the RPC itself never fails (consumer RPCs answer every request).
+pub async fn lookup(
+    client: &mut InferenceCacheClient<Channel>,
+    req: pb::LookupRouteRequest,
+) -> pb::LookupRouteResponse {
+    client
+        .lookup_route(req)
+        .await
+        .expect("LookupRoute never returns an error status")
+        .into_inner()
+}
+
+/// Sends SIGTERM to a child this test spawned and has not reaped yet.
+pub fn sigterm(child: &Child) {
+    let pid = i32::try_from(child.id()).expect("pid fits in pid_t");
+    // SAFETY: kill(2) on a pid this test spawned and still owns (not yet reaped), so it cannot
+    // name a recycled process.
+    let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(rc, 0, "kill(SIGTERM)");
+}
+
+/// The server binary of this crate.
+pub const SERVER_BIN: &str = env!("CARGO_BIN_EXE_inferencecache-server");
+
+/// The real binary on free loopback ports, stderr captured to `<dir>/stderr.log`; killed on
+/// drop unless [`ServerProcess::wait`] reaped it.
+pub struct ServerProcess {
+    child: Child,
+    pub grpc: u16,
+    pub http: u16,
+    log: PathBuf,
+}
+
+impl ServerProcess {
+    /// Starts the binary with `extra` flags and waits until gRPC accepts connections.
+    pub fn start(dir: &Path, extra: &[&str]) -> Self {
+        let (grpc, http) = (free_port(), free_port());
+        let log = dir.join("stderr.log");
+        let child = Command::new(SERVER_BIN)
+            .args([
+                "--grpc-bind-address".to_string(),
+                format!("127.0.0.1:{grpc}"),
+                "--http-bind-address".into(),
+                format!("127.0.0.1:{http}"),
+                "--snapshot-bind-address".into(),
+                format!("127.0.0.1:{}", free_port()),
+            ])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start server");
+        let server = Self {
+            child,
+            grpc,
+            http,
+            log,
+        };
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", grpc)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "server did not listen: {}",
+                server.logs()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    pub fn pid(&self) -> i32 {
+        i32::try_from(self.child.id()).unwrap()
+    }
+
+    /// Everything the binary wrote to stderr so far.
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub async fn channel(&self) -> Channel {
+        Channel::from_shared(format!("http://127.0.0.1:{}", self.grpc))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+
+    pub async fn client(&self) -> InferenceCacheClient<Channel> {
+        InferenceCacheClient::new(self.channel().await)
+    }
+
+    pub fn sigterm(&self) {
+        sigterm(&self.child);
+    }
+
+    /// Waits for the exit (on a blocking thread, so the test's own gRPC clients keep being
+    /// driven); returns the exit code and the logs.
+    pub async fn wait(mut self) -> (Option<i32>, String) {
+        let mut child = std::mem::replace(&mut self.child, Command::new("true").spawn().unwrap());
+        let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+            .await
+            .unwrap();
+        (status.code(), self.logs())
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

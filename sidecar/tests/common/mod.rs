@@ -213,3 +213,21 @@ pub fn temp_dir(tag: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// Sends SIGTERM to `pid`, a child this test spawned and has not reaped yet.
+pub fn sigterm(pid: u32) {
+    let pid = i32::try_from(pid).expect("pid fits in pid_t");
+    // SAFETY: kill(2) on a pid this test spawned and still owns (not yet reaped), so it cannot
+    // name a recycled process.
+    let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(rc, 0, "kill(SIGTERM)");
+}
+
+/// A free loopback port (free when asked; the caller binds it soon after).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
