@@ -527,10 +527,11 @@ fn open_loop(
         handle.spawn(async move {
             let res = client.lookup_route(req).await.map(Response::into_inner);
             let lat = ns(intended.elapsed());
-            drop(permit);
             if measured && let Ok(mut ph) = shared.lock() {
                 ph.record(res, lat, expect);
             }
+            // Released only after recording, so the final drain sees every answer counted.
+            drop(permit);
         });
         i += 1;
     }

@@ -52,13 +52,14 @@ struct Args {
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     warmup: Duration,
     /// Server `--max-entries`.
-    #[arg(long, default_value_t = 200_000)]
+    #[arg(long, default_value_t = 100_000)]
     max_entries: u64,
-    /// Server `--ttl`.
-    #[arg(long, default_value = "60s")]
+    /// Server `--ttl`: about as long as the index takes to fill at the default load, so both cap
+    /// evictions and TTL sweeps keep removing entries (the P8 churn shape).
+    #[arg(long, default_value = "10s")]
     ttl: String,
     /// Server `--sweep-interval`.
-    #[arg(long, default_value = "5s")]
+    #[arg(long, default_value = "1s")]
     sweep_interval: String,
     /// Loadgen `--lookup-rate`.
     #[arg(long, default_value_t = 1000.0)]
@@ -469,16 +470,24 @@ fn run(args: &Args) -> Result<bool, Error> {
         })
         .unwrap_or_default();
     let warm = args.warmup.as_secs_f64();
-    // Rolling p99 of a row: the worst per-second p99 (µs) of the seconds since the last row.
+    // Rolling p99 of a row, from the per-second p99s (µs) of the seconds since the last row:
+    // their median (the verdict's input: robust to a single stalled second on a shared box)
+    // and their worst.
     let mut row_p99 = Vec::with_capacity(rows.len());
+    let mut row_worst = Vec::with_capacity(rows.len());
     let mut last_t = 0.0;
     for r in &rows {
-        let p = timeline
+        let secs: Vec<f64> = timeline
             .iter()
             .filter(|(t, _)| *t + warm > last_t && *t + warm <= r.t)
             .map(|(_, p)| *p)
-            .fold(f64::NAN, f64::max);
-        row_p99.push(p);
+            .collect();
+        row_worst.push(secs.iter().copied().fold(f64::NAN, f64::max));
+        row_p99.push(if secs.is_empty() {
+            f64::NAN
+        } else {
+            median(secs)
+        });
         last_t = r.t;
     }
 
@@ -513,7 +522,12 @@ fn run(args: &Args) -> Result<bool, Error> {
         median(after(60.0, total / 2.0)),
         median(after(total / 2.0, total + 1.0)),
     );
-    let p99_max = after(60.0, total + 1.0).into_iter().fold(0.0, f64::max);
+    let p99_max = row_worst
+        .iter()
+        .zip(&rows)
+        .filter(|(p, r)| r.t > 60.0 && p.is_finite())
+        .map(|(p, _)| *p)
+        .fold(0.0, f64::max);
     let p99_stable = p99_a > 0.0 && p99_b <= 1.5 * p99_a;
     let no_errors = lg_status.success() && consumer_errors == 0;
     let pass = no_errors && rss_flat && counts_live && counts_quiet && p99_stable;
@@ -549,13 +563,20 @@ fn run(args: &Args) -> Result<bool, Error> {
     );
     let _ = writeln!(
         s,
-        "\n| t (s) | RSS MiB | storage entries (metrics before / after) | Σ prefixCount (/snapshot) | keys (metrics) | totalPrefixes | cap / TTL evictions | lookups | client p99 (worst second) | server p99 (bucket) | counts | load 1m |"
+        "\n| t (s) | RSS MiB | storage entries (metrics before / after) | Σ prefixCount (/snapshot) | keys (metrics) | totalPrefixes | cap / TTL evictions | lookups | client p99 (median / worst second) | server p99 (bucket) | counts | load 1m |"
     );
     let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for ((r, p), l) in rows.iter().zip(&row_p99).zip(&loads) {
+    let us = |p: f64| {
+        if p.is_finite() {
+            format!("{p:.0} µs")
+        } else {
+            "-".into()
+        }
+    };
+    for (((r, p), w), l) in rows.iter().zip(&row_p99).zip(&row_worst).zip(&loads) {
         let _ = writeln!(
             s,
-            "| {:.0} | {:.1} | {} / {} | {} | {} / {} | {} | {} / {} | {} | {} | {} | {} | {} |",
+            "| {:.0} | {:.1} | {} / {} | {} | {} / {} | {} | {} / {} | {} | {} / {} | {} | {} | {} |",
             r.t,
             r.rss_kib as f64 / 1024.0,
             r.a.storage_entries,
@@ -567,11 +588,8 @@ fn run(args: &Args) -> Result<bool, Error> {
             r.b.cap_evictions,
             r.b.ttl_evictions,
             r.lookups,
-            if p.is_finite() {
-                format!("{:.0} µs", p)
-            } else {
-                "-".into()
-            },
+            us(*p),
+            us(*w),
             r.server_p99,
             if r.consistent() { "ok" } else { "MISMATCH" },
             l.split_whitespace().next().unwrap_or("?")
@@ -616,8 +634,8 @@ fn run(args: &Args) -> Result<bool, Error> {
     );
     let _ = writeln!(
         s,
-        "- Lookup p99 stable (median of the rows' worst-second p99, second half ≤ 1.5 × first \
-         half, first minute excluded): {} ({p99_b:.0} µs vs {p99_a:.0} µs; worst second \
+        "- Lookup p99 stable (median over rows of the row p99 — the median of its per-second \
+         p99s —, second half ≤ 1.5 × first half, first minute excluded): {} ({p99_b:.0} µs vs {p99_a:.0} µs; worst second \
          {p99_max:.0} µs). Client latency is CO-corrected from the intended send time.",
         yes(p99_stable)
     );
