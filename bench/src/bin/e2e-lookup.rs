@@ -212,9 +212,14 @@ fn start_ours(rt: &tokio::runtime::Runtime, state: AppState) -> Result<Running, 
     })?;
     let addr = grpc.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
-    rt.spawn(inferencecache_server::serve(state, grpc, http, async move {
-        let _ = rx.await;
-    }));
+    rt.spawn(inferencecache_server::serve(
+        state,
+        grpc,
+        http,
+        async move {
+            let _ = rx.await;
+        },
+    ));
     Ok(Running { addr, _stop: tx })
 }
 
@@ -263,7 +268,10 @@ impl InferenceCache for EmptyHandler {
         Err(baseline_unimplemented())
     }
 
-    async fn publish_event(&self, _r: Request<pb::CacheEvent>) -> Result<Response<pb::Ack>, Status> {
+    async fn publish_event(
+        &self,
+        _r: Request<pb::CacheEvent>,
+    ) -> Result<Response<pb::Ack>, Status> {
         Err(baseline_unimplemented())
     }
 
@@ -548,7 +556,9 @@ fn open_loop(
         out.merge(&ph);
     }
     out.throughput = out.ok as f64 / measure.as_secs_f64();
-    let lost = issued.load(Ordering::Relaxed).saturating_sub(out.ok + out.errors);
+    let lost = issued
+        .load(Ordering::Relaxed)
+        .saturating_sub(out.ok + out.errors);
     out.errors += lost;
     out
 }
@@ -845,7 +855,13 @@ fn run_lookup(a: &LookupArgs) -> Result<(), Error> {
         let ot = median(o.iter().map(|p| p.throughput).collect());
         let bt = median(b.iter().map(|p| p.throughput).collect());
         let m = |v: &Vec<Phase>, q: f64| median(v.iter().map(|p| p.us(q)).collect());
-        let srv = |q: f64| median(o.iter().map(|p| p.server_us.value_at_quantile(q) as f64).collect());
+        let srv = |q: f64| {
+            median(
+                o.iter()
+                    .map(|p| p.server_us.value_at_quantile(q) as f64)
+                    .collect(),
+            )
+        };
         let errs: u64 = o.iter().chain(b.iter()).map(|p| p.errors).sum();
         let wrong: u64 = o.iter().map(|p| p.wrong).sum();
         let _ = writeln!(
@@ -937,19 +953,116 @@ fn run_lookup(a: &LookupArgs) -> Result<(), Error> {
 /// punctuation), so the tokenizer sees realistic word lengths and a realistic word cache.
 fn prose(bytes: usize, seed: u64) -> String {
     const WORDS: &[&str] = &[
-        "the", "cache", "router", "request", "model", "token", "prefix", "replica", "latency",
-        "memory", "block", "engine", "server", "gateway", "tenant", "index", "lookup", "answer",
-        "question", "system", "prompt", "assistant", "user", "history", "context", "window",
-        "attention", "layer", "decode", "prefill", "batch", "schedule", "throughput", "of",
-        "and", "to", "in", "is", "that", "for", "with", "as", "on", "by", "this", "be", "are",
-        "from", "at", "or", "an", "which", "it", "not", "can", "will", "should", "would",
-        "because", "between", "during", "without", "within", "across", "through", "about",
-        "please", "explain", "summarize", "translate", "following", "document", "paragraph",
-        "section", "function", "variable", "compile", "benchmark", "distributed", "consistent",
-        "hashing", "eviction", "policy", "freshness", "deadline", "timeout", "streaming",
-        "protocol", "buffer", "message", "response", "error", "status", "configuration",
-        "Kubernetes", "GPU", "HTTP/2", "gRPC", "JSON", "2026", "42", "3.14", "v1alpha1",
-        "naïve", "café", "résumé", "東京", "数据", "模型", "缓存",
+        "the",
+        "cache",
+        "router",
+        "request",
+        "model",
+        "token",
+        "prefix",
+        "replica",
+        "latency",
+        "memory",
+        "block",
+        "engine",
+        "server",
+        "gateway",
+        "tenant",
+        "index",
+        "lookup",
+        "answer",
+        "question",
+        "system",
+        "prompt",
+        "assistant",
+        "user",
+        "history",
+        "context",
+        "window",
+        "attention",
+        "layer",
+        "decode",
+        "prefill",
+        "batch",
+        "schedule",
+        "throughput",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "that",
+        "for",
+        "with",
+        "as",
+        "on",
+        "by",
+        "this",
+        "be",
+        "are",
+        "from",
+        "at",
+        "or",
+        "an",
+        "which",
+        "it",
+        "not",
+        "can",
+        "will",
+        "should",
+        "would",
+        "because",
+        "between",
+        "during",
+        "without",
+        "within",
+        "across",
+        "through",
+        "about",
+        "please",
+        "explain",
+        "summarize",
+        "translate",
+        "following",
+        "document",
+        "paragraph",
+        "section",
+        "function",
+        "variable",
+        "compile",
+        "benchmark",
+        "distributed",
+        "consistent",
+        "hashing",
+        "eviction",
+        "policy",
+        "freshness",
+        "deadline",
+        "timeout",
+        "streaming",
+        "protocol",
+        "buffer",
+        "message",
+        "response",
+        "error",
+        "status",
+        "configuration",
+        "Kubernetes",
+        "GPU",
+        "HTTP/2",
+        "gRPC",
+        "JSON",
+        "2026",
+        "42",
+        "3.14",
+        "v1alpha1",
+        "naïve",
+        "café",
+        "résumé",
+        "東京",
+        "数据",
+        "模型",
+        "缓存",
     ];
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = || {
@@ -1090,7 +1203,13 @@ fn run_prompt(a: &PromptArgs) -> Result<(), Error> {
     cli_rt.block_on(async {
         let mut cl = clients[0].clone();
         for set in &sets {
-            for (i, ((text, ids), toks)) in set.text.iter().zip(set.ids.iter()).zip(&set.tokens).enumerate() {
+            for (i, ((text, ids), toks)) in set
+                .text
+                .iter()
+                .zip(set.ids.iter())
+                .zip(&set.tokens)
+                .enumerate()
+            {
                 let full = fingerprint::chain(toks, block).1.iter().sum::<i32>();
                 let r = cl.lookup_route(text.clone()).await?.into_inner();
                 let top = r.replica_scores.first();
@@ -1179,12 +1298,7 @@ fn run_prompt(a: &PromptArgs) -> Result<(), Error> {
          was checked (echoed tokens equal the tokenizer's, matched tokens = whole chain, token_ids \
          form gives the same top match). Closed loop, {:?} measured after {:?} warm-up per row; \
          latency = service time.",
-        c.server_threads,
-        c.connections,
-        c.client_threads,
-        a.prompts,
-        c.closed,
-        c.warmup
+        c.server_threads, c.connections, c.client_threads, a.prompts, c.closed, c.warmup
     );
     let _ = writeln!(
         s,

@@ -54,9 +54,9 @@ struct Args {
     /// Server `--max-entries`.
     #[arg(long, default_value_t = 100_000)]
     max_entries: u64,
-    /// Server `--ttl`: about as long as the index takes to fill at the default load, so both cap
-    /// evictions and TTL sweeps keep removing entries (the P8 churn shape).
-    #[arg(long, default_value = "10s")]
+    /// Server `--ttl`: close to an entry's life under the cap at the default load (about 6 s),
+    /// so both cap evictions and TTL sweeps keep removing entries (the P8 churn shape).
+    #[arg(long, default_value = "5s")]
     ttl: String,
     /// Server `--sweep-interval`.
     #[arg(long, default_value = "1s")]
@@ -137,7 +137,9 @@ fn http_get(port: u16, path: &str) -> Result<(u16, String), Error> {
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").ok_or("malformed HTTP response")?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or("malformed HTTP response")?;
     let status = head
         .split(' ')
         .nth(1)
@@ -234,12 +236,7 @@ fn observe(http: u16, control: u16) -> Result<(Scrape, (u64, u64, u64), Scrape),
 
 /// Upper bound (bucket edge) of the p99 of the lookups between two scrapes.
 fn bucket_p99(prev: &Scrape, cur: &Scrape) -> (u64, String) {
-    let count = |s: &Scrape, le: f64| {
-        s.buckets
-            .iter()
-            .find(|b| b.0 == le)
-            .map_or(0, |b| b.1)
-    };
+    let count = |s: &Scrape, le: f64| s.buckets.iter().find(|b| b.0 == le).map_or(0, |b| b.1);
     let total = count(cur, f64::INFINITY).saturating_sub(count(prev, f64::INFINITY));
     if total == 0 {
         return (0, "-".into());
@@ -505,7 +502,10 @@ fn run(args: &Args) -> Result<bool, Error> {
             .max()
             .unwrap_or(0)
     };
-    let (rss_a, rss_b) = (max_rss(60.0, total / 2.0), max_rss(total / 2.0, total + 1.0));
+    let (rss_a, rss_b) = (
+        max_rss(60.0, total / 2.0),
+        max_rss(total / 2.0, total + 1.0),
+    );
     let rss_flat = rss_a > 0 && rss_b as f64 <= 1.05 * rss_a as f64;
     let counts_live = rows.iter().all(Row::consistent);
     let counts_quiet = quiet.as_ref().is_some_and(|(a, (pc, tot, idx))| {
