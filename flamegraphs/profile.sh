@@ -88,7 +88,8 @@ collapse() {
 # svg FOLDED NAME TITLE: draws flamegraphs/NAME.svg and writes $WORK/NAME.top.txt
 svg() {
     local folded=$1 name=$2 title=$3 total
-    total=$(awk '{s += $NF} END {print s + 0}' "$folded")
+    # %.0f: with cpu-clock the folded weights are periods in ns, past awk's integer print range
+    total=$(awk '{s += $NF} END {printf "%.0f\n", s}' "$folded")
     if [ "$total" -eq 0 ]; then
         log "no samples for $name (filter matched nothing); skipped"
         return
