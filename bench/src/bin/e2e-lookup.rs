@@ -507,17 +507,12 @@ fn open_loop(
     let shared = Arc::new(std::sync::Mutex::new(Phase::new()));
     let issued = Arc::new(AtomicU64::new(0));
     let mut i: u64 = 0;
-    loop {
-        let Some(intended) = u32::try_from(i)
-            .ok()
-            .and_then(|k| period.checked_mul(k))
-            .and_then(|d| start.checked_add(d))
-        else {
-            break;
-        };
-        if intended >= end {
-            break;
-        }
+    while let Some(intended) = u32::try_from(i)
+        .ok()
+        .and_then(|k| period.checked_mul(k))
+        .and_then(|d| start.checked_add(d))
+        .filter(|t| *t < end)
+    {
         let now = Instant::now();
         if intended > now {
             std::thread::sleep(intended - now);
@@ -562,6 +557,9 @@ fn open_loop(
     out.errors += lost;
     out
 }
+
+/// One closed-loop concurrency: (in flight, our rounds, the baseline's rounds).
+type ClosedRow = (usize, Vec<Phase>, Vec<Phase>);
 
 fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
@@ -727,7 +725,7 @@ fn run_lookup(a: &LookupArgs) -> Result<(), Error> {
     eprintln!("sanity check: {sample} answers match benchmarks.md §2.4");
 
     // Closed loop, stacks interleaved per round.
-    let mut closed: Vec<(usize, Vec<Phase>, Vec<Phase>)> = Vec::new();
+    let mut closed: Vec<ClosedRow> = Vec::new();
     for &conc in &a.concurrency {
         let (mut o, mut b) = (Vec::new(), Vec::new());
         for round in 0..a.rounds.max(1) {
@@ -760,7 +758,7 @@ fn run_lookup(a: &LookupArgs) -> Result<(), Error> {
         }
         closed.push((conc, o, b));
     }
-    let best = |pick: fn(&(usize, Vec<Phase>, Vec<Phase>)) -> &Vec<Phase>| {
+    let best = |pick: fn(&ClosedRow) -> &Vec<Phase>| {
         closed
             .iter()
             .map(|row| {

@@ -202,7 +202,10 @@ fn parse_metrics(text: &str) -> Scrape {
 }
 
 /// What one `/snapshot` says: (Σ prefixCount, totalPrefixes, Σ indexEntries).
-fn parse_snapshot(text: &str) -> Result<(u64, u64, u64), Error> {
+type SnapTotals = (u64, u64, u64);
+
+/// Parses a `/snapshot` body into its [`SnapTotals`].
+fn parse_snapshot(text: &str) -> Result<SnapTotals, Error> {
     let v: serde_json::Value = serde_json::from_str(text)?;
     let sum = |list: &str, key: &str| -> u64 {
         v[list]
@@ -221,7 +224,7 @@ fn parse_snapshot(text: &str) -> Result<(u64, u64, u64), Error> {
 }
 
 /// `/metrics`, `/snapshot`, `/metrics`.
-fn observe(http: u16, control: u16) -> Result<(Scrape, (u64, u64, u64), Scrape), Error> {
+fn observe(http: u16, control: u16) -> Result<(Scrape, SnapTotals, Scrape), Error> {
     let (st, a) = http_get(http, "/metrics")?;
     if st != 200 {
         return Err(format!("/metrics answered {st}").into());
@@ -261,7 +264,7 @@ struct Row {
     t: f64,
     rss_kib: u64,
     a: Scrape,
-    snap: (u64, u64, u64),
+    snap: SnapTotals,
     b: Scrape,
     lookups: u64,
     server_p99: String,
@@ -271,7 +274,7 @@ struct Row {
 
 /// The snapshot lies between the two scrapes around it (±1 % for counts that moved both ways),
 /// and its `totalPrefixes` equals its Σ `indexEntries`.
-fn consistent(a: &Scrape, snap: (u64, u64, u64), b: &Scrape) -> bool {
+fn consistent(a: &Scrape, snap: SnapTotals, b: &Scrape) -> bool {
     let within = |x: u64, p: u64, q: u64| {
         let (lo, hi) = (p.min(q), p.max(q));
         let slack = (hi as f64 * 0.01) as u64;
