@@ -689,3 +689,66 @@ fn cpu() -> String {
 fn write_summary_path(dir: &Path) {
     eprintln!("soak: report in {}", dir.join("soak.md").display());
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const METRICS: &str = "\
+# HELP inferencecache_index_entries distinct prefix keys per model
+# TYPE inferencecache_index_entries gauge
+inferencecache_index_entries{model=\"a\"} 70
+inferencecache_index_entries{model=\"b\"} 30
+inferencecache_index_evictions_total{algorithm=\"lru\",reason=\"cap\"} 5
+inferencecache_index_evictions_total{algorithm=\"lfu\",reason=\"cap\"} 2
+inferencecache_index_evictions_total{algorithm=\"lru\",reason=\"ttl\"} 7
+inferencecache_lookup_route_latency_seconds_bucket{model=\"a\",le=\"0.0001\"} 90
+inferencecache_lookup_route_latency_seconds_bucket{model=\"a\",le=\"0.00025\"} 99
+inferencecache_lookup_route_latency_seconds_bucket{model=\"a\",le=\"+Inf\"} 100
+inferencecache_lookup_route_latency_seconds_bucket{model=\"b\",le=\"0.0001\"} 10
+inferencecache_lookup_route_latency_seconds_bucket{model=\"b\",le=\"0.00025\"} 10
+inferencecache_lookup_route_latency_seconds_bucket{model=\"b\",le=\"+Inf\"} 10
+inferencecache_index_storage_entries 250
+";
+
+    #[test]
+    fn metrics_are_summed_over_labels() {
+        let s = parse_metrics(METRICS);
+        assert_eq!(s.storage_entries, 250);
+        assert_eq!(s.keys, 100);
+        assert_eq!((s.cap_evictions, s.ttl_evictions), (7, 7));
+        assert_eq!(
+            s.buckets,
+            vec![(0.0001, 100), (0.00025, 109), (f64::INFINITY, 110)]
+        );
+    }
+
+    #[test]
+    fn p99_bucket_of_the_window_between_two_scrapes() {
+        let prev = parse_metrics(METRICS);
+        let mut cur = prev.clone();
+        // 100 more lookups: 98 under 100 µs, 1 under 250 µs, 1 slower.
+        cur.buckets = vec![(0.0001, 198), (0.00025, 208), (f64::INFINITY, 210)];
+        assert_eq!(bucket_p99(&prev, &cur), (100, "≤ 250 µs".to_string()));
+        assert_eq!(bucket_p99(&prev, &prev), (0, "-".to_string()));
+    }
+
+    #[test]
+    fn snapshot_totals_and_the_consistency_rule() {
+        let body = "{\"replicas\":[{\"replicaId\":\"r0\",\"prefixCount\":150},\
+                    {\"replicaId\":\"r1\",\"prefixCount\":100}],\
+                    \"tenants\":[{\"tenantId\":\"t\",\"indexEntries\":100}],\
+                    \"totalPrefixes\":100,\"hotPrefixes\":0}\n";
+        let snap = parse_snapshot(body).expect("valid snapshot");
+        assert_eq!(snap, (250, 100, 100));
+        let a = parse_metrics(METRICS);
+        assert!(consistent(&a, snap, &a));
+        // Between two scrapes that moved apart: fine; outside them by more than 1 %: not.
+        let mut b = a.clone();
+        b.storage_entries = 300;
+        assert!(consistent(&a, (280, 100, 100), &b));
+        assert!(!consistent(&a, (240, 100, 100), &b));
+        // totalPrefixes must equal Σ indexEntries.
+        assert!(!consistent(&a, (250, 100, 99), &a));
+    }
+}
