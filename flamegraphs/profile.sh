@@ -3,6 +3,7 @@
 #
 #   flamegraphs/profile.sh            # everything: W1M lookups + ingest + server under load
 #   SERVER=0 flamegraphs/profile.sh   # skip the server/loadgen profile
+#   W1M=0 flamegraphs/profile.sh      # server profile only (server.svg, server-lookup.svg)
 #
 # What it does:
 #   1. installs perf (Debian `linux-perf`) and inferno when they are missing;
@@ -33,6 +34,9 @@ CALLGRAPH="${CALLGRAPH:-dwarf,8192}"         # W1M call-graph mode
 W1M_ARGS="${W1M_ARGS:-}"                     # lookup profile: default = the full W1M run
 W1M_REPEAT="${W1M_REPEAT:-20}"               # ingest profile: number of short runs
 SERVER="${SERVER:-1}"                        # 0 = skip the server profile
+W1M="${W1M:-1}"                              # 0 = skip the W1M profiles (server only)
+LOADGEN_BIN="${LOADGEN_BIN:-}"               # prebuilt ic-loadgen (it is not profiled)
+LOADGEN_ARGS="${LOADGEN_ARGS:-}"             # extra ic-loadgen flags (e.g. a lookup-heavy mix)
 SERVER_FREQ="${SERVER_FREQ:-499}"            # the server profile has deeper, larger stacks
 SERVER_CALLGRAPH="${SERVER_CALLGRAPH:-dwarf,16384}"
 SERVER_SECS="${SERVER_SECS:-15}"
@@ -58,12 +62,20 @@ if ! command -v inferno-flamegraph >/dev/null 2>&1; then
 fi
 
 # ---- 2. build ------------------------------------------------------------------------------
-log "build w1m (release profile, CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
-cargo build --release -p inferencecache-bench --bin w1m
+if [ "$W1M" != 0 ]; then
+    log "build w1m (release profile, CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
+    cargo build --release -p inferencecache-bench --bin w1m
+fi
 if [ "$SERVER" != 0 ]; then
-    log "build inferencecache-server and ic-loadgen (release profile)"
-    cargo build --release -p inferencecache-server --bin inferencecache-server \
-        -p inferencecache-bench --bin ic-loadgen
+    if [ -n "$LOADGEN_BIN" ]; then
+        log "build inferencecache-server (release profile); ic-loadgen: $LOADGEN_BIN"
+        cargo build --release -p inferencecache-server --bin inferencecache-server
+    else
+        log "build inferencecache-server and ic-loadgen (release profile)"
+        cargo build --release -p inferencecache-server --bin inferencecache-server \
+            -p inferencecache-bench --bin ic-loadgen
+        LOADGEN_BIN="$BIN/ic-loadgen"
+    fi
 fi
 mkdir -p "$WORK" "$OUT"
 
@@ -76,7 +88,8 @@ collapse() {
 # svg FOLDED NAME TITLE: draws flamegraphs/NAME.svg and writes $WORK/NAME.top.txt
 svg() {
     local folded=$1 name=$2 title=$3 total
-    total=$(awk '{s += $NF} END {print s + 0}' "$folded")
+    # %.0f: with cpu-clock the folded weights are periods in ns, past awk's integer print range
+    total=$(awk '{s += $NF} END {printf "%.0f\n", s}' "$folded")
     if [ "$total" -eq 0 ]; then
         log "no samples for $name (filter matched nothing); skipped"
         return
@@ -122,6 +135,7 @@ phase() {
     fi
 }
 
+if [ "$W1M" != 0 ]; then
 # ---- 3a. W1M lookup profile ----------------------------------------------------------------
 # shellcheck disable=SC2086 # W1M_ARGS is a word list on purpose
 {
@@ -153,6 +167,7 @@ phase "$WORK/ingest-all.folded" "$WORK/ingest.folded" 'ours::insert|Index::inges
 phase "$WORK/ingest-all.folded" "$WORK/remove.folded" 'ours::remove'
 svg "$WORK/ingest.folded" ingest "W1M insert: Index::ingest of 16,384 x 64-block chains ($W1M_REPEAT runs)"
 svg "$WORK/remove.folded" remove "W1M remove: PREFIX_EVICTED of every chain ($W1M_REPEAT runs)"
+fi
 
 # ---- 3c. server under load -----------------------------------------------------------------
 if [ "$SERVER" != 0 ]; then
@@ -180,8 +195,9 @@ if [ "$SERVER" != 0 ]; then
     done
     curl -fsS "http://127.0.0.1:$HTTP_PORT/readyz" >/dev/null
     log "ic-loadgen for ${SERVER_SECS}s (+3 s warm-up), perf record -p $SERVER_PID"
-    "$BIN/ic-loadgen" --target "http://127.0.0.1:$GRPC_PORT" --duration "${SERVER_SECS}s" \
-        --quiet --out "$WORK/loadgen/report.json" >"$WORK/loadgen.out" 2>&1 &
+    # shellcheck disable=SC2086 # LOADGEN_ARGS is a word list on purpose
+    "$LOADGEN_BIN" --target "http://127.0.0.1:$GRPC_PORT" --duration "${SERVER_SECS}s" \
+        --quiet --out "$WORK/loadgen/report.json" $LOADGEN_ARGS >"$WORK/loadgen.out" 2>&1 &
     LOADGEN_PID=$!
     sleep 3 # the load generator's warm-up fills the index
     perf record -e cpu-clock -F "$SERVER_FREQ" -g --call-graph "$SERVER_CALLGRAPH" \
