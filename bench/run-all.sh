@@ -9,7 +9,8 @@
 #   bench/run-all.sh --assemble      # only reassemble
 #
 # Sections: w1m (bench/run-w1m.sh), eviction (bin `eviction`), churn (bin `churn`, 10 minutes),
-# plus any other bench/results/*.md written by the server-side scripts listed in bench/README.md.
+# rw (bin `rw`, P7), plus results/server.md, written by hand from the server benches
+# (`e2e-lookup`, `soak.sh`; bench/README.md has their commands).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -45,6 +46,11 @@ section() {
           "cargo run --release -p inferencecache-bench --bin eviction"
         "$TARGET/release/eviction"
       } >"$RES/eviction.tmp" && mv "$RES/eviction.tmp" "$RES/eviction.md" ;;
+    rw)
+      build rw
+      { header "Concurrent read/write (P7)" "cargo run --release -p inferencecache-bench --bin rw"
+        "$TARGET/release/rw" || true
+      } >"$RES/rw.tmp" && mv "$RES/rw.tmp" "$RES/rw.md" ;;
     churn)
       build churn
       { header "Churn at the cap (P8, 10 minutes)" \
@@ -52,7 +58,7 @@ section() {
         "$TARGET/release/churn" --minutes 10 || true
       } >"$RES/churn.tmp" && mv "$RES/churn.tmp" "$RES/churn.md" ;;
     *)
-      echo "unknown section: $1 (w1m, eviction, churn)" >&2; exit 2 ;;
+      echo "unknown section: $1 (w1m, eviction, rw, churn)" >&2; exit 2 ;;
   esac
 }
 
@@ -64,11 +70,11 @@ assemble() {
     echo "command that produced it, its date, the machine and its load. Workloads, methods and pass"
     echo "bars: \`benchmarks.md\` of the spec, summarized in \`bench/README.md\`."
     echo
-    for f in "$RES"/w1m.md "$RES"/eviction.md "$RES"/churn.md; do
+    for f in "$RES"/w1m.md "$RES"/eviction.md "$RES"/rw.md "$RES"/churn.md; do
       [ -f "$f" ] && { cat "$f"; echo; }
     done
     for f in "$RES"/*.md; do
-      case "$(basename "$f")" in w1m.md|eviction.md|churn.md) continue ;; esac
+      case "$(basename "$f")" in w1m.md|eviction.md|rw.md|churn.md) continue ;; esac
       cat "$f"; echo
     done
   } >"$ROOT/bench/RESULTS.md"
@@ -79,7 +85,7 @@ if [ "${1:-}" = "--assemble" ]; then
   exit 0
 fi
 if [ $# -eq 0 ]; then
-  set -- w1m eviction churn
+  set -- w1m eviction rw churn
 fi
 for s in "$@"; do
   echo "== section $s" >&2
