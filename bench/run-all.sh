@@ -9,7 +9,7 @@
 #   bench/run-all.sh --assemble      # only reassemble
 #
 # Sections: w1m (bench/run-w1m.sh), eviction (bin `eviction`), churn (bin `churn`, 10 minutes),
-# rw (bin `rw`, P7), plus results/server.md, written by hand from the server benches
+# rw (bin `rw`, P7), criterion (`cargo bench --bench engine`, table by criterion-table.awk), plus results/server.md, written by hand from the server benches
 # (`e2e-lookup`, `soak.sh`; bench/README.md has their commands).
 set -euo pipefail
 
@@ -46,6 +46,15 @@ section() {
           "cargo run --release -p inferencecache-bench --bin eviction"
         "$TARGET/release/eviction"
       } >"$RES/eviction.tmp" && mv "$RES/eviction.tmp" "$RES/eviction.md" ;;
+    criterion)
+      local log="$RES/criterion.log.tmp"
+      (cd "$ROOT" && CARGO_TARGET_DIR="$TARGET" nice -n 10 cargo bench -p inferencecache-bench \
+        --bench engine -- --warm-up-time 1 --measurement-time 3) >"$log" 2>&1
+      { header "Engine micro-benchmarks (criterion)" \
+          "cargo bench -p inferencecache-bench --bench engine -- --warm-up-time 1 --measurement-time 3"
+        awk -f "$ROOT/bench/criterion-table.awk" "$log"
+      } >"$RES/criterion.tmp" && mv "$RES/criterion.tmp" "$RES/criterion.md"
+      rm -f "$log" ;;
     rw)
       build rw
       { header "Concurrent read/write (P7)" "cargo run --release -p inferencecache-bench --bin rw"
@@ -58,7 +67,7 @@ section() {
         "$TARGET/release/churn" --minutes 10 || true
       } >"$RES/churn.tmp" && mv "$RES/churn.tmp" "$RES/churn.md" ;;
     *)
-      echo "unknown section: $1 (w1m, eviction, rw, churn)" >&2; exit 2 ;;
+      echo "unknown section: $1 (w1m, eviction, rw, criterion, churn)" >&2; exit 2 ;;
   esac
 }
 
@@ -70,11 +79,11 @@ assemble() {
     echo "command that produced it, its date, the machine and its load. Workloads, methods and pass"
     echo "bars: \`benchmarks.md\` of the spec, summarized in \`bench/README.md\`."
     echo
-    for f in "$RES"/w1m.md "$RES"/eviction.md "$RES"/rw.md "$RES"/churn.md; do
+    for f in "$RES"/w1m.md "$RES"/criterion.md "$RES"/eviction.md "$RES"/rw.md "$RES"/churn.md; do
       [ -f "$f" ] && { cat "$f"; echo; }
     done
     for f in "$RES"/*.md; do
-      case "$(basename "$f")" in w1m.md|eviction.md|rw.md|churn.md) continue ;; esac
+      case "$(basename "$f")" in w1m.md|criterion.md|eviction.md|rw.md|churn.md) continue ;; esac
       cat "$f"; echo
     done
   } >"$ROOT/bench/RESULTS.md"
@@ -85,7 +94,7 @@ if [ "${1:-}" = "--assemble" ]; then
   exit 0
 fi
 if [ $# -eq 0 ]; then
-  set -- w1m eviction rw churn
+  set -- w1m criterion eviction rw churn
 fi
 for s in "$@"; do
   echo "== section $s" >&2
