@@ -57,7 +57,7 @@ struct Ts(u8, u32);
 
 impl Ts {
     fn offset_us(self) -> i64 {
-        if self.0 % 5 != 0 {
+        if !self.0.is_multiple_of(5) {
             return 0;
         }
         (i64::from(self.1 % 800_000) - 700_000) * 1000 + 1

@@ -31,8 +31,11 @@ pub use policy::policy_body;
 pub use probe::probe_body;
 pub use sidecar::sidecar_event;
 
+/// A target body: one fuzzer input in, a panic when a rule is broken.
+pub type Target = fn(&[u8]);
+
 /// Every target by the name of its `fuzz/fuzz_targets/<name>.rs` and corpus directory.
-pub const TARGETS: [(&str, fn(&[u8])); 7] = [
+pub const TARGETS: [(&str, Target); 7] = [
     ("lookup_route", lookup_route),
     ("cache_state_update", cache_state_update),
     ("cache_event", cache_event),

@@ -49,8 +49,11 @@ fn call(req: &pb::LookupRouteRequest) -> pb::LookupRouteResponse {
     }
 }
 
+/// One score with its floats as bits: (replica, score, matched, probability, tier).
+type ScoreRow = (String, u32, i32, u32, i32);
+
 /// The response without its latency, floats as bits.
-fn comparable(r: &pb::LookupRouteResponse) -> (String, Vec<(String, u32, i32, u32, i32)>, String) {
+fn comparable(r: &pb::LookupRouteResponse) -> (String, Vec<ScoreRow>, String) {
     (
         r.reason_code.clone(),
         r.replica_scores
