@@ -22,7 +22,24 @@ fn inputs(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-fn replay(target: &str) {
+/// Stack of the replay threads. Corpus inputs include msgpack nested up to rmpv's depth limit;
+/// decoding and dropping them recurses, and unoptimized frames are several times larger than
+/// the release fuzzer's (which ran them on an 8 MiB main thread), so the default 2 MiB test
+/// thread is not enough in a debug build.
+const REPLAY_STACK: usize = 64 << 20;
+
+fn replay(target: &'static str) {
+    let worker = std::thread::Builder::new()
+        .name(format!("replay-{target}"))
+        .stack_size(REPLAY_STACK)
+        .spawn(move || replay_on_this_thread(target))
+        .expect("spawn a replay thread");
+    if let Err(panic) = worker.join() {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+fn replay_on_this_thread(target: &str) {
     let (_, run) = TARGETS
         .iter()
         .find(|(name, _)| *name == target)
