@@ -1,0 +1,4 @@
+#![no_main]
+//! cargo-fuzz target; the body and its checks are in `inferencecache_fuzz_harness::engine_ops`.
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| inferencecache_fuzz_harness::engine_ops(data));
