@@ -463,7 +463,12 @@ pub fn decode_probe(body: &[u8]) -> Result<ProbeRequest, String> {
     if body.len() > MAX_PROBE_BYTES {
         return Err("request body exceeds 4 KiB".into());
     }
-    let req: ProbeRequest = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    // A JSON array would decode positionally into the struct; strict decode wants an object.
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    if !value.is_object() {
+        return Err("the body must be a JSON object".into());
+    }
+    let req: ProbeRequest = serde_json::from_value(value).map_err(|e| e.to_string())?;
     for (name, value) in [
         ("backend", &req.backend),
         ("model", &req.model),

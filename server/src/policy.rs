@@ -123,12 +123,17 @@ pub fn decode_push(body: &[u8]) -> Result<Layer, PushError> {
             "decode policy snapshot: body exceeds 1 MiB".into(),
         ));
     }
-    let mut stream = serde_json::Deserializer::from_slice(body).into_iter::<PushBody>();
-    let parsed = match stream.next() {
-        Some(Ok(p)) => p,
+    // Only the first JSON value counts (§6.4, like a streaming decoder).
+    let mut stream = serde_json::Deserializer::from_slice(body).into_iter::<serde_json::Value>();
+    let first = match stream.next() {
+        Some(Ok(v)) => v,
         Some(Err(e)) => return Err(PushError(format!("decode policy snapshot: {e}"))),
         None => return Err(PushError("decode policy snapshot: empty body".into())),
     };
+    objects_where_expected(&first)
+        .map_err(|e| PushError(format!("decode policy snapshot: {e}")))?;
+    let parsed: PushBody = serde_json::from_value(first)
+        .map_err(|e| PushError(format!("decode policy snapshot: {e}")))?;
     if !(3..=7).contains(&parsed.version) {
         return Err(PushError("unsupported policy snapshot version".into()));
     }
@@ -154,6 +159,32 @@ pub fn decode_push(body: &[u8]) -> Result<Layer, PushError> {
             .insert(t.tenant_id.clone(), t.max_index_entries.unwrap_or(0).max(0));
     }
     Ok(layer)
+}
+
+/// Strict decode (§6.4) refuses a value of the wrong type, but serde's derived struct decoder
+/// also reads a struct from a JSON array (`[7]` would be a version-7 push). The schema's struct
+/// positions — the body, each `policies` / `tenants` entry and a `strategy` — must be objects
+/// (`null` entries stay as the typed decode treats them).
+fn objects_where_expected(body: &serde_json::Value) -> Result<(), String> {
+    let Some(obj) = body.as_object() else {
+        return Err("the body must be a JSON object".into());
+    };
+    for list in ["policies", "tenants"] {
+        let Some(serde_json::Value::Array(items)) = obj.get(list) else {
+            continue;
+        };
+        for item in items {
+            if item.is_array() {
+                return Err(format!("{list} entries must be JSON objects"));
+            }
+            if let Some(strategy) = item.get("strategy")
+                && strategy.is_array()
+            {
+                return Err("strategy must be a JSON object".into());
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Per-version normalization of a pushed entry (§6.4).
@@ -402,6 +433,20 @@ mod tests {
                 "decode policy snapshot: ",
             ),
             (r#"not json"#, "decode policy snapshot: "),
+            // Struct positions written as arrays (found by the policy_body fuzz target).
+            (r#"[7]"#, "decode policy snapshot: "),
+            (
+                r#"{"version":7,"policies":[["a"]]}"#,
+                "decode policy snapshot: ",
+            ),
+            (
+                r#"{"version":7,"tenants":[["t",5]]}"#,
+                "decode policy snapshot: ",
+            ),
+            (
+                r#"{"version":7,"policies":[{"namespace":"a","strategy":[true]}]}"#,
+                "decode policy snapshot: ",
+            ),
         ] {
             let err = decode_push(body.as_bytes()).unwrap_err();
             assert!(err.0.starts_with(want), "{body}: {err}");

@@ -1064,6 +1064,8 @@ async fn sv63_bad_probe_bodies_are_400() {
         r#"{"backend":"b","model":"m","hashScheme":"vllm"}]"#,
         r#"{"backend":"b","model":"m","hashScheme":"vllm"} garbage"#,
         r#"{"backend":1,"model":"m","hashScheme":"vllm"}"#,
+        // The struct in array form (serde would read it positionally; strict decode refuses).
+        r#"["b","m","vllm"]"#,
         long.as_str(),
     ] {
         let r = ctl.req("POST", "/probe", None, body).await;

@@ -45,18 +45,18 @@ pub fn policy_body(data: &[u8]) {
         .next()
         .expect("an accepted body has a first value")
         .expect("an accepted body's first value is JSON");
-    // Known divergence, not asserted here so the target keeps fuzzing past it: serde's derived
-    // decoder also accepts a struct written as a JSON array (`[7]` is a version-7 push, and
-    // entries may be arrays too), where §6.4's strict decode refuses a wrong type.
+    // §6.4 strict decode: struct positions written as JSON arrays are refused (serde's derive
+    // alone would read them positionally; the server checks the schema's objects first).
     let arrays_inside = ["policies", "tenants"].iter().any(|k| {
         first[*k].as_array().is_some_and(|v| {
             v.iter()
-                .any(|e| !e.is_object() || e.get("strategy").is_some_and(Value::is_array))
+                .any(|e| e.is_array() || e.get("strategy").is_some_and(Value::is_array))
         })
     });
-    if !first.is_object() || arrays_inside {
-        return;
-    }
+    assert!(
+        first.is_object() && !arrays_inside,
+        "an array-form body or entry was accepted"
+    );
     let version = first["version"]
         .as_i64()
         .expect("an accepted body has an integer version");
