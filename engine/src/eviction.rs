@@ -142,6 +142,15 @@ impl Hand {
         }
     }
 
+    /// Drops the hand's partition references (a tenant's quota hand is owned by the tenant
+    /// record, which its partitions point back to: a reference cycle the index breaks here when
+    /// it is dropped).
+    pub(crate) fn release(&mut self) {
+        self.parts.clear();
+        self.cands.clear();
+        self.samples.clear();
+    }
+
     fn next(&mut self) -> u64 {
         self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
         mix(self.rng)

@@ -32,24 +32,33 @@ unsafe impl GlobalAlloc for Tracking {
 #[global_allocator]
 static A: Tracking = Tracking;
 
-struct NoPolicy;
-impl Resolvers for NoPolicy {
+struct Policy {
+    lfu: bool,
+    quota: Option<i64>,
+}
+impl Resolvers for Policy {
     fn ttl_ms(&self, _: &str) -> Option<i64> {
         None
     }
     fn algorithm(&self, _: &str) -> Algorithm {
-        Algorithm::Lru
+        if self.lfu {
+            Algorithm::Lfu
+        } else {
+            Algorithm::Lru
+        }
     }
     fn quota(&self, _: &str) -> Option<i64> {
-        None
+        self.quota
     }
 }
 
-/// Builds an index, ingests a chain, a legacy key and stats under two models, drops it.
-fn build_and_drop() {
+/// Builds an index, ingests a chain, a legacy key and stats under two models (with `policy`:
+/// LFU credits and a tenant quota that evicts), drops it.
+fn build_and_drop(policy: Policy) {
+    let credit = policy.lfu;
     let ix = Index::new(
         IndexConfig::default(),
-        Arc::new(NoPolicy),
+        Arc::new(policy),
         Arc::new(ManualClock::new(1_700_000_000_000_000)),
     );
     let blocks = [b"b1".to_vec(), b"b2".to_vec()];
@@ -82,22 +91,65 @@ fn build_and_drop() {
             ],
         });
     }
+    if credit {
+        let r = ix.lookup_route(&LookupRequest::<Vec<u8>> {
+            prefix_hash: b"p",
+            ..LookupRequest::new("t", "n", "vllm")
+        });
+        for _ in 0..20 {
+            ix.credit_hits(&r.hits);
+        }
+    }
     drop(ix);
 }
 
+fn plain() -> Policy {
+    Policy {
+        lfu: false,
+        quota: None,
+    }
+}
+
+/// The allocation counter is process-wide: the tests measure one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn dropped_indexes_do_not_accumulate() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // Warm up one-time allocations (epoch collector, thread locals).
     for _ in 0..50 {
-        build_and_drop();
+        build_and_drop(plain());
     }
     let before = LIVE.load(Ordering::Relaxed);
     for _ in 0..2000 {
-        build_and_drop();
+        build_and_drop(plain());
     }
     let grown = LIVE.load(Ordering::Relaxed) - before;
     // A leak of the records would be several KB per index (> 10 MB here); what may remain is
     // epoch garbage not yet collected, which is bounded.
+    assert!(
+        grown < 1 << 20,
+        "{grown} bytes still live after 2000 dropped indexes"
+    );
+}
+
+/// The same with a tenant quota that evicts (its quota hand holds the tenant's partitions, which
+/// point back to the tenant) and LFU credits (cells, key sums).
+#[test]
+fn dropped_indexes_with_quota_and_lfu_do_not_accumulate() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let policy = || Policy {
+        lfu: true,
+        quota: Some(1),
+    };
+    for _ in 0..50 {
+        build_and_drop(policy());
+    }
+    let before = LIVE.load(Ordering::Relaxed);
+    for _ in 0..2000 {
+        build_and_drop(policy());
+    }
+    let grown = LIVE.load(Ordering::Relaxed) - before;
     assert!(
         grown < 1 << 20,
         "{grown} bytes still live after 2000 dropped indexes"
