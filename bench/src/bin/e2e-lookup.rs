@@ -8,8 +8,10 @@
 //!
 //! Both modes run the real server in process (`inferencecache_server::serve`, the production
 //! gRPC stack of `serve_grpc`) on a loopback port, on its own Tokio runtime, and drive it with
-//! tonic clients on a second runtime. Client and server share the machine's cores; nothing is
-//! pinned, so the ratio to the baseline measured in the same run is the fair figure.
+//! tonic clients on a second runtime. By default client and server share the machine's cores and
+//! nothing is pinned, so the ratio to the baseline measured in the same run is the fair figure;
+//! `--server-cores` / `--client-cores` pin each runtime to its own cores (core_affinity) so the
+//! client never preempts the handler whose clock `lookup_latency_us` reports.
 //!
 //! `lookup` also serves, on another port, the same tonic `Server` stack (same services, message
 //! limit and TCP_NODELAY) whose `LookupRoute` answers an empty `LookupRouteResponse` at once,
@@ -80,6 +82,13 @@ struct Common {
     /// Worker threads of the client runtime.
     #[arg(long, default_value_t = 2)]
     client_threads: usize,
+    /// Pin every thread of the server runtime to these cores (comma list; empty = unpinned).
+    /// With `--client-cores` on other cores, client work never preempts the handler.
+    #[arg(long, value_delimiter = ',')]
+    server_cores: Vec<usize>,
+    /// Pin every thread of the client runtime to these cores (comma list; empty = unpinned).
+    #[arg(long, value_delimiter = ',')]
+    client_cores: Vec<usize>,
     /// Warm-up before each measured closed-loop point.
     #[arg(long, default_value = "1s", value_parser = inferencecache_bench::loadgen::parse_duration)]
     warmup: Duration,
@@ -188,12 +197,59 @@ fn utc_now() -> String {
 // ---------------------------------------------------------------------------------------------
 // Runtimes, servers, clients
 
-fn runtime(threads: usize, name: &str) -> Result<tokio::runtime::Runtime, Error> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads.max(1))
+/// A multi-thread runtime; with `cores`, each of its threads (workers and blocking pool) is
+/// pinned to one of them, round robin in start order.
+fn runtime(threads: usize, name: &str, cores: &[usize]) -> Result<tokio::runtime::Runtime, Error> {
+    let available = core_affinity::get_core_ids().unwrap_or_default();
+    let mut pins = Vec::with_capacity(cores.len());
+    for &c in cores {
+        match available.iter().find(|id| id.id == c) {
+            Some(id) => pins.push(*id),
+            None => return Err(format!("{name}: core {c} is not available to this process").into()),
+        }
+    }
+    let next = AtomicU64::new(0);
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    b.worker_threads(threads.max(1))
         .thread_name(name)
-        .enable_all()
-        .build()?)
+        .enable_all();
+    if !pins.is_empty() {
+        let pins = Arc::new(pins);
+        let label = name.to_string();
+        b.on_thread_start(move || {
+            let i = next.fetch_add(1, Ordering::Relaxed) as usize % pins.len();
+            if !core_affinity::set_for_current(pins[i]) {
+                eprintln!("{label}: could not pin a thread to core {}", pins[i].id);
+            }
+        });
+    }
+    Ok(b.build()?)
+}
+
+/// How the runtimes are placed, for the report.
+fn placement(c: &Common) -> String {
+    let list = |v: &[usize]| {
+        v.iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    match (c.server_cores.is_empty(), c.client_cores.is_empty()) {
+        (true, true) => "nothing pinned".to_string(),
+        _ => format!(
+            "server pinned to core(s) {}, client to core(s) {}",
+            if c.server_cores.is_empty() {
+                "-".into()
+            } else {
+                list(&c.server_cores)
+            },
+            if c.client_cores.is_empty() {
+                "-".into()
+            } else {
+                list(&c.client_cores)
+            },
+        ),
+    }
 }
 
 /// A server running on the server runtime; dropping the sender stops it.
@@ -662,8 +718,8 @@ fn run_lookup(a: &LookupArgs) -> Result<(), Error> {
     let c = &a.common;
     let started = utc_now();
     let load_start = loadavg();
-    let srv_rt = runtime(c.server_threads, "srv")?;
-    let cli_rt = runtime(c.client_threads, "cli")?;
+    let srv_rt = runtime(c.server_threads, "srv", &c.server_cores)?;
+    let cli_rt = runtime(c.client_threads, "cli", &c.client_cores)?;
 
     eprintln!("generating W1M ({} chains) and queries ...", a.chains);
     let w = Workload::new(a.chains);
@@ -809,8 +865,8 @@ fn run_lookup(a: &LookupArgs) -> Result<(), Error> {
     );
     let _ = writeln!(
         s,
-        "- Date: {started}; machine: {}; shared with other engineers' builds (load averages \
-         1/5/15 min: start {load_start}, after closed loop {load_closed}, after open loop (ours) \
+        "- Date: {started}; machine: {}; load averages (1/5/15 min, \
+         other jobs included): start {load_start}, after closed loop {load_closed}, after open loop (ours) \
          {load_open_ours}, end {load_end}).",
         cpu_model()
     );
@@ -830,13 +886,14 @@ fn run_lookup(a: &LookupArgs) -> Result<(), Error> {
     let _ = writeln!(
         s,
         "- Clients: tonic, {} connections, {} runtime workers, same process; requests = W1M Q50 \
-         and Q100 alternately ({} distinct), 64 × 8-byte BE rolling hashes, counts 16. Client \
-         and server share the 2 cores; nothing pinned. {sample} answers checked against \
-         benchmarks.md §2.4 before timing (PREFIX_MATCH, per-replica matched tokens, top \
-         replicas); every timed answer of ours is checked for PREFIX_MATCH.",
+         and Q100 alternately ({} distinct), 64 × 8-byte BE rolling hashes, counts 16; {}. \
+         {sample} answers checked against benchmarks.md §2.4 before timing (PREFIX_MATCH, \
+         per-replica matched tokens, top replicas); every timed answer of ours is checked for \
+         PREFIX_MATCH.",
         c.connections,
         c.client_threads,
-        reqs.len()
+        reqs.len(),
+        placement(c)
     );
     let _ = writeln!(
         s,
@@ -1118,8 +1175,8 @@ fn run_prompt(a: &PromptArgs) -> Result<(), Error> {
     }
     let load_time = t.elapsed();
     let has_template = tok.has_chat_template(&a.model);
-    let srv_rt = runtime(c.server_threads, "srv")?;
-    let cli_rt = runtime(c.client_threads, "cli")?;
+    let srv_rt = runtime(c.server_threads, "srv", &c.server_cores)?;
+    let cli_rt = runtime(c.client_threads, "cli", &c.client_cores)?;
     let block = 16usize;
     let state = AppState::new(ServerOptions {
         block_size: block,
@@ -1274,8 +1331,8 @@ fn run_prompt(a: &PromptArgs) -> Result<(), Error> {
     );
     let _ = writeln!(
         s,
-        "- Date: {started}; machine: {}; shared with other engineers' builds (load averages \
-         1/5/15 min: start {load_start}, end {load_end}).",
+        "- Date: {started}; machine: {}; load averages (1/5/15 min, \
+         other jobs included): start {load_start}, end {load_end}).",
         cpu_model()
     );
     let _ = writeln!(
@@ -1290,13 +1347,19 @@ fn run_prompt(a: &PromptArgs) -> Result<(), Error> {
     let _ = writeln!(
         s,
         "- Server in process (`inferencecache_server::serve`, {} runtime workers); clients: tonic, \
-         {} connections, {} runtime workers, same process, nothing pinned. {} distinct English-like \
+         {} connections, {} runtime workers, same process, {}. {} distinct English-like \
          prompts per size (cycled); each prompt's chain is stored for replica p0 (whole) and p1 \
          (first half) so every answer is PREFIX_MATCH with p0 first; before timing every prompt \
          was checked (echoed tokens equal the tokenizer's, matched tokens = whole chain, token_ids \
          form gives the same top match). Closed loop, {:?} measured after {:?} warm-up per row; \
          latency = service time.",
-        c.server_threads, c.connections, c.client_threads, a.prompts, c.closed, c.warmup
+        c.server_threads,
+        c.connections,
+        c.client_threads,
+        placement(c),
+        a.prompts,
+        c.closed,
+        c.warmup
     );
     let _ = writeln!(
         s,
