@@ -2430,9 +2430,9 @@ mod tests {
                 Holder::new(1, 1, 16, -5, 7),
                 Holder::new(3, 4, -2, 1 << 42, (1 << 28) - 1),
             ];
-            let n = KeyNode::build(key, crate::table::digest(key), &hs);
-            // SAFETY: fresh node, freed below, never shared.
-            let r = unsafe { n.as_ref() };
+            let buf = KeyNode::build_boxed(key, crate::table::digest(key), &hs);
+            // SAFETY: `buf` holds a node written by `build_boxed`, alive for this iteration.
+            let r = unsafe { &*(buf.as_ptr() as *const KeyNode) };
             assert_eq!(r.key(), key);
             assert_eq!(r.holders().len(), 2);
             assert!(r.holders()[0].same_data(&hs[0]) && r.holders()[1].same_data(&hs[1]));
@@ -2441,13 +2441,12 @@ mod tests {
             assert_eq!(r.holders()[1].tokens(), -2);
             assert_eq!(r.holders()[0].last_seen_ms(), -5);
             assert!(r.matches(key, crate::table::digest(key)));
-            // SAFETY: built by `KeyNode::build` with this layout, unshared.
-            unsafe {
-                std::alloc::dealloc(
-                    n.as_ptr() as *mut u8,
-                    std::alloc::Layout::from_size_align(r.bytes_exact(), 8).unwrap(),
-                )
-            };
+            let exact = 8 + 2 * 16 + if key.len() == 8 { 0 } else { 4 + key.len() };
+            assert_eq!(
+                r.units() as usize,
+                exact.div_ceil(8),
+                "exact size in 8-byte units"
+            );
         }
         assert_eq!(
             Holder::new(0, 1, 0, i64::MAX, 0).last_seen_ms(),

@@ -7,6 +7,7 @@
 
 pub mod fingerprint;
 
+mod arena;
 mod clock;
 mod config;
 mod dir;

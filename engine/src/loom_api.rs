@@ -42,6 +42,8 @@ struct Entry {
 #[derive(Default)]
 struct Ledger {
     armed: bool,
+    /// Nodes served from an arena free list (memory of a node freed earlier in the execution).
+    reuses: u64,
     live: HashMap<usize, Entry>,
     built: HashMap<Kind, u64>,
     freed: HashMap<Kind, u64>,
@@ -73,6 +75,20 @@ pub fn built(kind: Kind) -> u64 {
 /// Objects of `kind` freed since [`arm`].
 pub fn freed(kind: Kind) -> u64 {
     LEDGER.with(|l| l.borrow().freed.get(&kind).copied().unwrap_or(0))
+}
+
+/// Arena allocations served from a free list since [`arm`] (node memory reused after its epoch).
+pub fn reuses() -> u64 {
+    LEDGER.with(|l| l.borrow().reuses)
+}
+
+pub(crate) fn note_reuse() {
+    LEDGER.with(|l| {
+        let mut l = l.borrow_mut();
+        if l.armed {
+            l.reuses += 1;
+        }
+    });
 }
 
 /// Objects of `kind` created since [`arm`] and not freed yet.

@@ -4,18 +4,22 @@
 //! # Layout
 //!
 //! A [`KeyTable`] has [`SHARDS`] shards chosen by the top bits of the mixed key digest. Each shard
-//! owns an epoch-protected [`ShardTable`]: a power-of-two array of 64-byte [`Group`]s (one cache
-//! line each). A group holds 7 node pointers and their 1-byte tags packed in one `AtomicU64`
-//! (lane 7 of the tag word is unused and permanently "full"). A tag is [`EMPTY`] (never used:
-//! ends a probe), [`TOMB`] (deleted: probe continues; reused by inserts) or `0x80 | 7 bits of the
-//! hash` (a fingerprint). Probing is linear over groups; a probe ends at the first group holding
-//! an empty lane, so a miss usually reads one cache line (P2). A 16-bit presence summary per home
-//! group (a superset, cleared only by rebuilds) answers most misses without reading the group.
+//! owns an epoch-protected [`ShardTable`]: an array of 32-byte [`Group`]s (two per cache line) of
+//! any length (the home group is the hash's low 32 bits scaled to the length, so a rebuild sizes
+//! the table to its keys without power-of-two rounding). A group holds 6 lanes — each the 32-bit
+//! index of a node in the shard's [`Arena`](crate::arena) — and their 1-byte tags packed in one
+//! `AtomicU64` (tag lanes 6 and 7 are unused and permanently "full"). A tag is [`EMPTY`] (never
+//! used: ends a probe), [`TOMB`] (deleted: probe continues; reused by inserts) or `0x80 | 7 bits
+//! of the hash` (a fingerprint). Probing is linear over groups; a probe ends at the first group
+//! holding an empty lane, so a miss usually reads one cache line (P2). A 16-bit presence summary
+//! per home group (a superset, cleared only by rebuilds) answers most misses without reading the
+//! group. A table and the arena its lanes index are published together (the table owns a
+//! reference to the arena), so a rebuild that compacts the arena swaps both at once.
 //!
-//! A [`KeyNode`] is one allocation: the 8-byte key (or, for other lengths, the big-endian XXH3-64
-//! digest), then its holders inline (16 bytes each, sorted by scope-local replica index, the last
-//! one flagged), then for non-8-byte keys `u32 len` + the key bytes. A single-holder node with an
-//! 8-byte key is 24 bytes (a 32-byte malloc chunk).
+//! A [`KeyNode`] lives in the arena at its exact size in 8-byte units: the 8-byte key (or, for
+//! other lengths, the big-endian XXH3-64 digest), then its holders inline (16 bytes each, sorted
+//! by scope-local replica index, the last one flagged), then for non-8-byte keys `u32 len` + the
+//! key bytes. A single-holder node with an 8-byte key is 24 bytes, with no allocator header.
 //!
 //! [`Holder`] packs `last_seen` (ms, signed 44 bits: years ~1691–2248; out-of-range timestamps
 //! are clamped), the replica index (20 bits), `token_count` (i32), the tier code (2 bits), a
@@ -31,7 +35,7 @@
 //! 1. A published [`KeyNode`] is immutable. Every change to a key's holders builds a new node and
 //!    swaps the slot pointer (Release); the old node is retired through the epoch collector.
 //! 2. Every table has at least one empty lane in some group (load, tombstones included, stays
-//!    ≤ 4/5), so a probe terminates. A group that loses its last EMPTY lane never gets one back
+//!    ≤ 17/20), so a probe terminates. A group that loses its last EMPTY lane never gets one back
 //!    until the table is rebuilt: a removal leaves a TOMB in such a group, and may leave EMPTY
 //!    only in a group that still has another EMPTY lane (as in Swiss tables). So a group with an
 //!    EMPTY lane has had one continuously since the table was built, no probe ever continued
@@ -41,35 +45,46 @@
 //! 3. Only the holder of the shard mutex stores into a shard's groups, its table pointer, its LFU
 //!    table pointer or the LFU cells' identity.
 //! 4. Nodes, LFU cells, key sums and tables are freed only through `Guard::defer*` after being
-//!    made unreachable, so a reader pinned before the unlink can still read them.
+//!    made unreachable, so a reader pinned before the unlink can still read them. A node's arena
+//!    memory is handed back to the writer (and reused) only by such a deferred function.
 //!
 //! # Memory ordering
 //!
-//! Insert: the writer stores the node pointer (Release) and then the group's tag word (Release).
-//! A reader loads the tag word (Acquire) and, on a fingerprint match, the pointer (Acquire): it
-//! sees the node fully initialized (C3, never torn). Replace: one `swap` (AcqRel) of the pointer;
-//! the tag is unchanged. Remove: the pointer is set to null (Release) before the tag becomes TOMB;
-//! a reader that sees a matching tag and a null pointer treats the lane as deleted. A rebuilt
-//! table is fully built with Relaxed stores and published with a Release store of the shard's
-//! table pointer; readers that still hold the old table see nodes that stay valid until their
-//! guard is dropped (stale but consistent).
+//! Insert: the writer builds the node in the arena (registering a new chunk in the arena's
+//! directory first if it needs one), stores the node's index in the lane (Release) and then the
+//! group's tag word (Release). A reader loads the tag word (Acquire) and, on a fingerprint match,
+//! the lane (Acquire), then translates the index through the arena directory: everything the
+//! writer did before the lane store — the node's bytes, the directory entry — is visible to it
+//! (C3, never torn). Replace: one `swap` (AcqRel) of the lane; the tag is unchanged. Remove: the
+//! lane is set to 0 (Release) before the tag becomes TOMB; a reader that sees a matching tag and
+//! an empty lane treats the lane as deleted. A rebuilt table is fully built with Relaxed stores
+//! and published with a Release store of the shard's table pointer; readers that still hold the
+//! old table (and, after a compaction, the old arena it references) see nodes that stay valid
+//! until their guard is dropped (stale but consistent). A retired node's memory returns to the
+//! arena's free lists only from a deferred function, i.e. after every reader that could hold its
+//! index has unpinned; a reused node is therefore never visible to a reader of its old self.
 
+use crate::arena::{Arena, ArenaState, units_for};
 use crate::sync::{
-    AtomicI64, AtomicPtr, AtomicU16, AtomicU64, Mutex, MutexGuard, Ordering, thread_local,
+    AtomicI64, AtomicPtr, AtomicU16, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering,
+    thread_local,
 };
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use crossbeam_utils::CachePadded;
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 /// Number of shards per partition table.
 pub(crate) const SHARDS: usize = 16;
 const SHARD_SHIFT: u32 = 60;
 /// Lanes per group.
-const LANES: usize = 7;
+const LANES: usize = 6;
 /// Minimum groups per shard table.
 const MIN_GROUPS: usize = 1;
+/// Arena bytes beyond twice the live nodes' that a rebuild tolerates before compacting.
+const COMPACT_SLACK: i64 = 64 << 10;
 /// Estimated allocator overhead per allocation (glibc: 8-byte header, 16-byte chunk rounding).
 pub(crate) const ALLOC_OVERHEAD: usize = 8;
 
@@ -79,8 +94,11 @@ const EMPTY: u64 = 0x00;
 const TOMB: u64 = 0x01;
 const LO: u64 = 0x0101_0101_0101_0101;
 const HI: u64 = 0x8080_8080_8080_8080;
-/// Lane 7 is unused: permanently TOMB (never empty, never matches a fingerprint).
-const INIT_TAGS: u64 = TOMB << 56;
+/// Lanes 6 and 7 of the tag word have no slot: permanently TOMB (never empty, never match a
+/// fingerprint).
+const INIT_TAGS: u64 = (TOMB << 56) | (TOMB << 48);
+/// Tag bytes of the real lanes.
+const LANE_BYTES: u64 = (1 << (8 * LANES)) - 1;
 
 /// Tier codes as stored (K6 compaction): 1 = T1, 2 = T2, 3 = T3, 4 = colder/invalid.
 pub(crate) const TIER_COLDER: u8 = 4;
@@ -282,30 +300,48 @@ impl KeyNode {
         Self::layout_for(self.len(), self.key())
     }
 
-    /// Exact allocation size of this node.
-    #[cfg(test)]
-    pub(crate) fn bytes_exact(&self) -> usize {
-        self.layout().size()
+    /// Arena units of this node.
+    pub(crate) fn units(&self) -> u32 {
+        units_for(self.layout().size())
     }
 
-    /// Accounted bytes of this node (allocation rounded like glibc malloc chunks).
-    pub(crate) fn bytes(&self) -> usize {
-        chunk(self.layout().size())
+    /// Arena units of a node with `n` holders and this key.
+    pub(crate) fn units_of(n: usize, key: &[u8]) -> u32 {
+        units_for(Self::layout_for(n, key).size())
     }
 
-    /// Builds a node (one allocation). `holders` must be sorted by replica index and non-empty.
-    pub(crate) fn build(key: &[u8], d: u64, holders: &[Holder]) -> NonNull<KeyNode> {
+    /// Builds a node in the shard's arena: its index and address. `holders` must be sorted by
+    /// replica index and non-empty. Mutex holder only.
+    pub(crate) fn build_in(
+        st: &mut ArenaState,
+        arena: &Arena,
+        key: &[u8],
+        d: u64,
+        holders: &[Holder],
+        guard: &Guard,
+    ) -> (u32, NonNull<KeyNode>) {
         assert!(!holders.is_empty());
+        let lay = Self::layout_for(holders.len(), key);
+        let (idx, p) = st.alloc(arena, units_for(lay.size()), guard);
+        // SAFETY: the arena handed out `units_for(lay.size())` units at `p`, 8-aligned and
+        // unreachable by anyone else.
+        let nn = unsafe { Self::write_at(p, key, d, holders) };
+        (idx, nn)
+    }
+
+    /// Writes a node at `p`.
+    ///
+    /// # Safety
+    /// `p` is 8-aligned, writable for `layout_for(holders.len(), key).size()` bytes and not
+    /// visible to any other thread.
+    unsafe fn write_at(p: *mut u8, key: &[u8], d: u64, holders: &[Holder]) -> NonNull<KeyNode> {
         let n = holders.len();
         let long = key.len() != 8;
-        let lay = Self::layout_for(n, key);
-        // SAFETY: the layout has a non-zero size (≥ 24 bytes).
-        let p = unsafe { std::alloc::alloc(lay) };
         let Some(nn) = NonNull::new(p) else {
-            std::alloc::handle_alloc_error(lay)
+            unreachable!("arena nodes are never null")
         };
-        // SAFETY: `p` is a fresh allocation of `lay.size()` bytes, 8-aligned; we write the
-        // header, `n` holders and (long keys) the length and bytes, all within it.
+        // SAFETY: per the contract: we write the header, `n` holders and (long keys) the length
+        // and bytes, all within the node's size.
         unsafe {
             (p as *mut [u8; 8]).write(d.to_be_bytes());
             let hp = p.add(HDR) as *mut Holder;
@@ -331,18 +367,14 @@ impl KeyNode {
         nn.cast()
     }
 
-    /// Frees a node.
-    ///
-    /// # Safety
-    /// `p` came from [`KeyNode::build`], is unreachable by any reader, and is freed once.
-    unsafe fn free(p: *mut KeyNode) {
-        // SAFETY: per the contract, `p` is a live node built with this layout.
-        unsafe {
-            let lay = (*p).layout();
-            #[cfg(loom)]
-            crate::loom_api::destroyed(crate::loom_api::Kind::Node, p as usize);
-            std::alloc::dealloc(p as *mut u8, lay);
-        }
+    /// Builds a node in a plain allocation (unit tests of the layout).
+    #[cfg(test)]
+    pub(crate) fn build_boxed(key: &[u8], d: u64, holders: &[Holder]) -> Box<[u64]> {
+        let size = Self::layout_for(holders.len(), key).size();
+        let mut buf = vec![0u64; size.div_ceil(8)].into_boxed_slice();
+        // SAFETY: `buf` is 8-aligned, at least `size` bytes and ours alone.
+        unsafe { Self::write_at(buf.as_mut_ptr() as *mut u8, key, d, holders) };
+        buf
     }
 }
 
@@ -421,21 +453,26 @@ fn note_retired(guard: &Guard) {
     }
 }
 
-/// One cache line: 7 lanes.
-#[repr(C, align(64))]
+/// Half a cache line: 6 lanes, each the arena index of a node (0: none).
+#[repr(C, align(32))]
 struct Group {
     tags: AtomicU64,
-    ptrs: [AtomicPtr<KeyNode>; LANES],
+    ptrs: [AtomicU32; LANES],
 }
 
 struct ShardTable {
     groups: Box<[Group]>,
+    /// Where the nodes named by this table's lanes live. A table and its arena are published
+    /// together: a compacting rebuild moves the nodes into a new arena and publishes a new table
+    /// pointing at it, so a reader translates every index it read through the right directory.
+    arena: Arc<Arena>,
     /// Per home group, a 16-bit presence summary of the keys whose probe starts there (bit
     /// `summary_bit(h)`). Set before a key is published, cleared only by a rebuild (a superset):
     /// a clear bit proves absence without touching the group line (P2: ~16 KiB per 1 M slots
     /// of summary stays cache-resident, the groups do not).
     summary: Box<[AtomicU16]>,
-    mask: usize,
+    /// Number of groups.
+    n: u64,
 }
 
 #[inline]
@@ -444,8 +481,8 @@ fn summary_bit(h: u64) -> u16 {
 }
 
 impl ShardTable {
-    fn new(groups: usize) -> Self {
-        debug_assert!(groups.is_power_of_two());
+    fn new(groups: usize, arena: Arc<Arena>) -> Self {
+        debug_assert!(groups >= 1 && groups <= u32::MAX as usize);
         let groups = (0..groups)
             .map(|_| Group {
                 tags: AtomicU64::new(INIT_TAGS),
@@ -453,25 +490,41 @@ impl ShardTable {
             })
             .collect::<Vec<_>>()
             .into_boxed_slice();
-        let mask = groups.len() - 1;
+        let n = groups.len() as u64;
         let summary = (0..groups.len()).map(|_| AtomicU16::new(0)).collect();
         Self {
             groups,
+            arena,
             summary,
-            mask,
+            n,
         }
+    }
+
+    /// The home group of mixed hash `h`: its low 32 bits scaled to the group count (any count,
+    /// not only powers of two, so a rebuild can size the table to the live keys). The low bits
+    /// are independent of the shard (bits 60–63), fingerprint (48–54) and summary (40–43) bits.
+    #[inline]
+    fn home(&self, h: u64) -> usize {
+        (((h & 0xffff_ffff) * self.n) >> 32) as usize
+    }
+
+    /// The group after `g` in probe order.
+    #[inline]
+    fn step(&self, g: usize) -> usize {
+        let g = g + 1;
+        if g as u64 == self.n { 0 } else { g }
     }
 
     /// Whether the key with mixed hash `h` may be present (false: definitely absent).
     #[inline]
     fn may_contain(&self, h: u64) -> bool {
-        self.summary[h as usize & self.mask].load(Ordering::Relaxed) & summary_bit(h) != 0
+        self.summary[self.home(h)].load(Ordering::Relaxed) & summary_bit(h) != 0
     }
 
     /// Marks the key with mixed hash `h` present (mutex holder / unpublished table only).
     #[inline]
     fn mark(&self, h: u64) {
-        let s = &self.summary[h as usize & self.mask];
+        let s = &self.summary[self.home(h)];
         s.store(
             s.load(Ordering::Relaxed) | summary_bit(h),
             Ordering::Relaxed,
@@ -492,7 +545,7 @@ impl ShardTable {
             return None;
         }
         let fp = fingerprint(h) * LO;
-        let mut g = h as usize & self.mask;
+        let mut g = self.home(h);
         loop {
             let grp = &self.groups[g];
             let tags = grp.tags.load(Ordering::Acquire);
@@ -503,11 +556,12 @@ impl ShardTable {
                 if lane >= LANES {
                     break;
                 }
-                let n = grp.ptrs[lane].load(Ordering::Acquire);
-                if n.is_null() {
+                let i = grp.ptrs[lane].load(Ordering::Acquire);
+                if i == 0 {
                     continue;
                 }
-                // SAFETY: a non-null pointer read from a lane is a live node published with
+                let n = self.arena.node(i) as *mut KeyNode;
+                // SAFETY: a non-zero index read from a lane is a live node published with
                 // Release (Acquire above) and retired through the epoch, so it stays valid while
                 // the caller's guard is pinned.
                 if unsafe { (*n).matches(key, d) } {
@@ -517,7 +571,7 @@ impl ShardTable {
             if zero_bytes(tags) != 0 {
                 return None;
             }
-            g = (g + 1) & self.mask;
+            g = self.step(g);
         }
     }
 }
@@ -848,6 +902,10 @@ struct ShardState {
     lfu_used: usize,
     /// Key sums by key (writer side).
     ksums: HashMap<Box<[u8]>, *mut KeySum>,
+    /// The writer half of the current table's node arena.
+    arena: ArenaState,
+    /// Arena units of the live nodes.
+    node_units: usize,
 }
 
 // SAFETY: the raw pointers in `ksums` point to key sums only touched under the shard mutex or
@@ -906,7 +964,7 @@ impl KeyTable {
         let shards: Box<[CachePadded<Shard>]> = (0..SHARDS)
             .map(|_| {
                 CachePadded::new(Shard {
-                    table: Atomic::new(ShardTable::new(MIN_GROUPS)),
+                    table: Atomic::new(ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()))),
                     lfu: Atomic::null(),
                     bytes: AtomicI64::new(0),
                     w: Mutex::new(ShardState {
@@ -917,6 +975,8 @@ impl KeyTable {
                         lfu_live: 0,
                         lfu_used: 0,
                         ksums: HashMap::new(),
+                        arena: ArenaState::new(),
+                        node_units: 0,
                     }),
                 })
             })
@@ -925,7 +985,8 @@ impl KeyTable {
             shards,
             bytes: AtomicI64::new(0),
         };
-        let per = ShardTable::new(MIN_GROUPS).bytes() + std::mem::size_of::<CachePadded<Shard>>();
+        let per = ShardTable::new(MIN_GROUPS, Arc::new(Arena::new())).bytes()
+            + std::mem::size_of::<CachePadded<Shard>>();
         t.add_bytes((per * SHARDS) as i64);
         t
     }
@@ -974,7 +1035,7 @@ impl KeyTable {
         if !t.may_contain(p.h) {
             return Cand::Miss;
         }
-        let grp = &t.groups[p.h as usize & t.mask];
+        let grp = &t.groups[t.home(p.h)];
         let tags = grp.tags.load(Ordering::Acquire);
         let mut m = zero_bytes(tags ^ (fingerprint(p.h) * LO));
         while m != 0 {
@@ -983,10 +1044,11 @@ impl KeyTable {
             if lane >= LANES {
                 break;
             }
-            let n = grp.ptrs[lane].load(Ordering::Acquire);
-            if !n.is_null() {
+            let i = grp.ptrs[lane].load(Ordering::Acquire);
+            if i != 0 {
+                let n = t.arena.node(i) as *const KeyNode;
                 // Header and first holders; a node with several holders spans 2–3 lines.
-                prefetch(n as *const KeyNode);
+                prefetch(n);
                 prefetch((n as *const u8).wrapping_add(64));
                 return Cand::Node(n);
             }
@@ -1027,7 +1089,7 @@ impl KeyTable {
     #[inline]
     pub(crate) fn prefetch_home(&self, p: Probe<'_>, guard: &Guard) {
         let t = self.table_of(p.shard(), guard);
-        let g = p.h as usize & t.mask;
+        let g = t.home(p.h);
         prefetch(t.groups.as_ptr().wrapping_add(g));
     }
 
@@ -1051,12 +1113,13 @@ impl KeyTable {
     pub(crate) fn for_each_node<'g>(&self, guard: &'g Guard, mut f: impl FnMut(&'g KeyNode)) {
         for s in 0..SHARDS {
             let t = self.table_of(s, guard);
+            let arena = &t.arena;
             for g in t.groups.iter() {
                 for p in g.ptrs.iter() {
-                    let n = p.load(Ordering::Acquire);
-                    if !n.is_null() {
+                    let i = p.load(Ordering::Acquire);
+                    if i != 0 {
                         // SAFETY: as in `find`.
-                        f(unsafe { &*n });
+                        f(unsafe { &*(arena.node(i) as *const KeyNode) });
                     }
                 }
             }
@@ -1078,10 +1141,10 @@ impl KeyTable {
         if lane >= LANES {
             return None;
         }
-        let n = t.groups.get(g)?.ptrs[lane].load(Ordering::Acquire);
-        // SAFETY: as in `find`: a non-null lane pointer is a published node retired through
-        // the epoch, valid while `guard` is pinned.
-        (!n.is_null()).then(|| unsafe { &*n })
+        let i = t.groups.get(g)?.ptrs[lane].load(Ordering::Acquire);
+        // SAFETY: as in `find`: a non-zero lane index is a published node retired through the
+        // epoch, valid while `guard` is pinned.
+        (i != 0).then(|| unsafe { &*(t.arena.node(i) as *const KeyNode) })
     }
 
     /// Lock-free sequential scan of groups `g0 .. g0 + n` of shard `s`'s current table, calling
@@ -1097,13 +1160,14 @@ impl KeyTable {
         mut f: impl FnMut(&'g KeyNode),
     ) -> usize {
         let t = self.table_of(s, guard);
+        let arena = &t.arena;
         let len = t.groups.len();
         for g in g0..(g0 + n).min(len) {
             if let Some(ahead) = t.groups.get(g + 2) {
                 for p in ahead.ptrs.iter() {
                     let x = p.load(Ordering::Relaxed);
-                    if !x.is_null() {
-                        prefetch(x as *const KeyNode);
+                    if x != 0 {
+                        prefetch(arena.node(x));
                     }
                 }
             }
@@ -1114,9 +1178,9 @@ impl KeyTable {
                     continue;
                 }
                 let x = p.load(Ordering::Acquire);
-                if !x.is_null() {
+                if x != 0 {
                     // SAFETY: as in `find`: a published node retired through the epoch.
-                    f(unsafe { &*x });
+                    f(unsafe { &*(arena.node(x) as *const KeyNode) });
                 }
             }
         }
@@ -1150,15 +1214,22 @@ impl Drop for KeyTable {
             for shard in self.shards.iter() {
                 let t = shard.table.load(Ordering::Relaxed, guard);
                 if !t.is_null() {
+                    // The nodes still linked live in the arena, which frees its chunks when
+                    // its last reference (this table's, or a pending deferred free's) goes.
                     let tab = t.into_owned();
+                    #[cfg(loom)]
                     for g in tab.groups.iter() {
                         for p in g.ptrs.iter() {
-                            let n = p.load(Ordering::Relaxed);
-                            if !n.is_null() {
-                                KeyNode::free(n);
+                            let i = p.load(Ordering::Relaxed);
+                            if i != 0 {
+                                crate::loom_api::destroyed(
+                                    crate::loom_api::Kind::Node,
+                                    tab.arena.node(i) as usize,
+                                );
                             }
                         }
                     }
+                    drop(tab);
                 }
                 let l = shard.lfu.load(Ordering::Relaxed, guard);
                 if !l.is_null() {
@@ -1237,12 +1308,12 @@ impl ShardWriter<'_> {
         if lane >= LANES {
             return None;
         }
-        let n = t.groups.get(g)?.ptrs[lane].load(Ordering::Acquire);
-        if n.is_null() {
+        let i = t.groups.get(g)?.ptrs[lane].load(Ordering::Acquire);
+        if i == 0 {
             None
         } else {
             // SAFETY: live node, see `ShardTable::probe`.
-            Some(unsafe { &*n })
+            Some(unsafe { &*(t.arena.node(i) as *const KeyNode) })
         }
     }
 
@@ -1259,27 +1330,42 @@ impl ShardWriter<'_> {
         let t = self.current(guard);
         let slot = &t.groups[i >> 3].ptrs[i & 7];
         let old = slot.load(Ordering::Relaxed);
-        debug_assert!(!old.is_null());
+        debug_assert!(old != 0);
+        let old_node = t.arena.node(old) as *const KeyNode;
         // SAFETY: `old` is live (we hold the shard mutex; only we unlink).
-        let (key, d) = unsafe { ((*old).key(), (*old).digest()) };
-        let new = KeyNode::build(key, d, holders);
-        // SAFETY: fresh node.
-        self.add_bytes(unsafe { new.as_ref() }.bytes() as i64);
-        slot.swap(new.as_ptr(), Ordering::AcqRel);
+        let (key, d) = unsafe { ((*old_node).key(), (*old_node).digest()) };
+        let (new, _) = self.build(key, d, holders, guard);
+        slot.swap(new, Ordering::AcqRel);
         self.retire_node(old, guard);
     }
 
-    fn retire_node(&self, old: *mut KeyNode, guard: &Guard) {
+    /// Builds a node in this shard's arena (accounting any memory the arena had to take).
+    fn build(
+        &mut self,
+        key: &[u8],
+        d: u64,
+        holders: &[Holder],
+        guard: &Guard,
+    ) -> (u32, NonNull<KeyNode>) {
+        let t = self.current(guard);
+        let before = self.st.arena.bytes();
+        let built = KeyNode::build_in(&mut self.st.arena, &t.arena, key, d, holders, guard);
+        self.add_bytes(self.st.arena.bytes() - before);
+        self.st.node_units += KeyNode::units_of(holders.len(), key) as usize;
+        built
+    }
+
+    fn retire_node(&mut self, old: u32, guard: &Guard) {
         note_retired(guard);
+        let t = self.current(guard);
+        // SAFETY: `old` is a live node of this shard (we hold its mutex).
+        let units = unsafe { (*(t.arena.node(old) as *const KeyNode)).units() };
+        self.st.node_units -= units as usize;
         // SAFETY: `old` was a live node that is now unlinked from the current table (and from
-        // any older table by construction: rebuilds move pointers, and older tables are
-        // retired); readers pinned before the unlink may still read it, so it is freed through
-        // the epoch.
-        unsafe {
-            self.add_bytes(-((*old).bytes() as i64));
-            let p = old as usize;
-            guard.defer_unchecked(move || KeyNode::free(p as *mut KeyNode));
-        }
+        // any older table by construction: rebuilds move indices, and older tables are
+        // retired); readers pinned before the unlink may still read it, so the arena takes it
+        // back only through the epoch. Retired once: only the mutex holder unlinks.
+        unsafe { t.arena.retire(old, units, guard) };
     }
 
     /// Deletes the key at slot id `i` (tombstone) and retires its node.
@@ -1287,8 +1373,8 @@ impl ShardWriter<'_> {
         let t = self.current(guard);
         let grp = &t.groups[i >> 3];
         let lane = i & 7;
-        let old = grp.ptrs[lane].swap(std::ptr::null_mut(), Ordering::AcqRel);
-        debug_assert!(!old.is_null());
+        let old = grp.ptrs[lane].swap(0, Ordering::AcqRel);
+        debug_assert!(old != 0);
         let tags = grp.tags.load(Ordering::Relaxed);
         // Invariant 2: a group that still has an EMPTY lane has had one since the table was
         // built, so no probe ever went past it and no key lives beyond it; the freed lane can be
@@ -1308,7 +1394,8 @@ impl ShardWriter<'_> {
     /// Shrinks the table when it is mostly empty (call outside sliced walks).
     pub(crate) fn maybe_shrink(&mut self, guard: &Guard) {
         let t = self.current(guard);
-        if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() {
+        let empty_arena = self.st.live == 0 && self.st.arena.bytes() > 0;
+        if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() || empty_arena {
             self.rebuild(guard);
         }
     }
@@ -1316,68 +1403,104 @@ impl ShardWriter<'_> {
     /// Inserts a new key (the caller checked it is absent) with `holders`; `p` must belong to
     /// this shard.
     pub(crate) fn insert_p(&mut self, p: Probe<'_>, holders: &[Holder], guard: &Guard) {
-        if (self.st.used + 1) * 5 > self.current(guard).slots() * 4 {
+        if (self.st.used + 1) * 20 > self.current(guard).slots() * 17 {
             self.rebuild(guard);
         }
-        let node = KeyNode::build(p.key, p.d, holders);
-        // SAFETY: fresh node.
-        self.add_bytes(unsafe { node.as_ref() }.bytes() as i64);
+        let (node, _) = self.build(p.key, p.d, holders, guard);
         let t = self.current(guard);
         // Summary bit before the node is published (a reader that sees the node's tag and
         // pointer with Acquire also sees the bit; a reader that misses the bit is concurrent).
         t.mark(p.h);
-        let mut g = p.h as usize & t.mask;
+        let mut g = t.home(p.h);
         loop {
             let grp = &t.groups[g];
             let tags = grp.tags.load(Ordering::Relaxed);
             // Free lanes: EMPTY (0) or TOMB (1), i.e. bytes ≤ 1.
-            let free = zero_bytes((tags & !LO & 0x00ff_ffff_ffff_ffff) | (0xff << 56));
+            let free = zero_bytes((tags & !LO & LANE_BYTES) | !LANE_BYTES);
             if free != 0 {
                 let lane = (free.trailing_zeros() / 8) as usize;
                 debug_assert!(lane < LANES);
                 if (tags >> (8 * lane)) & 0xff == EMPTY {
                     self.st.used += 1;
                 }
-                grp.ptrs[lane].store(node.as_ptr(), Ordering::Release);
+                grp.ptrs[lane].store(node, Ordering::Release);
                 let tags = (tags & !(0xff << (8 * lane))) | (fingerprint(p.h) << (8 * lane));
                 grp.tags.store(tags, Ordering::Release);
                 break;
             }
-            g = (g + 1) & t.mask;
+            g = t.step(g);
         }
         self.st.live += 1;
     }
 
-    /// Rebuilds the table sized for the live keys (drops tombstones, grows or shrinks).
+    /// Rebuilds the table sized for the live keys (drops tombstones, grows or shrinks). When
+    /// the arena holds more than four times the live nodes' bytes (after shrinking, or after
+    /// churn left free lists of sizes nobody asks for) or the shard is empty, the live nodes
+    /// are also copied into a fresh arena and the old one goes with the old table, through the
+    /// epoch. (Four, not two: a shard emptied key by key then copies each node about 1/3 of a
+    /// time instead of once per halving.)
     fn rebuild(&mut self, guard: &Guard) {
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
         // SAFETY: non-null, see `current`.
         let old = unsafe { old_shared.deref() };
-        // Load ≤ 1/2 after a rebuild.
-        let groups = ((self.st.live + 1) * 2)
-            .div_ceil(LANES)
-            .next_power_of_two()
-            .max(MIN_GROUPS);
-        let new = ShardTable::new(groups);
+        // Load 1/2 after a rebuild, growth at 17/20, shrink below 1/8: a growing table is
+        // rebuilt every ×1.7 (each key moved ~2.4 times in all) and stays within ×2 of the live
+        // keys, with no power-of-two rounding.
+        let groups = ((self.st.live + 1) * 2).div_ceil(LANES).max(MIN_GROUPS);
+        let live_bytes = (self.st.node_units * crate::arena::UNIT) as i64;
+        // Loom models stay on the move-only path: their tables are tiny, and the compaction
+        // reuses the table-retirement protocol they already check.
+        let held = self.st.arena.bytes();
+        let compact =
+            !cfg!(loom) && (held > 4 * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
+        let mut fresh = compact.then(ArenaState::new);
+        let new = ShardTable::new(
+            groups,
+            if compact {
+                Arc::new(Arena::new())
+            } else {
+                old.arena.clone()
+            },
+        );
+        let arena = &old.arena;
         for (gi, grp) in old.groups.iter().enumerate() {
             // Each move reads the node's digest: prefetch the nodes of a group 2 ahead.
             if let Some(ahead) = old.groups.get(gi + 2) {
                 for p in ahead.ptrs.iter() {
                     let n = p.load(Ordering::Relaxed);
-                    if !n.is_null() {
-                        prefetch(n as *const KeyNode);
+                    if n != 0 {
+                        prefetch(arena.node(n));
                     }
                 }
             }
             for p in grp.ptrs.iter() {
                 let n = p.load(Ordering::Relaxed);
-                if n.is_null() {
+                if n == 0 {
                     continue;
                 }
+                let node = arena.node(n) as *const KeyNode;
                 // SAFETY: live node (we hold the mutex).
-                let h = mix(unsafe { (*n).digest() });
+                let h = mix(unsafe { (*node).digest() });
+                let n = match fresh.as_mut() {
+                    Some(st) => {
+                        // SAFETY: live node (we hold the mutex).
+                        let units = unsafe { (*node).units() };
+                        let (i, p) = st.alloc(&new.arena, units, guard);
+                        // SAFETY: `p` has room for `units` units and is not yet published;
+                        // `node` stays valid (its arena lives until the old table is freed).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                node as *const u8,
+                                p,
+                                units as usize * crate::arena::UNIT,
+                            )
+                        };
+                        i
+                    }
+                    None => n,
+                };
                 new.mark(h);
-                let mut g = h as usize & new.mask;
+                let mut g = new.home(h);
                 loop {
                     let ng = &new.groups[g];
                     let tags = ng.tags.load(Ordering::Relaxed);
@@ -1389,16 +1512,24 @@ impl ShardWriter<'_> {
                             .store(tags | fingerprint(h) << (8 * lane), Ordering::Relaxed);
                         break;
                     }
-                    g = (g + 1) & new.mask;
+                    g = new.step(g);
                 }
             }
         }
-        let delta = new.bytes() as i64 - old.bytes() as i64;
+        let mut delta = new.bytes() as i64 - old.bytes() as i64;
+        if let Some(st) = fresh {
+            // The old arena's memory goes back when the old table (and every pending deferred
+            // free into it) is gone.
+            delta += st.bytes() - self.st.arena.bytes();
+            self.st.arena = st;
+        }
         self.add_bytes(delta);
         // Release: publishes the fully built table.
         self.shard.table.store(Owned::new(new), Ordering::Release);
         // SAFETY: the old table is unlinked; pinned readers may still probe it. Dropping a
-        // `ShardTable` frees only its group array, never the nodes (which moved).
+        // `ShardTable` frees its group array and its reference to the arena: the nodes (moved
+        // or copied) are never freed with it, and a replaced arena is freed by its last
+        // reference.
         unsafe { guard.defer_destroy(old_shared) };
         self.st.used = self.st.live;
         self.st.rebuilds += 1;
@@ -1570,6 +1701,65 @@ mod tests {
             sum: AtomicI64::new(0),
             refs: AtomicI64::new(0),
         }
+    }
+
+    fn put_keys(t: &KeyTable, keys: impl Iterator<Item = u64>, holders: usize) {
+        let guard = epoch::pin();
+        for k in keys {
+            let key = k.to_be_bytes();
+            let p = Probe::new(&key);
+            let hs: Vec<Holder> = (0..holders as u32)
+                .map(|r| Holder::new(r, 1, 16, k as i64, 1))
+                .collect();
+            t.writer(KeyTable::shard_of(p)).insert_p(p, &hs, &guard);
+        }
+    }
+
+    fn remove_keys(t: &KeyTable, keys: impl Iterator<Item = u64>) {
+        let guard = epoch::pin();
+        for k in keys {
+            let key = k.to_be_bytes();
+            let p = Probe::new(&key);
+            let mut w = t.writer(KeyTable::shard_of(p));
+            let (i, _) = w.find_p(p, &guard).expect("present");
+            w.remove(i, &guard);
+            w.maybe_shrink(&guard);
+        }
+    }
+
+    #[test]
+    fn nodes_take_their_exact_size_and_a_shrink_compacts_the_arena() {
+        const N: u64 = 60_000;
+        let t = KeyTable::new();
+        let base = t.bytes();
+        put_keys(&t, 0..N, 1);
+        let full = t.bytes() - base;
+        // 24-byte nodes, 1.2–2 lanes of 32/6 bytes and a 2-byte summary per 6 lanes per key, and
+        // the unused tail of each shard's current chunk (chunks double up to 256 KiB, so with
+        // only 3,750 keys per shard the tail is still a third of the arena).
+        let per_key = full as f64 / N as f64;
+        assert!((26.0..48.0).contains(&per_key), "{per_key} bytes per key");
+        remove_keys(&t, 0..N - 1_000);
+        let left = t.bytes() - base;
+        assert!(
+            left < full / 10,
+            "after removing 98% the table and arena shrank: {left} of {full} bytes left"
+        );
+        let guard = epoch::pin();
+        for k in 0..N {
+            let key = k.to_be_bytes();
+            let n = t.find(&key, &guard);
+            if k < N - 1_000 {
+                assert!(n.is_none(), "key {k} was removed");
+            } else {
+                let n = n.expect("surviving key moved intact");
+                assert_eq!(n.key(), key);
+                assert_eq!(n.holders()[0].last_seen_ms(), k as i64);
+            }
+        }
+        drop(guard);
+        remove_keys(&t, N - 1_000..N);
+        assert_eq!(t.bytes(), base, "an emptied shard gives its arena back");
     }
 
     #[test]

@@ -359,6 +359,54 @@ fn m2_remove_reclaim_vs_pinned_reader() {
     });
 }
 
+/// Model 2b: node memory is reused only after its epoch. A writer replaces key 1's node twice
+/// (`[a]` → `[a, b]` → `[b]`), collects eagerly, then ingests two new keys of the same shard,
+/// whose one-holder nodes are carved from the arena's free list when the retired `[a]` / `[a, b]`
+/// nodes have been handed back. A reader pinned meanwhile looks key 1 up. If the arena handed a
+/// node out again while the reader could still reach it, the reuse's initialising write would
+/// race the reader's read (a causality failure), or the reader would see foreign holders; the
+/// ledger's leak check covers the free lists too.
+#[test]
+fn m2b_arena_reuse_vs_pinned_reader() {
+    // Two more keys in key 1's shard (same arena).
+    let same: Vec<[u8; 8]> = (2..200u64)
+        .map(key)
+        .filter(|k| loom_api::shard_of(k) == loom_api::shard_of(&key(1)))
+        .take(2)
+        .collect();
+    assert_eq!(same.len(), 2);
+    let (k2, k3) = (same[0], same[1]);
+    model(move || {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        let w = {
+            let ix = ix.clone();
+            spawn(move || {
+                put(&ix, B, &[(key(1), 10)], 1_000);
+                event(&ix, event_type::PREFIX_EVICTED, A, &key(1));
+                loom_api::reclaim_step();
+                loom_api::reclaim_step();
+                put(&ix, A, &[(k2, 20), (k3, 30)], 1_000);
+            })
+        };
+        let h = holders(&ix, &key(1));
+        assert!(
+            h == [A] || h == [A, B] || h == [B],
+            "impossible holder set {h:?}"
+        );
+        outcome(match loom_api::reuses() {
+            0 => "no node memory reused before the reader returned",
+            _ => "node memory reused before the reader returned",
+        });
+        w.join().unwrap();
+        assert_eq!(holders(&ix, &key(1)), [B]);
+        assert_eq!(holders(&ix, &k2), [A]);
+        assert_eq!(holders(&ix, &k3), [A]);
+        assert_eq!(ix.storage_entries(), 3);
+        assert_reclaimed(3, 0, 0);
+    });
+}
+
 // ------------------------------------------------------------------------------------------------
 // 3. Concurrent upserts of one key
 

@@ -1,0 +1,480 @@
+//! Per-shard node arena: where a key table's [`KeyNode`](crate::table::KeyNode)s live.
+//!
+//! # Why
+//!
+//! With one `malloc` per node, every node pays the allocator's header and 16-byte rounding (a
+//! 24-byte single-holder node took a 32-byte chunk, a 40-byte one 48), and every table lane held
+//! an 8-byte pointer. The arena hands out nodes at their exact size in 8-byte units and names them
+//! by a 32-bit index, which halves the lanes (see `table.rs`): on W1M that is ~9 bytes less per
+//! storage entry, and a chain's new nodes are carved one after the other from the same chunk.
+//!
+//! # Layout
+//!
+//! Memory comes in chunks: the first is 4 KiB and each new one doubles, up to 256 KiB (so a
+//! partition with a handful of keys stays small). A node index is `chunk << 15 | offset`, the
+//! offset in 8-byte units (2^15 units = 256 KiB), the chunk id up to 2^17. Chunk id 0 is never
+//! used, so index 0 means "no node". Nodes of up to [`MAX_CLASS_UNITS`] units
+//! are carved from the current chunk or reused from a free list of exactly their size; a larger
+//! node (more than ~60 holders) gets a chunk of its own, released with it.
+//!
+//! # Concurrency
+//!
+//! - **Allocation** happens only under the shard's writer mutex ([`ArenaState`] lives in the
+//!   mutex-protected shard state), so bump pointers and free lists need no atomics.
+//! - **Readers** translate an index through the directory of chunk base pointers
+//!   ([`Arena::node`]). A reader only ever holds an index it loaded (Acquire) from a table lane;
+//!   the writer stored the chunk's directory entry (and, on growth, published the new directory,
+//!   Release) before the lane's Release store, so the reader sees both. A directory that grows
+//!   is copied and republished; the old one is retired through the epoch, like a table.
+//! - **Freeing**: a retired node's index is pushed, once its epoch has passed, onto the
+//!   [`Owner`]'s `freed` list (a mutex: frees arrive from whichever thread collects garbage, in
+//!   batches, off the reader path). The writer drains that list into its free lists when a size
+//!   class runs dry. Nothing is reused before the epoch has passed, so a pinned reader never
+//!   sees a node change under it (the same argument as for freeing, `table.rs` invariant 4).
+//! - **Lifetime**: the chunks belong to the [`Owner`], shared (`Arc`) by the table and by every
+//!   pending deferred free, so a free that runs after the table is dropped still has somewhere to
+//!   go; the last reference frees the chunks.
+//!
+//! The directory uses `std` atomics even in loom builds: a directory entry is written once
+//! before any index into its chunk is published, so the lane's (loom-checked) Release/Acquire
+//! pair already orders it, and modelling it would only multiply loom's interleavings.
+
+use crate::sync::{Mutex, Ordering};
+use crossbeam_epoch::Guard;
+use std::alloc::Layout;
+use std::sync::Arc;
+use std::sync::atomic::AtomicPtr as StdAtomicPtr;
+
+/// Bytes per allocation unit.
+pub(crate) const UNIT: usize = 8;
+/// Offset bits of a node index (2^15 units of 8 bytes = 256 KiB per chunk).
+const OFF_BITS: u32 = 15;
+const OFF_MASK: u32 = (1 << OFF_BITS) - 1;
+/// Largest chunk carved into nodes, in units.
+const MAX_CHUNK_UNITS: u32 = 1 << OFF_BITS;
+/// First chunk, in units (4 KiB).
+const FIRST_CHUNK_UNITS: u32 = 512;
+/// Chunk ids are the upper 17 bits of an index.
+const MAX_CHUNKS: usize = 1 << (32 - OFF_BITS);
+/// Largest node carved from shared chunks (1 KiB: up to 63 holders with an 8-byte key); bigger
+/// nodes get a chunk of their own.
+pub(crate) const MAX_CLASS_UNITS: u32 = 128;
+/// Chunk alignment (a cache line).
+const CHUNK_ALIGN: usize = 64;
+
+/// Units needed for `bytes`.
+#[inline]
+pub(crate) fn units_for(bytes: usize) -> u32 {
+    bytes.div_ceil(UNIT) as u32
+}
+
+/// The readers' view: chunk base pointers by chunk id.
+struct Dir {
+    chunks: Box<[StdAtomicPtr<u8>]>,
+}
+
+impl Dir {
+    fn with_capacity(n: usize) -> Box<Self> {
+        Box::new(Dir {
+            chunks: (0..n)
+                .map(|_| StdAtomicPtr::new(std::ptr::null_mut()))
+                .collect(),
+        })
+    }
+}
+
+/// What the arena owns: its chunks, and the frees not yet taken back by the writer.
+pub(crate) struct Owner {
+    /// `(base, bytes)` by chunk id; `(null, 0)` for a released single-node chunk.
+    chunks: Mutex<Vec<(usize, usize)>>,
+    /// Indices (with their size in units) whose epoch has passed.
+    freed: Mutex<Vec<(u32, u32)>>,
+}
+
+impl Owner {
+    /// Takes back a node whose epoch has passed (called from a deferred function).
+    fn release(&self, idx: u32, units: u32) {
+        self.freed.lock().push((idx, units));
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        for &(base, bytes) in self.chunks.lock().iter() {
+            if base != 0 {
+                // SAFETY: allocated in `ArenaState::new_chunk` with this size and alignment;
+                // the last reference to the owner is going away, so no node in it is reachable.
+                unsafe {
+                    std::alloc::dealloc(
+                        base as *mut u8,
+                        Layout::from_size_align_unchecked(bytes, CHUNK_ALIGN),
+                    )
+                }
+            }
+        }
+    }
+}
+
+/// The shared half of a shard's arena (lives in the shard, next to its table pointer).
+pub(crate) struct Arena {
+    dir: StdAtomicPtr<Dir>,
+    owner: Arc<Owner>,
+}
+
+impl Arena {
+    pub(crate) fn new() -> Self {
+        Self {
+            dir: StdAtomicPtr::new(Box::into_raw(Dir::with_capacity(4))),
+            owner: Arc::new(Owner {
+                // Chunk id 0 stays unused: index 0 is "no node".
+                chunks: Mutex::new(vec![(0, 0)]),
+                freed: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// The node at `idx` (non-zero, loaded with Acquire from a lane of this shard's table or
+    /// handed out by [`ArenaState::alloc`]).
+    #[inline]
+    pub(crate) fn node(&self, idx: u32) -> *mut u8 {
+        // SAFETY: the directory is never null and is retired through the epoch when replaced;
+        // callers are pinned (they hold an index read from a lane under a guard, or are the
+        // writer).
+        let dir = unsafe { &*self.dir.load(Ordering::Acquire) };
+        let base = dir.chunks[(idx >> OFF_BITS) as usize].load(Ordering::Acquire);
+        base.wrapping_add((idx & OFF_MASK) as usize * UNIT)
+    }
+
+    /// Retires node `idx` of `units` units: it is handed back to the writer once every reader
+    /// pinned now has unpinned.
+    ///
+    /// # Safety
+    /// The node is unreachable for readers that pin after this call, and is retired once.
+    pub(crate) unsafe fn retire(&self, idx: u32, units: u32, guard: &Guard) {
+        let owner = self.owner.clone();
+        #[cfg(loom)]
+        let addr = self.node(idx) as usize;
+        // SAFETY: per the contract; the closure owns a reference to the arena's memory.
+        unsafe {
+            guard.defer_unchecked(move || {
+                #[cfg(loom)]
+                crate::loom_api::destroyed(crate::loom_api::Kind::Node, addr);
+                owner.release(idx, units)
+            })
+        };
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: `&mut self`: no reader can reach this arena's directory any more (the table
+        // that indexes it is being dropped); older directories were retired separately.
+        unsafe { drop(Box::from_raw(self.dir.load(Ordering::Relaxed))) };
+    }
+}
+
+/// The writer half (inside the shard's mutex-protected state).
+pub(crate) struct ArenaState {
+    /// Free-list heads by size in units (intrusive: the next index is in a free node's first
+    /// word; 0 ends a list).
+    heads: Box<[u32]>,
+    /// Bit `u` set: the free list of size `u` is not empty.
+    avail: [u64; 3],
+    /// Current chunk id, its next free unit and its size in units.
+    cur: u32,
+    used: u32,
+    cap: u32,
+    /// Chunk ids in use (including released single-node chunks awaiting reuse).
+    nchunks: u32,
+    /// Released single-node chunk ids.
+    spare_ids: Vec<u32>,
+    /// Bytes obtained from the system allocator (chunks + directories).
+    bytes: i64,
+}
+
+impl ArenaState {
+    pub(crate) fn new() -> Self {
+        Self {
+            heads: vec![0; MAX_CLASS_UNITS as usize + 1].into_boxed_slice(),
+            avail: [0; 3],
+            cur: 0,
+            used: 0,
+            cap: 0,
+            nchunks: 1,
+            spare_ids: Vec::new(),
+            bytes: 0,
+        }
+    }
+
+    /// Bytes obtained from the system allocator so far (chunks, directories).
+    pub(crate) fn bytes(&self) -> i64 {
+        self.bytes
+    }
+
+    /// A node of `units` units: its index and address. Mutex holder only.
+    pub(crate) fn alloc(&mut self, a: &Arena, units: u32, guard: &Guard) -> (u32, *mut u8) {
+        debug_assert!(units >= 1);
+        if units > MAX_CLASS_UNITS {
+            let id = self.new_chunk(a, units, guard);
+            let idx = id << OFF_BITS;
+            return (idx, a.node(idx));
+        }
+        if self.heads[units as usize] == 0 {
+            self.take_back(a);
+        }
+        if let Some(idx) = self.pop(a, units) {
+            return (idx, a.node(idx));
+        }
+        // Split a larger free node, keeping a remainder big enough for a one-holder node (the
+        // smallest node is 3 units): sizes nobody asks for any more (a key's intermediate
+        // holder counts while it grew) are recycled instead of stranded.
+        if let Some(v) = self.split_source(units)
+            && let Some(idx) = self.pop(a, v)
+        {
+            self.push(a, idx + units, v - units);
+            return (idx, a.node(idx));
+        }
+        if self.cap == 0 || self.used + units > self.cap {
+            let next = if self.cap == 0 {
+                FIRST_CHUNK_UNITS
+            } else {
+                (self.cap * 2).min(MAX_CHUNK_UNITS)
+            };
+            self.cur = self.new_chunk(a, next, guard);
+            self.cap = next;
+            self.used = 0;
+        }
+        let idx = self.cur << OFF_BITS | self.used;
+        self.used += units;
+        (idx, a.node(idx))
+    }
+
+    /// Moves the frees whose epoch has passed into the free lists (single-node chunks go back
+    /// to the system allocator).
+    fn take_back(&mut self, a: &Arena) {
+        let freed = std::mem::take(&mut *a.owner.freed.lock());
+        for (idx, units) in freed {
+            if units > MAX_CLASS_UNITS {
+                let id = idx >> OFF_BITS;
+                let mut chunks = a.owner.chunks.lock();
+                let (base, bytes) = std::mem::take(&mut chunks[id as usize]);
+                // SAFETY: the directory is never null (see `Arena::node`).
+                let dir = unsafe { &*a.dir.load(Ordering::Acquire) };
+                dir.chunks[id as usize].store(std::ptr::null_mut(), Ordering::Relaxed);
+                // SAFETY: allocated in `new_chunk` with this size; its only node's epoch has
+                // passed, so nothing can reach it.
+                unsafe {
+                    std::alloc::dealloc(
+                        base as *mut u8,
+                        Layout::from_size_align_unchecked(bytes, CHUNK_ALIGN),
+                    )
+                };
+                self.bytes -= bytes as i64;
+                self.spare_ids.push(id);
+                continue;
+            }
+            self.push(a, idx, units);
+        }
+    }
+
+    /// Pushes free node `idx` of `units` units (its epoch has passed) onto its list.
+    fn push(&mut self, a: &Arena, idx: u32, units: u32) {
+        let p = a.node(idx);
+        // SAFETY: a node of this arena that no reader can reach (its epoch has passed, or it is
+        // the unused remainder of a split one): only the writer (us) touches it; its first word
+        // becomes the free-list link.
+        unsafe { (p as *mut u32).write(self.heads[units as usize]) };
+        self.heads[units as usize] = idx;
+        self.avail[units as usize / 64] |= 1 << (units % 64);
+    }
+
+    /// Pops a free node of exactly `units` units.
+    fn pop(&mut self, a: &Arena, units: u32) -> Option<u32> {
+        let head = self.heads[units as usize];
+        if head == 0 {
+            return None;
+        }
+        #[cfg(loom)]
+        crate::loom_api::note_reuse();
+        // SAFETY: a free node of this class: its first word holds the next free index (written
+        // by `push`); no reader can reach it.
+        let next = unsafe { (a.node(head) as *const u32).read() };
+        self.heads[units as usize] = next;
+        if next == 0 {
+            self.avail[units as usize / 64] &= !(1 << (units % 64));
+        }
+        Some(head)
+    }
+
+    /// The free size to split for a request of `units`: the smallest that leaves a remainder
+    /// of 3 units or of at least 5. Nodes with 8-byte keys have an odd number of units (1 + 2
+    /// per holder), so a 4-unit remainder could only ever serve a short odd-length key.
+    fn split_source(&self, units: u32) -> Option<u32> {
+        let v = self.larger_than(units + 2)?;
+        if v - units != 4 {
+            return Some(v);
+        }
+        self.larger_than(units + 4)
+    }
+
+    /// The smallest size above `units` with a free node.
+    fn larger_than(&self, units: u32) -> Option<u32> {
+        let from = units as usize + 1;
+        if from > MAX_CLASS_UNITS as usize {
+            return None;
+        }
+        let (mut w, b) = (from / 64, from % 64);
+        let mut bits = self.avail[w] & (!0u64 << b);
+        loop {
+            if bits != 0 {
+                return Some((w * 64) as u32 + bits.trailing_zeros());
+            }
+            w += 1;
+            if w >= self.avail.len() {
+                return None;
+            }
+            bits = self.avail[w];
+        }
+    }
+
+    /// Allocates a chunk of `units` units, registers it and returns its id.
+    fn new_chunk(&mut self, a: &Arena, units: u32, guard: &Guard) -> u32 {
+        let bytes = units as usize * UNIT;
+        let lay = Layout::from_size_align(bytes, CHUNK_ALIGN).expect("arena chunk layout");
+        // SAFETY: non-zero size.
+        let base = unsafe { std::alloc::alloc(lay) };
+        if base.is_null() {
+            std::alloc::handle_alloc_error(lay);
+        }
+        let id = match self.spare_ids.pop() {
+            Some(id) => id,
+            None => {
+                let id = self.nchunks;
+                assert!(
+                    (id as usize) < MAX_CHUNKS,
+                    "node arena exhausted (32 GiB per shard)"
+                );
+                self.nchunks += 1;
+                a.owner.chunks.lock().push((0, 0));
+                id
+            }
+        };
+        a.owner.chunks.lock()[id as usize] = (base as usize, bytes);
+        self.bytes += bytes as i64;
+        // SAFETY: never null; only the writer (us) replaces it.
+        let dir = unsafe { &*a.dir.load(Ordering::Acquire) };
+        if (id as usize) < dir.chunks.len() {
+            dir.chunks[id as usize].store(base, Ordering::Release);
+        } else {
+            let grown = Dir::with_capacity((dir.chunks.len() * 2).max(id as usize + 1));
+            for (i, c) in dir.chunks.iter().enumerate() {
+                grown.chunks[i].store(c.load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+            grown.chunks[id as usize].store(base, Ordering::Relaxed);
+            self.bytes += (grown.chunks.len() * 8) as i64;
+            let old = a.dir.swap(Box::into_raw(grown), Ordering::AcqRel);
+            self.bytes -= (dir.chunks.len() * 8) as i64;
+            let old = old as usize;
+            // SAFETY: the old directory is unlinked; readers pinned before the swap may still
+            // read it, so it is freed through the epoch.
+            unsafe { guard.defer_unchecked(move || drop(Box::from_raw(old as *mut Dir))) };
+        }
+        id
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crossbeam_epoch as epoch;
+
+    #[test]
+    fn nodes_are_exact_sized_and_reused_only_after_release() {
+        let a = Arena::new();
+        let mut st = ArenaState::new();
+        let guard = epoch::pin();
+        let (i1, p1) = st.alloc(&a, 3, &guard);
+        let (i2, p2) = st.alloc(&a, 3, &guard);
+        assert_ne!(i1, 0, "index 0 is never handed out");
+        assert_eq!(p2 as usize - p1 as usize, 3 * UNIT, "carved back to back");
+        assert_eq!(i2, i1 + 3);
+        assert_eq!(st.bytes(), (FIRST_CHUNK_UNITS as usize * UNIT) as i64);
+        a.owner.release(i1, 3);
+        let (i3, p3) = st.alloc(&a, 3, &guard);
+        assert_eq!(
+            (i3, p3),
+            (i1, p1),
+            "a released node of the same size is reused"
+        );
+        let (i4, _) = st.alloc(&a, 5, &guard);
+        assert_eq!(i4, i2 + 3, "other sizes keep carving");
+    }
+
+    #[test]
+    fn larger_free_nodes_are_split_with_a_usable_remainder() {
+        let a = Arena::new();
+        let mut st = ArenaState::new();
+        let guard = epoch::pin();
+        let (big, _) = st.alloc(&a, 15, &guard);
+        let (_, _) = st.alloc(&a, 3, &guard);
+        a.owner.release(big, 15);
+        // 15 = 3 + 12: the 3-unit request takes the front, the 12 units stay free.
+        let (x, _) = st.alloc(&a, 3, &guard);
+        assert_eq!(x, big);
+        let (y, _) = st.alloc(&a, 12, &guard);
+        assert_eq!(y, big + 3, "the remainder serves its own size");
+        // 4 = 3 + 1 would strand a unit: a 4-unit free node is not split for 3.
+        let (four, _) = st.alloc(&a, 4, &guard);
+        a.owner.release(four, 4);
+        st.take_back(&a);
+        let (z, _) = st.alloc(&a, 3, &guard);
+        assert_ne!(z, four);
+        let (w, _) = st.alloc(&a, 4, &guard);
+        assert_eq!(w, four);
+    }
+
+    #[test]
+    fn chunks_double_and_the_directory_grows() {
+        let a = Arena::new();
+        let mut st = ArenaState::new();
+        let guard = epoch::pin();
+        let mut seen = std::collections::HashSet::new();
+        // 2 MiB of 1 KiB nodes: chunks of 4, 8, ..., 256 KiB, then more of 256 KiB.
+        for _ in 0..2048 {
+            let (i, p) = st.alloc(&a, MAX_CLASS_UNITS, &guard);
+            assert!(seen.insert(i));
+            assert_eq!(a.node(i), p);
+            // SAFETY: a fresh node of 1 KiB.
+            unsafe { std::ptr::write_bytes(p, 0xab, MAX_CLASS_UNITS as usize * UNIT) };
+        }
+        assert!(st.nchunks > 4);
+        let chunk_bytes: usize = a.owner.chunks.lock().iter().map(|c| c.1).sum();
+        assert!(chunk_bytes >= 2 << 20);
+    }
+
+    #[test]
+    fn big_nodes_get_their_own_chunk_and_give_it_back() {
+        let a = Arena::new();
+        let mut st = ArenaState::new();
+        let guard = epoch::pin();
+        let (_, _) = st.alloc(&a, 3, &guard);
+        let before = st.bytes();
+        let (big, p) = st.alloc(&a, MAX_CLASS_UNITS + 1, &guard);
+        // SAFETY: a fresh node of that size.
+        unsafe { std::ptr::write_bytes(p, 1, (MAX_CLASS_UNITS as usize + 1) * UNIT) };
+        assert_eq!(big & OFF_MASK, 0);
+        assert_eq!(
+            st.bytes() - before,
+            ((MAX_CLASS_UNITS + 1) as usize * UNIT) as i64
+        );
+        a.owner.release(big, MAX_CLASS_UNITS + 1);
+        st.take_back(&a);
+        assert_eq!(
+            st.bytes(),
+            before,
+            "the chunk went back to the system allocator"
+        );
+        let (again, _) = st.alloc(&a, MAX_CLASS_UNITS + 2, &guard);
+        assert_eq!(again, big, "its chunk id is reused");
+    }
+}
