@@ -83,6 +83,15 @@ impl Dir {
     }
 }
 
+/// A node waiting for its epoch (see [`Arena::retire_batch`]).
+pub(crate) struct Retired {
+    idx: u32,
+    units: u32,
+    /// The node's address, for the loom ledger.
+    #[cfg(loom)]
+    addr: usize,
+}
+
 /// What the arena owns: its chunks, and the frees not yet taken back by the writer.
 pub(crate) struct Owner {
     /// `(base, bytes)` by chunk id; `(null, 0)` for a released single-node chunk.
@@ -91,8 +100,9 @@ pub(crate) struct Owner {
     freed: Mutex<Vec<(u32, u32)>>,
 }
 
+#[cfg(test)]
 impl Owner {
-    /// Takes back a node whose epoch has passed (called from a deferred function).
+    /// Takes back a node as if its epoch had passed.
     fn release(&self, idx: u32, units: u32) {
         self.freed.lock().push((idx, units));
     }
@@ -145,23 +155,39 @@ impl Arena {
         base.wrapping_add((idx & OFF_MASK) as usize * UNIT)
     }
 
-    /// Retires node `idx` of `units` units: it is handed back to the writer once every reader
-    /// pinned now has unpinned.
+    /// Retires a batch of nodes of this arena: they are handed back to the writer once every
+    /// reader pinned now has unpinned. (One deferred function per batch instead of one per
+    /// node: the writer collects a session's retirements, see `table::ShardWriter`.)
     ///
     /// # Safety
-    /// The node is unreachable for readers that pin after this call, and is retired once.
-    pub(crate) unsafe fn retire(&self, idx: u32, units: u32, guard: &Guard) {
+    /// Every node of `batch` is unreachable for readers that pin after this call, and is
+    /// retired once.
+    pub(crate) unsafe fn retire_batch(&self, batch: Vec<Retired>, guard: &Guard) {
         let owner = self.owner.clone();
-        #[cfg(loom)]
-        let addr = self.node(idx) as usize;
         // SAFETY: per the contract; the closure owns a reference to the arena's memory.
         unsafe {
             guard.defer_unchecked(move || {
                 #[cfg(loom)]
-                crate::loom_api::destroyed(crate::loom_api::Kind::Node, addr);
-                owner.release(idx, units)
+                for r in &batch {
+                    crate::loom_api::destroyed(crate::loom_api::Kind::Node, r.addr);
+                }
+                owner
+                    .freed
+                    .lock()
+                    .extend(batch.iter().map(|r| (r.idx, r.units)));
             })
         };
+    }
+
+    /// A retirement record for node `idx` of `units` units.
+    #[inline]
+    pub(crate) fn retired(&self, idx: u32, units: u32) -> Retired {
+        Retired {
+            idx,
+            units,
+            #[cfg(loom)]
+            addr: self.node(idx) as usize,
+        }
     }
 }
 

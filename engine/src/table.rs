@@ -64,7 +64,7 @@
 //! arena's free lists only from a deferred function, i.e. after every reader that could hold its
 //! index has unpinned; a reused node is therefore never visible to a reader of its old self.
 
-use crate::arena::{Arena, ArenaState, units_for};
+use crate::arena::{Arena, ArenaState, Retired, units_for};
 use crate::sync::{
     AtomicI64, AtomicPtr, AtomicU16, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering,
     thread_local,
@@ -83,7 +83,9 @@ const SHARD_SHIFT: u32 = 60;
 const LANES: usize = 6;
 /// Minimum groups per shard table.
 const MIN_GROUPS: usize = 1;
-/// Arena bytes beyond twice the live nodes' that a rebuild tolerates before compacting.
+/// Retired nodes a writer collects before handing them to the epoch in one deferred function.
+const RETIRE_BATCH: usize = 64;
+/// Arena bytes beyond four times the live nodes' that a rebuild tolerates before compacting.
 const COMPACT_SLACK: i64 = 64 << 10;
 /// Estimated allocator overhead per allocation (glibc: 8-byte header, 16-byte chunk rounding).
 pub(crate) const ALLOC_OVERHEAD: usize = 8;
@@ -906,6 +908,10 @@ struct ShardState {
     arena: ArenaState,
     /// Arena units of the live nodes.
     node_units: usize,
+    /// Nodes unlinked in this writer session, not yet handed to the epoch (one deferred
+    /// function per batch, flushed at [`RETIRE_BATCH`], before a compaction and when the
+    /// writer is dropped).
+    retired: Vec<Retired>,
 }
 
 // SAFETY: the raw pointers in `ksums` point to key sums only touched under the shard mutex or
@@ -977,6 +983,7 @@ impl KeyTable {
                         ksums: HashMap::new(),
                         arena: ArenaState::new(),
                         node_units: 0,
+                        retired: Vec::new(),
                     }),
                 })
             })
@@ -1259,7 +1266,16 @@ pub(crate) struct ShardWriter<'a> {
     st: MutexGuard<'a, ShardState>,
 }
 
-/// Slot index encoding for writers: `group << 3 | lane` (lane 7 never holds a key).
+impl Drop for ShardWriter<'_> {
+    fn drop(&mut self) {
+        if !self.st.retired.is_empty() {
+            let guard = epoch::pin();
+            self.flush_retired(&guard);
+        }
+    }
+}
+
+/// Slot index encoding for writers: `group << 3 | lane` (lanes 6 and 7 never hold a key).
 #[inline]
 fn slot_id(g: usize, lane: usize) -> usize {
     g << 3 | lane
@@ -1361,11 +1377,28 @@ impl ShardWriter<'_> {
         // SAFETY: `old` is a live node of this shard (we hold its mutex).
         let units = unsafe { (*(t.arena.node(old) as *const KeyNode)).units() };
         self.st.node_units -= units as usize;
-        // SAFETY: `old` was a live node that is now unlinked from the current table (and from
-        // any older table by construction: rebuilds move indices, and older tables are
-        // retired); readers pinned before the unlink may still read it, so the arena takes it
-        // back only through the epoch. Retired once: only the mutex holder unlinks.
-        unsafe { t.arena.retire(old, units, guard) };
+        if self.st.retired.capacity() == 0 {
+            self.st.retired.reserve_exact(RETIRE_BATCH);
+        }
+        self.st.retired.push(t.arena.retired(old, units));
+        if self.st.retired.len() >= RETIRE_BATCH {
+            self.flush_retired(guard);
+        }
+    }
+
+    /// Hands the session's unlinked nodes to the epoch.
+    fn flush_retired(&mut self, guard: &Guard) {
+        if self.st.retired.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.st.retired);
+        // SAFETY: every node in the batch was a live node of the current table's arena (a
+        // compaction flushes first) and is now unlinked from the current table (and from any
+        // older table by construction: rebuilds move indices, and older tables are retired);
+        // readers pinned before the unlink may still read it, so the arena takes it back only
+        // through the epoch — deferring later than the unlink only delays that. Retired once:
+        // only the mutex holder unlinks, and the batch is taken out of the state.
+        unsafe { self.current(guard).arena.retire_batch(batch, guard) };
     }
 
     /// Deletes the key at slot id `i` (tombstone) and retires its node.
@@ -1440,6 +1473,8 @@ impl ShardWriter<'_> {
     /// epoch. (Four, not two: a shard emptied key by key then copies each node about 1/3 of a
     /// time instead of once per halving.)
     fn rebuild(&mut self, guard: &Guard) {
+        // Retirements belong to the current arena, which a compaction replaces.
+        self.flush_retired(guard);
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
         // SAFETY: non-null, see `current`.
         let old = unsafe { old_shared.deref() };
