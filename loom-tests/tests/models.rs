@@ -193,7 +193,7 @@ fn assert_killed(ix: &Index) {
 
 /// PREFIX_EVICTED of key `k` by `replica`.
 fn evict(ix: &Index, replica: &str, k: &[u8]) {
-    evict(ix, replica, k);
+    event(ix, event_type::PREFIX_EVICTED, replica, k);
 }
 
 /// Runs `f` on a clone of `ix` in a new loom thread.
