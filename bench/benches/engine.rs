@@ -3,32 +3,15 @@
 //! `exact_lookup`, `events`, `credit`. Run: `cargo bench -p inferencecache-bench --bench engine`.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use inferencecache_bench::fixed_policy::FixedPolicy;
 use inferencecache_engine::{
-    Algorithm, CacheEventInput, CacheStateUpdate, Clock, Index, IndexConfig, LookupRequest,
-    ManualClock, MatchScratch, PrefixRef, Resolvers, RouteBuffer, event_type,
+    CacheEventInput, CacheStateUpdate, Clock, Index, IndexConfig, LookupRequest, ManualClock,
+    MatchScratch, PrefixRef, RouteBuffer, event_type,
 };
 use std::hint::black_box;
 use std::sync::Arc;
 
 const T0_US: i64 = 1_767_225_600_000_000;
-
-struct Lfu(bool);
-
-impl Resolvers for Lfu {
-    fn ttl_ms(&self, _: &str) -> Option<i64> {
-        None
-    }
-    fn algorithm(&self, _: &str) -> Algorithm {
-        if self.0 {
-            Algorithm::Lfu
-        } else {
-            Algorithm::Lru
-        }
-    }
-    fn quota(&self, _: &str) -> Option<i64> {
-        None
-    }
-}
 
 fn index(lfu: bool) -> (Index, Arc<ManualClock>) {
     let clock = Arc::new(ManualClock::new(T0_US));
@@ -37,7 +20,10 @@ fn index(lfu: bool) -> (Index, Arc<ManualClock>) {
         ..Default::default()
     };
     let clock_dyn: Arc<dyn Clock> = clock.clone();
-    (Index::new(config, Arc::new(Lfu(lfu)), clock_dyn), clock)
+    (
+        Index::new(config, Arc::new(FixedPolicy::lru_or_lfu(lfu)), clock_dyn),
+        clock,
+    )
 }
 
 /// Distinct 8-byte keys for chain `c`, block `i`.

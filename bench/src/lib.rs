@@ -1,8 +1,12 @@
 //! W1M benchmark harness (`benchmarks.md`): the bit-exact workload generator ([`w1m`]), the
 //! measurement method ([`measure`]), InferenceCache's side of the bench ([`ours`]) and the
-//! multi-process report ([`report`]), plus the `ic-loadgen` gRPC load generator ([`loadgen`]).
+//! multi-process report ([`report`]), machine notes for reports ([`host`]), plus the `ic-loadgen` gRPC load generator ([`loadgen`]).
 //! The peers live in `bench/peers` (outside the workspace).
 
+// The same fixed-policy `Resolvers` as the engine tests and loom models (one copy, see there).
+#[path = "../../engine/tests/fixed_policy/mod.rs"]
+pub mod fixed_policy;
+pub mod host;
 pub mod loadgen;
 pub mod measure;
 pub mod ours;

@@ -58,20 +58,29 @@ pub fn new_index() -> Index {
 /// Ingests one chain (one chain-form `CacheStateUpdate`).
 #[inline]
 pub fn ingest_chain(ix: &Index, c: usize, keys: &WireChain) {
+    ingest_chain_as(ix, REPLICAS[worker(c)], keys, tier::T1, T0_US);
+}
+
+/// Ingests `keys` as one chain-form `CacheStateUpdate` (no co-set key, [`COUNTS`] tokens per
+/// block) of `replica` into the W1M partition, at wire tier `tier` and `timestamp_us` (0 = now).
+/// The other benches that store 64-block chains (`churn`, `eviction`) go through this too, so
+/// every bench builds the update the same way.
+#[inline]
+pub fn ingest_chain_as(ix: &Index, replica: &str, keys: &WireChain, tier: i32, timestamp_us: i64) {
     let r = PrefixRef {
         prefix_hash: &[],
         token_count: 0,
         block_hashes: &keys[..],
         block_token_counts: &COUNTS[..],
-        tier: tier::T1,
+        tier,
         adapter_id: ADAPTER,
     };
     ix.ingest(CacheStateUpdate {
-        replica_id: REPLICAS[worker(c)],
+        replica_id: replica,
         model_id: MODEL,
         tenant_id: TENANT,
         hash_scheme: SCHEME,
-        timestamp_us: T0_US,
+        timestamp_us,
         prefixes: std::iter::once(r),
         stats: None,
         adapter_id: ADAPTER,

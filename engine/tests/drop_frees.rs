@@ -2,6 +2,9 @@
 //! other, and those cycles must be broken on drop (regression: every index that had ingested a
 //! key leaked its records and tables, ~6 KB for one key; found by the `engine_ops` fuzz target).
 
+mod fixed_policy;
+
+use fixed_policy::FixedPolicy;
 use inferencecache_engine::*;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
@@ -32,30 +35,10 @@ unsafe impl GlobalAlloc for Tracking {
 #[global_allocator]
 static A: Tracking = Tracking;
 
-struct Policy {
-    lfu: bool,
-    quota: Option<i64>,
-}
-impl Resolvers for Policy {
-    fn ttl_ms(&self, _: &str) -> Option<i64> {
-        None
-    }
-    fn algorithm(&self, _: &str) -> Algorithm {
-        if self.lfu {
-            Algorithm::Lfu
-        } else {
-            Algorithm::Lru
-        }
-    }
-    fn quota(&self, _: &str) -> Option<i64> {
-        self.quota
-    }
-}
-
 /// Builds an index, ingests a chain, a legacy key and stats under two models (with `policy`:
 /// LFU credits and a tenant quota that evicts), drops it.
-fn build_and_drop(policy: Policy) {
-    let credit = policy.lfu;
+fn build_and_drop(policy: FixedPolicy) {
+    let credit = policy.alg == Algorithm::Lfu;
     let ix = Index::new(
         IndexConfig::default(),
         Arc::new(policy),
@@ -103,11 +86,8 @@ fn build_and_drop(policy: Policy) {
     drop(ix);
 }
 
-fn plain() -> Policy {
-    Policy {
-        lfu: false,
-        quota: None,
-    }
+fn plain() -> FixedPolicy {
+    FixedPolicy::lru_or_lfu(false)
 }
 
 /// The allocation counter is process-wide: the tests measure one at a time.
@@ -138,9 +118,9 @@ fn dropped_indexes_do_not_accumulate() {
 #[test]
 fn dropped_indexes_with_quota_and_lfu_do_not_accumulate() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let policy = || Policy {
-        lfu: true,
+    let policy = || FixedPolicy {
         quota: Some(1),
+        ..FixedPolicy::lru_or_lfu(true)
     };
     for _ in 0..50 {
         build_and_drop(policy());

@@ -1,7 +1,7 @@
 //! T90: random operation sequences against the engine and the reference model (tests/model).
 
 mod model;
-use inferencecache_engine::{Strategy as RouteStrategy, *};
+use inferencecache_engine::*;
 use model::{MRef, Model};
 use parking_lot::Mutex;
 use proptest::prelude::{
@@ -265,8 +265,7 @@ fn run_with(lim: Limits, ops: Vec<Op>) -> Result<(), TestCaseError> {
     md.ttl.insert("u".into(), 3 * 60_000);
     md.cap = lim.cap;
     md.quota = quota.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-    let mut last_hits: (CapturedHits, Vec<(model::Key, String, u64)>) =
-        (CapturedHits::default(), vec![]);
+    let mut last_hits: model::Hits = (CapturedHits::default(), vec![]);
     let sink_events = Arc::new(Mutex::new(0usize));
     let _ = sink_events;
     for op in ops {
@@ -414,47 +413,8 @@ fn run_with(lim: Limits, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     ttft_ms: *ttft,
                     tbt_ms: 0,
                 };
-                let got = ix.lookup_route(&req);
-                let (ws, wscores, whits) = md.route(tn, mn, sn, an, &hash, &blocks, &counts, *ttft);
-                prop_assert_eq!(got.strategy, ws, "strategy for {:?}", op);
-                let g: Vec<(String, u32, i32, u32, i32)> = got
-                    .scores
-                    .iter()
-                    .map(|s| {
-                        (
-                            s.replica_id.to_string(),
-                            s.score.to_bits(),
-                            s.matched_tokens,
-                            s.estimated_cache_hit_prob.to_bits(),
-                            s.tier,
-                        )
-                    })
-                    .collect();
-                let w: Vec<(String, u32, i32, u32, i32)> = wscores
-                    .iter()
-                    .map(|s| {
-                        (
-                            s.replica.clone(),
-                            s.score.to_bits(),
-                            s.matched,
-                            s.prob.to_bits(),
-                            s.tier,
-                        )
-                    })
-                    .collect();
-                prop_assert_eq!(g, w, "scores for {:?}", op);
-                prop_assert_eq!(got.hits.len(), whits.len());
-                for rep in REPLICAS {
-                    prop_assert_eq!(
-                        got.hits.count_for(rep),
-                        whits.iter().filter(|h| h.1 == rep).count()
-                    );
-                }
-                // The bare lookup equals the prefix part.
-                if got.strategy == RouteStrategy::PrefixMatch {
-                    prop_assert_eq!(ix.lookup(&req), got.scores.clone());
-                }
-                last_hits = (got.hits, whits);
+                last_hits = model::check_lookup(&ix, &md, &req, &REPLICAS)
+                    .map_err(|e| TestCaseError::fail(format!("{e} for {op:?}")))?;
             }
             Op::Credit => {
                 ix.credit_hits(&last_hits.0);
@@ -476,38 +436,15 @@ fn run_with(lim: Limits, ops: Vec<Op>) -> Result<(), TestCaseError> {
 }
 
 fn check_state(ix: &Index, md: &Model) -> Result<(), TestCaseError> {
-    prop_assert_eq!(ix.total_keys(), md.entries.len() as i64);
-    let n_entries: usize = md.entries.values().map(|h| h.len()).sum();
-    prop_assert_eq!(
-        (ix.storage_entries() + ix.reserved_storage_entries()) as usize,
-        n_entries
-    );
-    for (k, h) in &md.entries {
-        prop_assert_eq!(
-            ix.holders(&k.0, &k.1, &k.2, &k.3, &k.4)
-                .iter()
-                .map(|s| s.to_string())
-                .collect::<Vec<_>>(),
-            h.keys().cloned().collect::<Vec<_>>()
-        );
-        for (r, e) in h {
-            let v = ix.entry(&k.0, &k.1, &k.2, &k.3, &k.4, r).expect("entry");
-            let wt = if (1..=3).contains(&e.tier) { e.tier } else { 0 };
-            prop_assert_eq!(
-                (v.token_count, v.last_seen_us, v.tier, v.access_count),
-                (e.tokens, e.last * 1000, wt, e.access)
-            );
-        }
-    }
+    model::check_state(ix, md, &TENANTS, &MODELS, &SCHEMES, &REPLICAS)
+        .map_err(TestCaseError::fail)?;
+    // On top of the shared checks: the reported stats per (tenant, model) and the snapshot.
     for t in TENANTS {
+        if t == PROBE_TENANT {
+            continue;
+        }
         for m in MODELS {
             let cs = ix.cache_state(t, m);
-            if t == PROBE_TENANT {
-                prop_assert_eq!(cs, CacheState::default());
-                continue;
-            }
-            let (total, hot) = md.cache_counts(t, m);
-            prop_assert_eq!((cs.total_prefixes, cs.hot_prefixes), (total, hot));
             let want: Vec<(String, u32, u32)> = md
                 .stats
                 .iter()
@@ -526,14 +463,6 @@ fn check_state(ix: &Index, md: &Model) -> Result<(), TestCaseError> {
                 })
                 .collect();
             prop_assert_eq!(got, want);
-            for s in SCHEMES {
-                for r in REPLICAS {
-                    prop_assert_eq!(
-                        ix.serving_count(t, m, s, r),
-                        md.serving(t, m, s).get(r).copied().unwrap_or(0)
-                    );
-                }
-            }
         }
     }
     let snap = ix.snapshot();
@@ -570,29 +499,6 @@ fn check_state(ix: &Index, md: &Model) -> Result<(), TestCaseError> {
         .collect();
     prop_assert_eq!(got_t, tenants);
     prop_assert_eq!((snap.total_prefixes, snap.hot_prefixes), (total, hot));
-    let te: Vec<(String, u64)> = ix
-        .tenant_evictions()
-        .iter()
-        .map(|(t, n)| (t.to_string(), *n))
-        .collect();
-    let want_te: Vec<(String, u64)> = md
-        .tenant_evictions
-        .iter()
-        .map(|(t, n)| (t.clone(), *n))
-        .collect();
-    prop_assert_eq!(te, want_te);
-    prop_assert_eq!(
-        [
-            ix.evictions(Algorithm::Lru, EvictionReason::Cap),
-            ix.evictions(Algorithm::Lfu, EvictionReason::Cap)
-        ],
-        md.cap_evictions
-    );
-    let gauge: i64 = ix.entry_counts_by_model().iter().map(|x| x.1).sum();
-    prop_assert_eq!(
-        gauge,
-        md.entries.keys().filter(|k| k.0 != PROBE_TENANT).count() as i64
-    );
     Ok(())
 }
 

@@ -16,11 +16,15 @@
 //! across a loom context switch.
 #![cfg(loom)]
 
+#[path = "../../engine/tests/fixed_policy/mod.rs"]
+mod fixed_policy;
+
+use fixed_policy::FixedPolicy;
 use inferencecache_engine::loom_api::{self, Kind};
 use inferencecache_engine::{
     Algorithm, CacheEventInput, CacheStateUpdate, CapturedHits, ChangeEvent, ChangeKind,
     ChangeSink, DEFAULT_MAX_ENTRIES, Index, IndexConfig, IngestOutcome, LookupRequest, ManualClock,
-    PrefixRef, Resolvers, Strategy, event_type,
+    PrefixRef, Strategy, event_type,
 };
 use std::sync::{Arc, Mutex};
 
@@ -33,24 +37,6 @@ const NO_BLOCKS: [[u8; 8]; 0] = [];
 
 fn key(i: u64) -> [u8; 8] {
     i.to_be_bytes()
-}
-
-struct Policy {
-    alg: Algorithm,
-    ttl_ms: Option<i64>,
-    quota: Option<i64>,
-}
-
-impl Resolvers for Policy {
-    fn ttl_ms(&self, _: &str) -> Option<i64> {
-        self.ttl_ms
-    }
-    fn algorithm(&self, _: &str) -> Algorithm {
-        self.alg
-    }
-    fn quota(&self, _: &str) -> Option<i64> {
-        self.quota
-    }
 }
 
 /// An index whose clock reads `now_ms` (no cap to speak of, no quota).
@@ -75,7 +61,7 @@ fn index_with(
     };
     Arc::new(Index::new(
         cfg,
-        Arc::new(Policy { alg, ttl_ms, quota }),
+        Arc::new(FixedPolicy { alg, ttl_ms, quota }),
         Arc::new(ManualClock::new(now_ms * 1000)),
     ))
 }
@@ -163,6 +149,62 @@ fn assert_counters(ix: &Index, keys: i64, entries: i64) {
     );
 }
 
+/// The final state of the models where only replica `a` holds entries and no LFU cell is left:
+/// `n` keys of one entry each, exact counters (C3) and exactly `n` key nodes still linked.
+fn assert_final(ix: &Index, n: i64) {
+    assert_counters(ix, n, n);
+    assert_reclaimed(usize::try_from(n).expect("a key count"), 0, 0);
+}
+
+/// The LFU models' starting point: `a` holds k1 (10 tokens, 1 s) under LFU with hot threshold
+/// `hot`, and a routed lookup has captured its hit.
+fn setup_lfu(hot: u32) -> (Arc<Index>, CapturedHits) {
+    let ix = index(Algorithm::Lfu, None, hot, 1_000);
+    put(&ix, A, &[(key(1), 10)], 1_000);
+    let hits = capture(&ix, &key(1));
+    (ix, hits)
+}
+
+/// [`setup_lfu`] with the hit credited once, so the entry's LFU cell exists (the lock-free
+/// credit path).
+fn setup_credited(hot: u32) -> (Arc<Index>, CapturedHits) {
+    let (ix, hits) = setup_lfu(hot);
+    ix.credit_hits(&hits);
+    (ix, hits)
+}
+
+/// The cap models' starting point: cap 2 entries, clock at 3 s, `a` holding k1 (1 s) and k2
+/// (2 s), so the next ingest enforces the cap.
+fn setup_capped(alg: Algorithm, hot: u32) -> Arc<Index> {
+    let ix = index_with(alg, None, hot, 3_000, 2, None);
+    put(&ix, A, &[(key(1), 10)], 1_000);
+    put(&ix, A, &[(key(2), 10)], 2_000);
+    ix
+}
+
+/// After k1 of `a` was removed in an LFU model: the entry is gone, its credits left the hot count
+/// with it, the index is empty and every node, cell and key sum is freed.
+fn assert_killed(ix: &Index) {
+    assert!(ix.entry(T, M, S, "", &key(1), A).is_none());
+    assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count after kill");
+    assert_counters(ix, 0, 0);
+    assert_reclaimed(0, 0, 0);
+}
+
+/// PREFIX_EVICTED of key `k` by `replica`.
+fn evict(ix: &Index, replica: &str, k: &[u8]) {
+    event(ix, event_type::PREFIX_EVICTED, replica, k);
+}
+
+/// Runs `f` on a clone of `ix` in a new loom thread.
+fn spawn_on<R: Send + 'static>(
+    ix: &Arc<Index>,
+    f: impl FnOnce(&Index) -> R + Send + 'static,
+) -> loom::thread::JoinHandle<R> {
+    let ix = ix.clone();
+    spawn(move || f(&ix))
+}
+
 /// `loom::thread::spawn` (a seam kept for per-thread setup; the thread's epoch handle pushes its
 /// garbage bag when loom drops the thread's locals, see `loom_api::collect_garbage`).
 fn spawn<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> loom::thread::JoinHandle<R> {
@@ -244,15 +286,12 @@ fn m1_publish_vs_reader() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         put(&ix, A, &[(key(1), 10)], 1_000);
-        let w = {
-            let ix = ix.clone();
-            spawn(move || {
-                put(&ix, B, &[(key(1), 20), (key(2), 30)], 1_000);
-                // Eager reclamation: the replaced node can be freed while the reader is pinned.
-                loom_api::reclaim_step();
-                loom_api::reclaim_step();
-            })
-        };
+        let w = spawn_on(&ix, |ix| {
+            put(ix, B, &[(key(1), 20), (key(2), 30)], 1_000);
+            // Eager reclamation: the replaced node can be freed while the reader is pinned.
+            loom_api::reclaim_step();
+            loom_api::reclaim_step();
+        });
         let h = holders(&ix, &key(1));
         assert!(h == [A] || h == [A, B], "torn holder set {h:?}");
         let k2 = entry(&ix, &key(2), B);
@@ -290,12 +329,9 @@ fn m1b_rebuild_vs_reader() {
         let first: Vec<_> = same[..5].iter().map(|&i| (key(i), 1)).collect();
         put(&ix, A, &first, 1_000);
         let last = key(same[5]);
-        let w = {
-            let ix = ix.clone();
-            spawn(move || {
-                put(&ix, A, &[(last, 7)], 1_000);
-            })
-        };
+        let w = spawn_on(&ix, move |ix| {
+            put(ix, A, &[(last, 7)], 1_000);
+        });
         assert_eq!(entry(&ix, &key(same[0]), A), Some((1, 1_000)));
         assert!(matches!(entry(&ix, &last, A), None | Some((7, 1_000))));
         w.join().unwrap();
@@ -303,8 +339,7 @@ fn m1b_rebuild_vs_reader() {
             assert_eq!(entry(&ix, &key(i), A), Some((1, 1_000)));
         }
         assert_eq!(entry(&ix, &last, A), Some((7, 1_000)));
-        assert_counters(&ix, 6, 6);
-        assert_reclaimed(6, 0, 0);
+        assert_final(&ix, 6);
     });
 }
 
@@ -321,17 +356,14 @@ fn m2_remove_reclaim_vs_pinned_reader() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         put(&ix, A, &[(key(1), 10)], 1_000);
-        let w = {
-            let ix = ix.clone();
-            spawn(move || {
-                put(&ix, B, &[(key(1), 10)], 1_000);
-                event(&ix, event_type::PREFIX_EVICTED, A, &key(1));
-                event(&ix, event_type::PREFIX_EVICTED, B, &key(1));
-                // Eager reclamation: retired nodes can be freed while the reader is pinned.
-                loom_api::reclaim_step();
-                loom_api::reclaim_step();
-            })
-        };
+        let w = spawn_on(&ix, |ix| {
+            put(ix, B, &[(key(1), 10)], 1_000);
+            evict(ix, A, &key(1));
+            evict(ix, B, &key(1));
+            // Eager reclamation: retired nodes can be freed while the reader is pinned.
+            loom_api::reclaim_step();
+            loom_api::reclaim_step();
+        });
         let h = holders(&ix, &key(1));
         assert!(
             h.is_empty() || h == [A] || h == [A, B] || h == [B],
@@ -420,10 +452,7 @@ fn m3_concurrent_upserts_same_key() {
         let ix = index(Algorithm::Lru, None, 8, 3_000);
         // Replica `a` interned and the partition created (another key, so counters start at 1).
         put(&ix, A, &[(key(9), 1)], 3_000);
-        let p = {
-            let ix = ix.clone();
-            spawn(move || put(&ix, A, &[(key(1), 10)], 2_000))
-        };
+        let p = spawn_on(&ix, move |ix| put(ix, A, &[(key(1), 10)], 2_000));
         let q = put(&ix, A, &[(key(1), 20)], 3_000);
         let p = p.join().unwrap();
         assert_eq!(p.keys_added + q.keys_added, 1, "key created once");
@@ -437,8 +466,7 @@ fn m3_concurrent_upserts_same_key() {
         assert_eq!(last_seen, 3_000, "last_seen is the newer timestamp (D7)");
         assert!(tokens == 10 || tokens == 20);
         assert_eq!(holders(&ix, &key(1)), [A]);
-        assert_counters(&ix, 2, 2);
-        assert_reclaimed(2, 0, 0);
+        assert_final(&ix, 2);
     });
 }
 
@@ -452,13 +480,10 @@ fn m3_concurrent_upserts_same_key() {
 #[test]
 fn m4a_lfu_first_credit_race() {
     model(|| {
-        let ix = index(Algorithm::Lfu, None, 2, 1_000);
-        put(&ix, A, &[(key(1), 10)], 1_000);
-        let hits = capture(&ix, &key(1));
+        let (ix, hits) = setup_lfu(2);
         let c = {
-            let ix = ix.clone();
             let hits = hits.clone();
-            spawn(move || ix.credit_hits(&hits))
+            spawn_on(&ix, move |ix| ix.credit_hits(&hits))
         };
         ix.credit_hits(&hits);
         c.join().unwrap();
@@ -476,21 +501,15 @@ fn m4a_lfu_first_credit_race() {
 #[test]
 fn m4b_lfu_credit_vs_remove_recreate() {
     model(|| {
-        let ix = index(Algorithm::Lfu, None, 1, 1_000);
-        put(&ix, A, &[(key(1), 10)], 1_000);
-        let hits = capture(&ix, &key(1));
-        let c = {
-            let ix = ix.clone();
-            spawn(move || ix.credit_hits(&hits))
-        };
-        event(&ix, event_type::PREFIX_EVICTED, A, &key(1));
+        let (ix, hits) = setup_lfu(1);
+        let c = spawn_on(&ix, move |ix| ix.credit_hits(&hits));
+        evict(&ix, A, &key(1));
         put(&ix, A, &[(key(1), 10)], 1_000);
         c.join().unwrap();
         let e = ix.entry(T, M, S, "", &key(1), A).expect("re-created entry");
         assert_eq!(e.access_count, 0, "credit reached a re-created entry (T92)");
         assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count");
-        assert_counters(&ix, 1, 1);
-        assert_reclaimed(1, 0, 0);
+        assert_final(&ix, 1);
     });
 }
 
@@ -501,27 +520,17 @@ fn m4b_lfu_credit_vs_remove_recreate() {
 #[test]
 fn m4c_lfu_credits_vs_kill() {
     model(|| {
-        let ix = index(Algorithm::Lfu, None, 1, 1_000);
-        put(&ix, A, &[(key(1), 10)], 1_000);
-        let hits = capture(&ix, &key(1));
-        ix.credit_hits(&hits);
+        let (ix, hits) = setup_credited(1);
         assert_eq!(ix.cache_state(T, M).hot_prefixes, 1);
         let c = {
-            let ix = ix.clone();
             let hits = hits.clone();
-            spawn(move || ix.credit_hits(&hits))
+            spawn_on(&ix, move |ix| ix.credit_hits(&hits))
         };
-        let r = {
-            let ix = ix.clone();
-            spawn(move || event(&ix, event_type::PREFIX_EVICTED, A, &key(1)))
-        };
+        let r = spawn_on(&ix, move |ix| evict(ix, A, &key(1)));
         ix.credit_hits(&hits);
         c.join().unwrap();
         r.join().unwrap();
-        assert!(ix.entry(T, M, S, "", &key(1), A).is_none());
-        assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count after kill");
-        assert_counters(&ix, 0, 0);
-        assert_reclaimed(0, 0, 0);
+        assert_killed(&ix);
     });
 }
 
@@ -532,20 +541,11 @@ fn m4c_lfu_credits_vs_kill() {
 #[test]
 fn m4d_lfu_credit_vs_kill() {
     model(|| {
-        let ix = index(Algorithm::Lfu, None, 1, 1_000);
-        put(&ix, A, &[(key(1), 10)], 1_000);
-        let hits = capture(&ix, &key(1));
-        ix.credit_hits(&hits);
-        let r = {
-            let ix = ix.clone();
-            spawn(move || event(&ix, event_type::PREFIX_EVICTED, A, &key(1)))
-        };
+        let (ix, hits) = setup_credited(1);
+        let r = spawn_on(&ix, move |ix| evict(ix, A, &key(1)));
         ix.credit_hits(&hits);
         r.join().unwrap();
-        assert!(ix.entry(T, M, S, "", &key(1), A).is_none());
-        assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count after kill");
-        assert_counters(&ix, 0, 0);
-        assert_reclaimed(0, 0, 0);
+        assert_killed(&ix);
     });
 }
 
@@ -557,14 +557,10 @@ fn m4d_lfu_credit_vs_kill() {
 #[test]
 fn m4e_lfu_striped_credits_are_exact() {
     model(|| {
-        let ix = index(Algorithm::Lfu, None, 1, 1_000);
-        put(&ix, A, &[(key(1), 10)], 1_000);
-        let hits = capture(&ix, &key(1));
-        ix.credit_hits(&hits);
+        let (ix, hits) = setup_credited(1);
         let c = {
-            let ix = ix.clone();
             let hits = hits.clone();
-            spawn(move || {
+            spawn_on(&ix, move |ix| {
                 ix.credit_hits(&hits);
                 ix.credit_hits(&hits);
             })
@@ -575,10 +571,9 @@ fn m4e_lfu_striped_credits_are_exact() {
         let e = ix.entry(T, M, S, "", &key(1), A).expect("entry");
         assert_eq!(e.access_count, 5, "a credit was lost or doubled");
         assert_eq!(ix.cache_state(T, M).hot_prefixes, 1, "hot count");
-        event(&ix, event_type::PREFIX_EVICTED, A, &key(1));
+        evict(&ix, A, &key(1));
         assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count after kill");
-        assert_counters(&ix, 0, 0);
-        assert_reclaimed(0, 0, 0);
+        assert_final(&ix, 0);
     });
 }
 
@@ -596,14 +591,8 @@ fn m5_sweep_vs_ingest_vs_lookup() {
         // TTL 1 s; the entry was seen at 3 s, the clock (sweep and lookups) reads 5 s.
         let ix = index(Algorithm::Lru, Some(1_000), 8, 5_000);
         put(&ix, A, &[(key(1), 10)], 3_000);
-        let s = {
-            let ix = ix.clone();
-            spawn(move || ix.sweep_now().entries_removed)
-        };
-        let i = {
-            let ix = ix.clone();
-            spawn(move || put(&ix, A, &[(key(1), 20)], 5_000))
-        };
+        let s = spawn_on(&ix, move |ix| ix.sweep_now().entries_removed);
+        let i = spawn_on(&ix, move |ix| put(ix, A, &[(key(1), 20)], 5_000));
         let l = lookup(&ix, &key(1));
         assert!(
             l.is_empty() || l == [(A.to_string(), 20)],
@@ -623,8 +612,7 @@ fn m5_sweep_vs_ingest_vs_lookup() {
             ix.evictions(Algorithm::Lru, inferencecache_engine::EvictionReason::Ttl),
             removed
         );
-        assert_counters(&ix, 1, 1);
-        assert_reclaimed(1, 0, 0);
+        assert_final(&ix, 1);
     });
 }
 
@@ -636,10 +624,7 @@ fn m5b_sweep_vs_ingest() {
     model(|| {
         let ix = index(Algorithm::Lru, Some(1_000), 8, 5_000);
         put(&ix, A, &[(key(1), 10)], 3_000);
-        let s = {
-            let ix = ix.clone();
-            spawn(move || ix.sweep_now().entries_removed)
-        };
+        let s = spawn_on(&ix, move |ix| ix.sweep_now().entries_removed);
         let out = put(&ix, A, &[(key(1), 20)], 5_000);
         let removed = s.join().unwrap();
         assert_eq!(entry(&ix, &key(1), A), Some((20, 5_000)));
@@ -653,8 +638,7 @@ fn m5b_sweep_vs_ingest() {
         } else {
             "refreshed first"
         });
-        assert_counters(&ix, 1, 1);
-        assert_reclaimed(1, 0, 0);
+        assert_final(&ix, 1);
     });
 }
 
@@ -670,14 +654,8 @@ fn m6_all_cleared_vs_lookup_vs_reingest() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         put(&ix, A, &[(key(1), 10), (key(2), 10)], 1_000);
-        let c = {
-            let ix = ix.clone();
-            spawn(move || event(&ix, event_type::ALL_CLEARED, A, &[]))
-        };
-        let i = {
-            let ix = ix.clone();
-            spawn(move || put(&ix, A, &[(key(1), 20)], 1_000))
-        };
+        let c = spawn_on(&ix, move |ix| event(ix, event_type::ALL_CLEARED, A, &[]));
+        let i = spawn_on(&ix, move |ix| put(ix, A, &[(key(1), 20)], 1_000));
         let l = lookup(&ix, &key(1));
         assert!(
             l.is_empty() || l == [(A.to_string(), 10)] || l == [(A.to_string(), 20)],
@@ -694,8 +672,7 @@ fn m6_all_cleared_vs_lookup_vs_reingest() {
         } else {
             "k1 cleared after the re-ingest"
         });
-        assert_counters(&ix, n, n);
-        assert_reclaimed(n as usize, 0, 0);
+        assert_final(&ix, n);
     });
 }
 
@@ -707,10 +684,7 @@ fn m6b_all_cleared_vs_reingest() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         put(&ix, A, &[(key(1), 10), (key(2), 10)], 1_000);
-        let c = {
-            let ix = ix.clone();
-            spawn(move || event(&ix, event_type::ALL_CLEARED, A, &[]))
-        };
+        let c = spawn_on(&ix, move |ix| event(ix, event_type::ALL_CLEARED, A, &[]));
         put(&ix, A, &[(key(1), 20)], 1_000);
         c.join().unwrap();
         assert!(entry(&ix, &key(2), A).is_none(), "ALL_CLEARED missed a key");
@@ -722,8 +696,7 @@ fn m6b_all_cleared_vs_reingest() {
             "k1 cleared after the re-ingest"
         });
         let n = i64::from(k1.is_some());
-        assert_counters(&ix, n, n);
-        assert_reclaimed(n as usize, 0, 0);
+        assert_final(&ix, n);
     });
 }
 
@@ -741,17 +714,14 @@ fn m7a_serving_n_crossings() {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         put(&ix, A, &[(key(1), 10)], 1_000);
         put(&ix, B, &[(key(3), 10)], 1_000);
-        let r = {
-            let ix = ix.clone();
-            spawn(move || event(&ix, event_type::PREFIX_EVICTED, A, &key(1)))
-        };
+        let r = spawn_on(&ix, move |ix| evict(ix, A, &key(1)));
         put(&ix, A, &[(key(2), 10)], 1_000);
         r.join().unwrap();
         assert_eq!(ix.serving_count(T, M, S, A), 1);
         assert_eq!(ix.serving_count(T, M, S, B), 1);
         assert_eq!(ix.loom_serving_n(T, M, S), 2);
         assert_eq!(ix.classify(T, M, S), Strategy::None);
-        event(&ix, event_type::PREFIX_EVICTED, A, &key(2));
+        evict(&ix, A, &key(2));
         assert_eq!(ix.loom_serving_n(T, M, S), 1);
         assert_reclaimed(1, 0, 0);
     });
@@ -784,10 +754,7 @@ fn m7b_change_sink_install_vs_ingest() {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         put(&ix, A, &[(key(9), 1)], 1_000);
         let sink = Arc::new(RecordingSink::default());
-        let i = {
-            let ix = ix.clone();
-            spawn(move || put(&ix, A, &[(key(1), 10)], 1_000))
-        };
+        let i = spawn_on(&ix, move |ix| put(ix, A, &[(key(1), 10)], 1_000));
         ix.set_change_sink(sink.clone());
         i.join().unwrap();
         {
@@ -823,13 +790,8 @@ fn m7b_change_sink_install_vs_ingest() {
 #[test]
 fn m8a_cap_eviction_vs_victim_removal() {
     model(|| {
-        let ix = index_with(Algorithm::Lru, None, 8, 3_000, 2, None);
-        put(&ix, A, &[(key(1), 10)], 1_000);
-        put(&ix, A, &[(key(2), 10)], 2_000);
-        let r = {
-            let ix = ix.clone();
-            spawn(move || event(&ix, event_type::PREFIX_EVICTED, A, &key(1)))
-        };
+        let ix = setup_capped(Algorithm::Lru, 8);
+        let r = spawn_on(&ix, move |ix| evict(ix, A, &key(1)));
         put(&ix, A, &[(key(3), 10)], 3_000);
         r.join().unwrap();
         assert!(entry(&ix, &key(1), A).is_none(), "k1 survived");
@@ -847,8 +809,7 @@ fn m8a_cap_eviction_vs_victim_removal() {
             assert_eq!(k2, Some((10, 2_000)));
         }
         let n = 1 + i64::from(k2.is_some());
-        assert_counters(&ix, n, n);
-        assert_reclaimed(n as usize, 0, 0);
+        assert_final(&ix, n);
         outcome(match (k2.is_some(), cap) {
             (true, 1) => "cap evicted k1",
             (true, _) => "removal first, no cap eviction",
@@ -867,14 +828,9 @@ fn m8a_cap_eviction_vs_victim_removal() {
 #[test]
 fn m8b_lfu_cap_eviction_vs_credit() {
     model(|| {
-        let ix = index_with(Algorithm::Lfu, None, 1, 3_000, 2, None);
-        put(&ix, A, &[(key(1), 10)], 1_000);
-        put(&ix, A, &[(key(2), 10)], 2_000);
+        let ix = setup_capped(Algorithm::Lfu, 1);
         let hits = capture(&ix, &key(1));
-        let c = {
-            let ix = ix.clone();
-            spawn(move || ix.credit_hits(&hits))
-        };
+        let c = spawn_on(&ix, move |ix| ix.credit_hits(&hits));
         put(&ix, A, &[(key(3), 10)], 3_000);
         c.join().unwrap();
         assert_eq!(
@@ -919,18 +875,14 @@ fn m8c_quota_key_eviction_vs_holder_removal() {
         let ix = index_with(Algorithm::Lru, None, 8, 2_000, DEFAULT_MAX_ENTRIES, Some(1));
         put(&ix, A, &[(key(1), 10)], 1_000);
         put(&ix, B, &[(key(1), 10)], 1_000);
-        let r = {
-            let ix = ix.clone();
-            spawn(move || event(&ix, event_type::PREFIX_EVICTED, B, &key(1)))
-        };
+        let r = spawn_on(&ix, move |ix| evict(ix, B, &key(1)));
         put(&ix, A, &[(key(2), 10)], 2_000);
         r.join().unwrap();
         assert!(holders(&ix, &key(1)).is_empty(), "k1 survived the quota");
         assert_eq!(entry(&ix, &key(2), A), Some((10, 2_000)));
         assert_eq!(ix.tenant_evictions(), [(Arc::from(T), 1)]);
         assert_eq!(ix.serving_count(T, M, S, B), 0);
-        assert_counters(&ix, 1, 1);
-        assert_reclaimed(1, 0, 0);
+        assert_final(&ix, 1);
     });
 }
 
@@ -948,10 +900,7 @@ fn m8c_quota_key_eviction_vs_holder_removal() {
 fn m9_concurrent_partition_creation() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
-        let p = {
-            let ix = ix.clone();
-            spawn(move || put(&ix, B, &[(key(1), 10)], 1_000))
-        };
+        let p = spawn_on(&ix, move |ix| put(ix, B, &[(key(1), 10)], 1_000));
         let q = put(&ix, A, &[(key(1), 10)], 1_000);
         let p = p.join().unwrap();
         assert_eq!(p.keys_added + q.keys_added, 1, "key created once");

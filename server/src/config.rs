@@ -105,40 +105,14 @@ pub struct Cli {
     pub producer_max_blocks_per_sec: u64,
 }
 
-/// Rewrites single-dash long flags (`-grpc-bind-address`) into double-dash form. Short flags
-/// (`-h`, `-V`) and values are left alone.
-pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
-    let mut out = Vec::new();
-    let mut expect_value = false;
-    for (i, arg) in args.into_iter().enumerate() {
-        if i == 0 || expect_value {
-            expect_value = false;
-            out.push(arg);
-            continue;
-        }
-        match arg.to_str() {
-            Some(s) if s.starts_with('-') && !s.starts_with("--") && s.len() > 2 => {
-                let name = s[1..].split('=').next().unwrap_or("");
-                if name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') && name.len() > 1 {
-                    expect_value = !s.contains('=') && takes_value(name);
-                    out.push(OsString::from(format!("-{s}")));
-                } else {
-                    out.push(arg);
-                }
-            }
-            Some(s) if s.starts_with("--") => {
-                let name = s[2..].split('=').next().unwrap_or("");
-                expect_value = !s.contains('=') && takes_value(name);
-                out.push(arg);
-            }
-            _ => out.push(arg),
-        }
-    }
-    out
-}
+/// Long flags of this command line that take no value.
+const BOOL_FLAGS: &[&str] = &["insecure-disable-auth", "help", "version"];
 
-fn takes_value(flag: &str) -> bool {
-    !matches!(flag, "insecure-disable-auth" | "help" | "version")
+/// Rewrites single-dash long flags (`-grpc-bind-address`) into double-dash form. Short flags
+/// (`-h`, `-V`) and values are left alone (the rule shared with the sidecar:
+/// [`inferencecache_cli_flags::normalize_args`]).
+pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
+    inferencecache_cli_flags::normalize_args(args, BOOL_FLAGS)
 }
 
 /// Log output format.

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{SERVER_BIN, ServerProcess, T0_US, TestServer, lookup, manual_state};
+use common::{SERVER_BIN, ServerProcess, T0_US, TestServer, lookup, manual_state, report};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_server::limits::{Exceeded, Limits};
@@ -73,15 +73,6 @@ fn chain_req(entry: &pb::PrefixEntry) -> pb::LookupRouteRequest {
     }
 }
 
-async fn report(c: &mut Client, updates: Vec<pb::CacheStateUpdate>) {
-    let ack = c
-        .report_cache_state(tokio_stream::iter(updates))
-        .await
-        .expect("report")
-        .into_inner();
-    assert!(ack.accepted);
-}
-
 /// Tenant `t` without floors or affinity, so a reason code says only what the index found.
 fn plain_policy(state: &AppState) {
     state.policies().replace_pushed(
@@ -99,6 +90,19 @@ async fn server_with_limits(limits: Limits) -> TestServer {
     });
     plain_policy(&state);
     TestServer::start_with(state).await
+}
+
+/// [`server_with_limits`] and a client of it: how most tests here begin.
+async fn limited(limits: Limits) -> (TestServer, Client) {
+    let server = server_with_limits(limits).await;
+    let client = server.client().await;
+    (server, client)
+}
+
+/// The reason code of an exact lookup of tenant `t`: the probe the tests use to show what the
+/// index holds (or that the server still answers) after a fault.
+async fn reason(c: &mut Client, hash: &[u8], tokens: i32) -> String {
+    lookup(c, exact(hash, tokens)).await.reason_code
 }
 
 async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
@@ -245,10 +249,7 @@ async fn producer_connection_cut_mid_message_keeps_what_was_received() {
         );
         assert_eq!(r.replica_scores[0].matched_tokens, 128);
     }
-    assert_eq!(
-        lookup(&mut c, exact(b"big-00000000", 16)).await.reason_code,
-        "NO_HINT"
-    );
+    assert_eq!(reason(&mut c, b"big-00000000", 16).await, "NO_HINT");
     server.shutdown().await;
 }
 
@@ -473,8 +474,7 @@ async fn wall_clock_jumps_clamp_freshness_and_never_panic() {
 
 #[tokio::test]
 async fn oversized_messages_are_resource_exhausted_and_the_server_is_unaffected() {
-    let server = server_with_limits(Limits::default()).await;
-    let mut c = server.client().await;
+    let (server, mut c) = limited(Limits::default()).await;
     report(&mut c, vec![legacy("r", b"k", 128)]).await;
     // A 5 MiB lookup: refused by the transport before any handler runs.
     let mut huge = exact(b"k", 128);
@@ -501,22 +501,18 @@ async fn oversized_messages_are_resource_exhausted_and_the_server_is_unaffected(
     server.shutdown().await;
 
     // A configured smaller limit applies the same way.
-    let server = server_with_limits(Limits {
+    let (server, mut c) = limited(Limits {
         max_message_bytes: 64 * 1024,
         ..Limits::default()
     })
     .await;
-    let mut c = server.client().await;
     let mut req = exact(b"k", 128);
     req.prompt_text = "x".repeat(100 * 1024);
     assert_eq!(
         c.lookup_route(req).await.unwrap_err().code(),
         tonic::Code::ResourceExhausted
     );
-    assert_eq!(
-        lookup(&mut c, exact(b"k", 128)).await.reason_code,
-        "NO_HINT"
-    );
+    assert_eq!(reason(&mut c, b"k", 128).await, "NO_HINT");
     server.shutdown().await;
 }
 
@@ -608,12 +604,11 @@ async fn ten_thousand_connections_open_and_close() {
 
 #[tokio::test]
 async fn chain_length_limit_cuts_ingest_and_fails_lookups_open() {
-    let server = server_with_limits(Limits {
+    let (server, mut c) = limited(Limits {
         max_chain_length: 8,
         ..Limits::default()
     })
     .await;
-    let mut c = server.client().await;
     let long = chain_entry(1, 1_000, 8);
     report(&mut c, vec![update_of(vec![long.clone()])]).await;
     // Only the first 8 blocks are stored (one storage entry each).
@@ -637,8 +632,7 @@ async fn chain_length_limit_cuts_ingest_and_fails_lookups_open() {
 
 #[tokio::test]
 async fn hash_and_id_limits_leave_oversized_keys_out() {
-    let server = server_with_limits(Limits::default()).await;
-    let mut c = server.client().await;
+    let (server, mut c) = limited(Limits::default()).await;
     let index = server.state.index().clone();
     report(&mut c, vec![legacy("r", b"kept", 128)]).await;
     let memory_before = index.memory_bytes();
@@ -673,14 +667,8 @@ async fn hash_and_id_limits_leave_oversized_keys_out() {
     assert_eq!(limits.get(Exceeded::IdBytes), 1);
     // A lookup for an over-long key is simply a miss.
     let one_mib = vec![4u8; MIB];
-    assert_eq!(
-        lookup(&mut c, exact(&one_mib, 16)).await.reason_code,
-        "NO_HINT"
-    );
-    assert_eq!(
-        lookup(&mut c, exact(b"kept", 128)).await.reason_code,
-        "PREFIX_MATCH"
-    );
+    assert_eq!(reason(&mut c, &one_mib, 16).await, "NO_HINT");
+    assert_eq!(reason(&mut c, b"kept", 128).await, "PREFIX_MATCH");
     let text = inferencecache_server::metrics::render_text(&server.state.metrics().gather(&index));
     assert!(text.contains("inferencecache_limit_exceeded_total{limit=\"hash_bytes\"} 2\n"));
     assert!(text.contains("inferencecache_limit_exceeded_total{limit=\"id_bytes\"} 1\n"));
@@ -689,12 +677,11 @@ async fn hash_and_id_limits_leave_oversized_keys_out() {
 
 #[tokio::test]
 async fn prefixes_per_update_limit_applies_the_first_refs_and_the_stats() {
-    let server = server_with_limits(Limits {
+    let (server, mut c) = limited(Limits {
         max_prefixes_per_update: 4,
         ..Limits::default()
     })
     .await;
-    let mut c = server.client().await;
     let mut u = update_of(
         (0..10)
             .map(|i| pb::PrefixEntry {
@@ -719,14 +706,8 @@ async fn prefixes_per_update_limit_applies_the_first_refs_and_the_stats() {
             .get(Exceeded::PrefixesPerUpdate),
         6
     );
-    assert_eq!(
-        lookup(&mut c, exact(b"k3", 128)).await.reason_code,
-        "PREFIX_MATCH"
-    );
-    assert_ne!(
-        lookup(&mut c, exact(b"k4", 128)).await.reason_code,
-        "PREFIX_MATCH"
-    );
+    assert_eq!(reason(&mut c, b"k3", 128).await, "PREFIX_MATCH");
+    assert_ne!(reason(&mut c, b"k4", 128).await, "PREFIX_MATCH");
     let state = c
         .get_cache_state(pb::GetCacheStateRequest {
             tenant_id: "t".into(),
@@ -747,12 +728,11 @@ async fn prefixes_per_update_limit_applies_the_first_refs_and_the_stats() {
 #[tokio::test]
 async fn producer_rate_limit_applies_backpressure_without_losing_updates() {
     const RATE: u64 = 200;
-    let server = server_with_limits(Limits {
+    let (server, mut c) = limited(Limits {
         producer_max_blocks_per_sec: RATE,
         ..Limits::default()
     })
     .await;
-    let mut c = server.client().await;
     // 500 one-block updates on one stream: the first second's budget (200) passes at once, the
     // other 300 wait for the bucket to refill, so the stream takes at least ~1.5 s.
     let updates: Vec<_> = (0..500)
@@ -790,8 +770,7 @@ async fn producer_rate_limit_applies_backpressure_without_losing_updates() {
 
 #[tokio::test]
 async fn bad_inputs_are_acked_or_fail_open() {
-    let server = server_with_limits(Limits::default()).await;
-    let mut c = server.client().await;
+    let (server, mut c) = limited(Limits::default()).await;
     let index = server.state.index().clone();
     // NaN/±Inf stats become 0 (S2); negative counts are stored as given (K10); an unknown tier
     // is kept and reported UNSPECIFIED (K6); empty keys and malformed chains are dropped (D8, K7).
@@ -961,10 +940,7 @@ async fn undecodable_protobuf_is_internal_and_the_server_is_unaffected() {
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Internal);
     let mut c = server.client().await;
-    assert_eq!(
-        lookup(&mut c, exact(b"k", 128)).await.reason_code,
-        "NO_HINT"
-    );
+    assert_eq!(reason(&mut c, b"k", 128).await, "NO_HINT");
     server.shutdown().await;
 }
 

@@ -41,13 +41,9 @@ fn with_stats(mut u: pb::CacheStateUpdate, hit_rate: f32) -> pb::CacheStateUpdat
     u
 }
 
+/// [`common::report`], and the Ack carries no reason (nothing in these updates is refused).
 async fn report(client: &mut Client, updates: Vec<pb::CacheStateUpdate>) {
-    let ack = client
-        .report_cache_state(tokio_stream::iter(updates))
-        .await
-        .expect("report")
-        .into_inner();
-    assert!(ack.accepted);
+    let ack = common::report(client, updates).await;
     assert_eq!(ack.reason_code, "");
 }
 

@@ -3,9 +3,7 @@
 
 mod common;
 
-use common::{TestServer, lookup, manual_state};
-use inferencecache_engine::fingerprint;
-use inferencecache_proto::v1alpha1 as pb;
+use common::{TestServer, lookup, manual_state, prompt_lookup, report_token_chain};
 use inferencecache_server::policy::decode_push;
 use inferencecache_server::service::ServerOptions;
 use inferencecache_tokenize::{PromptTokenizer, TokenizeError};
@@ -44,16 +42,6 @@ async fn server_with(double: Arc<Double>) -> TestServer {
     TestServer::start_with(manual_state(options).0).await
 }
 
-fn prompt(model: &str, text: &str) -> pb::LookupRouteRequest {
-    pb::LookupRouteRequest {
-        tenant_id: "t".into(),
-        model_id: model.into(),
-        hash_scheme: "vllm".into(),
-        prompt_text: text.into(),
-        ..Default::default()
-    }
-}
-
 #[tokio::test]
 async fn sv49_prompt_text_matches_with_echo() {
     let tokens: Vec<u32> = (500..564).collect();
@@ -63,23 +51,8 @@ async fn sv49_prompt_text_matches_with_echo() {
     });
     let server = server_with(double.clone()).await;
     let mut c = server.client().await;
-    let (wire, counts) = fingerprint::chain(&tokens, 16);
-    let update = pb::CacheStateUpdate {
-        replica_id: "r1".into(),
-        model_id: "m".into(),
-        tenant_id: "t".into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            block_hashes: wire.iter().map(|h| h.to_vec()).collect(),
-            block_token_counts: counts,
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    c.report_cache_state(tokio_stream::iter(vec![update]))
-        .await
-        .unwrap();
-    let r = lookup(&mut c, prompt("m", "hello there")).await;
+    report_token_chain(&mut c, "r1", "m", &tokens, 16).await;
+    let r = lookup(&mut c, prompt_lookup("m", "hello there")).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH");
     assert_eq!(r.replica_scores[0].matched_tokens, 64);
     assert_eq!(r.token_ids, tokens, "tokens are echoed");
@@ -88,7 +61,7 @@ async fn sv49_prompt_text_matches_with_echo() {
         [("m".to_string(), "hello there".to_string())]
     );
     // An unknown model fails open without echo.
-    let r = lookup(&mut c, prompt("unknown", "hello")).await;
+    let r = lookup(&mut c, prompt_lookup("unknown", "hello")).await;
     assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
     server.shutdown().await;
 }
@@ -101,7 +74,7 @@ async fn sv50_sub_block_prompt_fails_open_with_echo() {
     });
     let server = server_with(double).await;
     let mut c = server.client().await;
-    let r = lookup(&mut c, prompt("m", "hi")).await;
+    let r = lookup(&mut c, prompt_lookup("m", "hi")).await;
     assert_eq!(r.reason_code, "NO_HINT");
     assert_eq!(
         r.token_ids,
@@ -125,7 +98,7 @@ async fn stalled_tokenizer_times_out_within_the_deadline() {
     );
     let mut c = server.client().await;
     let started = Instant::now();
-    let r = lookup(&mut c, prompt("m", "slow")).await;
+    let r = lookup(&mut c, prompt_lookup("m", "slow")).await;
     assert_eq!(r.reason_code, "TIMEOUT");
     assert!(r.token_ids.is_empty());
     assert!(
@@ -145,14 +118,14 @@ async fn sv48_oversized_prompt_and_missing_tokenizer_fail_open() {
     let server = server_with(double.clone()).await;
     let mut c = server.client().await;
     let big = "x".repeat((1 << 20) + 1);
-    let r = lookup(&mut c, prompt("m", &big)).await;
+    let r = lookup(&mut c, prompt_lookup("m", &big)).await;
     assert_eq!(r.reason_code, "NO_HINT");
     assert!(double.calls.lock().unwrap().is_empty(), "never tokenized");
     server.shutdown().await;
 
     let server = TestServer::start().await;
     let mut c = server.client().await;
-    let r = lookup(&mut c, prompt("m", "no tokenizer configured")).await;
+    let r = lookup(&mut c, prompt_lookup("m", "no tokenizer configured")).await;
     assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
     server.shutdown().await;
 }
@@ -171,7 +144,7 @@ async fn require_chain_refuses_prompt_text_before_tokenizing() {
         .unwrap(),
     );
     let mut c = server.client().await;
-    let r = lookup(&mut c, prompt("m", "hello")).await;
+    let r = lookup(&mut c, prompt_lookup("m", "hello")).await;
     assert_eq!(r.reason_code, "POLICY_REQUIRES_CHAIN");
     assert!(double.calls.lock().unwrap().is_empty());
     server.shutdown().await;
@@ -189,7 +162,7 @@ async fn saturated_tokenizer_fails_open_without_waiting() {
     for _ in 0..64 {
         let mut c = server.client().await;
         busy.push(tokio::spawn(async move {
-            lookup(&mut c, prompt("m", "slow")).await
+            lookup(&mut c, prompt_lookup("m", "slow")).await
         }));
     }
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -199,7 +172,7 @@ async fn saturated_tokenizer_fails_open_without_waiting() {
     }
     let mut c = server.client().await;
     let started = Instant::now();
-    let r = lookup(&mut c, prompt("m", "one too many")).await;
+    let r = lookup(&mut c, prompt_lookup("m", "one too many")).await;
     assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
     assert!(
         started.elapsed() < Duration::from_millis(300),

@@ -4,9 +4,7 @@
 
 mod common;
 
-use common::{ServerProcess, lookup};
-use inferencecache_engine::fingerprint;
-use inferencecache_proto::v1alpha1 as pb;
+use common::{ServerProcess, lookup, prompt_lookup, report_token_chain};
 use std::path::{Path, PathBuf};
 use tokenizers::models::wordlevel::WordLevel;
 use tokenizers::pre_tokenizers::whitespace::WhitespaceSplit;
@@ -92,16 +90,6 @@ fn start(models: &Path) -> ServerProcess {
     )
 }
 
-fn prompt(model: &str, text: &str) -> pb::LookupRouteRequest {
-    pb::LookupRouteRequest {
-        tenant_id: "t".into(),
-        model_id: model.into(),
-        hash_scheme: "vllm".into(),
-        prompt_text: text.into(),
-        ..Default::default()
-    }
-}
-
 #[tokio::test]
 async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     let models = models_dir();
@@ -112,7 +100,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     let expected = expected_tokens(text);
     assert_eq!(expected.len(), 11, "{expected:?}");
     // Nothing indexed yet: the answer is built after tokenizing, so the tokens are echoed.
-    let r = lookup(&mut c, prompt("org/chat", text)).await;
+    let r = lookup(&mut c, prompt_lookup("org/chat", text)).await;
     assert_eq!(r.reason_code, "NO_HINT");
     assert_eq!(
         r.token_ids, expected,
@@ -120,23 +108,8 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     );
 
     // Blocks ingested from those tokens are found by the prompt.
-    let (wire, counts) = fingerprint::chain(&expected, BLOCK);
-    let update = pb::CacheStateUpdate {
-        replica_id: "r1".into(),
-        model_id: "org/chat".into(),
-        tenant_id: "t".into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            block_hashes: wire.iter().map(|h| h.to_vec()).collect(),
-            block_token_counts: counts,
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    c.report_cache_state(tokio_stream::iter(vec![update]))
-        .await
-        .unwrap();
-    let r = lookup(&mut c, prompt("org/chat", text)).await;
+    report_token_chain(&mut c, "r1", "org/chat", &expected, BLOCK).await;
+    let r = lookup(&mut c, prompt_lookup("org/chat", text)).await;
     assert_eq!(r.reason_code, "PREFIX_MATCH");
     assert_eq!(
         r.replica_scores[0].matched_tokens, BLOCK as i32,
@@ -145,7 +118,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
     assert_eq!(r.token_ids, expected);
 
     // A sub-block prompt fails open with echo.
-    let short = lookup(&mut c, prompt("org/chat", "hi")).await;
+    let short = lookup(&mut c, prompt_lookup("org/chat", "hi")).await;
     assert_eq!(short.reason_code, "NO_HINT");
     assert_eq!(short.token_ids, expected_tokens("hi"));
     // Unknown or unsafe model ids and oversized text fail open without echo.
@@ -157,7 +130,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
         "org\\chat",
         "",
     ] {
-        let r = lookup(&mut c, prompt(model, text)).await;
+        let r = lookup(&mut c, prompt_lookup(model, text)).await;
         assert_eq!(
             (r.reason_code.as_str(), r.token_ids.len()),
             ("NO_HINT", 0),
@@ -165,7 +138,7 @@ async fn prompt_text_with_a_real_tokenizer_and_chat_template() {
         );
     }
     let huge = "hello ".repeat((1 << 20) / 6 + 1);
-    let r = lookup(&mut c, prompt("org/chat", &huge)).await;
+    let r = lookup(&mut c, prompt_lookup("org/chat", &huge)).await;
     assert_eq!((r.reason_code.as_str(), r.token_ids.len()), ("NO_HINT", 0));
     let _ = std::fs::remove_dir_all(models);
 }

@@ -82,35 +82,10 @@ pub struct Cli {
 const BOOL_FLAGS: &[&str] = &["ignore-block-removed", "omit-token-ids", "help", "version"];
 
 /// Rewrites single-dash long flags (`-replica-id x`) into double-dash form, as the reference's
-/// Go flag syntax allows. Short flags (`-h`, `-V`) and values are left alone.
+/// Go flag syntax allows. Short flags (`-h`, `-V`) and values are left alone (the rule shared
+/// with the server: [`inferencecache_cli_flags::normalize_args`]).
 pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
-    let mut out = Vec::new();
-    let mut expect_value = false;
-    for (i, arg) in args.into_iter().enumerate() {
-        if i == 0 || expect_value {
-            expect_value = false;
-            out.push(arg);
-            continue;
-        }
-        match arg.to_str() {
-            Some(s) if s.starts_with("--") => {
-                let name = s[2..].split('=').next().unwrap_or("");
-                expect_value = !s.contains('=') && !BOOL_FLAGS.contains(&name);
-                out.push(arg);
-            }
-            Some(s) if s.starts_with('-') && s.len() > 2 => {
-                let name = s[1..].split('=').next().unwrap_or("");
-                if name.len() > 1 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
-                    expect_value = !s.contains('=') && !BOOL_FLAGS.contains(&name);
-                    out.push(OsString::from(format!("-{s}")));
-                } else {
-                    out.push(arg);
-                }
-            }
-            _ => out.push(arg),
-        }
-    }
-    out
+    inferencecache_cli_flags::normalize_args(args, BOOL_FLAGS)
 }
 
 /// Parses a Go-style duration (`100ms`, `1m30s`, `1.5s`, `-2s`, `0`) into signed nanoseconds.

@@ -14,27 +14,19 @@
 //! measured window ≤ 1.05 × max RSS of the first half (minutes 5–10 vs 1–5 for the default
 //! 10-minute run). Exits non-zero when P8 fails.
 
+use inferencecache_bench::measure::vm_rss_bytes;
+use inferencecache_bench::ours;
+use inferencecache_bench::w1m::LEN;
 use inferencecache_engine::*;
 use std::collections::VecDeque;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const BLOCKS: usize = 64;
+/// Blocks per chain: W1M's chain length, so a chain is one `ours::ingest_chain_as` update.
+const BLOCKS: usize = LEN;
 const REPLICAS: u64 = 8;
 const EVICT_LAG: usize = 1000;
-
-fn vm_rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
-}
 
 struct Sample {
     t_s: u64,
@@ -73,13 +65,12 @@ fn main() -> ExitCode {
         Arc::new(SystemClock),
     ));
     ix.start();
-    let rss0 = vm_rss_kib();
+    let rss0 = vm_rss_bytes() / 1024;
     println!(
         "churn: cap {cap}, TTL 10 s, sweep 1 s, {minutes} min, warm-up {warmup_s} s, \
          baseline RSS {} MiB",
         rss0 / 1024
     );
-    let counts = [16i32; BLOCKS];
     let replica_names: Vec<String> = (0..REPLICAS).map(|r| format!("replica-{r}")).collect();
     let mut pending: VecDeque<(u64, [[u8; 8]; BLOCKS])> = VecDeque::new();
     let start = Instant::now();
@@ -93,7 +84,7 @@ fn main() -> ExitCode {
         if now >= next_sample {
             samples.push(Sample {
                 t_s: now.as_secs(),
-                rss_kib: vm_rss_kib(),
+                rss_kib: vm_rss_bytes() / 1024,
                 entries: ix.storage_entries(),
                 mem: ix.memory_bytes(),
                 blocks,
@@ -108,25 +99,8 @@ fn main() -> ExitCode {
             *h = (c << 6 | i as u64).to_be_bytes();
         }
         let rep = &replica_names[(c % REPLICAS) as usize];
-        let none: &[u8] = &[];
-        let refs = [PrefixRef {
-            prefix_hash: none,
-            token_count: 0,
-            block_hashes: &hashes[..],
-            block_token_counts: &counts[..],
-            tier: 0,
-            adapter_id: "",
-        }];
-        ix.ingest(CacheStateUpdate {
-            replica_id: rep,
-            model_id: "m",
-            tenant_id: "t",
-            hash_scheme: "vllm",
-            timestamp_us: 0,
-            adapter_id: "",
-            prefixes: refs.iter().copied(),
-            stats: None,
-        });
+        // Tier 0 and timestamp 0 ("now"): the churn entries age on the system clock.
+        ours::ingest_chain_as(&ix, rep, &hashes, 0, 0);
         blocks += BLOCKS as u64;
         if c.is_multiple_of(4) {
             pending.push_back((c, hashes));

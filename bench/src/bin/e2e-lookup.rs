@@ -28,7 +28,8 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use hdrhistogram::Histogram;
-use inferencecache_bench::ours::{COUNTS, REPLICAS};
+use inferencecache_bench::host::{cpu_model, loadavg, utc_now};
+use inferencecache_bench::ours::{self, COUNTS, REPLICAS};
 use inferencecache_bench::w1m::{
     BLOCK_TOKENS, CHAINS_FULL, Kind, LEN, Queries, WORKERS, Workload, expected_blocks, worker,
 };
@@ -161,37 +162,6 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Machine and load notes
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
-}
-
-fn cpu_model() -> String {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = info
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map(|(_, m)| m.trim().to_string())
-        .unwrap_or_else(|| "?".into());
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{model}, {cpus} CPUs")
-}
-
-fn utc_now() -> String {
-    std::process::Command::new("date")
-        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|| "?".into())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -541,6 +511,26 @@ async fn closed_loop(
     total
 }
 
+/// One closed-loop phase with `c`'s warm-up and measured window, run on `rt`: the one way every
+/// closed-loop row of both issues is measured.
+fn closed_phase(
+    rt: &tokio::runtime::Runtime,
+    c: &Common,
+    clients: &[Client],
+    reqs: &Arc<Vec<pb::LookupRouteRequest>>,
+    conc: usize,
+    expect: Expect,
+) -> Phase {
+    rt.block_on(closed_loop(
+        clients,
+        reqs.clone(),
+        conc,
+        c.warmup,
+        c.closed,
+        expect,
+    ))
+}
+
 /// Open loop: request `i` is due at `start + i / rate`; latency runs from that intended time
 /// (coordinated omission corrected). A nanosleep thread keeps the timetable; at most
 /// `max_inflight` requests are outstanding and a request waiting for a slot keeps its time.
@@ -644,24 +634,8 @@ fn fmt_us(v: f64) -> String {
 /// Loads W1M through the engine API: one chain-form ingest per chain, timestamp "now".
 fn load_w1m(state: &AppState, w: &Workload) {
     for (c, keys) in w.wire_events().iter().enumerate() {
-        state.index().ingest(CacheStateUpdate {
-            replica_id: REPLICAS[worker(c)],
-            model_id: W1M_MODEL,
-            tenant_id: TENANT,
-            hash_scheme: SCHEME,
-            // 0 = the server's clock (K-rules), so entries are fresh under the real clock.
-            timestamp_us: 0,
-            prefixes: std::iter::once(PrefixRef {
-                prefix_hash: &[],
-                token_count: 0,
-                block_hashes: &keys[..],
-                block_token_counts: &COUNTS[..],
-                tier: tier::T1,
-                adapter_id: "",
-            }),
-            stats: None,
-            adapter_id: "",
-        });
+        // Timestamp 0 = the server's clock (K-rules), so entries are fresh under the real clock.
+        ours::ingest_chain_as(state.index(), REPLICAS[worker(c)], keys, tier::T1, 0);
     }
 }
 
@@ -785,22 +759,8 @@ fn run_lookup(a: &LookupArgs) -> Result<(), Error> {
     for &conc in &a.concurrency {
         let (mut o, mut b) = (Vec::new(), Vec::new());
         for round in 0..a.rounds.max(1) {
-            let po = cli_rt.block_on(closed_loop(
-                &ours_cl,
-                reqs.clone(),
-                conc,
-                c.warmup,
-                c.closed,
-                Expect::PrefixMatch,
-            ));
-            let pb_ = cli_rt.block_on(closed_loop(
-                &base_cl,
-                reqs.clone(),
-                conc,
-                c.warmup,
-                c.closed,
-                Expect::Any,
-            ));
+            let po = closed_phase(&cli_rt, c, &ours_cl, &reqs, conc, Expect::PrefixMatch);
+            let pb_ = closed_phase(&cli_rt, c, &base_cl, &reqs, conc, Expect::Any);
             eprintln!(
                 "closed c={conc} round {round}: ours {:.0}/s p50 {} | baseline {:.0}/s p50 {} | load {}",
                 po.throughput,
@@ -1302,14 +1262,7 @@ fn run_prompt(a: &PromptArgs) -> Result<(), Error> {
     for set in &sets {
         for &conc in &a.concurrency {
             for (form, reqs) in [("prompt_text", &set.text), ("token_ids", &set.ids)] {
-                let p = cli_rt.block_on(closed_loop(
-                    &clients,
-                    reqs.clone(),
-                    conc,
-                    c.warmup,
-                    c.closed,
-                    Expect::PrefixMatch,
-                ));
+                let p = closed_phase(&cli_rt, c, &clients, reqs, conc, Expect::PrefixMatch);
                 eprintln!(
                     "{} B {form} c={conc}: {:.0}/s p50 {} p99 {} | load {}",
                     set.size,

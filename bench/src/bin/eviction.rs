@@ -19,32 +19,13 @@
 //!
 //! One Markdown table per scenario goes to stdout.
 
+use inferencecache_bench::fixed_policy::FixedPolicy;
+use inferencecache_bench::ours::{self, T0_US};
 use inferencecache_engine::*;
 use std::sync::Arc;
 use std::time::Instant;
 
-const T0_US: i64 = 1_700_000_000_000_000;
 const BATCH: u64 = 1_000;
-
-struct Policy {
-    lfu: bool,
-}
-
-impl Resolvers for Policy {
-    fn ttl_ms(&self, _: &str) -> Option<i64> {
-        None
-    }
-    fn algorithm(&self, _: &str) -> Algorithm {
-        if self.lfu {
-            Algorithm::Lfu
-        } else {
-            Algorithm::Lru
-        }
-    }
-    fn quota(&self, _: &str) -> Option<i64> {
-        None
-    }
-}
 
 fn index(cap: i64, lfu: bool, seed: u64) -> (Index, Arc<ManualClock>) {
     let clock = Arc::new(ManualClock::new(T0_US));
@@ -55,7 +36,10 @@ fn index(cap: i64, lfu: bool, seed: u64) -> (Index, Arc<ManualClock>) {
         ..IndexConfig::default()
     };
     let dyn_clock: Arc<dyn Clock> = clock.clone();
-    (Index::new(cfg, Arc::new(Policy { lfu }), dyn_clock), clock)
+    (
+        Index::new(cfg, Arc::new(FixedPolicy::lru_or_lfu(lfu)), dyn_clock),
+        clock,
+    )
 }
 
 fn put(ix: &Index, key: &[u8], ts_us: i64) {
@@ -141,32 +125,13 @@ fn run(n: u64, lfu: bool, seed: u64) -> Outcome {
 
 fn t94() {
     let (ix, _clock) = index(0, false, 0);
-    let counts = [16i32; 64];
     let names: Vec<String> = (0..8).map(|r| format!("r{r}")).collect();
     let mut hashes = [[0u8; 8]; 64];
     for c in 0..16_384u64 {
         for (i, h) in hashes.iter_mut().enumerate() {
             *h = (c << 8 | i as u64).to_be_bytes();
         }
-        let none: &[u8] = &[];
-        let refs = [PrefixRef {
-            prefix_hash: none,
-            token_count: 0,
-            block_hashes: &hashes[..],
-            block_token_counts: &counts[..],
-            tier: 1,
-            adapter_id: "",
-        }];
-        ix.ingest(CacheStateUpdate {
-            replica_id: &names[(c % 8) as usize],
-            model_id: "m",
-            tenant_id: "t",
-            hash_scheme: "vllm",
-            timestamp_us: T0_US,
-            adapter_id: "",
-            prefixes: refs.iter().copied(),
-            stats: None,
-        });
+        ours::ingest_chain_as(&ix, &names[(c % 8) as usize], &hashes, tier::T1, T0_US);
     }
     assert_eq!(ix.storage_entries(), 16_384 * 64);
     let (mut ev, mut st) = (Vec::new(), Vec::new());

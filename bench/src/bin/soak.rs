@@ -29,6 +29,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use inferencecache_bench::host::{cpu_model, loadavg, utc_now};
 use inferencecache_bench::loadgen::parse_duration;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -111,12 +112,6 @@ fn sibling(name: &str) -> PathBuf {
         .ok()
         .and_then(|p| p.parent().map(|d| d.join(name)))
         .unwrap_or_else(|| PathBuf::from(name))
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
 }
 
 fn rss_kib(pid: u32) -> Option<u64> {
@@ -319,12 +314,7 @@ fn run(args: &Args) -> Result<bool, Error> {
         .clone()
         .unwrap_or_else(|| sibling("ic-loadgen"));
     let (grpc, http, control) = (args.port, args.port + 1, args.port + 2);
-    let date = Command::new("date")
-        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .unwrap_or_default();
+    let date = utc_now();
     let load_start = loadavg();
 
     let server_args = vec![
@@ -566,8 +556,8 @@ fn run(args: &Args) -> Result<bool, Error> {
         s,
         "- Date: {}; machine: {}; shared with other engineers' builds (load averages 1/5/15 min: \
          start {load_start}, end {load_end}; per-row 1-min load in the table).",
-        date.trim(),
-        cpu()
+        date,
+        cpu_model()
     );
     let _ = writeln!(
         s,
@@ -672,18 +662,6 @@ fn run(args: &Args) -> Result<bool, Error> {
     std::fs::write(args.out_dir.join("soak.md"), &s)?;
     write_summary_path(&args.out_dir);
     Ok(pass)
-}
-
-fn cpu() -> String {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = info
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map(|(_, m)| m.trim().to_string())
-        .unwrap_or_else(|| "?".into());
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{model}, {cpus} CPUs")
 }
 
 fn write_summary_path(dir: &Path) {

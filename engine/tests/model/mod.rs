@@ -2,7 +2,10 @@
 //! (no sharing of code with the engine beyond the public input/output types).
 #![allow(dead_code)]
 
-use inferencecache_engine::{RankerConfig, ReplicaStatsInput, Strategy};
+use inferencecache_engine::{
+    Algorithm, CacheState, CapturedHits, EvictionReason, Index, LookupRequest, PROBE_TENANT,
+    RankerConfig, ReplicaStatsInput, Strategy,
+};
 use std::collections::{BTreeMap, BTreeSet};
 
 pub type Key = (String, String, String, String, Vec<u8>);
@@ -718,4 +721,169 @@ impl Pressure for St {
     fn pressure(&self) -> f32 {
         self.s.pressure
     }
+}
+
+/// Captured hits of one lookup, engine side and model side, for a later credit (L9).
+pub type Hits = (CapturedHits, Vec<(Key, String, u64)>);
+
+/// Fails with `what` and both values when they differ. A `Result` rather than a panic so the
+/// proptest oracle can shrink on it and the fuzz harness can add the operation to the message.
+fn same<T: PartialEq + std::fmt::Debug>(got: T, want: T, what: &str) -> Result<(), String> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("{what}: engine {got:?} != model {want:?}"))
+    }
+}
+
+/// Runs `req` through `LookupRoute` of the engine and the model and compares the answers:
+/// strategy, bit-equal scores, probabilities and tiers in order (R1–R7), the captured hits per
+/// replica of `replicas` (L9), and the bare lookup as the prefix part of LookupRoute. Shared by
+/// the T90 oracle and the `engine_ops` fuzz target so both judge the engine by the same rules.
+pub fn check_lookup(
+    ix: &Index,
+    md: &Model,
+    req: &LookupRequest<'_, Vec<u8>>,
+    replicas: &[&str],
+) -> Result<Hits, String> {
+    let got = ix.lookup_route(req);
+    let (want_strategy, want_scores, want_hits) = md.route(
+        req.tenant_id,
+        req.model_id,
+        req.hash_scheme,
+        req.adapter_id,
+        req.prefix_hash,
+        req.block_hashes,
+        req.block_token_counts,
+        req.ttft_ms,
+    );
+    same(got.strategy, want_strategy, "strategy")?;
+    // Compared as bits: NaN scores must match too, and no rounding slack is allowed.
+    let g: Vec<(String, u32, i32, u32, i32)> = got
+        .scores
+        .iter()
+        .map(|x| {
+            (
+                x.replica_id.to_string(),
+                x.score.to_bits(),
+                x.matched_tokens,
+                x.estimated_cache_hit_prob.to_bits(),
+                x.tier,
+            )
+        })
+        .collect();
+    let w: Vec<(String, u32, i32, u32, i32)> = want_scores
+        .iter()
+        .map(|x| {
+            (
+                x.replica.clone(),
+                x.score.to_bits(),
+                x.matched,
+                x.prob.to_bits(),
+                x.tier,
+            )
+        })
+        .collect();
+    same(g, w, "scores")?;
+    same(got.hits.len(), want_hits.len(), "hits")?;
+    for rep in replicas {
+        same(
+            got.hits.count_for(rep),
+            want_hits.iter().filter(|h| h.1 == *rep).count(),
+            &format!("hits of {rep}"),
+        )?;
+    }
+    if got.strategy == Strategy::PrefixMatch {
+        same(ix.lookup(req), got.scores, "bare lookup vs LookupRoute")?;
+    }
+    Ok((got.hits, want_hits))
+}
+
+/// The engine's observable state equals the model's: counters, holders, entries, per-(tenant,
+/// model) counts and serving counts over the given domain, quota and cap evictions, and the
+/// entry gauge. The oracle adds its snapshot and stats checks on top.
+pub fn check_state(
+    ix: &Index,
+    md: &Model,
+    tenants: &[&str],
+    models: &[&str],
+    schemes: &[&str],
+    replicas: &[&str],
+) -> Result<(), String> {
+    same(ix.total_keys(), md.entries.len() as i64, "keys")?;
+    let entries: usize = md.entries.values().map(|h| h.len()).sum();
+    same(
+        (ix.storage_entries() + ix.reserved_storage_entries()) as usize,
+        entries,
+        "storage entries",
+    )?;
+    for (k, holders) in &md.entries {
+        let got: Vec<String> = ix
+            .holders(&k.0, &k.1, &k.2, &k.3, &k.4)
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let want: Vec<String> = holders.keys().cloned().collect();
+        same(got, want, &format!("holders of {k:?}"))?;
+        for (r, e) in holders {
+            let v = ix
+                .entry(&k.0, &k.1, &k.2, &k.3, &k.4, r)
+                .ok_or_else(|| format!("entry {k:?}/{r} missing"))?;
+            // The wire carries only tiers 1–3; other stored values read back as 0.
+            let wire_tier = if (1..=3).contains(&e.tier) { e.tier } else { 0 };
+            same(
+                (v.token_count, v.last_seen_us, v.tier, v.access_count),
+                (e.tokens, e.last * 1000, wire_tier, e.access),
+                &format!("entry {k:?}/{r}"),
+            )?;
+        }
+    }
+    for t in tenants {
+        for m in models {
+            let cs = ix.cache_state(t, m);
+            if *t == PROBE_TENANT {
+                same(cs, CacheState::default(), "CacheState of the probe tenant")?;
+                continue;
+            }
+            same(
+                (cs.total_prefixes, cs.hot_prefixes),
+                md.cache_counts(t, m),
+                &format!("CacheState({t}, {m})"),
+            )?;
+            for s in schemes {
+                for r in replicas {
+                    same(
+                        ix.serving_count(t, m, s, r),
+                        md.serving(t, m, s).get(*r).copied().unwrap_or(0),
+                        &format!("serving[{t}, {m}, {s}][{r}]"),
+                    )?;
+                }
+            }
+        }
+    }
+    let te: Vec<(String, u64)> = ix
+        .tenant_evictions()
+        .iter()
+        .map(|(t, n)| (t.to_string(), *n))
+        .collect();
+    let want_te: Vec<(String, u64)> = md
+        .tenant_evictions
+        .iter()
+        .map(|(t, n)| (t.clone(), *n))
+        .collect();
+    same(te, want_te, "quota evictions")?;
+    same(
+        [
+            ix.evictions(Algorithm::Lru, EvictionReason::Cap),
+            ix.evictions(Algorithm::Lfu, EvictionReason::Cap),
+        ],
+        md.cap_evictions,
+        "cap evictions",
+    )?;
+    let gauge: i64 = ix.entry_counts_by_model().iter().map(|x| x.1).sum();
+    same(
+        gauge,
+        md.entries.keys().filter(|k| k.0 != PROBE_TENANT).count() as i64,
+        "gauge",
+    )
 }

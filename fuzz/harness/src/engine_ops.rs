@@ -13,9 +13,8 @@ mod model;
 
 use arbitrary::{Arbitrary, Unstructured};
 use inferencecache_engine::{
-    Algorithm, CacheEventInput, CacheState, CacheStateUpdate, CapturedHits, Clock, EvictionReason,
-    Index, IndexConfig, LookupRequest, ManualClock, PROBE_TENANT, PrefixRef, ReplicaStatsInput,
-    Resolvers, Strategy, event_type,
+    Algorithm, CacheEventInput, CacheStateUpdate, CapturedHits, Clock, Index, IndexConfig,
+    LookupRequest, ManualClock, PROBE_TENANT, PrefixRef, ReplicaStatsInput, Resolvers, event_type,
 };
 use model::{MRef, Model};
 use std::collections::HashMap;
@@ -218,7 +217,7 @@ struct Harness {
     clock: Arc<ManualClock>,
     ix: Index,
     md: Model,
-    last_hits: (CapturedHits, Vec<(model::Key, String, u64)>),
+    last_hits: model::Hits,
 }
 
 impl Harness {
@@ -451,135 +450,17 @@ impl Harness {
             ttft_ms: ttft,
             tbt_ms: 0,
         };
-        let got = self.ix.lookup_route(&req);
-        let (want_strategy, want_scores, want_hits) =
-            self.md.route(t, m, s, a, &hash, &blocks, &counts, ttft);
-        assert_eq!(got.strategy, want_strategy, "strategy of {req:?}");
-        // Bit-equal scores, probabilities and tiers, in order (R1–R7).
-        let g: Vec<(String, u32, i32, u32, i32)> = got
-            .scores
-            .iter()
-            .map(|x| {
-                (
-                    x.replica_id.to_string(),
-                    x.score.to_bits(),
-                    x.matched_tokens,
-                    x.estimated_cache_hit_prob.to_bits(),
-                    x.tier,
-                )
-            })
-            .collect();
-        let w: Vec<(String, u32, i32, u32, i32)> = want_scores
-            .iter()
-            .map(|x| {
-                (
-                    x.replica.clone(),
-                    x.score.to_bits(),
-                    x.matched,
-                    x.prob.to_bits(),
-                    x.tier,
-                )
-            })
-            .collect();
-        assert_eq!(g, w, "scores of {req:?}");
-        // L9: the captured hits, per replica.
-        assert_eq!(got.hits.len(), want_hits.len(), "hits of {req:?}");
-        for rep in REPLICAS {
-            assert_eq!(
-                got.hits.count_for(rep),
-                want_hits.iter().filter(|h| h.1 == rep).count(),
-                "hits of {rep} for {req:?}"
-            );
-        }
-        // The bare lookup is the prefix part of LookupRoute.
-        if got.strategy == Strategy::PrefixMatch {
-            assert_eq!(self.ix.lookup(&req), got.scores);
-        }
-        self.last_hits = (got.hits, want_hits);
+        self.last_hits = model::check_lookup(&self.ix, &self.md, &req, &REPLICAS)
+            .unwrap_or_else(|e| panic!("{e} for {req:?}"));
     }
 
-    /// The engine's observable state equals the model's (a subset of the oracle's checks:
-    /// counters, holders, entries, aggregates, evictions).
+    /// The engine's observable state equals the model's (the shared subset of the oracle's
+    /// checks: counters, holders, entries, aggregates, evictions).
     fn check_state(&self, op: &Op) {
-        let (ix, md) = (&self.ix, &self.md);
-        assert_eq!(
-            ix.total_keys(),
-            md.entries.len() as i64,
-            "keys after {op:?}"
-        );
-        let entries: usize = md.entries.values().map(|h| h.len()).sum();
-        assert_eq!(
-            (ix.storage_entries() + ix.reserved_storage_entries()) as usize,
-            entries,
-            "storage entries after {op:?}"
-        );
-        for (k, holders) in &md.entries {
-            let got: Vec<String> = ix
-                .holders(&k.0, &k.1, &k.2, &k.3, &k.4)
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-            let want: Vec<String> = holders.keys().cloned().collect();
-            assert_eq!(got, want, "holders of {k:?} after {op:?}");
-            for (r, e) in holders {
-                let v = ix
-                    .entry(&k.0, &k.1, &k.2, &k.3, &k.4, r)
-                    .unwrap_or_else(|| panic!("entry {k:?}/{r} missing after {op:?}"));
-                let wire_tier = if (1..=3).contains(&e.tier) { e.tier } else { 0 };
-                assert_eq!(
-                    (v.token_count, v.last_seen_us, v.tier, v.access_count),
-                    (e.tokens, e.last * 1000, wire_tier, e.access),
-                    "entry {k:?}/{r} after {op:?}"
-                );
-            }
+        if let Err(e) =
+            model::check_state(&self.ix, &self.md, &TENANTS, &MODELS, &SCHEMES, &REPLICAS)
+        {
+            panic!("{e} after {op:?}");
         }
-        for t in TENANTS {
-            for m in MODELS {
-                let cs = ix.cache_state(t, m);
-                if t == PROBE_TENANT {
-                    assert_eq!(cs, CacheState::default());
-                    continue;
-                }
-                assert_eq!(
-                    (cs.total_prefixes, cs.hot_prefixes),
-                    md.cache_counts(t, m),
-                    "CacheState({t}, {m}) after {op:?}"
-                );
-                for s in SCHEMES {
-                    for r in REPLICAS {
-                        assert_eq!(
-                            ix.serving_count(t, m, s, r),
-                            md.serving(t, m, s).get(r).copied().unwrap_or(0),
-                            "serving[{t}, {m}, {s}][{r}] after {op:?}"
-                        );
-                    }
-                }
-            }
-        }
-        let te: Vec<(String, u64)> = ix
-            .tenant_evictions()
-            .iter()
-            .map(|(t, n)| (t.to_string(), *n))
-            .collect();
-        let want_te: Vec<(String, u64)> = md
-            .tenant_evictions
-            .iter()
-            .map(|(t, n)| (t.clone(), *n))
-            .collect();
-        assert_eq!(te, want_te, "quota evictions after {op:?}");
-        assert_eq!(
-            [
-                ix.evictions(Algorithm::Lru, EvictionReason::Cap),
-                ix.evictions(Algorithm::Lfu, EvictionReason::Cap)
-            ],
-            md.cap_evictions,
-            "cap evictions after {op:?}"
-        );
-        let gauge: i64 = ix.entry_counts_by_model().iter().map(|x| x.1).sum();
-        assert_eq!(
-            gauge,
-            md.entries.keys().filter(|k| k.0 != PROBE_TENANT).count() as i64,
-            "gauge after {op:?}"
-        );
     }
 }

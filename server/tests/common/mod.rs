@@ -2,7 +2,7 @@
 //! process, small clients and request builders.
 #![allow(dead_code)]
 
-use inferencecache_engine::ManualClock;
+use inferencecache_engine::{ManualClock, fingerprint};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_server::service::{AppState, ServerOptions};
@@ -166,6 +166,60 @@ pub fn exact_lookup(tenant: &str, hash: &[u8], tokens: i32) -> pb::LookupRouteRe
         prefix_token_count: tokens,
         ..Default::default()
     }
+}
+
+/// A `prompt_text` lookup of tenant `t` (scheme `vllm`): the server tokenizes `text` with the
+/// tokenizer of `model`.
+pub fn prompt_lookup(model: &str, text: &str) -> pb::LookupRouteRequest {
+    pb::LookupRouteRequest {
+        tenant_id: "t".into(),
+        model_id: model.into(),
+        hash_scheme: "vllm".into(),
+        prompt_text: text.into(),
+        ..Default::default()
+    }
+}
+
+/// Reports, for `replica` of (tenant `t`, `model`, `vllm`), the block chain a gateway computes
+/// from `tokens` with `block` tokens per block: what a later prompt with those tokens must find.
+pub async fn report_token_chain(
+    client: &mut InferenceCacheClient<Channel>,
+    replica: &str,
+    model: &str,
+    tokens: &[u32],
+    block: usize,
+) {
+    let (wire, counts) = fingerprint::chain(tokens, block);
+    let update = pb::CacheStateUpdate {
+        replica_id: replica.into(),
+        model_id: model.into(),
+        tenant_id: "t".into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![pb::PrefixEntry {
+            block_hashes: wire.iter().map(|h| h.to_vec()).collect(),
+            block_token_counts: counts,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    client
+        .report_cache_state(tokio_stream::iter(vec![update]))
+        .await
+        .unwrap();
+}
+
+/// One ReportCacheState stream of `updates`; the server must accept it. Returns the Ack.
+pub async fn report(
+    client: &mut InferenceCacheClient<Channel>,
+    updates: Vec<pb::CacheStateUpdate>,
+) -> pb::Ack {
+    let ack = client
+        .report_cache_state(tokio_stream::iter(updates))
+        .await
+        .expect("report")
+        .into_inner();
+    assert!(ack.accepted);
+    ack
 }
 
 /// One LookupRoute call; the RPC itself never fails (consumer RPCs answer every request).
