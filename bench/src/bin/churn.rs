@@ -1,15 +1,19 @@
-//! P8 churn bench (`benchmarks.md` §6): memory bounded by the cap under insert / remove / TTL
-//! churn.
+//! P8 churn bench (`benchmarks.md` §6, issue #4): memory bounded by the cap under insert /
+//! remove / ALL_CLEARED / TTL churn.
 //!
 //! ```text
-//! churn [--minutes N] [--cap N] [--warmup-s N]
+//! churn [--minutes N] [--cap N] [--warmup-s N] [--ttl-ms N] [--clear-every N]
 //! ```
 //!
-//! Cap 1,000,000 storage entries, TTL 10 s, sweep every 1 s (the index's own ticker thread). One
-//! writer ingests fresh 64-block chains as fast as it can (the rate is reported; the scenario
-//! asks for ≥ 1 M blocks/s), keeping the index at the cap through cap evictions; 25% of its
-//! chains are removed by PREFIX_EVICTED (batch form) 1,000 chains after their ingest, the rest
-//! are left to the cap and the TTL. After a 60 s warm-up, `VmRSS`, `storage_entries` and
+//! Cap 1,000,000 storage entries, TTL 10 s (`--ttl-ms`), sweep every 1 s (the index's own ticker
+//! thread). One writer ingests fresh 64-block chains as fast as it can (the rate is reported; the
+//! scenario asks for ≥ 1 M blocks/s), keeping the index at the cap through cap evictions; 25% of
+//! its chains are removed by PREFIX_EVICTED (batch form) 1,000 chains after their ingest, every
+//! `--clear-every` chains (default 10,000) one replica (round robin) is cleared by ALL_CLEARED,
+//! the rest is left to the cap and the TTL. At ≥ 1 M blocks/s the cap turns the index over in
+//! about a second, so with the default TTL of 10 s nothing lives long enough to expire; a run
+//! with `--ttl-ms 500` makes the sweep expire entries too. After a 60 s warm-up, `VmRSS`,
+//! `storage_entries` and
 //! `memory_bytes` are sampled every 10 s. Verdict (P8): max RSS of the second half of the
 //! measured window ≤ 1.05 × max RSS of the first half (minutes 5–10 vs 1–5 for the default
 //! 10-minute run). Exits non-zero when P8 fails.
@@ -40,6 +44,8 @@ fn main() -> ExitCode {
     let mut minutes = 10u64;
     let mut cap = 1_000_000i64;
     let mut warmup_s = 60u64;
+    let mut ttl_ms = 10_000u64;
+    let mut clear_every = 10_000u64;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let v = it.next().and_then(|v| v.parse::<u64>().ok());
@@ -47,8 +53,13 @@ fn main() -> ExitCode {
             ("--minutes", Some(v)) if v > 0 => minutes = v,
             ("--cap", Some(v)) if v > 0 => cap = v as i64,
             ("--warmup-s", Some(v)) => warmup_s = v,
+            ("--ttl-ms", Some(v)) if v > 0 => ttl_ms = v,
+            ("--clear-every", Some(v)) if v > 0 => clear_every = v,
             _ => {
-                eprintln!("usage: churn [--minutes N] [--cap N] [--warmup-s N]");
+                eprintln!(
+                    "usage: churn [--minutes N] [--cap N] [--warmup-s N] [--ttl-ms N] \
+                     [--clear-every N]"
+                );
                 return ExitCode::from(2);
             }
         }
@@ -56,7 +67,7 @@ fn main() -> ExitCode {
     let total = Duration::from_secs(minutes * 60);
     let ix = Arc::new(Index::new(
         IndexConfig {
-            global_ttl_ms: 10_000,
+            global_ttl_ms: ttl_ms as i64,
             sweep_interval_ms: 1_000,
             max_entries: cap,
             ..IndexConfig::default()
@@ -67,8 +78,8 @@ fn main() -> ExitCode {
     ix.start();
     let rss0 = vm_rss_bytes() / 1024;
     println!(
-        "churn: cap {cap}, TTL 10 s, sweep 1 s, {minutes} min, warm-up {warmup_s} s, \
-         baseline RSS {} MiB",
+        "churn: cap {cap}, TTL {ttl_ms} ms, sweep 1 s, ALL_CLEARED every {clear_every} chains, \
+         {minutes} min, warm-up {warmup_s} s, baseline RSS {} MiB",
         rss0 / 1024
     );
     let replica_names: Vec<String> = (0..REPLICAS).map(|r| format!("replica-{r}")).collect();
@@ -78,6 +89,7 @@ fn main() -> ExitCode {
     let mut samples: Vec<Sample> = Vec::new();
     let mut blocks = 0u64;
     let mut removed = 0u64;
+    let (mut clears, mut cleared) = (0u64, 0u64);
     let mut c = 0u64;
     loop {
         let now = start.elapsed();
@@ -116,13 +128,28 @@ fn main() -> ExitCode {
                 0,
             );
         }
+        if c % clear_every == clear_every - 1 {
+            let before = ix.storage_entries();
+            ix.apply_event(CacheEventInput {
+                event_type: event_type::ALL_CLEARED,
+                replica_id: &replica_names[(c / clear_every % REPLICAS) as usize],
+                model_id: "m",
+                tenant_id: "t",
+                prefix_hash: &[],
+                timestamp_us: 0,
+                adapter_id: "",
+            });
+            clears += 1;
+            cleared += (before - ix.storage_entries()).max(0) as u64;
+        }
         c += 1;
     }
     ix.stop();
     let secs = start.elapsed().as_secs_f64();
     println!(
         "writer: {blocks} blocks in {secs:.0} s = {:.2} M blocks/s (target ≥ 1 M/s); \
-         {removed} removed by PREFIX_EVICTED; cap evictions {}, TTL evictions {}",
+         {removed} removed by PREFIX_EVICTED; {clears} ALL_CLEARED (~{cleared} entries); cap \
+         evictions {}, TTL evictions {}",
         blocks as f64 / secs / 1e6,
         ix.evictions(Algorithm::Lru, EvictionReason::Cap),
         ix.evictions(Algorithm::Lru, EvictionReason::Ttl),
