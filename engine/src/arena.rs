@@ -61,6 +61,10 @@ const MAX_CHUNKS: usize = 1 << (32 - OFF_BITS);
 pub(crate) const MAX_CLASS_UNITS: u32 = 128;
 /// Chunk alignment (a cache line).
 const CHUNK_ALIGN: usize = 64;
+/// Nodes per retirement batch (the writer flushes a full batch).
+pub(crate) const BATCH_CAPACITY: usize = 64;
+/// Empty batches an arena's writer keeps for reuse.
+const SPARE_BATCHES: usize = 16;
 
 /// Units needed for `bytes`.
 #[inline]
@@ -83,8 +87,8 @@ impl Dir {
     }
 }
 
-/// A node waiting for its epoch (see [`Arena::retire_batch`]).
-pub(crate) struct Retired {
+/// A node waiting for its epoch.
+struct Retired {
     idx: u32,
     units: u32,
     /// The node's address, for the loom ledger.
@@ -92,19 +96,41 @@ pub(crate) struct Retired {
     addr: usize,
 }
 
+/// Nodes unlinked by one writer, handed to the epoch together (one deferred function per
+/// batch). Batches are recycled: the writer takes them back with the nodes they carry, so a
+/// steady stream of removals allocates nothing.
+pub(crate) struct Batch {
+    items: Vec<Retired>,
+    /// Keeps the arena's memory alive while the batch waits for its epoch (None once handed
+    /// back, so the owner's list of returned batches holds no reference to the owner itself).
+    owner: Option<Arc<Owner>>,
+}
+
+impl Batch {
+    /// Nodes in the batch.
+    pub(crate) fn len(&self) -> usize {
+        self.items.len()
+    }
+}
+
 /// What the arena owns: its chunks, and the frees not yet taken back by the writer.
 pub(crate) struct Owner {
     /// `(base, bytes)` by chunk id; `(null, 0)` for a released single-node chunk.
     chunks: Mutex<Vec<(usize, usize)>>,
-    /// Indices (with their size in units) whose epoch has passed.
-    freed: Mutex<Vec<(u32, u32)>>,
+    /// Batches whose epoch has passed, waiting for the writer. Boxed: a batch travels through
+    /// the deferred function as one pointer and is reused as is.
+    #[allow(clippy::vec_box)]
+    freed: Mutex<Vec<Box<Batch>>>,
+    /// Test-only frees (`release`).
+    #[cfg(test)]
+    loose: Mutex<Vec<(u32, u32)>>,
 }
 
 #[cfg(test)]
 impl Owner {
     /// Takes back a node as if its epoch had passed.
     fn release(&self, idx: u32, units: u32) {
-        self.freed.lock().push((idx, units));
+        self.loose.lock().push((idx, units));
     }
 }
 
@@ -139,6 +165,8 @@ impl Arena {
                 // Chunk id 0 stays unused: index 0 is "no node".
                 chunks: Mutex::new(vec![(0, 0)]),
                 freed: Mutex::new(Vec::new()),
+                #[cfg(test)]
+                loose: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -155,6 +183,17 @@ impl Arena {
         base.wrapping_add((idx & OFF_MASK) as usize * UNIT)
     }
 
+    /// Adds node `idx` of `units` units, just unlinked, to `batch`.
+    #[inline]
+    pub(crate) fn add_retired(&self, batch: &mut Batch, idx: u32, units: u32) {
+        batch.items.push(Retired {
+            idx,
+            units,
+            #[cfg(loom)]
+            addr: self.node(idx) as usize,
+        });
+    }
+
     /// Retires a batch of nodes of this arena: they are handed back to the writer once every
     /// reader pinned now has unpinned. (One deferred function per batch instead of one per
     /// node: the writer collects a session's retirements, see `table::ShardWriter`.)
@@ -162,32 +201,24 @@ impl Arena {
     /// # Safety
     /// Every node of `batch` is unreachable for readers that pin after this call, and is
     /// retired once.
-    pub(crate) unsafe fn retire_batch(&self, batch: Vec<Retired>, guard: &Guard) {
-        let owner = self.owner.clone();
-        // SAFETY: per the contract; the closure owns a reference to the arena's memory.
+    pub(crate) unsafe fn retire_batch(&self, mut batch: Box<Batch>, guard: &Guard) {
+        batch.owner = Some(self.owner.clone());
+        // One word, so crossbeam stores the deferred function inline (no allocation).
+        let raw = Box::into_raw(batch) as usize;
+        // SAFETY: per the contract. `raw` is a leaked box, reclaimed exactly once by the
+        // closure; the batch's `owner` keeps the arena's memory alive until then.
         unsafe {
             guard.defer_unchecked(move || {
+                let mut b = Box::from_raw(raw as *mut Batch);
                 #[cfg(loom)]
-                for r in &batch {
+                for r in &b.items {
                     crate::loom_api::destroyed(crate::loom_api::Kind::Node, r.addr);
                 }
-                owner
-                    .freed
-                    .lock()
-                    .extend(batch.iter().map(|r| (r.idx, r.units)));
+                if let Some(owner) = b.owner.take() {
+                    owner.freed.lock().push(b);
+                }
             })
         };
-    }
-
-    /// A retirement record for node `idx` of `units` units.
-    #[inline]
-    pub(crate) fn retired(&self, idx: u32, units: u32) -> Retired {
-        Retired {
-            idx,
-            units,
-            #[cfg(loom)]
-            addr: self.node(idx) as usize,
-        }
     }
 }
 
@@ -214,6 +245,9 @@ pub(crate) struct ArenaState {
     nchunks: u32,
     /// Released single-node chunk ids.
     spare_ids: Vec<u32>,
+    /// Empty batches to reuse (boxed, as they travel).
+    #[allow(clippy::vec_box)]
+    spare_batches: Vec<Box<Batch>>,
     /// Bytes obtained from the system allocator (chunks + directories).
     bytes: i64,
 }
@@ -228,6 +262,7 @@ impl ArenaState {
             cap: 0,
             nchunks: 1,
             spare_ids: Vec::new(),
+            spare_batches: Vec::new(),
             bytes: 0,
         }
     }
@@ -275,11 +310,37 @@ impl ArenaState {
         (idx, a.node(idx))
     }
 
+    /// An empty batch (recycled when one came back).
+    pub(crate) fn new_batch(&mut self) -> Box<Batch> {
+        self.spare_batches.pop().unwrap_or_else(|| {
+            Box::new(Batch {
+                items: Vec::with_capacity(BATCH_CAPACITY),
+                owner: None,
+            })
+        })
+    }
+
     /// Moves the frees whose epoch has passed into the free lists (single-node chunks go back
     /// to the system allocator).
     fn take_back(&mut self, a: &Arena) {
-        let freed = std::mem::take(&mut *a.owner.freed.lock());
-        for (idx, units) in freed {
+        let batches = std::mem::take(&mut *a.owner.freed.lock());
+        for mut b in batches {
+            for r in b.items.drain(..) {
+                self.give_back(a, r.idx, r.units);
+            }
+            if self.spare_batches.len() < SPARE_BATCHES {
+                self.spare_batches.push(b);
+            }
+        }
+        #[cfg(test)]
+        for (idx, units) in std::mem::take(&mut *a.owner.loose.lock()) {
+            self.give_back(a, idx, units);
+        }
+    }
+
+    /// One node whose epoch has passed back into the free lists.
+    fn give_back(&mut self, a: &Arena, idx: u32, units: u32) {
+        {
             if units > MAX_CLASS_UNITS {
                 let id = idx >> OFF_BITS;
                 let mut chunks = a.owner.chunks.lock();
@@ -297,7 +358,7 @@ impl ArenaState {
                 };
                 self.bytes -= bytes as i64;
                 self.spare_ids.push(id);
-                continue;
+                return;
             }
             self.push(a, idx, units);
         }

@@ -64,7 +64,7 @@
 //! arena's free lists only from a deferred function, i.e. after every reader that could hold its
 //! index has unpinned; a reused node is therefore never visible to a reader of its old self.
 
-use crate::arena::{Arena, ArenaState, Retired, units_for};
+use crate::arena::{Arena, ArenaState, BATCH_CAPACITY, Batch, units_for};
 use crate::sync::{
     AtomicI64, AtomicPtr, AtomicU16, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering,
     thread_local,
@@ -83,8 +83,6 @@ const SHARD_SHIFT: u32 = 60;
 const LANES: usize = 6;
 /// Minimum groups per shard table.
 const MIN_GROUPS: usize = 1;
-/// Retired nodes a writer collects before handing them to the epoch in one deferred function.
-const RETIRE_BATCH: usize = 64;
 /// Arena bytes beyond four times the live nodes' that a rebuild tolerates before compacting.
 const COMPACT_SLACK: i64 = 64 << 10;
 /// Estimated allocator overhead per allocation (glibc: 8-byte header, 16-byte chunk rounding).
@@ -908,10 +906,10 @@ struct ShardState {
     arena: ArenaState,
     /// Arena units of the live nodes.
     node_units: usize,
-    /// Nodes unlinked in this writer session, not yet handed to the epoch (one deferred
-    /// function per batch, flushed at [`RETIRE_BATCH`], before a compaction and when the
-    /// writer is dropped).
-    retired: Vec<Retired>,
+    /// Nodes unlinked by writers of this shard, not yet handed to the epoch (one deferred
+    /// function per batch, flushed when full and before a compaction; see the `Drop` of
+    /// [`ShardWriter`] for loom builds).
+    retired: Option<Box<Batch>>,
 }
 
 // SAFETY: the raw pointers in `ksums` point to key sums only touched under the shard mutex or
@@ -983,7 +981,7 @@ impl KeyTable {
                         ksums: HashMap::new(),
                         arena: ArenaState::new(),
                         node_units: 0,
-                        retired: Vec::new(),
+                        retired: None,
                     }),
                 })
             })
@@ -1266,9 +1264,16 @@ pub(crate) struct ShardWriter<'a> {
     st: MutexGuard<'a, ShardState>,
 }
 
+/// Loom builds hand a writer session's retirements to the epoch when the session ends, so the
+/// models' leak checks see every unlinked node freed once the threads are done. Normal builds
+/// keep a partial batch in the shard state across sessions until it fills (a removal touches a
+/// few keys per shard, and a deferred function per session would cost more than the removals):
+/// the nodes are handed to the epoch later than they were unlinked, which only delays their
+/// reuse.
+#[cfg(loom)]
 impl Drop for ShardWriter<'_> {
     fn drop(&mut self) {
-        if !self.st.retired.is_empty() {
+        if self.st.retired.is_some() {
             let guard = epoch::pin();
             self.flush_retired(&guard);
         }
@@ -1377,21 +1382,19 @@ impl ShardWriter<'_> {
         // SAFETY: `old` is a live node of this shard (we hold its mutex).
         let units = unsafe { (*(t.arena.node(old) as *const KeyNode)).units() };
         self.st.node_units -= units as usize;
-        if self.st.retired.capacity() == 0 {
-            self.st.retired.reserve_exact(RETIRE_BATCH);
-        }
-        self.st.retired.push(t.arena.retired(old, units));
-        if self.st.retired.len() >= RETIRE_BATCH {
+        let st = &mut *self.st;
+        let batch = st.retired.get_or_insert_with(|| st.arena.new_batch());
+        t.arena.add_retired(batch, old, units);
+        if batch.len() >= BATCH_CAPACITY {
             self.flush_retired(guard);
         }
     }
 
     /// Hands the session's unlinked nodes to the epoch.
     fn flush_retired(&mut self, guard: &Guard) {
-        if self.st.retired.is_empty() {
+        let Some(batch) = self.st.retired.take() else {
             return;
-        }
-        let batch = std::mem::take(&mut self.st.retired);
+        };
         // SAFETY: every node in the batch was a live node of the current table's arena (a
         // compaction flushes first) and is now unlinked from the current table (and from any
         // older table by construction: rebuilds move indices, and older tables are retired);
