@@ -26,14 +26,18 @@
 //!   the writer stored the chunk's directory entry (and, on growth, published the new directory,
 //!   Release) before the lane's Release store, so the reader sees both. A directory that grows
 //!   is copied and republished; the old one is retired through the epoch, like a table.
-//! - **Freeing**: a retired node's index is pushed, once its epoch has passed, onto the
-//!   [`Owner`]'s `freed` list (a mutex: frees arrive from whichever thread collects garbage, in
-//!   batches, off the reader path). The writer drains that list into its free lists when a size
-//!   class runs dry. Nothing is reused before the epoch has passed, so a pinned reader never
-//!   sees a node change under it (the same argument as for freeing, `table.rs` invariant 4).
-//! - **Lifetime**: the chunks belong to the [`Owner`], shared (`Arc`) by the table and by every
-//!   pending deferred free, so a free that runs after the table is dropped still has somewhere to
-//!   go; the last reference frees the chunks.
+//! - **Freeing**: the shard's writers collect unlinked nodes in a [`Batch`] (64 nodes; kept in
+//!   the shard state across writer sessions, flushed when full and before a compaction). A full
+//!   batch goes to the epoch as one deferred function; once every reader pinned before it has
+//!   unpinned, the function puts the batch on the [`Owner`]'s `freed` list (a mutex: batches
+//!   arrive from whichever thread collects garbage, off the reader path). The writer drains that
+//!   list into its free lists when a size class runs dry, and recycles the empty batch. Nothing
+//!   is reused before its epoch has passed, so a pinned reader never sees a node change under it
+//!   (the same argument as for freeing, `table.rs` invariant 4); handing a node to the epoch
+//!   later than its unlink only delays its reuse.
+//! - **Lifetime**: the chunks belong to the [`Owner`], shared (`Arc`) by the table(s) using the
+//!   arena and by every batch waiting for its epoch, so a batch released after the table is
+//!   dropped still has somewhere to go; the last reference frees the chunks.
 //!
 //! The directory uses `std` atomics even in loom builds: a directory entry is written once
 //! before any index into its chunk is published, so the lane's (loom-checked) Release/Acquire

@@ -2115,12 +2115,14 @@ impl Index {
                 continue;
             }
             let sink = self.active_sink(p.tenant.reserved);
-            let guard = epoch::pin();
+            // No guard held across the walk: it pins per slice, and a sweep-long pin would stall
+            // the epoch (and the reuse of every node retired meanwhile) for the whole sweep.
             let n = self.walk_remove(
                 p,
                 |h| t_ms - h.last_seen_ms() >= ttl,
                 |node, h| {
                     if let Some(s) = &sink {
+                        let guard = epoch::pin();
                         let reps = p.scope.replicas.load(&guard);
                         if let Some(rr) = reps.get(h.rep() as usize) {
                             s.publish(&ChangeEvent {

@@ -83,8 +83,8 @@ const SHARD_SHIFT: u32 = 60;
 const LANES: usize = 6;
 /// Minimum groups per shard table.
 const MIN_GROUPS: usize = 1;
-/// Arena bytes beyond four times the live nodes' that a rebuild tolerates before compacting.
-const COMPACT_SLACK: i64 = 64 << 10;
+/// Arena bytes beyond a multiple of the live nodes' that a rebuild tolerates before compacting.
+const COMPACT_SLACK: i64 = 16 << 10;
 /// Estimated allocator overhead per allocation (glibc: 8-byte header, 16-byte chunk rounding).
 pub(crate) const ALLOC_OVERHEAD: usize = 8;
 
@@ -1428,11 +1428,17 @@ impl ShardWriter<'_> {
     }
 
     /// Shrinks the table when it is mostly empty (call outside sliced walks).
+    /// Also compacts an arena holding more than twice its live nodes' bytes (+ 16 KiB): after
+    /// removals, whatever the table's load, so a burst of garbage (say, retirements that waited
+    /// long for their epoch) does not pin its peak in the arena.
     pub(crate) fn maybe_shrink(&mut self, guard: &Guard) {
         let t = self.current(guard);
-        let empty_arena = self.st.live == 0 && self.st.arena.bytes() > 0;
-        if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() || empty_arena {
-            self.rebuild(guard);
+        let held = self.st.arena.bytes();
+        let live_bytes = (self.st.node_units * crate::arena::UNIT) as i64;
+        let empty_arena = self.st.live == 0 && held > 0;
+        let bloated = held > 2 * live_bytes + COMPACT_SLACK;
+        if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() || empty_arena || bloated {
+            self.rebuild(guard, if bloated { 2 } else { 4 });
         }
     }
 
@@ -1440,7 +1446,7 @@ impl ShardWriter<'_> {
     /// this shard.
     pub(crate) fn insert_p(&mut self, p: Probe<'_>, holders: &[Holder], guard: &Guard) {
         if (self.st.used + 1) * 20 > self.current(guard).slots() * 17 {
-            self.rebuild(guard);
+            self.rebuild(guard, 4);
         }
         let (node, _) = self.build(p.key, p.d, holders, guard);
         let t = self.current(guard);
@@ -1470,12 +1476,12 @@ impl ShardWriter<'_> {
     }
 
     /// Rebuilds the table sized for the live keys (drops tombstones, grows or shrinks). When
-    /// the arena holds more than four times the live nodes' bytes (after shrinking, or after
-    /// churn left free lists of sizes nobody asks for) or the shard is empty, the live nodes
-    /// are also copied into a fresh arena and the old one goes with the old table, through the
-    /// epoch. (Four, not two: a shard emptied key by key then copies each node about 1/3 of a
-    /// time instead of once per halving.)
-    fn rebuild(&mut self, guard: &Guard) {
+    /// the arena holds more than `factor` times the live nodes' bytes (+ 16 KiB; 4 for growth
+    /// and shrink rebuilds: a shard emptied key by key then copies each node about 1/3 of a time
+    /// instead of once per halving; 2 from [`ShardWriter::maybe_shrink`]'s bloat check) or the
+    /// shard is empty, the live nodes are also copied into a fresh arena and the old one goes
+    /// with the old table, through the epoch.
+    fn rebuild(&mut self, guard: &Guard, factor: i64) {
         // Retirements belong to the current arena, which a compaction replaces.
         self.flush_retired(guard);
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
@@ -1489,8 +1495,8 @@ impl ShardWriter<'_> {
         // Loom models stay on the move-only path: their tables are tiny, and the compaction
         // reuses the table-retirement protocol they already check.
         let held = self.st.arena.bytes();
-        let compact =
-            !cfg!(loom) && (held > 4 * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
+        let compact = !cfg!(loom)
+            && (held > factor * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
         let mut fresh = compact.then(ArenaState::new);
         let new = ShardTable::new(
             groups,
