@@ -1428,17 +1428,19 @@ impl ShardWriter<'_> {
     }
 
     /// Shrinks the table when it is mostly empty (call outside sliced walks).
-    /// Also compacts an arena holding more than twice its live nodes' bytes (+ 16 KiB): after
-    /// removals, whatever the table's load, so a burst of garbage (say, retirements that waited
-    /// long for their epoch) does not pin its peak in the arena.
+    /// Also compacts an arena holding more than four times its live nodes' bytes (+ 16 KiB):
+    /// after removals, whatever the table's load, so a burst of garbage (say, retirements that
+    /// waited long for their epoch) does not pin its peak in the arena. (Four: at two, a shard
+    /// emptied key by key copies its nodes once per halving, which cost W1M's removal a third
+    /// of its speed.)
     pub(crate) fn maybe_shrink(&mut self, guard: &Guard) {
         let t = self.current(guard);
         let held = self.st.arena.bytes();
         let live_bytes = (self.st.node_units * crate::arena::UNIT) as i64;
         let empty_arena = self.st.live == 0 && held > 0;
-        let bloated = held > 2 * live_bytes + COMPACT_SLACK;
+        let bloated = held > 4 * live_bytes + COMPACT_SLACK;
         if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() || empty_arena || bloated {
-            self.rebuild(guard, if bloated { 2 } else { 4 });
+            self.rebuild(guard);
         }
     }
 
@@ -1446,7 +1448,7 @@ impl ShardWriter<'_> {
     /// this shard.
     pub(crate) fn insert_p(&mut self, p: Probe<'_>, holders: &[Holder], guard: &Guard) {
         if (self.st.used + 1) * 20 > self.current(guard).slots() * 17 {
-            self.rebuild(guard, 4);
+            self.rebuild(guard);
         }
         let (node, _) = self.build(p.key, p.d, holders, guard);
         let t = self.current(guard);
@@ -1476,12 +1478,11 @@ impl ShardWriter<'_> {
     }
 
     /// Rebuilds the table sized for the live keys (drops tombstones, grows or shrinks). When
-    /// the arena holds more than `factor` times the live nodes' bytes (+ 16 KiB; 4 for growth
-    /// and shrink rebuilds: a shard emptied key by key then copies each node about 1/3 of a time
-    /// instead of once per halving; 2 from [`ShardWriter::maybe_shrink`]'s bloat check) or the
-    /// shard is empty, the live nodes are also copied into a fresh arena and the old one goes
-    /// with the old table, through the epoch.
-    fn rebuild(&mut self, guard: &Guard, factor: i64) {
+    /// the arena holds more than four times the live nodes' bytes (+ 16 KiB: a shard emptied
+    /// key by key then copies each node about 1/3 of a time in all) or the shard is empty, the
+    /// live nodes are also copied into a fresh arena and the old one goes with the old table,
+    /// through the epoch.
+    fn rebuild(&mut self, guard: &Guard) {
         // Retirements belong to the current arena, which a compaction replaces.
         self.flush_retired(guard);
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
@@ -1495,8 +1496,8 @@ impl ShardWriter<'_> {
         // Loom models stay on the move-only path: their tables are tiny, and the compaction
         // reuses the table-retirement protocol they already check.
         let held = self.st.arena.bytes();
-        let compact = !cfg!(loom)
-            && (held > factor * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
+        let compact =
+            !cfg!(loom) && (held > 4 * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
         let mut fresh = compact.then(ArenaState::new);
         let new = ShardTable::new(
             groups,

@@ -6,11 +6,12 @@
 //! it never hides or tears one. Afterwards the index's memory is back near its size with only
 //! the stable keys.
 
+mod common;
+use common::{Env, Put, T0, env_with};
 use inferencecache_engine::*;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-const T0: i64 = 1_700_000_000_000_000;
 const STABLE: u64 = 256;
 const CHURN: u64 = 160_000;
 const ROUNDS: u64 = 3;
@@ -23,43 +24,30 @@ fn churn_key(round: u64, k: u64) -> [u8; 8] {
     (0xC4_0000_0000 + (round << 24) + k).to_be_bytes()
 }
 
-fn ingest(ix: &Index, replica: &str, keys: &[[u8; 8]]) {
-    let counts = vec![16; keys.len()];
-    let refs = [PrefixRef {
-        prefix_hash: &[][..],
-        token_count: 0,
-        block_hashes: keys,
-        block_token_counts: &counts,
+/// One chain of `keys` for `replica`, tier 2, at T0.
+fn ingest(env: &Env, replica: &str, keys: &[[u8; 8]]) {
+    let hashes: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    let put = Put {
+        replica,
+        ts: T0,
         tier: 2,
-        adapter_id: "",
-    }];
-    ix.ingest(CacheStateUpdate {
-        replica_id: replica,
-        model_id: "m",
-        tenant_id: "t",
-        hash_scheme: "vllm",
-        timestamp_us: T0,
-        adapter_id: "",
-        prefixes: refs.iter().copied(),
-        stats: None,
-    });
+        ..Put::default()
+    };
+    env.chain_with(&put, &hashes, &vec![16; keys.len()], b"", 0);
 }
 
 #[test]
 fn compaction_never_hides_a_live_key_from_a_reader() {
-    let ix = Arc::new(Index::new(
-        IndexConfig {
-            max_entries: 0,
-            ..IndexConfig::default()
-        },
-        Arc::new(DefaultResolvers),
-        Arc::new(ManualClock::new(T0)),
-    ));
+    let env = env_with(IndexConfig {
+        max_entries: 0,
+        ..IndexConfig::default()
+    });
+    let ix = env.ix.clone();
     let stable: Vec<[u8; 8]> = (0..STABLE).map(stable_key).collect();
     // Each stable key is one single-key chain so its token count is 16 (K2: cumulative counts
     // restart per chain).
     for k in &stable {
-        ingest(&ix, "keeper", std::slice::from_ref(k));
+        ingest(&env, "keeper", std::slice::from_ref(k));
     }
     let empty_mem = ix.memory_bytes();
     let stop = Arc::new(AtomicBool::new(false));
@@ -88,7 +76,7 @@ fn compaction_never_hides_a_live_key_from_a_reader() {
     for round in 0..ROUNDS {
         let keys: Vec<[u8; 8]> = (0..CHURN).map(|k| churn_key(round, k)).collect();
         for chunk in keys.chunks(64) {
-            ingest(&ix, "churner", chunk);
+            ingest(&env, "churner", chunk);
         }
         assert_eq!(ix.storage_entries(), (STABLE + CHURN) as i64);
         for chunk in keys.chunks(64) {
