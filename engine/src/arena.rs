@@ -344,28 +344,27 @@ impl ArenaState {
 
     /// One node whose epoch has passed back into the free lists.
     fn give_back(&mut self, a: &Arena, idx: u32, units: u32) {
-        {
-            if units > MAX_CLASS_UNITS {
-                let id = idx >> OFF_BITS;
-                let mut chunks = a.owner.chunks.lock();
-                let (base, bytes) = std::mem::take(&mut chunks[id as usize]);
-                // SAFETY: the directory is never null (see `Arena::node`).
-                let dir = unsafe { &*a.dir.load(Ordering::Acquire) };
-                dir.chunks[id as usize].store(std::ptr::null_mut(), Ordering::Relaxed);
-                // SAFETY: allocated in `new_chunk` with this size; its only node's epoch has
-                // passed, so nothing can reach it.
-                unsafe {
-                    std::alloc::dealloc(
-                        base as *mut u8,
-                        Layout::from_size_align_unchecked(bytes, CHUNK_ALIGN),
-                    )
-                };
-                self.bytes -= bytes as i64;
-                self.spare_ids.push(id);
-                return;
-            }
+        if units <= MAX_CLASS_UNITS {
             self.push(a, idx, units);
+            return;
         }
+        // A node with a chunk of its own: the chunk goes back to the system allocator and its
+        // id is kept for reuse.
+        let id = idx >> OFF_BITS;
+        let (base, bytes) = std::mem::take(&mut a.owner.chunks.lock()[id as usize]);
+        // SAFETY: the directory is never null (see `Arena::node`).
+        let dir = unsafe { &*a.dir.load(Ordering::Acquire) };
+        dir.chunks[id as usize].store(std::ptr::null_mut(), Ordering::Relaxed);
+        // SAFETY: allocated in `new_chunk` with this size; its only node's epoch has passed,
+        // so nothing can reach it.
+        unsafe {
+            std::alloc::dealloc(
+                base as *mut u8,
+                Layout::from_size_align_unchecked(bytes, CHUNK_ALIGN),
+            )
+        };
+        self.bytes -= bytes as i64;
+        self.spare_ids.push(id);
     }
 
     /// Pushes free node `idx` of `units` units (its epoch has passed) onto its list.

@@ -906,6 +906,8 @@ struct ShardState {
     arena: ArenaState,
     /// Arena units of the live nodes.
     node_units: usize,
+    /// Most live keys since the arena was last replaced (see `maybe_shrink`).
+    peak_live: usize,
     /// Nodes unlinked by writers of this shard, not yet handed to the epoch (one deferred
     /// function per batch, flushed when full and before a compaction; see the `Drop` of
     /// [`ShardWriter`] for loom builds).
@@ -981,6 +983,7 @@ impl KeyTable {
                         ksums: HashMap::new(),
                         arena: ArenaState::new(),
                         node_units: 0,
+                        peak_live: 0,
                         retired: None,
                     }),
                 })
@@ -1428,19 +1431,21 @@ impl ShardWriter<'_> {
     }
 
     /// Shrinks the table when it is mostly empty (call outside sliced walks).
-    /// Also compacts an arena holding more than four times its live nodes' bytes (+ 16 KiB):
-    /// after removals, whatever the table's load, so a burst of garbage (say, retirements that
-    /// waited long for their epoch) does not pin its peak in the arena. (Four: at two, a shard
-    /// emptied key by key copies its nodes once per halving, which cost W1M's removal a third
-    /// of its speed.)
+    /// Also compacts an arena holding more than twice its live nodes' bytes (+ 16 KiB) while the
+    /// shard still has more than half of its peak keys: under steady churn the excess is
+    /// garbage that waited for its epoch or free-listed nodes, and without this the arena's
+    /// high-water mark ratchets up with every burst. A shard that is shrinking instead (live
+    /// below half its peak) is left to the table's own shrink rebuilds (4×), or a shard emptied
+    /// key by key would copy its nodes once per halving (that cost W1M's removal a third of its
+    /// speed).
     pub(crate) fn maybe_shrink(&mut self, guard: &Guard) {
         let t = self.current(guard);
         let held = self.st.arena.bytes();
         let live_bytes = (self.st.node_units * crate::arena::UNIT) as i64;
         let empty_arena = self.st.live == 0 && held > 0;
-        let bloated = held > 4 * live_bytes + COMPACT_SLACK;
+        let bloated = held > 2 * live_bytes + COMPACT_SLACK && self.st.live * 2 > self.st.peak_live;
         if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() || empty_arena || bloated {
-            self.rebuild(guard);
+            self.rebuild(guard, if bloated { 2 } else { 4 });
         }
     }
 
@@ -1448,7 +1453,7 @@ impl ShardWriter<'_> {
     /// this shard.
     pub(crate) fn insert_p(&mut self, p: Probe<'_>, holders: &[Holder], guard: &Guard) {
         if (self.st.used + 1) * 20 > self.current(guard).slots() * 17 {
-            self.rebuild(guard);
+            self.rebuild(guard, 4);
         }
         let (node, _) = self.build(p.key, p.d, holders, guard);
         let t = self.current(guard);
@@ -1475,14 +1480,16 @@ impl ShardWriter<'_> {
             g = t.step(g);
         }
         self.st.live += 1;
+        self.st.peak_live = self.st.peak_live.max(self.st.live);
     }
 
     /// Rebuilds the table sized for the live keys (drops tombstones, grows or shrinks). When
-    /// the arena holds more than four times the live nodes' bytes (+ 16 KiB: a shard emptied
-    /// key by key then copies each node about 1/3 of a time in all) or the shard is empty, the
-    /// live nodes are also copied into a fresh arena and the old one goes with the old table,
-    /// through the epoch.
-    fn rebuild(&mut self, guard: &Guard) {
+    /// the arena holds more than `factor` times the live nodes' bytes (+ 16 KiB; 4 for growth
+    /// and shrink rebuilds: a shard emptied key by key then copies each node about 1/3 of a time
+    /// in all; 2 from `maybe_shrink`'s bloat check) or the shard is empty, the live nodes are
+    /// also copied into a fresh arena and the old one goes with the old table, through the
+    /// epoch.
+    fn rebuild(&mut self, guard: &Guard, factor: i64) {
         // Retirements belong to the current arena, which a compaction replaces.
         self.flush_retired(guard);
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
@@ -1496,8 +1503,8 @@ impl ShardWriter<'_> {
         // Loom models stay on the move-only path: their tables are tiny, and the compaction
         // reuses the table-retirement protocol they already check.
         let held = self.st.arena.bytes();
-        let compact =
-            !cfg!(loom) && (held > 4 * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
+        let compact = !cfg!(loom)
+            && (held > factor * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
         let mut fresh = compact.then(ArenaState::new);
         let new = ShardTable::new(
             groups,
@@ -1567,6 +1574,7 @@ impl ShardWriter<'_> {
             // free into it) is gone.
             delta += st.bytes() - self.st.arena.bytes();
             self.st.arena = st;
+            self.st.peak_live = self.st.live;
         }
         self.add_bytes(delta);
         // Release: publishes the fully built table.
