@@ -906,8 +906,8 @@ struct ShardState {
     arena: ArenaState,
     /// Arena units of the live nodes.
     node_units: usize,
-    /// Most live keys since the arena was last replaced (see `maybe_shrink`).
-    peak_live: usize,
+    /// Most arena units live at once since the arena was last replaced (see `maybe_shrink`).
+    peak_units: usize,
     /// Nodes unlinked by writers of this shard, not yet handed to the epoch (one deferred
     /// function per batch, flushed when full and before a compaction; see the `Drop` of
     /// [`ShardWriter`] for loom builds).
@@ -983,7 +983,7 @@ impl KeyTable {
                         ksums: HashMap::new(),
                         arena: ArenaState::new(),
                         node_units: 0,
-                        peak_live: 0,
+                        peak_units: 0,
                         retired: None,
                     }),
                 })
@@ -1376,6 +1376,7 @@ impl ShardWriter<'_> {
         let built = KeyNode::build_in(&mut self.st.arena, &t.arena, key, d, holders, guard);
         self.add_bytes(self.st.arena.bytes() - before);
         self.st.node_units += KeyNode::units_of(holders.len(), key) as usize;
+        self.st.peak_units = self.st.peak_units.max(self.st.node_units);
         built
     }
 
@@ -1431,21 +1432,21 @@ impl ShardWriter<'_> {
     }
 
     /// Shrinks the table when it is mostly empty (call outside sliced walks).
-    /// Also compacts an arena holding more than twice its live nodes' bytes (+ 16 KiB) while the
-    /// shard still has more than half of its peak keys: under steady churn the excess is
-    /// garbage that waited for its epoch or free-listed nodes, and without this the arena's
-    /// high-water mark ratchets up with every burst. A shard that is shrinking instead (live
-    /// below half its peak) is left to the table's own shrink rebuilds (4×), or a shard emptied
-    /// key by key would copy its nodes once per halving (that cost W1M's removal a third of its
-    /// speed).
+    /// Also compacts an arena holding more than 1.5× the most node bytes ever live at once
+    /// since it was created (+ 16 KiB): under steady churn that excess is garbage that waited
+    /// for its epoch, and without this the arena's high-water mark ratchets up with every burst.
+    /// Measured against the peak, not the current live bytes, so a shard that is merely
+    /// shrinking is left to the 4× bar of its shrink rebuilds (against the live bytes, a shard
+    /// emptied key by key copied its nodes once per halving, which cost W1M's removal a third
+    /// of its speed).
     pub(crate) fn maybe_shrink(&mut self, guard: &Guard) {
         let t = self.current(guard);
         let held = self.st.arena.bytes();
-        let live_bytes = (self.st.node_units * crate::arena::UNIT) as i64;
         let empty_arena = self.st.live == 0 && held > 0;
-        let bloated = held > 2 * live_bytes + COMPACT_SLACK && self.st.live * 2 > self.st.peak_live;
+        let peak_bytes = (self.st.peak_units * crate::arena::UNIT) as i64;
+        let bloated = held > peak_bytes * 3 / 2 + COMPACT_SLACK;
         if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() || empty_arena || bloated {
-            self.rebuild(guard, if bloated { 2 } else { 4 });
+            self.rebuild(guard, bloated);
         }
     }
 
@@ -1453,7 +1454,7 @@ impl ShardWriter<'_> {
     /// this shard.
     pub(crate) fn insert_p(&mut self, p: Probe<'_>, holders: &[Holder], guard: &Guard) {
         if (self.st.used + 1) * 20 > self.current(guard).slots() * 17 {
-            self.rebuild(guard, 4);
+            self.rebuild(guard, false);
         }
         let (node, _) = self.build(p.key, p.d, holders, guard);
         let t = self.current(guard);
@@ -1480,16 +1481,14 @@ impl ShardWriter<'_> {
             g = t.step(g);
         }
         self.st.live += 1;
-        self.st.peak_live = self.st.peak_live.max(self.st.live);
     }
 
     /// Rebuilds the table sized for the live keys (drops tombstones, grows or shrinks). When
-    /// the arena holds more than `factor` times the live nodes' bytes (+ 16 KiB; 4 for growth
-    /// and shrink rebuilds: a shard emptied key by key then copies each node about 1/3 of a time
-    /// in all; 2 from `maybe_shrink`'s bloat check) or the shard is empty, the live nodes are
-    /// also copied into a fresh arena and the old one goes with the old table, through the
-    /// epoch.
-    fn rebuild(&mut self, guard: &Guard, factor: i64) {
+    /// `compact` is asked (`maybe_shrink`'s bloat check), the arena holds more than four times
+    /// the live nodes' bytes (+ 16 KiB: a shard emptied key by key then copies each node about
+    /// 1/3 of a time in all) or the shard is empty, the live nodes are also copied into a fresh
+    /// arena and the old one goes with the old table, through the epoch.
+    fn rebuild(&mut self, guard: &Guard, compact: bool) {
         // Retirements belong to the current arena, which a compaction replaces.
         self.flush_retired(guard);
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
@@ -1504,7 +1503,7 @@ impl ShardWriter<'_> {
         // reuses the table-retirement protocol they already check.
         let held = self.st.arena.bytes();
         let compact = !cfg!(loom)
-            && (held > factor * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
+            && (compact || held > 4 * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
         let mut fresh = compact.then(ArenaState::new);
         let new = ShardTable::new(
             groups,
@@ -1574,7 +1573,7 @@ impl ShardWriter<'_> {
             // free into it) is gone.
             delta += st.bytes() - self.st.arena.bytes();
             self.st.arena = st;
-            self.st.peak_live = self.st.live;
+            self.st.peak_units = self.st.node_units;
         }
         self.add_bytes(delta);
         // Release: publishes the fully built table.
@@ -1794,8 +1793,10 @@ mod tests {
         assert!((26.0..48.0).contains(&per_key), "{per_key} bytes per key");
         remove_keys(&t, 0..N - 1_000);
         let left = t.bytes() - base;
+        // Without compaction the arena would keep all its chunks (~60% of `full`); with it, what
+        // is left is the 4×-live bar plus 16 KiB of slack and a chunk tail per shard.
         assert!(
-            left < full / 10,
+            left < full / 4,
             "after removing 98% the table and arena shrank: {left} of {full} bytes left"
         );
         let guard = epoch::pin();
