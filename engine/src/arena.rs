@@ -254,6 +254,8 @@ pub(crate) struct ArenaState {
     spare_batches: Vec<Box<Batch>>,
     /// Bytes obtained from the system allocator (chunks + directories).
     bytes: i64,
+    /// See [`ArenaState::carved`].
+    carved: i64,
 }
 
 impl ArenaState {
@@ -268,7 +270,15 @@ impl ArenaState {
             spare_ids: Vec::new(),
             spare_batches: Vec::new(),
             bytes: 0,
+            carved: 0,
         }
+    }
+
+    /// Bytes ever handed out as nodes and still owned (carved from chunks, free-listed or live,
+    /// plus single-node chunks): what the arena holds, without the unused tail of its current
+    /// chunk, which a fresh arena's doubling chunks would have too.
+    pub(crate) fn carved(&self) -> i64 {
+        self.carved
     }
 
     /// Bytes obtained from the system allocator so far (chunks, directories).
@@ -281,6 +291,7 @@ impl ArenaState {
         debug_assert!(units >= 1);
         if units > MAX_CLASS_UNITS {
             let id = self.new_chunk(a, units, guard);
+            self.carved += units as i64 * UNIT as i64;
             let idx = id << OFF_BITS;
             return (idx, a.node(idx));
         }
@@ -311,6 +322,7 @@ impl ArenaState {
         }
         let idx = self.cur << OFF_BITS | self.used;
         self.used += units;
+        self.carved += units as i64 * UNIT as i64;
         (idx, a.node(idx))
     }
 
@@ -364,6 +376,7 @@ impl ArenaState {
             )
         };
         self.bytes -= bytes as i64;
+        self.carved -= bytes as i64;
         self.spare_ids.push(id);
     }
 

@@ -1441,7 +1441,7 @@ impl ShardWriter<'_> {
     /// of its speed).
     pub(crate) fn maybe_shrink(&mut self, guard: &Guard) {
         let t = self.current(guard);
-        let held = self.st.arena.bytes();
+        let held = self.st.arena.carved();
         let empty_arena = self.st.live == 0 && held > 0;
         let peak_bytes = (self.st.peak_units * crate::arena::UNIT) as i64;
         let bloated = held > peak_bytes * 3 / 2 + COMPACT_SLACK;
@@ -1501,7 +1501,7 @@ impl ShardWriter<'_> {
         let live_bytes = (self.st.node_units * crate::arena::UNIT) as i64;
         // Loom models stay on the move-only path: their tables are tiny, and the compaction
         // reuses the table-retirement protocol they already check.
-        let held = self.st.arena.bytes();
+        let held = self.st.arena.carved();
         let compact = !cfg!(loom)
             && (compact || held > 4 * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
         let mut fresh = compact.then(ArenaState::new);
