@@ -125,16 +125,16 @@ pub(crate) struct Owner {
     /// the deferred function as one pointer and is reused as is.
     #[allow(clippy::vec_box)]
     freed: Mutex<Vec<Box<Batch>>>,
-    /// Test-only frees (`release`).
-    #[cfg(test)]
-    loose: Mutex<Vec<(u32, u32)>>,
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 impl Owner {
-    /// Takes back a node as if its epoch had passed.
+    /// Takes back a node as if its epoch had passed (a one-node batch on the `freed` list).
     fn release(&self, idx: u32, units: u32) {
-        self.loose.lock().push((idx, units));
+        self.freed.lock().push(Box::new(Batch {
+            items: vec![Retired { idx, units }],
+            owner: None,
+        }));
     }
 }
 
@@ -169,8 +169,6 @@ impl Arena {
                 // Chunk id 0 stays unused: index 0 is "no node".
                 chunks: Mutex::new(vec![(0, 0)]),
                 freed: Mutex::new(Vec::new()),
-                #[cfg(test)]
-                loose: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -348,10 +346,6 @@ impl ArenaState {
                 self.spare_batches.push(b);
             }
         }
-        #[cfg(test)]
-        for (idx, units) in std::mem::take(&mut *a.owner.loose.lock()) {
-            self.give_back(a, idx, units);
-        }
     }
 
     /// One node whose epoch has passed back into the free lists.
@@ -449,8 +443,12 @@ impl ArenaState {
         if base.is_null() {
             std::alloc::handle_alloc_error(lay);
         }
+        let mut chunks = a.owner.chunks.lock();
         let id = match self.spare_ids.pop() {
-            Some(id) => id,
+            Some(id) => {
+                chunks[id as usize] = (base as usize, bytes);
+                id
+            }
             None => {
                 let id = self.nchunks;
                 assert!(
@@ -458,11 +456,11 @@ impl ArenaState {
                     "node arena exhausted (32 GiB per shard)"
                 );
                 self.nchunks += 1;
-                a.owner.chunks.lock().push((0, 0));
+                chunks.push((base as usize, bytes));
                 id
             }
         };
-        a.owner.chunks.lock()[id as usize] = (base as usize, bytes);
+        drop(chunks);
         self.bytes += bytes as i64;
         // SAFETY: never null; only the writer (us) replaces it.
         let dir = unsafe { &*a.dir.load(Ordering::Acquire) };
