@@ -1256,19 +1256,19 @@ impl Index {
                 Cand::Miss
             }
         };
-        let mut ring = [Cand::Miss; 4];
+        let mut ring = [Cand::Miss; 8];
         for (j, c) in ring.iter_mut().enumerate().take(AHEAD + 1).skip(1) {
             *c = cand_at(j);
         }
         let mut i = 1usize;
         while i < n {
-            let Some(node) = t.resolve(ring[i & 3], Probe::new(hashes[i].as_ref()), guard) else {
+            let Some(node) = t.resolve(ring[i & 7], Probe::new(hashes[i].as_ref()), guard) else {
                 break;
             };
             if i + PREFETCH < n {
                 t.prefetch_home(Probe::new(hashes[i + PREFETCH].as_ref()), guard);
             }
-            ring[(i + AHEAD) & 3] = cand_at(i + AHEAD);
+            ring[(i + AHEAD) & 7] = cand_at(i + AHEAD);
             if capture_nodes {
                 scratch.nodes.push(node as *const KeyNode as usize);
             }
@@ -2271,8 +2271,8 @@ const GROUP_MIN: usize = 8;
 /// Chain walk: home groups are prefetched this many blocks ahead.
 const PREFETCH: usize = 8;
 /// Chain walk: candidates (home group read, node prefetched) are taken this many blocks ahead
-/// (≤ 3: ring of 4).
-const AHEAD: usize = 3;
+/// (≤ 7: ring of 8).
+const AHEAD: usize = 4;
 
 /// Holders that fit the stack buffers below without allocating.
 const STACK_HOLDERS: usize = 16;

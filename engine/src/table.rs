@@ -1040,9 +1040,8 @@ impl KeyTable {
     #[inline]
     pub(crate) fn candidate(&self, p: Probe<'_>, guard: &Guard) -> Cand {
         let t = self.table_of(p.shard(), guard);
-        if !t.may_contain(p.h) {
-            return Cand::Miss;
-        }
+        // No presence-summary check here: candidates are taken for the blocks after a match,
+        // which usually match too, and the summary would cost one more line per block.
         let grp = &t.groups[t.home(p.h)];
         let tags = grp.tags.load(Ordering::Acquire);
         let mut m = zero_bytes(tags ^ (fingerprint(p.h) * LO));
@@ -1055,9 +1054,11 @@ impl KeyTable {
             let i = grp.ptrs[lane].load(Ordering::Acquire);
             if i != 0 {
                 let n = t.arena.node(i) as *const KeyNode;
-                // Header and first holders; a node with several holders spans 2–3 lines.
+                // Every line an 8-holder node (136 bytes, the common shared-prefix case) can
+                // span: the walk reads all its holders (W1M Q50: −10% with the third line).
                 prefetch(n);
                 prefetch((n as *const u8).wrapping_add(64));
+                prefetch((n as *const u8).wrapping_add(128));
                 return Cand::Node(n);
             }
         }
