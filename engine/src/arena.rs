@@ -43,9 +43,10 @@
 //! before any index into its chunk is published, so the lane's (loom-checked) Release/Acquire
 //! pair already orders it, and modelling it would only multiply loom's interleavings.
 
+use crate::pages;
 use crate::sync::{Mutex, Ordering};
 use crossbeam_epoch::Guard;
-use std::alloc::Layout;
+use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::AtomicPtr as StdAtomicPtr;
 
@@ -63,8 +64,6 @@ const MAX_CHUNKS: usize = 1 << (32 - OFF_BITS);
 /// Largest node carved from shared chunks (1 KiB: up to 63 holders with an 8-byte key); bigger
 /// nodes get a chunk of their own.
 pub(crate) const MAX_CLASS_UNITS: u32 = 128;
-/// Chunk alignment (a cache line).
-const CHUNK_ALIGN: usize = 64;
 /// Nodes per retirement batch (the writer flushes a full batch).
 pub(crate) const BATCH_CAPACITY: usize = 64;
 /// Empty batches an arena's writer keeps for reuse.
@@ -142,14 +141,9 @@ impl Drop for Owner {
     fn drop(&mut self) {
         for &(base, bytes) in self.chunks.lock().iter() {
             if base != 0 {
-                // SAFETY: allocated in `ArenaState::new_chunk` with this size and alignment;
-                // the last reference to the owner is going away, so no node in it is reachable.
-                unsafe {
-                    std::alloc::dealloc(
-                        base as *mut u8,
-                        Layout::from_size_align_unchecked(bytes, CHUNK_ALIGN),
-                    )
-                }
+                // SAFETY: allocated by `pages::alloc(bytes)` in `ArenaState::new_chunk`; the
+                // last reference to the owner is going away, so no node in it is reachable.
+                unsafe { pages::free(NonNull::new_unchecked(base as *mut u8), bytes) }
             }
         }
     }
@@ -361,15 +355,10 @@ impl ArenaState {
         // SAFETY: the directory is never null (see `Arena::node`).
         let dir = unsafe { &*a.dir.load(Ordering::Acquire) };
         dir.chunks[id as usize].store(std::ptr::null_mut(), Ordering::Relaxed);
-        // SAFETY: allocated in `new_chunk` with this size; its only node's epoch has passed,
-        // so nothing can reach it.
-        unsafe {
-            std::alloc::dealloc(
-                base as *mut u8,
-                Layout::from_size_align_unchecked(bytes, CHUNK_ALIGN),
-            )
-        };
-        self.bytes -= bytes as i64;
+        // SAFETY: allocated by `pages::alloc(bytes)` in `new_chunk` (non-null: a registered
+        // chunk); its only node's epoch has passed, so nothing can reach it.
+        unsafe { pages::free(NonNull::new_unchecked(base as *mut u8), bytes) };
+        self.bytes -= pages::footprint(bytes) as i64;
         self.carved -= bytes as i64;
         self.spare_ids.push(id);
     }
@@ -437,12 +426,7 @@ impl ArenaState {
     /// Allocates a chunk of `units` units, registers it and returns its id.
     fn new_chunk(&mut self, a: &Arena, units: u32, guard: &Guard) -> u32 {
         let bytes = units as usize * UNIT;
-        let lay = Layout::from_size_align(bytes, CHUNK_ALIGN).expect("arena chunk layout");
-        // SAFETY: non-zero size.
-        let base = unsafe { std::alloc::alloc(lay) };
-        if base.is_null() {
-            std::alloc::handle_alloc_error(lay);
-        }
+        let base = pages::alloc(bytes).as_ptr();
         let mut chunks = a.owner.chunks.lock();
         let id = match self.spare_ids.pop() {
             Some(id) => {
@@ -461,7 +445,7 @@ impl ArenaState {
             }
         };
         drop(chunks);
-        self.bytes += bytes as i64;
+        self.bytes += pages::footprint(bytes) as i64;
         // SAFETY: never null; only the writer (us) replaces it.
         let dir = unsafe { &*a.dir.load(Ordering::Acquire) };
         if (id as usize) < dir.chunks.len() {
@@ -566,7 +550,7 @@ mod tests {
         assert_eq!(big & OFF_MASK, 0);
         assert_eq!(
             st.bytes() - before,
-            ((MAX_CLASS_UNITS + 1) as usize * UNIT) as i64
+            pages::footprint((MAX_CLASS_UNITS + 1) as usize * UNIT) as i64
         );
         a.owner.release(big, MAX_CLASS_UNITS + 1);
         st.take_back(&a);

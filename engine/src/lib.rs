@@ -14,6 +14,7 @@ mod dir;
 mod index;
 #[cfg(loom)]
 pub mod loom_api;
+mod pages;
 pub mod rank;
 mod sink;
 mod sync;

@@ -65,6 +65,7 @@
 //! index has unpinned; a reused node is therefore never visible to a reader of its old self.
 
 use crate::arena::{Arena, ArenaState, BATCH_CAPACITY, Batch, units_for};
+use crate::pages::PageArray;
 use crate::sync::{
     AtomicI64, AtomicPtr, AtomicU16, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering,
     thread_local,
@@ -461,7 +462,7 @@ struct Group {
 }
 
 struct ShardTable {
-    groups: Box<[Group]>,
+    groups: PageArray<Group>,
     /// Where the nodes named by this table's lanes live. A table and its arena are published
     /// together: a compacting rebuild moves the nodes into a new arena and publishes a new table
     /// pointing at it, so a reader translates every index it read through the right directory.
@@ -470,7 +471,7 @@ struct ShardTable {
     /// `summary_bit(h)`). Set before a key is published, cleared only by a rebuild (a superset):
     /// a clear bit proves absence without touching the group line (P2: ~16 KiB per 1 M slots
     /// of summary stays cache-resident, the groups do not).
-    summary: Box<[AtomicU16]>,
+    summary: PageArray<AtomicU16>,
     /// Number of groups.
     n: u64,
 }
@@ -483,15 +484,12 @@ fn summary_bit(h: u64) -> u16 {
 impl ShardTable {
     fn new(groups: usize, arena: Arc<Arena>) -> Self {
         debug_assert!(groups >= 1 && groups <= u32::MAX as usize);
-        let groups = (0..groups)
-            .map(|_| Group {
-                tags: AtomicU64::new(INIT_TAGS),
-                ptrs: Default::default(),
-            })
-            .collect::<Vec<_>>()
-            .into_boxed_slice();
+        let groups = PageArray::new(groups, |_| Group {
+            tags: AtomicU64::new(INIT_TAGS),
+            ptrs: Default::default(),
+        });
         let n = groups.len() as u64;
-        let summary = (0..groups.len()).map(|_| AtomicU16::new(0)).collect();
+        let summary = PageArray::new(groups.len(), |_| AtomicU16::new(0));
         Self {
             groups,
             arena,
@@ -534,8 +532,7 @@ impl ShardTable {
         self.groups.len() * LANES
     }
     fn bytes(&self) -> usize {
-        // Large arrays come straight from mmap (no chunk rounding worth counting).
-        self.groups.len() * (std::mem::size_of::<Group>() + 2) + chunk(std::mem::size_of::<Self>())
+        self.groups.footprint() + self.summary.footprint() + chunk(std::mem::size_of::<Self>())
     }
 
     /// Probe for `key` (digest `d`, mixed hash `h`): `(group, lane, node)`.

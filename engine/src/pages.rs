@@ -1,0 +1,240 @@
+//! Page-granular memory for the index's large arrays: arena chunks and table group arrays.
+//!
+//! # Why not the global allocator
+//!
+//! Under churn the index keeps replacing multi-page blocks: a table rebuild frees the old group
+//! array a grace period later, a compaction drops a whole arena. Through `malloc`, those blocks
+//! land in the heap (glibc raises its mmap threshold to the size of the largest block freed, up
+//! to 32 MiB), where they fragment the heap and the per-thread arenas: freed memory stays
+//! resident and RSS drifts above what the engine holds. Here every block of at least one page
+//! is its own anonymous mapping, unmapped when freed, so the process's RSS follows
+//! [`Index::memory_bytes`](crate::Index::memory_bytes) (measured: churn bench, `bench/RESULTS.md`).
+//!
+//! Smaller blocks (a new shard's first groups, one large node's own chunk) still come from the
+//! global allocator, as does everything in loom and Miri builds, which cannot model `mmap`.
+//!
+//! # Contract
+//!
+//! [`alloc`] returns memory aligned to [`ALIGN`] and valid for `bytes` bytes (uninitialized
+//! from the caller's point of view); [`free`] takes back exactly what `alloc` returned, with the
+//! same `bytes`. [`footprint`] is what a block of `bytes` costs, for the engine's accounting.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+/// Alignment of every block (a cache line).
+pub(crate) const ALIGN: usize = 64;
+
+/// Blocks at least this large are mapped directly.
+#[cfg(all(unix, not(loom), not(miri)))]
+const MAP_MIN: usize = 4096;
+
+/// Whether a block of `bytes` is mapped rather than taken from the global allocator.
+#[inline]
+fn mapped(bytes: usize) -> bool {
+    #[cfg(all(unix, not(loom), not(miri)))]
+    {
+        bytes >= MAP_MIN
+    }
+    #[cfg(not(all(unix, not(loom), not(miri))))]
+    {
+        let _ = bytes;
+        false
+    }
+}
+
+/// Bytes a block of `bytes` costs: whole pages when mapped, else the allocator's estimated
+/// header and 16-byte rounding.
+pub(crate) fn footprint(bytes: usize) -> usize {
+    if mapped(bytes) {
+        bytes.next_multiple_of(page_size())
+    } else {
+        crate::table::chunk(bytes)
+    }
+}
+
+#[cfg(all(unix, not(loom), not(miri)))]
+fn page_size() -> usize {
+    use std::sync::OnceLock;
+    static PAGE: OnceLock<usize> = OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf has no preconditions.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if p > 0 { p as usize } else { 4096 }
+    })
+}
+
+#[cfg(not(all(unix, not(loom), not(miri))))]
+fn page_size() -> usize {
+    4096
+}
+
+/// Allocates a block of `bytes` (> 0) bytes aligned to [`ALIGN`]; aborts on exhaustion, like
+/// the global allocator's `handle_alloc_error`.
+pub(crate) fn alloc(bytes: usize) -> NonNull<u8> {
+    debug_assert!(bytes > 0);
+    if mapped(bytes) {
+        #[cfg(all(unix, not(loom), not(miri)))]
+        {
+            // SAFETY: an anonymous private mapping with no address hint has no preconditions;
+            // the result is checked against MAP_FAILED.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    bytes,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if p != libc::MAP_FAILED
+                && let Some(p) = NonNull::new(p.cast::<u8>())
+            {
+                return p;
+            }
+            std::alloc::handle_alloc_error(layout(bytes));
+        }
+    }
+    let lay = layout(bytes);
+    // SAFETY: non-zero size (debug-asserted; `layout` rounds 0 up to 1 byte anyway).
+    match NonNull::new(unsafe { std::alloc::alloc(lay) }) {
+        Some(p) => p,
+        None => std::alloc::handle_alloc_error(lay),
+    }
+}
+
+/// Frees a block returned by [`alloc`].
+///
+/// # Safety
+/// `p` came from `alloc(bytes)` with this `bytes`, is not used afterwards and is freed once.
+pub(crate) unsafe fn free(p: NonNull<u8>, bytes: usize) {
+    if mapped(bytes) {
+        #[cfg(all(unix, not(loom), not(miri)))]
+        {
+            // SAFETY: (caller) `p .. p + bytes` is exactly one mapping made by `alloc`. munmap
+            // only fails for invalid ranges, which that rules out; nothing useful can be done
+            // about a failure in a destructor, so its result is ignored.
+            unsafe { libc::munmap(p.as_ptr().cast(), bytes) };
+            return;
+        }
+    }
+    // SAFETY: (caller) allocated by the global allocator with this layout.
+    unsafe { std::alloc::dealloc(p.as_ptr(), layout(bytes)) }
+}
+
+fn layout(bytes: usize) -> Layout {
+    match Layout::from_size_align(bytes.max(1), ALIGN) {
+        Ok(l) => l,
+        // Only for sizes near isize::MAX, which no index reaches (chunks are ≤ 256 KiB, tables
+        // are bounded by the 2^32 lane limit).
+        Err(_) => std::alloc::handle_alloc_error(Layout::new::<u8>()),
+    }
+}
+
+/// A fixed-length array of `T` in a block from [`alloc`] (the group arrays and presence
+/// summaries of the key tables).
+pub(crate) struct PageArray<T> {
+    ptr: NonNull<T>,
+    len: usize,
+}
+
+// SAFETY: a `PageArray<T>` owns its elements like a `Box<[T]>`.
+unsafe impl<T: Send> Send for PageArray<T> {}
+// SAFETY: shared access only hands out `&T`, like a `Box<[T]>`.
+unsafe impl<T: Sync> Sync for PageArray<T> {}
+
+impl<T> PageArray<T> {
+    /// An array of `len` (> 0) elements, element `i` being `init(i)`.
+    pub(crate) fn new(len: usize, mut init: impl FnMut(usize) -> T) -> Self {
+        const { assert!(std::mem::align_of::<T>() <= ALIGN && std::mem::size_of::<T>() > 0) };
+        let len = len.max(1);
+        let bytes = Self::bytes_for(len);
+        let ptr = alloc(bytes).cast::<T>();
+        for i in 0..len {
+            // SAFETY: `i < len`, inside the block (`bytes_for`), aligned (ALIGN ≥ align_of T).
+            unsafe { ptr.as_ptr().add(i).write(init(i)) };
+        }
+        Self { ptr, len }
+    }
+
+    fn bytes_for(len: usize) -> usize {
+        match len.checked_mul(std::mem::size_of::<T>()) {
+            Some(b) => b,
+            None => std::alloc::handle_alloc_error(Layout::new::<T>()),
+        }
+    }
+
+    /// Bytes this array costs (see [`footprint`]).
+    pub(crate) fn footprint(&self) -> usize {
+        footprint(Self::bytes_for(self.len))
+    }
+}
+
+impl<T> std::ops::Deref for PageArray<T> {
+    type Target = [T];
+    #[inline]
+    fn deref(&self) -> &[T] {
+        // SAFETY: `len` elements were initialized in `new` and live until `drop`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T> Drop for PageArray<T> {
+    fn drop(&mut self) {
+        // SAFETY: the elements are initialized and dropped once, here; the block came from
+        // `alloc(bytes_for(len))` in `new`.
+        unsafe {
+            std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
+                self.ptr.as_ptr(),
+                self.len,
+            ));
+            free(self.ptr.cast(), Self::bytes_for(self.len));
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    #[test]
+    fn small_and_mapped_blocks_round_trip() {
+        for bytes in [8, 100, 4095, 4096, 5000, 1 << 20] {
+            let p = alloc(bytes);
+            assert_eq!(p.as_ptr() as usize % ALIGN, 0, "{bytes} bytes aligned");
+            // SAFETY: the block is `bytes` long and ours.
+            unsafe {
+                p.as_ptr().write_bytes(0xa5, bytes);
+                assert_eq!(*p.as_ptr().add(bytes - 1), 0xa5);
+                free(p, bytes);
+            }
+        }
+    }
+
+    #[test]
+    fn footprint_is_whole_pages_for_mapped_blocks() {
+        assert_eq!(footprint(4096), 4096);
+        assert_eq!(footprint(4097), 8192);
+        assert!(footprint(40) >= 40 && footprint(40) < 4096);
+    }
+
+    #[test]
+    fn page_array_initializes_and_drops_every_element() {
+        struct Counted<'a>(&'a AtomicU64, u64);
+        impl Drop for Counted<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_add(self.1, Ordering::Relaxed);
+            }
+        }
+        let dropped = AtomicU64::new(0);
+        let n = 3000; // 3000 × 16 bytes: a mapped block
+        let a = PageArray::new(n, |i| Counted(&dropped, i as u64));
+        assert_eq!(a.len(), n);
+        assert_eq!(a[2999].1, 2999);
+        assert_eq!(a.footprint(), footprint(n * 16));
+        drop(a);
+        assert_eq!(dropped.load(Ordering::Relaxed), (0..n as u64).sum::<u64>());
+    }
+}
