@@ -569,7 +569,12 @@ impl Index {
         }
         all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         let mut removed = 0;
-        for (_, v) in all.iter().take(need.max(0) as usize) {
+        for (_, v) in &all {
+            if removed as i64 >= need
+                || self.storage_entries.load(Ordering::Relaxed) <= self.cfg.max_entries
+            {
+                break;
+            }
             let part = hand.parts[v.part].clone();
             if self.evict_entry(&part, v, RANK_MAX, cx) {
                 removed += 1;
@@ -635,6 +640,13 @@ impl Index {
         if h.generation() != v.generation
             || (eff_count(part, key, &h, alg, &guard), h.last_seen_ms()) > thr
         {
+            return false;
+        }
+        // Still over the cap? Read after the victim was chosen and its shard locked: a removal
+        // that the choice or the lock observed has already lowered the count (removals
+        // decrement before they unlink, `Index::remove_holder`), so a concurrent PREFIX_EVICTED
+        // of another victim never makes the cap take one entry too many (loom m8a).
+        if self.storage_entries.load(Ordering::Relaxed) <= self.cfg.max_entries {
             return false;
         }
         let mut pend = Pending::default();

@@ -674,6 +674,7 @@ impl Index {
     fn flush_pending(&self, part: &Partition, rep: u32, pend: &mut Pending, guard: &Guard) {
         let keys = std::mem::take(&mut pend.keys);
         let entries = std::mem::take(&mut pend.entries);
+        let applied = std::mem::take(&mut pend.applied);
         if keys != 0 {
             part.keys.fetch_add(keys, Ordering::Relaxed);
             part.tenant.keys.fetch_add(keys, Ordering::Relaxed);
@@ -685,12 +686,15 @@ impl Index {
         }
         if entries != 0 {
             part.entries.fetch_add(entries, Ordering::Relaxed);
-            if part.tenant.reserved {
-                self.reserved_entries.fetch_add(entries, Ordering::Relaxed);
-            } else {
-                self.storage_entries.fetch_add(entries, Ordering::Relaxed);
-            }
             Self::serving_add(part, rep, entries, guard);
+        }
+        let global = entries - applied;
+        if global != 0 {
+            if part.tenant.reserved {
+                self.reserved_entries.fetch_add(global, Ordering::Relaxed);
+            } else {
+                self.storage_entries.fetch_add(global, Ordering::Relaxed);
+            }
         }
     }
 
@@ -871,6 +875,16 @@ impl Index {
         let hs = node.holders();
         let pos = hs.iter().position(|h| h.rep() == rep)?;
         let h = hs[pos];
+        // The index-wide entry count drops *before* the unlink: whoever observes the unlink
+        // (a cap enforcement that enumerated or locked this key) then also reads the lower
+        // count, so the cap never evicts for an entry that is already gone (loom m8a). The
+        // count may briefly run below the population, which only delays a trim (C3).
+        if part.tenant.reserved {
+            self.reserved_entries.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            self.storage_entries.fetch_sub(1, Ordering::Relaxed);
+        }
+        pend.applied -= 1;
         if hs.len() == 1 {
             w.remove(i, guard);
             pend.keys -= 1;
@@ -2263,6 +2277,9 @@ fn own_key(k: &[u8]) -> KeyBytesOwned {
 struct Pending {
     keys: i64,
     entries: i64,
+    /// Part of `entries` already applied to the index-wide entry count (removals, see
+    /// `Index::remove_holder`).
+    applied: i64,
 }
 
 /// Chains at least this long are ingested grouped by shard (one lock per shard group).
