@@ -629,23 +629,11 @@ impl Index {
         order: &mut Vec<(u32, i32)>,
     ) {
         let n = hashes.len();
-        let mut per = [0u32; SHARDS + 1];
-        for h in hashes {
-            per[KeyTable::shard_of(Probe::new(h.as_ref())) + 1] += 1;
-        }
-        for s in 0..SHARDS {
-            per[s + 1] += per[s];
-        }
-        order.clear();
-        order.resize(n, (0, 0));
-        let mut pos = per;
         let mut sum: i32 = 0;
-        for (j, (h, c)) in hashes.iter().zip(counts).enumerate() {
-            sum = sum.wrapping_add(*c);
-            let s = KeyTable::shard_of(Probe::new(h.as_ref()));
-            order[pos[s] as usize] = (j as u32, sum);
-            pos[s] += 1;
-        }
+        let per = group_by_shard(hashes, order, |j| {
+            sum = sum.wrapping_add(counts[j]);
+            (j as u32, sum)
+        });
         for s in 0..SHARDS {
             let (a, b) = (per[s] as usize, per[s + 1] as usize);
             if a == b {
@@ -1036,6 +1024,11 @@ impl Index {
             };
             let guard = epoch::pin();
             let mut pend = Pending::default();
+            if sink.is_none() && prefix_hashes.len() >= GROUP_MIN {
+                removed += self.evict_grouped(p, rep, prefix_hashes, &guard, &mut pend);
+                self.flush_pending(p, rep, &mut pend, &guard);
+                return;
+            }
             for (j, key) in prefix_hashes.iter().enumerate() {
                 // Latency hiding, as in `ingest`.
                 if j + PREFETCH < prefix_hashes.len() {
@@ -1078,6 +1071,61 @@ impl Index {
             // Counters once per partition (they may lag the batch, exact after it, C3).
             self.flush_pending(p, rep, &mut pend, &guard);
         });
+        removed
+    }
+
+    /// [`Index::evict_prefixes`] on one partition without a change sink: the keys are grouped
+    /// by shard (as in `upsert_chain_grouped`) and each group is removed under one lock
+    /// acquisition, with one shrink check per group. Without a sink nothing observes the order
+    /// of the removals (C3 asks for no cross-entry snapshot). Returns the entries removed.
+    fn evict_grouped<H: AsRef<[u8]>>(
+        &self,
+        part: &Partition,
+        rep: u32,
+        hashes: &[H],
+        guard: &Guard,
+        pend: &mut Pending,
+    ) -> u64 {
+        let n = hashes.len();
+        let mut order = Vec::new();
+        let per = group_by_shard(hashes, &mut order, |j| j as u32);
+        let key_at = |k: usize| hashes[order[k] as usize].as_ref();
+        let mut removed = 0;
+        for s in 0..SHARDS {
+            let (a, b) = (per[s] as usize, per[s + 1] as usize);
+            if a == b {
+                continue;
+            }
+            let mut w = part.table.writer(s);
+            let mut changed = false;
+            for k in a..b {
+                if k + PREFETCH < n {
+                    part.table
+                        .prefetch_home(Probe::new(key_at(k + PREFETCH)), guard);
+                }
+                if k + 2 < n {
+                    part.table.candidate(Probe::new(key_at(k + 2)), guard);
+                }
+                let key = key_at(k);
+                if key.is_empty() {
+                    continue; // D8
+                }
+                let pr = Probe::new(key);
+                let Some((i, node)) = w.find_p(pr, guard) else {
+                    continue;
+                };
+                if self
+                    .remove_holder(&mut w, part, i, node, rep, guard, pend)
+                    .is_some()
+                {
+                    removed += 1;
+                    changed = true;
+                }
+            }
+            if changed {
+                w.maybe_shrink(guard);
+            }
+        }
         removed
     }
 
@@ -2282,8 +2330,35 @@ struct Pending {
     applied: i64,
 }
 
-/// Chains at least this long are ingested grouped by shard (one lock per shard group).
+/// Chains at least this long are ingested (and batches of keys removed) grouped by shard: one
+/// lock per shard group.
 const GROUP_MIN: usize = 8;
+
+/// Counting sort of `hashes` by shard, stable: `order` receives `item(j)` for every position
+/// `j` (called in order `0..len`), grouped by the shard of `hashes[j]`; group `s` is
+/// `order[per[s]..per[s + 1]]` with `per` the returned bounds.
+fn group_by_shard<H: AsRef<[u8]>, T: Copy + Default>(
+    hashes: &[H],
+    order: &mut Vec<T>,
+    mut item: impl FnMut(usize) -> T,
+) -> [u32; SHARDS + 1] {
+    let mut per = [0u32; SHARDS + 1];
+    for h in hashes {
+        per[KeyTable::shard_of(Probe::new(h.as_ref())) + 1] += 1;
+    }
+    for s in 0..SHARDS {
+        per[s + 1] += per[s];
+    }
+    order.clear();
+    order.resize(hashes.len(), T::default());
+    let mut pos = per;
+    for (j, h) in hashes.iter().enumerate() {
+        let s = KeyTable::shard_of(Probe::new(h.as_ref()));
+        order[pos[s] as usize] = item(j);
+        pos[s] += 1;
+    }
+    per
+}
 
 /// Chain walk: home groups are prefetched this many blocks ahead.
 const PREFETCH: usize = 8;

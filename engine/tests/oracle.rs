@@ -77,6 +77,16 @@ enum Op {
         a: u8,
         ts: i64,
     },
+    /// `Index::evict_prefixes` (batch E3); 8 or more keys take the shard-grouped path. Key 7
+    /// stands for an empty key (skipped, D8).
+    EvictBatch {
+        r: u8,
+        t: u8,
+        m: u8,
+        ks: Vec<u8>,
+        a: u8,
+        ts: i64,
+    },
     Clear {
         r: u8,
         t: u8,
@@ -158,6 +168,8 @@ fn op_s() -> impl proptest::strategy::Strategy<Value = Op> {
         8 => (0u8..3, tn(), mn(), sn(), an(), ts_s(), proptest::collection::vec(ref_s(), 0..3), proptest::option::of((0u8..6, 0u8..5)))
             .prop_map(|(r, t, m, s, a, ts, refs, stats)| Op::Ingest { r, t, m, s, a, ts, refs, stats }),
         2 => (0u8..3, tn(), mn(), 0u8..7, ran(), ts_s()).prop_map(|(r, t, m, k, a, ts)| Op::Evict { r, t, m, k, a, ts }),
+        2 => (0u8..3, tn(), mn(), proptest::collection::vec(0u8..8, 0..12), ran(), ts_s())
+            .prop_map(|(r, t, m, ks, a, ts)| Op::EvictBatch { r, t, m, ks, a, ts }),
         1 => (0u8..3, tn(), mn()).prop_map(|(r, t, m)| Op::Clear { r, t, m }),
         1 => (0u8..3, tn(), mn(), ts_s()).prop_map(|(r, t, m, ts)| Op::Updated { r, t, m, ts }),
         1 => (0u8..3, 0u8..3, 0u8..2, 0u8..7).prop_map(|(r, t, m, k)| Op::Added { r, t, m, k }),
@@ -335,6 +347,32 @@ fn run_with(lim: Limits, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     &key(*k),
                     ad,
                 );
+            }
+            Op::EvictBatch { r, t, m, ks, a, ts } => {
+                let ad = ["", "a", "b"][*a as usize];
+                let keys: Vec<Vec<u8>> = ks
+                    .iter()
+                    .map(|&k| if k == 7 { Vec::new() } else { key(k) })
+                    .collect();
+                let removed = ix.evict_prefixes(
+                    TENANTS[*t as usize],
+                    MODELS[*m as usize],
+                    REPLICAS[*r as usize],
+                    ad,
+                    &keys,
+                    *ts,
+                );
+                let mut expected = 0;
+                for k in keys.iter().filter(|k| !k.is_empty()) {
+                    expected += md.evict(
+                        TENANTS[*t as usize],
+                        MODELS[*m as usize],
+                        REPLICAS[*r as usize],
+                        k,
+                        ad,
+                    );
+                }
+                assert_eq!(removed, expected as u64, "entries removed by the batch");
             }
             Op::Clear { r, t, m } => {
                 ix.apply_event(CacheEventInput {
