@@ -1024,11 +1024,6 @@ impl Index {
             };
             let guard = epoch::pin();
             let mut pend = Pending::default();
-            if sink.is_none() && prefix_hashes.len() >= GROUP_MIN {
-                removed += self.evict_grouped(p, rep, prefix_hashes, &guard, &mut pend);
-                self.flush_pending(p, rep, &mut pend, &guard);
-                return;
-            }
             for (j, key) in prefix_hashes.iter().enumerate() {
                 // Latency hiding, as in `ingest`.
                 if j + PREFETCH < prefix_hashes.len() {
@@ -1071,61 +1066,6 @@ impl Index {
             // Counters once per partition (they may lag the batch, exact after it, C3).
             self.flush_pending(p, rep, &mut pend, &guard);
         });
-        removed
-    }
-
-    /// [`Index::evict_prefixes`] on one partition without a change sink: the keys are grouped
-    /// by shard (as in `upsert_chain_grouped`) and each group is removed under one lock
-    /// acquisition, with one shrink check per group. Without a sink nothing observes the order
-    /// of the removals (C3 asks for no cross-entry snapshot). Returns the entries removed.
-    fn evict_grouped<H: AsRef<[u8]>>(
-        &self,
-        part: &Partition,
-        rep: u32,
-        hashes: &[H],
-        guard: &Guard,
-        pend: &mut Pending,
-    ) -> u64 {
-        let n = hashes.len();
-        let mut order = Vec::new();
-        let per = group_by_shard(hashes, &mut order, |j| j as u32);
-        let key_at = |k: usize| hashes[order[k] as usize].as_ref();
-        let mut removed = 0;
-        for s in 0..SHARDS {
-            let (a, b) = (per[s] as usize, per[s + 1] as usize);
-            if a == b {
-                continue;
-            }
-            let mut w = part.table.writer(s);
-            let mut changed = false;
-            for k in a..b {
-                if k + PREFETCH < n {
-                    part.table
-                        .prefetch_home(Probe::new(key_at(k + PREFETCH)), guard);
-                }
-                if k + 2 < n {
-                    part.table.candidate(Probe::new(key_at(k + 2)), guard);
-                }
-                let key = key_at(k);
-                if key.is_empty() {
-                    continue; // D8
-                }
-                let pr = Probe::new(key);
-                let Some((i, node)) = w.find_p(pr, guard) else {
-                    continue;
-                };
-                if self
-                    .remove_holder(&mut w, part, i, node, rep, guard, pend)
-                    .is_some()
-                {
-                    removed += 1;
-                    changed = true;
-                }
-            }
-            if changed {
-                w.maybe_shrink(guard);
-            }
-        }
         removed
     }
 
@@ -2330,8 +2270,7 @@ struct Pending {
     applied: i64,
 }
 
-/// Chains at least this long are ingested (and batches of keys removed) grouped by shard: one
-/// lock per shard group.
+/// Chains at least this long are ingested grouped by shard (one lock per shard group).
 const GROUP_MIN: usize = 8;
 
 /// Counting sort of `hashes` by shard, stable: `order` receives `item(j)` for every position
