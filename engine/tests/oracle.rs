@@ -428,7 +428,7 @@ fn run_with(lim: Limits, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 chain,
                 ttft,
             } => {
-                let (tn, mn, sn, an) = (
+                let partition = (
                     TENANTS[*t as usize],
                     MODELS[*m as usize],
                     SCHEMES[*s as usize],
@@ -439,18 +439,7 @@ fn run_with(lim: Limits, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     Some((ks, cs)) => (ks.iter().map(|k| key(*k)).collect(), cs.clone()),
                     None => (vec![], vec![]),
                 };
-                let req = LookupRequest {
-                    tenant_id: tn,
-                    model_id: mn,
-                    hash_scheme: sn,
-                    adapter_id: an,
-                    prefix_hash: &hash,
-                    prefix_token_count: 0,
-                    block_hashes: &blocks,
-                    block_token_counts: &counts,
-                    ttft_ms: *ttft,
-                    tbt_ms: 0,
-                };
+                let req = model::lookup_request(partition, &hash, &blocks, &counts, *ttft);
                 last_hits = model::check_lookup(&ix, &md, &req, &REPLICAS)
                     .map_err(|e| TestCaseError::fail(format!("{e} for {op:?}")))?;
             }

@@ -4,7 +4,7 @@
 //! single-dash forms `-name value` / `-name=value` used by manifests written for the reference
 //! are accepted: [`normalize_args`] rewrites them before parsing.
 
-use anyhow::{Context, bail};
+use anyhow::{Context, anyhow, bail};
 use clap::{CommandFactory, FromArgMatches, Parser, parser::ValueSource};
 use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -458,45 +458,27 @@ pub fn parse_bind(addr: &str, empty_host_is_loopback: bool) -> anyhow::Result<So
 /// Parses a Go-style duration (`500ms`, `90s`, `1h30m`; units ns, us, µs, ms, s, m, h). A
 /// leading `-` gives `None` (a non-positive duration); `0` alone is accepted.
 pub fn parse_duration(s: &str) -> anyhow::Result<Option<Duration>> {
+    use inferencecache_cli_flags::DurationError;
     let s = s.trim();
     if s == "0" {
         return Ok(None);
     }
-    let (negative, mut rest) = match s.strip_prefix('-') {
-        Some(r) => (true, r),
-        None => (false, s.strip_prefix('+').unwrap_or(s)),
-    };
+    let (negative, rest) = inferencecache_cli_flags::split_duration_sign(s);
     if rest.is_empty() {
         bail!("empty duration");
     }
-    let mut total_ns: u128 = 0;
-    while !rest.is_empty() {
-        let digits = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(rest.len());
-        if digits == 0 {
-            bail!("invalid duration {s:?}");
+    let terms = inferencecache_cli_flags::duration_terms_ns(rest).map_err(|e| match e {
+        DurationError::MissingNumber => anyhow!("invalid duration {s:?}"),
+        DurationError::BadNumber(e) => {
+            anyhow::Error::new(e).context(format!("invalid duration {s:?}"))
         }
-        let value: f64 = rest[..digits]
-            .parse()
-            .with_context(|| format!("invalid duration {s:?}"))?;
-        rest = &rest[digits..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(rest.len());
-        let unit_ns: f64 = match &rest[..unit_len] {
-            "ns" => 1.0,
-            "us" | "µs" | "μs" => 1e3,
-            "ms" => 1e6,
-            "s" => 1e9,
-            "m" => 60e9,
-            "h" => 3600e9,
-            "" => bail!("missing unit in duration {s:?}"),
-            other => bail!("unknown unit {other:?} in duration {s:?}"),
-        };
-        rest = &rest[unit_len..];
-        total_ns = total_ns.saturating_add((value * unit_ns) as u128);
-    }
+        DurationError::MissingUnit => anyhow!("missing unit in duration {s:?}"),
+        DurationError::UnknownUnit(unit) => anyhow!("unknown unit {unit:?} in duration {s:?}"),
+    })?;
+    // Each term is cut to whole nanoseconds before the (saturating) sum.
+    let total_ns = terms
+        .iter()
+        .fold(0u128, |total, &term| total.saturating_add(term as u128));
     if negative || total_ns == 0 {
         return Ok(None);
     }

@@ -18,6 +18,7 @@ use inferencecache_engine::{
     CacheEventInput, CacheStateUpdate, Index, LookupRequest, PROBE_TENANT, PrefixRef,
     ReplicaStatsInput, SnapshotData, Strategy, event_type,
 };
+use inferencecache_tokenize::civil_from_days;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -402,20 +403,6 @@ pub fn write_time(out: &mut String, us: i64) {
         out.push_str(frac.trim_end_matches('0'));
     }
     out.push('Z');
-}
-
-/// Days since 1970-01-01 → (year, month, day) in the proleptic Gregorian calendar.
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (if m <= 2 { y + 1 } else { y }, m, d)
 }
 
 /// A JSON string as Go's `encoding/json` writes it (HTML-safe escaping of `<`, `>`, `&`, and of

@@ -1,50 +1,35 @@
 //! gRPC TLS, hot reload and mutual TLS with certificates generated in the test (SV15–SV17).
 
 mod common;
+#[path = "common/tls_ca.rs"]
+mod tls_ca;
 
 use common::{TestServer, manual_state};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_server::service::ServerOptions;
 use inferencecache_server::tls::{TlsFiles, server_config};
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
+use tls_ca::Ca;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
-
-struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
-
-impl Ca {
-    fn new(name: &str) -> Self {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
-        Self {
-            issuer: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap(),
-        }
-    }
-
-    fn pem(&self) -> String {
-        self.issuer.pem()
-    }
-
-    /// A leaf for `localhost` / 127.0.0.1: (cert PEM, key PEM).
-    fn leaf(&self) -> (String, String) {
-        let params =
-            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
-        let key = KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        (cert.pem(), key.serialize_pem())
-    }
-}
 
 /// A fresh directory for one TLS test.
 fn temp_dir(name: &str) -> PathBuf {
     common::temp_dir(&format!("tls-{name}"))
+}
+
+/// Writes a serving pair into `dir` as `cert.pem` / `key.pem` and names the files, with
+/// `client_ca` set for mutual TLS.
+fn write_pair(dir: &Path, (cert, key): &(String, String), client_ca: Option<PathBuf>) -> TlsFiles {
+    let files = TlsFiles {
+        cert: dir.join("cert.pem"),
+        key: dir.join("key.pem"),
+        client_ca,
+    };
+    std::fs::write(&files.cert, cert).unwrap();
+    std::fs::write(&files.key, key).unwrap();
+    files
 }
 
 fn write_newer(path: &Path, contents: &str) {
@@ -100,14 +85,7 @@ async fn start(files: &TlsFiles) -> TestServer {
 async fn sv15_tls_serves_verifying_clients_and_refuses_plaintext() {
     let dir = temp_dir("sv15");
     let ca = Ca::new("ca-1");
-    let (cert, key) = ca.leaf();
-    let files = TlsFiles {
-        cert: dir.join("cert.pem"),
-        key: dir.join("key.pem"),
-        client_ca: None,
-    };
-    std::fs::write(&files.cert, &cert).unwrap();
-    std::fs::write(&files.key, &key).unwrap();
+    let files = write_pair(&dir, &ca.leaf(), None);
     let server = start(&files).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(works(tls_client(server.grpc, &ca.pem(), None).await).await);
@@ -136,14 +114,7 @@ async fn sv15_tls_serves_verifying_clients_and_refuses_plaintext() {
 async fn sv16_certificate_hot_reload_and_corrupt_rewrite() {
     let dir = temp_dir("sv16");
     let (ca1, ca2) = (Ca::new("ca-1"), Ca::new("ca-2"));
-    let (cert, key) = ca1.leaf();
-    let files = TlsFiles {
-        cert: dir.join("cert.pem"),
-        key: dir.join("key.pem"),
-        client_ca: None,
-    };
-    std::fs::write(&files.cert, &cert).unwrap();
-    std::fs::write(&files.key, &key).unwrap();
+    let files = write_pair(&dir, &ca1.leaf(), None);
     let server = start(&files).await;
     assert!(works(tls_client(server.grpc, &ca1.pem(), None).await).await);
     let (cert2, key2) = ca2.leaf();
@@ -171,16 +142,9 @@ async fn sv16_certificate_hot_reload_and_corrupt_rewrite() {
 async fn sv17_mutual_tls() {
     let dir = temp_dir("sv17");
     let (ca, other) = (Ca::new("ca"), Ca::new("other"));
-    let (cert, key) = ca.leaf();
     let ca_file = dir.join("clients.pem");
     std::fs::write(&ca_file, ca.pem()).unwrap();
-    let files = TlsFiles {
-        cert: dir.join("cert.pem"),
-        key: dir.join("key.pem"),
-        client_ca: Some(ca_file),
-    };
-    std::fs::write(&files.cert, &cert).unwrap();
-    std::fs::write(&files.key, &key).unwrap();
+    let files = write_pair(&dir, &ca.leaf(), Some(ca_file));
     let server = start(&files).await;
     assert!(
         !works(tls_client(server.grpc, &ca.pem(), None).await).await,

@@ -90,45 +90,17 @@ pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString>
 
 /// Parses a Go-style duration (`100ms`, `1m30s`, `1.5s`, `-2s`, `0`) into signed nanoseconds.
 pub fn parse_go_duration(s: &str) -> Result<i128, String> {
-    let orig = s;
-    let bad = || format!("invalid duration {orig:?}");
-    let s = s.trim();
-    let (neg, mut s) = match s.strip_prefix('-') {
-        Some(r) => (true, r),
-        None => (false, s.strip_prefix('+').unwrap_or(s)),
-    };
-    if s == "0" {
+    let bad = || format!("invalid duration {s:?}");
+    let (neg, body) = inferencecache_cli_flags::split_duration_sign(s.trim());
+    if body == "0" {
         return Ok(0);
     }
-    if s.is_empty() {
+    if body.is_empty() {
         return Err(bad());
     }
-    let mut total: f64 = 0.0;
-    while !s.is_empty() {
-        let num_end = s
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .ok_or_else(bad)?;
-        if num_end == 0 {
-            return Err(bad());
-        }
-        let n: f64 = s[..num_end].parse().map_err(|_| bad())?;
-        s = &s[num_end..];
-        let unit_end = s
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(s.len());
-        let mult = match &s[..unit_end] {
-            "ns" => 1.0,
-            "us" | "µs" | "μs" => 1e3,
-            "ms" => 1e6,
-            "s" => 1e9,
-            "m" => 60e9,
-            "h" => 3600e9,
-            _ => return Err(bad()),
-        };
-        total += n * mult;
-        s = &s[unit_end..];
-    }
-    let ns = total as i128;
+    let terms = inferencecache_cli_flags::duration_terms_ns(body).map_err(|_| bad())?;
+    // Summed as floats and cut to whole nanoseconds once.
+    let ns = terms.iter().fold(0.0, |total, term| total + term) as i128;
     Ok(if neg { -ns } else { ns })
 }
 

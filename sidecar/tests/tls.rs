@@ -3,41 +3,16 @@
 //! the test (the TLS half of SC15).
 
 mod common;
+#[path = "../../server/tests/common/tls_ca.rs"]
+mod tls_ca;
 
 use common::{Mode, start_fake_server_with, temp_dir};
 use inferencecache_sidecar::client::{GrpcSink, TlsFiles, build_channel};
 use inferencecache_sidecar::reporter::{Identity, Reporter, ReporterConfig};
 use inferencecache_sidecar::wire::{BlockStored, Event, EventBatch};
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use std::path::PathBuf;
+use tls_ca::Ca;
 use tonic::transport::{Certificate, Identity as TlsIdentity, ServerTlsConfig};
-
-struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
-
-impl Ca {
-    fn new(name: &str) -> Self {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
-        Self {
-            issuer: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap(),
-        }
-    }
-    fn pem(&self) -> String {
-        self.issuer.pem()
-    }
-    fn leaf(&self) -> (String, String) {
-        let params =
-            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
-        let key = KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        (cert.pem(), key.serialize_pem())
-    }
-}
 
 fn one_store() -> EventBatch {
     EventBatch {

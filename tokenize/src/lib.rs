@@ -57,6 +57,7 @@
 //! is compiled out and loads nothing, and every lookup fails with
 //! [`TokenizeError::UnknownModel`].
 
+mod calendar;
 #[cfg(feature = "hf")]
 mod hf;
 #[cfg(feature = "hf")]
@@ -70,6 +71,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+pub use calendar::civil_from_days;
 pub use safety::is_safe_model_id;
 
 #[cfg(feature = "hf")]

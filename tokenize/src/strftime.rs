@@ -5,6 +5,7 @@
 //! common C/Python conversion specifiers are supported, including glibc's `-` flag (no padding,
 //! e.g. `%-d`); an unknown specifier is copied through unchanged, as glibc does.
 
+use crate::calendar::civil_from_days;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 const WEEKDAYS: [&str; 7] = [
@@ -65,21 +66,7 @@ impl Civil {
     }
 }
 
-/// Howard Hinnant's `civil_from_days`: days since 1970-01-01 → (year, month, day).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (if m <= 2 { y + 1 } else { y }, m, d)
-}
-
-/// The inverse: (year, month, day) → days since 1970-01-01.
+/// The inverse of [`civil_from_days`]: (year, month, day) → days since 1970-01-01.
 fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
     let y = if m <= 2 { y - 1 } else { y };
     let era = y.div_euclid(400);

@@ -36,7 +36,7 @@ use self::report::{
     ConfigEcho, EventSection, HitSection, IngestSection, LookupSection, Percentiles, Report,
     WindowStat,
 };
-use self::workload::{Fleet, InputForm, LookupPlan, WorkloadParams};
+use self::workload::{ConversationShape, Fleet, InputForm, LookupPlan, WorkloadParams};
 
 /// Boxed error of the runner.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -170,9 +170,8 @@ pub struct Args {
 }
 
 impl Args {
-    fn workload(&self) -> WorkloadParams {
-        WorkloadParams {
-            replicas: self.replicas,
+    fn conversation_shape(&self) -> ConversationShape {
+        ConversationShape {
             system_prompts: self.system_prompts,
             zipf_s: self.zipf_s,
             system_prompt_tokens: self.system_prompt_tokens,
@@ -182,6 +181,13 @@ impl Args {
             assistant_tokens: self.assistant_tokens,
             sticky: self.sticky,
             block_size: self.block_size,
+        }
+    }
+
+    fn workload(&self) -> WorkloadParams {
+        WorkloadParams {
+            replicas: self.replicas,
+            shape: self.conversation_shape(),
             seed: self.seed,
             tenant: self.tenant.clone(),
             model: self.model.clone(),

@@ -9,7 +9,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use super::Args;
-use super::workload::InputForm;
+use super::workload::{ConversationShape, InputForm};
 
 /// Formats nanoseconds for humans (`812µs`, `1.42ms`).
 pub fn fmt_ns(ns: u64) -> String {
@@ -20,6 +20,21 @@ pub fn fmt_ns(ns: u64) -> String {
     } else {
         format!("{}µs", ns / 1_000)
     }
+}
+
+/// One summary row of latency percentiles (µs) in human units; labels are padded so the rows'
+/// columns line up.
+fn write_latency_row(s: &mut String, label: &str, p: &Percentiles) {
+    let us = |v: f64| fmt_ns((v * 1e3) as u64);
+    let _ = writeln!(
+        s,
+        "  {label:<24}p50 {}  p90 {}  p99 {}  p99.9 {}  max {}",
+        us(p.p50),
+        us(p.p90),
+        us(p.p99),
+        us(p.p999),
+        us(p.max)
+    );
 }
 
 /// Latency percentiles in microseconds.
@@ -169,15 +184,9 @@ pub struct ConfigEcho {
     pub max_inflight: usize,
     pub connections: usize,
     pub input: InputForm,
-    pub system_prompts: usize,
-    pub zipf_s: f64,
-    pub system_prompt_tokens: usize,
-    pub conversations: usize,
-    pub max_turns: u32,
-    pub user_tokens: usize,
-    pub assistant_tokens: usize,
-    pub sticky: f64,
-    pub block_size: usize,
+    // Flattened in place, so the JSON keeps its flat layout and key order.
+    #[serde(flatten)]
+    pub shape: ConversationShape,
     pub tenant: String,
     pub model: String,
     pub hash_scheme: String,
@@ -198,15 +207,7 @@ impl ConfigEcho {
             max_inflight: a.max_inflight,
             connections: a.connections,
             input: a.input,
-            system_prompts: a.system_prompts,
-            zipf_s: a.zipf_s,
-            system_prompt_tokens: a.system_prompt_tokens,
-            conversations: a.conversations,
-            max_turns: a.max_turns,
-            user_tokens: a.user_tokens,
-            assistant_tokens: a.assistant_tokens,
-            sticky: a.sticky,
-            block_size: a.block_size,
+            shape: a.conversation_shape(),
             tenant: a.tenant.clone(),
             model: a.model.clone(),
             hash_scheme: a.hash_scheme.clone(),
@@ -284,7 +285,6 @@ impl Report {
     /// Human-readable summary.
     pub fn summary(&self) -> String {
         let l = &self.lookups;
-        let us = |v: f64| fmt_ns((v * 1e3) as u64);
         let mut s = String::new();
         let _ = writeln!(
             s,
@@ -300,26 +300,8 @@ impl Report {
             "  lookups   offered {:.0}/s  achieved {:.0}/s  ({} due, {} ok, {} errors)",
             l.offered_per_sec, l.achieved_per_sec, l.issued, l.ok, l.errors
         );
-        let p = &l.latency_us;
-        let _ = writeln!(
-            s,
-            "  latency (CO-corrected)  p50 {}  p90 {}  p99 {}  p99.9 {}  max {}",
-            us(p.p50),
-            us(p.p90),
-            us(p.p99),
-            us(p.p999),
-            us(p.max)
-        );
-        let p = &l.service_time_us;
-        let _ = writeln!(
-            s,
-            "  service time            p50 {}  p90 {}  p99 {}  p99.9 {}  max {}",
-            us(p.p50),
-            us(p.p90),
-            us(p.p99),
-            us(p.p999),
-            us(p.max)
-        );
+        write_latency_row(&mut s, "latency (CO-corrected)", &l.latency_us);
+        write_latency_row(&mut s, "service time", &l.service_time_us);
         let p = &l.server_lookup_latency_us;
         let _ = writeln!(
             s,

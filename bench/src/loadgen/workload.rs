@@ -49,10 +49,10 @@ pub enum InputForm {
     TokenIds,
 }
 
-/// Shape of the simulated fleet and workload.
-#[derive(Debug, Clone)]
-pub struct WorkloadParams {
-    pub replicas: usize,
+/// How prompts and conversations are drawn. One type for the workload and the report's echo of
+/// it, so the two cannot drift apart.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ConversationShape {
     pub system_prompts: usize,
     pub zipf_s: f64,
     /// Mean system prompt length in tokens (lengths are uniform in [mean/2, 3·mean/2]).
@@ -66,6 +66,13 @@ pub struct WorkloadParams {
     /// Probability that a turn stays on the conversation's current replica.
     pub sticky: f64,
     pub block_size: usize,
+}
+
+/// Shape of the simulated fleet and workload.
+#[derive(Debug, Clone)]
+pub struct WorkloadParams {
+    pub replicas: usize,
+    pub shape: ConversationShape,
     pub seed: u64,
     pub tenant: String,
     pub model: String,
@@ -163,13 +170,13 @@ impl Fleet {
     /// Builds the system prompts and the initial conversations (nothing is reported yet).
     pub fn new(p: WorkloadParams) -> Self {
         assert!(p.replicas > 0, "at least one replica");
-        assert!(p.block_size > 0, "block size must be positive");
+        assert!(p.shape.block_size > 0, "block size must be positive");
         let mut rng = SmallRng::seed_from_u64(p.seed);
-        let prompts = p.system_prompts.max(1);
+        let prompts = p.shape.system_prompts.max(1);
         let mut cdf = Vec::with_capacity(prompts);
         let mut acc = 0.0;
         for k in 1..=prompts {
-            acc += 1.0 / (k as f64).powf(p.zipf_s);
+            acc += 1.0 / (k as f64).powf(p.shape.zipf_s);
             cdf.push(acc);
         }
         for c in &mut cdf {
@@ -177,11 +184,11 @@ impl Fleet {
         }
         let systems = (0..prompts)
             .map(|_| {
-                let n = around(&mut rng, p.system_prompt_tokens);
+                let n = around(&mut rng, p.shape.system_prompt_tokens);
                 let mut tokens = Vec::with_capacity(n);
                 push_tokens(&mut rng, &mut tokens, n);
                 let mut hashes = Vec::new();
-                extend_hashes(&tokens, &mut hashes, p.block_size);
+                extend_hashes(&tokens, &mut hashes, p.shape.block_size);
                 (tokens, hashes)
             })
             .collect();
@@ -203,7 +210,7 @@ impl Fleet {
             replica_ids,
             replica_index,
         };
-        for _ in 0..fleet.p.conversations.max(1) {
+        for _ in 0..fleet.p.shape.conversations.max(1) {
             let c = fleet.new_conversation();
             fleet.convs.push(c);
         }
@@ -225,12 +232,12 @@ impl Fleet {
     fn new_conversation(&mut self) -> Conversation {
         let s = self.zipf();
         let (sys_tokens, sys_hashes) = &self.systems[s];
-        let mut tokens = Vec::with_capacity(sys_tokens.len() + 4 * self.p.user_tokens);
+        let mut tokens = Vec::with_capacity(sys_tokens.len() + 4 * self.p.shape.user_tokens);
         tokens.extend_from_slice(sys_tokens);
         let hashes = sys_hashes.clone();
         let shared_blocks = hashes.len();
         let home = self.rng.random_range(0..self.p.replicas);
-        let turns_left = self.rng.random_range(1..=self.p.max_turns.max(1));
+        let turns_left = self.rng.random_range(1..=self.p.shape.max_turns.max(1));
         let mut c = Conversation {
             tokens,
             hashes,
@@ -250,10 +257,10 @@ impl Fleet {
 
     /// Appends the pending user message of the next turn and rebuilds the lookup for it.
     fn add_user_message(&mut self, c: &mut Conversation) {
-        let n = around(&mut self.rng, self.p.user_tokens);
+        let n = around(&mut self.rng, self.p.shape.user_tokens);
         push_tokens(&mut self.rng, &mut c.tokens, n);
-        extend_hashes(&c.tokens, &mut c.hashes, self.p.block_size);
-        let bs = i32::try_from(self.p.block_size).unwrap_or(i32::MAX);
+        extend_hashes(&c.tokens, &mut c.hashes, self.p.shape.block_size);
+        let bs = i32::try_from(self.p.shape.block_size).unwrap_or(i32::MAX);
         let mut request = LookupRouteRequest {
             model_id: self.p.model.clone(),
             tenant_id: self.p.tenant.clone(),
@@ -286,12 +293,12 @@ impl Fleet {
     pub fn next_turn(&mut self) -> Turn {
         let i = self.rng.random_range(0..self.convs.len());
         let mut c = std::mem::replace(&mut self.convs[i], Conversation::placeholder());
-        if self.rng.random::<f64>() >= self.p.sticky || self.dead[c.home] {
+        if self.rng.random::<f64>() >= self.p.shape.sticky || self.dead[c.home] {
             c.home = self.rng.random_range(0..self.p.replicas);
         }
-        let n = around(&mut self.rng, self.p.assistant_tokens);
+        let n = around(&mut self.rng, self.p.shape.assistant_tokens);
         push_tokens(&mut self.rng, &mut c.tokens, n);
-        extend_hashes(&c.tokens, &mut c.hashes, self.p.block_size);
+        extend_hashes(&c.tokens, &mut c.hashes, self.p.shape.block_size);
         c.reported_blocks = c.hashes.len();
         let r = c.home;
         if !self.dead[r] {
@@ -301,7 +308,7 @@ impl Fleet {
         if !c.touched.contains(&r) {
             c.touched.push(r);
         }
-        let bs = i32::try_from(self.p.block_size).unwrap_or(i32::MAX);
+        let bs = i32::try_from(self.p.shape.block_size).unwrap_or(i32::MAX);
         let update = CacheStateUpdate {
             replica_id: self.replica_ids[r].clone(),
             model_id: self.p.model.clone(),
@@ -425,7 +432,7 @@ impl Fleet {
             .and_then(|(id, _)| self.replica_index.get(id))
             .map(|&r| self.depth(r, chain))
             .unwrap_or(0);
-        let best_tokens = best_blocks * self.p.block_size;
+        let best_tokens = best_blocks * self.p.shape.block_size;
         let matched = top.map(|(_, m)| m).unwrap_or(0);
         Verdict {
             best_blocks,
@@ -445,15 +452,17 @@ mod tests {
     fn params() -> WorkloadParams {
         WorkloadParams {
             replicas: 4,
-            system_prompts: 8,
-            zipf_s: 1.1,
-            system_prompt_tokens: 256,
-            conversations: 16,
-            max_turns: 4,
-            user_tokens: 32,
-            assistant_tokens: 64,
-            sticky: 0.9,
-            block_size: 16,
+            shape: ConversationShape {
+                system_prompts: 8,
+                zipf_s: 1.1,
+                system_prompt_tokens: 256,
+                conversations: 16,
+                max_turns: 4,
+                user_tokens: 32,
+                assistant_tokens: 64,
+                sticky: 0.9,
+                block_size: 16,
+            },
             seed: 7,
             tenant: "t".into(),
             model: "m".into(),

@@ -736,6 +736,30 @@ fn same<T: PartialEq + std::fmt::Debug>(got: T, want: T, what: &str) -> Result<(
     }
 }
 
+/// The request of a lookup operation of the T90 oracle and the `engine_ops` fuzz target: a key and
+/// an optional chain in one (tenant, model, scheme, adapter) partition. Neither sets a prefix
+/// token count or a TBT budget, as the index reads neither (R3).
+pub fn lookup_request<'a>(
+    (tenant_id, model_id, hash_scheme, adapter_id): (&'a str, &'a str, &'a str, &'a str),
+    prefix_hash: &'a [u8],
+    block_hashes: &'a [Vec<u8>],
+    block_token_counts: &'a [i32],
+    ttft_ms: i32,
+) -> LookupRequest<'a, Vec<u8>> {
+    LookupRequest {
+        tenant_id,
+        model_id,
+        hash_scheme,
+        adapter_id,
+        prefix_hash,
+        prefix_token_count: 0,
+        block_hashes,
+        block_token_counts,
+        ttft_ms,
+        tbt_ms: 0,
+    }
+}
+
 /// Runs `req` through `LookupRoute` of the engine and the model and compares the answers:
 /// strategy, bit-equal scores, probabilities and tiers in order (R1–R7), the captured hits per
 /// replica of `replicas` (L9), and the bare lookup as the prefix part of LookupRoute. Shared by

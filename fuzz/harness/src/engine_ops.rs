@@ -14,7 +14,7 @@ mod model;
 use arbitrary::{Arbitrary, Unstructured};
 use inferencecache_engine::{
     Algorithm, CacheEventInput, CacheStateUpdate, CapturedHits, Clock, Index, IndexConfig,
-    LookupRequest, ManualClock, PROBE_TENANT, PrefixRef, ReplicaStatsInput, Resolvers, event_type,
+    ManualClock, PROBE_TENANT, PrefixRef, ReplicaStatsInput, Resolvers, event_type,
 };
 use model::{MRef, Model};
 use std::collections::HashMap;
@@ -423,7 +423,7 @@ impl Harness {
         chain: Option<&(Vec<u8>, Vec<u8>)>,
         ttft: u8,
     ) {
-        let (t, m, s, a) = (
+        let partition = (
             pick(&TENANTS, t),
             pick(&MODELS, m),
             pick(&SCHEMES, s),
@@ -438,18 +438,7 @@ impl Harness {
             None => (vec![], vec![]),
         };
         let ttft = pick(&[0, 50, 500], ttft);
-        let req = LookupRequest {
-            tenant_id: t,
-            model_id: m,
-            hash_scheme: s,
-            adapter_id: a,
-            prefix_hash: &hash,
-            prefix_token_count: 0,
-            block_hashes: &blocks,
-            block_token_counts: &counts,
-            ttft_ms: ttft,
-            tbt_ms: 0,
-        };
+        let req = model::lookup_request(partition, &hash, &blocks, &counts, ttft);
         self.last_hits = model::check_lookup(&self.ix, &self.md, &req, &REPLICAS)
             .unwrap_or_else(|e| panic!("{e} for {req:?}"));
     }
