@@ -1169,11 +1169,17 @@ impl Index {
             return;
         }
         let t = &part.table;
-        let Some(n0) = t.find(hashes[0].as_ref(), guard) else {
+        let p0 = Probe::new(hashes[0].as_ref());
+        let Some(n0) = t.find_p(p0, guard) else {
             return;
         };
-        for h in hashes.iter().take(n.min(PREFETCH + 1)).skip(1) {
-            t.prefetch_home(Probe::new(h.as_ref()), guard);
+        // Each block's probe (digest and mixed hash) is computed once, when its home group is
+        // prefetched, and reused by the candidate and resolve stages (`PROBES` blocks ahead).
+        let mut probes = [p0; PROBES];
+        for (j, h) in hashes.iter().enumerate().take(n.min(PREFETCH + 1)).skip(1) {
+            let p = Probe::new(h.as_ref());
+            t.prefetch_home(p, guard);
+            probes[j % PROBES] = p;
         }
         let hs0 = n0.holders();
         if hs0[hs0.len() - 1].rep() < 64 {
@@ -1188,6 +1194,7 @@ impl Index {
                 guard,
                 scratch,
                 capture_nodes,
+                &mut probes,
             )
         } else {
             Self::walk_general(
@@ -1208,10 +1215,10 @@ impl Index {
     /// Bitset path: every replica fresh at block 0 has a scope-local index < 64.
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    fn walk_fast<H: AsRef<[u8]>>(
+    fn walk_fast<'k, H: AsRef<[u8]>>(
         t: &KeyTable,
         n0: &KeyNode,
-        hashes: &[H],
+        hashes: &'k [H],
         counts: &[i32],
         n: usize,
         now_ms: i64,
@@ -1219,6 +1226,7 @@ impl Index {
         guard: &Guard,
         scratch: &mut MatchScratch,
         capture_nodes: bool,
+        probes: &mut [Probe<'k>; PROBES],
     ) {
         if scratch.fast.len() < 64 {
             scratch.fast.resize(64, Run::default());
@@ -1251,26 +1259,28 @@ impl Index {
         let mut acc = counts[0];
         // Pipeline: home groups are prefetched PREFETCH blocks ahead; the candidates of blocks
         // i+1 ..= i+AHEAD are read (and their nodes prefetched) before block i is processed.
-        let cand_at = |j: usize| -> Cand {
+        let cand_at = |j: usize, probes: &[Probe<'_>; PROBES]| -> Cand {
             if j < n {
-                t.candidate(Probe::new(hashes[j].as_ref()), guard)
+                t.candidate(probes[j % PROBES], guard)
             } else {
                 Cand::Miss
             }
         };
         let mut ring = [Cand::Miss; 8];
         for (j, c) in ring.iter_mut().enumerate().take(AHEAD + 1).skip(1) {
-            *c = cand_at(j);
+            *c = cand_at(j, probes);
         }
         let mut i = 1usize;
         while i < n {
-            let Some(node) = t.resolve(ring[i & 7], Probe::new(hashes[i].as_ref()), guard) else {
+            let Some(node) = t.resolve(ring[i & 7], probes[i % PROBES], guard) else {
                 break;
             };
             if i + PREFETCH < n {
-                t.prefetch_home(Probe::new(hashes[i + PREFETCH].as_ref()), guard);
+                let p = Probe::new(hashes[i + PREFETCH].as_ref());
+                t.prefetch_home(p, guard);
+                probes[(i + PREFETCH) % PROBES] = p;
             }
-            ring[(i + AHEAD) & 7] = cand_at(i + AHEAD);
+            ring[(i + AHEAD) & 7] = cand_at(i + AHEAD, probes);
             if capture_nodes {
                 scratch.nodes.push(node as *const KeyNode as usize);
             }
@@ -2304,6 +2314,9 @@ const PREFETCH: usize = 8;
 /// Chain walk: candidates (home group read, node prefetched) are taken this many blocks ahead
 /// (≤ 7: ring of 8).
 const AHEAD: usize = 4;
+
+/// Chain walk: probes kept ahead of the block being resolved (a power of two > PREFETCH).
+const PROBES: usize = 16;
 
 /// Holders that fit the stack buffers below without allocating.
 const STACK_HOLDERS: usize = 16;
