@@ -629,11 +629,23 @@ impl Index {
         order: &mut Vec<(u32, i32)>,
     ) {
         let n = hashes.len();
+        let mut per = [0u32; SHARDS + 1];
+        for h in hashes {
+            per[KeyTable::shard_of(Probe::new(h.as_ref())) + 1] += 1;
+        }
+        for s in 0..SHARDS {
+            per[s + 1] += per[s];
+        }
+        order.clear();
+        order.resize(n, (0, 0));
+        let mut pos = per;
         let mut sum: i32 = 0;
-        let per = group_by_shard(hashes, order, |j| {
-            sum = sum.wrapping_add(counts[j]);
-            (j as u32, sum)
-        });
+        for (j, (h, c)) in hashes.iter().zip(counts).enumerate() {
+            sum = sum.wrapping_add(*c);
+            let s = KeyTable::shard_of(Probe::new(h.as_ref()));
+            order[pos[s] as usize] = (j as u32, sum);
+            pos[s] += 1;
+        }
         for s in 0..SHARDS {
             let (a, b) = (per[s] as usize, per[s + 1] as usize);
             if a == b {
@@ -662,7 +674,7 @@ impl Index {
     fn flush_pending(&self, part: &Partition, rep: u32, pend: &mut Pending, guard: &Guard) {
         let keys = std::mem::take(&mut pend.keys);
         let entries = std::mem::take(&mut pend.entries);
-        let applied = std::mem::take(&mut pend.applied);
+        let added = std::mem::take(&mut pend.added);
         if keys != 0 {
             part.keys.fetch_add(keys, Ordering::Relaxed);
             part.tenant.keys.fetch_add(keys, Ordering::Relaxed);
@@ -676,12 +688,11 @@ impl Index {
             part.entries.fetch_add(entries, Ordering::Relaxed);
             Self::serving_add(part, rep, entries, guard);
         }
-        let global = entries - applied;
-        if global != 0 {
+        if added != 0 {
             if part.tenant.reserved {
-                self.reserved_entries.fetch_add(global, Ordering::Relaxed);
+                self.reserved_entries.fetch_add(added, Ordering::Relaxed);
             } else {
-                self.storage_entries.fetch_add(global, Ordering::Relaxed);
+                self.storage_entries.fetch_add(added, Ordering::Relaxed);
             }
         }
     }
@@ -782,6 +793,7 @@ impl Index {
         if new_entry {
             out.entries_added += 1;
             pend.entries += 1;
+            pend.added += 1;
         }
         new_entry
     }
@@ -872,7 +884,6 @@ impl Index {
         } else {
             self.storage_entries.fetch_sub(1, Ordering::Relaxed);
         }
-        pend.applied -= 1;
         if hs.len() == 1 {
             w.remove(i, guard);
             pend.keys -= 1;
@@ -2275,39 +2286,13 @@ fn own_key(k: &[u8]) -> KeyBytesOwned {
 struct Pending {
     keys: i64,
     entries: i64,
-    /// Part of `entries` already applied to the index-wide entry count (removals, see
-    /// `Index::remove_holder`).
-    applied: i64,
+    /// New entries not yet added to the index-wide entry count. (Removals are subtracted from
+    /// it at once, before the unlink: see `Index::remove_holder`.)
+    added: i64,
 }
 
 /// Chains at least this long are ingested grouped by shard (one lock per shard group).
 const GROUP_MIN: usize = 8;
-
-/// Counting sort of `hashes` by shard, stable: `order` receives `item(j)` for every position
-/// `j` (called in order `0..len`), grouped by the shard of `hashes[j]`; group `s` is
-/// `order[per[s]..per[s + 1]]` with `per` the returned bounds.
-fn group_by_shard<H: AsRef<[u8]>, T: Copy + Default>(
-    hashes: &[H],
-    order: &mut Vec<T>,
-    mut item: impl FnMut(usize) -> T,
-) -> [u32; SHARDS + 1] {
-    let mut per = [0u32; SHARDS + 1];
-    for h in hashes {
-        per[KeyTable::shard_of(Probe::new(h.as_ref())) + 1] += 1;
-    }
-    for s in 0..SHARDS {
-        per[s + 1] += per[s];
-    }
-    order.clear();
-    order.resize(hashes.len(), T::default());
-    let mut pos = per;
-    for (j, h) in hashes.iter().enumerate() {
-        let s = KeyTable::shard_of(Probe::new(h.as_ref()));
-        order[pos[s] as usize] = item(j);
-        pos[s] += 1;
-    }
-    per
-}
 
 /// Chain walk: home groups are prefetched this many blocks ahead.
 const PREFETCH: usize = 8;

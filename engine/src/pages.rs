@@ -43,14 +43,21 @@ fn mapped(bytes: usize) -> bool {
     }
 }
 
-/// Bytes a block of `bytes` costs: whole pages when mapped, else the allocator's estimated
-/// header and 16-byte rounding.
+/// Bytes a block of `bytes` costs: whole pages when mapped, else [`heap_chunk`].
 pub(crate) fn footprint(bytes: usize) -> usize {
     if mapped(bytes) {
         bytes.next_multiple_of(page_size())
     } else {
-        crate::table::chunk(bytes)
+        heap_chunk(bytes)
     }
+}
+
+/// Estimated cost of a global-allocator block of `n` bytes (glibc-like: an 8-byte header,
+/// 16-byte rounding, 32 bytes at least); the engine's byte accounting for small allocations.
+#[inline]
+pub(crate) fn heap_chunk(n: usize) -> usize {
+    const HEADER: usize = 8;
+    ((n + HEADER + 15) & !15).max(32)
 }
 
 #[cfg(all(unix, not(loom), not(miri)))]

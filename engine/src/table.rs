@@ -65,7 +65,7 @@
 //! index has unpinned; a reused node is therefore never visible to a reader of its old self.
 
 use crate::arena::{Arena, ArenaState, BATCH_CAPACITY, Batch, units_for};
-use crate::pages::PageArray;
+use crate::pages::{PageArray, heap_chunk as chunk};
 use crate::sync::{
     AtomicI64, AtomicPtr, AtomicU16, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering,
     thread_local,
@@ -86,8 +86,6 @@ const LANES: usize = 6;
 const MIN_GROUPS: usize = 1;
 /// Arena bytes beyond a multiple of the live nodes' that a rebuild tolerates before compacting.
 const COMPACT_SLACK: i64 = 16 << 10;
-/// Estimated allocator overhead per allocation (glibc: 8-byte header, 16-byte chunk rounding).
-pub(crate) const ALLOC_OVERHEAD: usize = 8;
 
 /// Empty lane tag.
 const EMPTY: u64 = 0x00;
@@ -377,12 +375,6 @@ impl KeyNode {
         unsafe { Self::write_at(buf.as_mut_ptr() as *mut u8, key, d, holders) };
         buf
     }
-}
-
-/// glibc-like chunk size for an allocation of `n` bytes.
-#[inline]
-pub(crate) fn chunk(n: usize) -> usize {
-    ((n + ALLOC_OVERHEAD + 15) & !15).max(32)
 }
 
 /// The 64-bit digest of a key: an 8-byte key's big-endian value, else XXH3-64.
