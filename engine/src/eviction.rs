@@ -125,6 +125,9 @@ pub(crate) struct Hand {
     lapped: bool,
     /// Walk cursor: (partition, shard, group).
     cursor: (usize, usize, usize),
+    /// The cap's per-enforcement algorithm cache ([`Cx::algs`]), kept here between
+    /// enforcements only for its allocation.
+    algs: Vec<(usize, Algorithm)>,
 }
 
 impl Hand {
@@ -139,6 +142,7 @@ impl Hand {
             budget: 0,
             lapped: false,
             cursor: (0, 0, 0),
+            algs: Vec::new(),
         }
     }
 
@@ -172,7 +176,8 @@ impl Hand {
 /// enforcement, V3 "resolved at eviction time", C4).
 struct Cx {
     mode: Mode,
-    algs: Vec<(*const TenantRec, Algorithm)>,
+    /// (tenant record address, algorithm) resolved in this enforcement.
+    algs: Vec<(usize, Algorithm)>,
     now_us: i64,
 }
 
@@ -181,7 +186,7 @@ impl Cx {
         if self.mode == Mode::Quota {
             return Algorithm::Lru; // quota order is always age-based (V5)
         }
-        let key = t as *const TenantRec;
+        let key = t as *const TenantRec as usize;
         if let Some(&(_, a)) = self.algs.iter().find(|(p, _)| *p == key) {
             return a;
         }
@@ -260,16 +265,16 @@ impl Index {
             return;
         }
         let mut hand = self.cap_hand.lock();
-        {
+        if hand.parts.len() < self.all_parts_len.load(Ordering::Acquire) {
             let all = self.all_parts.lock();
             let n = hand.parts.len();
-            if n < all.len() {
-                hand.parts.extend_from_slice(&all[n..]);
-            }
+            hand.parts.extend_from_slice(&all[n..]);
         }
+        let mut algs = std::mem::take(&mut hand.algs);
+        algs.clear();
         let mut cx = Cx {
             mode: Mode::Cap,
-            algs: Vec::new(),
+            algs,
             now_us: self.clock.now_us(),
         };
         let mut stall = 0;
@@ -290,6 +295,7 @@ impl Index {
                 stall += 1;
             }
         }
+        hand.algs = cx.algs;
     }
 
     /// V5 for the ingesting tenant `t`: while its distinct keys exceed its budget `B ≥ 0`,

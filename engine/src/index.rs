@@ -18,6 +18,8 @@ use crate::rank::{
 };
 use crate::sink::{ChangeEvent, ChangeKind, ChangeSink};
 use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+// Not behind the loom seam, like the `all_parts` mutex it mirrors (partition creation is
+// modelled through the directories, not through this list).
 use crate::table::{
     Cand, Credited, Holder, KeyNode, KeySum, KeyTable, Probe, SHARDS, ShardWriter, tier_code,
     tier_wire,
@@ -27,6 +29,7 @@ use crossbeam_epoch::{self as epoch, Guard};
 use parking_lot::{Condvar, Mutex, RwLock};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Weak};
 
 #[path = "eviction.rs"]
@@ -204,6 +207,25 @@ pub struct SweepOutcome {
     pub stats_removed: u64,
 }
 
+/// Where [`Index::memory_bytes`] goes, by component (bytes; a diagnostic, taken shard by shard
+/// under each shard's lock, so not one atomic snapshot under concurrent writes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryBreakdown {
+    /// The key tables' group and presence-summary arrays (current tables only).
+    pub key_tables: i64,
+    /// Live key nodes.
+    pub nodes_live: i64,
+    /// Node memory the arenas hold but no live key uses: free lists, nodes waiting for their
+    /// epoch, split remainders.
+    pub nodes_free: i64,
+    /// Arena chunk bytes not carved into nodes yet (the tail of each current chunk), plus the
+    /// chunk directories.
+    pub arena_unused: i64,
+    /// Everything else `memory_bytes` counts: LFU cells and tables, retired tables still
+    /// waiting for their epoch, partition and stats records.
+    pub other: i64,
+}
+
 struct Ticker {
     stop: Arc<(Mutex<bool>, Condvar)>,
     handle: std::thread::JoinHandle<()>,
@@ -220,6 +242,9 @@ pub struct Index {
     parts: Dir<Partition>,
     gauges: Dir<GaugeRec>,
     all_parts: Mutex<Vec<Arc<Partition>>>,
+    /// `all_parts.len()`, published after each push, so the cap can see that it has every
+    /// partition without taking the mutex on each enforcement.
+    all_parts_len: AtomicUsize,
     all_models: Mutex<Vec<Arc<ModelRec>>>,
     /// Distinct keys in the whole index, reserved included (O3 step 1).
     total_keys: AtomicI64,
@@ -263,6 +288,7 @@ impl Index {
             parts: Dir::new(),
             gauges: Dir::new(),
             all_parts: Mutex::new(Vec::new()),
+            all_parts_len: AtomicUsize::new(0),
             all_models: Mutex::new(Vec::new()),
             total_keys: AtomicI64::new(0),
             storage_entries: AtomicI64::new(0),
@@ -409,7 +435,9 @@ impl Index {
         );
         if created {
             model.parts.lock().push(p.clone());
-            self.all_parts.lock().push(p.clone());
+            let mut all = self.all_parts.lock();
+            all.push(p.clone());
+            self.all_parts_len.store(all.len(), Ordering::Release);
         }
         self.part_ref(t, m, s, a)
             .expect("partition just inserted is present")
@@ -1219,6 +1247,7 @@ impl Index {
                 guard,
                 scratch,
                 capture_nodes,
+                &mut probes,
             )
         }
     }
@@ -1342,10 +1371,10 @@ impl Index {
     /// General path (any replica indices): merge the sorted open runs with each node's sorted
     /// holders.
     #[allow(clippy::too_many_arguments)]
-    fn walk_general<H: AsRef<[u8]>>(
+    fn walk_general<'k, H: AsRef<[u8]>>(
         t: &KeyTable,
         n0: &KeyNode,
-        hashes: &[H],
+        hashes: &'k [H],
         counts: &[i32],
         n: usize,
         now_ms: i64,
@@ -1353,6 +1382,7 @@ impl Index {
         guard: &Guard,
         scratch: &mut MatchScratch,
         capture_nodes: bool,
+        probes: &mut [Probe<'k>; PROBES],
     ) {
         let runs = &mut scratch.runs;
         for h in n0.holders().iter() {
@@ -1375,10 +1405,14 @@ impl Index {
         }
         let mut open = runs.len();
         for i in 1..n {
+            // Same probe ring as `walk_fast`: each block's probe is computed once, when its home
+            // group is prefetched.
             if i + PREFETCH < n {
-                t.prefetch_home(Probe::new(hashes[i + PREFETCH].as_ref()), guard);
+                let p = Probe::new(hashes[i + PREFETCH].as_ref());
+                t.prefetch_home(p, guard);
+                probes[(i + PREFETCH) % PROBES] = p;
             }
-            let Some(node) = t.find(hashes[i].as_ref(), guard) else {
+            let Some(node) = t.find_p(probes[i % PROBES], guard) else {
                 break;
             };
             if capture_nodes {
@@ -2044,6 +2078,19 @@ impl Index {
         t + self.stats_bytes.load(Ordering::Relaxed)
     }
 
+    /// [`Index::memory_bytes`] by component (see [`MemoryBreakdown`]).
+    pub fn memory_breakdown(&self) -> MemoryBreakdown {
+        let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
+        let mut out = MemoryBreakdown::default();
+        let mut total = self.stats_bytes.load(Ordering::Relaxed);
+        for p in parts.iter() {
+            p.table.breakdown(&mut out);
+            total += p.table.bytes() + PARTITION_BYTES;
+        }
+        out.other = total - out.key_tables - out.nodes_live - out.nodes_free - out.arena_unused;
+        out
+    }
+
     /// Test/debug: one storage entry.
     pub fn entry(
         &self,
@@ -2417,14 +2464,14 @@ mod tests {
         v
     }
 
-    /// Replica r holds the first `1 + r % 10` blocks of a 12-block chain.
-    fn expected(reps: std::ops::Range<usize>) -> Vec<(String, i32, u32)> {
+    /// Replica r holds the first `1 + r % modulo` blocks of the chain.
+    fn expected(reps: std::ops::Range<usize>, modulo: usize) -> Vec<(String, i32, u32)> {
         let mut v: Vec<_> = reps
             .map(|r| {
                 (
                     format!("r{r:03}"),
-                    16 * (1 + r % 10) as i32,
-                    (1 + r % 10) as u32,
+                    16 * (1 + r % modulo) as i32,
+                    (1 + r % modulo) as u32,
                 )
             })
             .collect();
@@ -2434,23 +2481,28 @@ mod tests {
 
     #[test]
     fn bitset_and_general_paths_agree() {
-        let keys: Vec<[u8; 8]> = (0..12u64).map(|i| (i * 7919 + 3).to_be_bytes()).collect();
-        for nrep in [8usize, 63, 64, 70, 130] {
-            let ix = Index::new(
-                IndexConfig::default(),
-                Arc::new(DefaultResolvers),
-                Arc::new(ManualClock::new(NOW)),
-            );
-            // Interleave ingest order so scope-local indices are not sorted by name.
-            for r in (0..nrep).rev() {
-                chain(&ix, &format!("r{r:03}"), &keys[..1 + r % 10]);
+        // (chain length, replica r holds 1 + r % modulo blocks): the 40-block chain runs the
+        // walks' probe rings (16 probes) around more than once.
+        for (len, modulo) in [(12u64, 10usize), (40, 37)] {
+            let keys: Vec<[u8; 8]> = (0..len).map(|i| (i * 7919 + 3).to_be_bytes()).collect();
+            for nrep in [8usize, 63, 64, 70, 130] {
+                let ix = Index::new(
+                    IndexConfig::default(),
+                    Arc::new(DefaultResolvers),
+                    Arc::new(ManualClock::new(NOW)),
+                );
+                // Interleave ingest order so scope-local indices are not sorted by name.
+                for r in (0..nrep).rev() {
+                    chain(&ix, &format!("r{r:03}"), &keys[..1 + r % modulo]);
+                }
+                let want = expected(0..nrep, modulo);
+                assert_eq!(matches(&ix, &keys), want, "len {len} nrep {nrep}");
+                // Only replicas with index ≥ 64 left at block 0 → general path still exact.
+                assert_eq!(
+                    ix.storage_entries(),
+                    (0..nrep).map(|r| 1 + r % modulo).sum::<usize>() as i64
+                );
             }
-            assert_eq!(matches(&ix, &keys), expected(0..nrep), "nrep {nrep}");
-            // Only replicas with index ≥ 64 left at block 0 → general path still exact.
-            assert_eq!(
-                ix.storage_entries(),
-                (0..nrep).map(|r| 1 + r % 10).sum::<usize>() as i64
-            );
         }
     }
 

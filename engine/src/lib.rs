@@ -27,8 +27,8 @@ pub use config::{
     DEFAULT_TTL_MS, DefaultResolvers, IndexConfig, PROBE_TENANT, RankerConfig, Resolvers,
 };
 pub use index::{
-    CapturedHits, ChainMatch, EvictionReason, Index, MatchScratch, PartitionHandle, RouteBuffer,
-    RouteResult, SLICE, SweepOutcome,
+    CapturedHits, ChainMatch, EvictionReason, Index, MatchScratch, MemoryBreakdown,
+    PartitionHandle, RouteBuffer, RouteResult, SLICE, SweepOutcome,
 };
 pub use sink::{ChangeEvent, ChangeKind, ChangeSink};
 pub use types::*;

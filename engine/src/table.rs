@@ -65,6 +65,7 @@
 //! index has unpinned; a reused node is therefore never visible to a reader of its old self.
 
 use crate::arena::{Arena, ArenaState, BATCH_CAPACITY, Batch, units_for};
+use crate::index::MemoryBreakdown;
 use crate::pages::{PageArray, heap_chunk as chunk};
 use crate::sync::{
     AtomicI64, AtomicPtr, AtomicU16, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering,
@@ -882,6 +883,8 @@ impl LfuTable {
 struct ShardState {
     /// Live keys.
     live: usize,
+    /// `live + 1` at the last rebuild (tells growth from tombstone cleanup, see `rebuild`).
+    live_at_rebuild: usize,
     /// Lanes full or TOMB.
     used: usize,
     rebuilds: u64,
@@ -964,6 +967,7 @@ impl KeyTable {
                     bytes: AtomicI64::new(0),
                     w: Mutex::new(ShardState {
                         live: 0,
+                        live_at_rebuild: 0,
                         used: 0,
                         rebuilds: 0,
                         next_gen: 1,
@@ -991,6 +995,22 @@ impl KeyTable {
     #[inline]
     pub(crate) fn add_bytes(&self, b: i64) {
         self.bytes.fetch_add(b, Ordering::Relaxed);
+    }
+
+    /// Adds this table's share of [`MemoryBreakdown`] (locks each shard in turn, briefly).
+    pub(crate) fn breakdown(&self, out: &mut MemoryBreakdown) {
+        let guard = epoch::pin();
+        for shard in self.shards.iter() {
+            let st = shard.w.lock();
+            let t = shard.table.load(Ordering::Acquire, &guard);
+            // SAFETY: shard tables are never null and are retired through the epoch.
+            let t = unsafe { t.deref() };
+            let live = (st.node_units * crate::arena::UNIT) as i64;
+            out.key_tables += t.bytes() as i64;
+            out.nodes_live += live;
+            out.nodes_free += st.arena.carved() - live;
+            out.arena_unused += st.arena.bytes() - st.arena.carved();
+        }
     }
 
     pub(crate) fn bytes(&self) -> i64 {
@@ -1484,10 +1504,17 @@ impl ShardWriter<'_> {
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
         // SAFETY: non-null, see `current`.
         let old = unsafe { old_shared.deref() };
-        // Load 1/2 after a rebuild, growth at 17/20, shrink below 1/8: a growing table is
-        // rebuilt every ×1.7 (each key moved ~2.4 times in all) and stays within ×2 of the live
-        // keys, with no power-of-two rounding.
-        let groups = ((self.st.live + 1) * 2).div_ceil(LANES).max(MIN_GROUPS);
+        // Rebuilt at 17/20 of the slots used (live or tombstone), shrunk below 1/8 live, with no
+        // power-of-two rounding. Growth (a quarter more live keys than at the last rebuild):
+        // load 1/2 after the rebuild, so a growing table is rebuilt every ×1.7 (each key moved
+        // ~2.4 times in all). Otherwise the rebuild mostly drops tombstones (steady churn at the
+        // cap) or shrinks: load 2/3, so a table of constant size holds 1.5 slots per key, not
+        // 2, and is rebuilt again after a fifth of its slots have turned into tombstones.
+        let live = self.st.live + 1;
+        let growing = live * 4 > self.st.live_at_rebuild * 5;
+        self.st.live_at_rebuild = live;
+        let slots = if growing { live * 2 } else { live * 3 / 2 };
+        let groups = slots.div_ceil(LANES).max(MIN_GROUPS);
         let live_bytes = (self.st.node_units * crate::arena::UNIT) as i64;
         // Loom models stay on the move-only path: their tables are tiny, and the compaction
         // reuses the table-retirement protocol they already check.

@@ -101,3 +101,38 @@ fn compaction_never_hides_a_live_key_from_a_reader() {
         "memory {mem} after churn vs {empty_mem} with only the stable keys"
     );
 }
+
+/// `memory_breakdown` accounts for every byte of `memory_bytes`, and its live-node share is
+/// exact: a one-holder node with an 8-byte key is 24 bytes, a two-holder node 40.
+#[test]
+fn memory_breakdown_adds_up_and_counts_live_nodes_exactly() {
+    let env = env_with(IndexConfig::default());
+    let ix = env.ix.clone();
+    let shared: Vec<[u8; 8]> = (0..3_000).map(stable_key).collect();
+    let single: Vec<[u8; 8]> = (0..5_000).map(|k| churn_key(0, k)).collect();
+    ingest(&env, "a", &shared);
+    ingest(&env, "b", &shared);
+    ingest(&env, "a", &single);
+    let parts = |ix: &Index| {
+        let b = ix.memory_breakdown();
+        let sum = b.key_tables + b.nodes_live + b.nodes_free + b.arena_unused + b.other;
+        assert_eq!(sum, ix.memory_bytes(), "{b:?}");
+        assert!(b.key_tables > 0 && b.nodes_free >= 0 && b.arena_unused >= 0 && b.other > 0);
+        b
+    };
+    let b = parts(&ix);
+    // The shared keys were one-holder nodes before "b" joined: those went to the free lists.
+    assert_eq!(b.nodes_live, 3_000 * 40 + 5_000 * 24, "{b:?}");
+    assert!(b.nodes_free >= 3_000 * 24, "{b:?}");
+    env.ix.apply_event(CacheEventInput {
+        event_type: event_type::ALL_CLEARED,
+        replica_id: "a",
+        model_id: "m",
+        tenant_id: "t",
+        prefix_hash: &[],
+        timestamp_us: 0,
+        adapter_id: "",
+    });
+    let b = parts(&ix);
+    assert_eq!(b.nodes_live, 3_000 * 24, "{b:?}");
+}

@@ -37,6 +37,7 @@ struct Sample {
     rss_kib: u64,
     entries: i64,
     mem: i64,
+    parts: MemoryBreakdown,
     blocks: u64,
 }
 
@@ -99,6 +100,7 @@ fn main() -> ExitCode {
                 rss_kib: vm_rss_bytes() / 1024,
                 entries: ix.storage_entries(),
                 mem: ix.memory_bytes(),
+                parts: ix.memory_breakdown(),
                 blocks,
             });
             next_sample += Duration::from_secs(10);
@@ -156,22 +158,29 @@ fn main() -> ExitCode {
     );
     println!();
     println!(
-        "| t (s) | VmRSS (MiB) | storage_entries | memory_bytes (MiB) | RSS−baseline B/entry | blocks ingested (M) |"
+        "| t (s) | VmRSS (MiB) | storage_entries | memory_bytes (MiB) | RSS−baseline B/entry | \
+         tables | live nodes | free nodes | chunk tails | other (MiB) | blocks ingested (M) |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for s in &samples {
         let per = if s.entries > 0 {
             (s.rss_kib.saturating_sub(rss0) * 1024) as f64 / s.entries as f64
         } else {
             0.0
         };
+        let mib = |b: i64| b as f64 / 1048576.0;
         println!(
-            "| {} | {:.1} | {} | {:.1} | {:.1} | {:.1} |",
+            "| {} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
             s.t_s,
             s.rss_kib as f64 / 1024.0,
             s.entries,
-            s.mem as f64 / 1048576.0,
+            mib(s.mem),
             per,
+            mib(s.parts.key_tables),
+            mib(s.parts.nodes_live),
+            mib(s.parts.nodes_free),
+            mib(s.parts.arena_unused),
+            mib(s.parts.other),
             s.blocks as f64 / 1e6
         );
     }
