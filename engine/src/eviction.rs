@@ -51,6 +51,7 @@ use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
 use crate::table::{Holder, KeyNode, KeyTable, Probe, SHARDS};
 use crossbeam_epoch::{self as epoch, Guard};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// Populations up to this size are enumerated and evicted in the exact ideal order.
@@ -69,6 +70,10 @@ const THRESHOLD_RANK: usize = 3;
 const THRESHOLD_RANK_BY_AGE: usize = 8;
 /// Candidate buffer size.
 const CANDIDATES: usize = 32;
+/// Recent new entries the cap remembers (LFU namespaces only), oldest dropped first.
+const RECENT_RING: usize = 1024;
+/// Ring entries examined per step before falling back to the buffer.
+const RECENT_TRIES: usize = 4;
 /// Groups (7 slots each) a refill walks at most.
 const WALK_BUDGET: usize = 1024;
 /// Groups scanned between candidate-buffer checks.
@@ -98,6 +103,17 @@ enum Mode {
     Quota,
 }
 
+/// A new storage entry with an 8-byte key, as an ingest reports it to the cap (see
+/// [`Index::enforce_cap`]): its partition (by address: partitions live as long as the index),
+/// key, replica and generation.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct RecentEntry {
+    pub(crate) part: usize,
+    pub(crate) key: u64,
+    pub(crate) rep: u32,
+    pub(crate) generation: u32,
+}
+
 /// A candidate victim (cap: one storage entry; quota: one key, `rep`/`generation` unused).
 struct Victim {
     rank: Rank,
@@ -123,8 +139,12 @@ pub(crate) struct Hand {
     budget: u64,
     /// The cursor wrapped around since the last estimate.
     lapped: bool,
-    /// Walk cursor: (partition, shard, group).
+    /// Walk cursor: (partition, shard, group), in shard-interleaved order (see `walk`).
     cursor: (usize, usize, usize),
+    /// Some shard of the cursor's partition has groups beyond the current range.
+    more: bool,
+    /// Cap only: new entries of LFU namespaces reported by earlier ingests, oldest first.
+    recent: VecDeque<RecentEntry>,
     /// The cap's per-enforcement algorithm cache ([`Cx::algs`]), kept here between
     /// enforcements only for its allocation.
     algs: Vec<(usize, Algorithm)>,
@@ -142,6 +162,8 @@ impl Hand {
             budget: 0,
             lapped: false,
             cursor: (0, 0, 0),
+            more: false,
+            recent: VecDeque::new(),
             algs: Vec::new(),
         }
     }
@@ -258,8 +280,11 @@ impl Index {
     // Entry points (called by `ingest`)
 
     /// V2: while `effective = storage_entries − reserved_storage_entries > cap`, remove victims.
-    /// (`storage_entries` already excludes reserved tenants, K15.)
-    pub(super) fn enforce_cap(&self) {
+    /// (`storage_entries` already excludes reserved tenants, K15.) `created` are some of the
+    /// entries the calling ingest just created; when the index is over the cap, those of LFU
+    /// namespaces join the recent-entries ring *after* this enforcement, so an entry is never a
+    /// ring victim of its own ingest.
+    pub(super) fn enforce_cap(&self, created: &[RecentEntry]) {
         let cap = self.cfg.max_entries;
         if cap <= 0 || self.storage_entries.load(Ordering::Relaxed) <= cap {
             return;
@@ -289,10 +314,21 @@ impl Index {
                 }
                 continue;
             }
-            if self.approx_step(&mut hand, &mut cx, None) {
+            if self.recent_step(&mut hand, &mut cx) || self.approx_step(&mut hand, &mut cx, None) {
                 stall = 0;
             } else {
                 stall += 1;
+            }
+        }
+        for e in created {
+            // SAFETY: `e.part` is the address of a partition of this index (`Created::take`);
+            // partitions are never removed while the index lives.
+            let part = unsafe { &*(e.part as *const Partition) };
+            if !part.tenant.reserved && cx.alg(self, &part.tenant) == Algorithm::Lfu {
+                if hand.recent.len() >= RECENT_RING {
+                    hand.recent.pop_front();
+                }
+                hand.recent.push_back(*e);
             }
         }
         hand.algs = cx.algs;
@@ -325,6 +361,7 @@ impl Index {
             hand.cands.clear();
             hand.thr = None;
             hand.cursor = (0, 0, 0);
+            hand.more = false;
         }
         let mut cx = Cx {
             mode: Mode::Quota,
@@ -362,6 +399,55 @@ impl Index {
 
     // ----------------------------------------------------------------------------------------
     // Approximate path
+
+    /// LFU feed: the oldest remembered new entry that is still present, still at or below the
+    /// threshold (i.e. not credited since) and ranked ahead of the buffer's best candidate is
+    /// evicted. New entries are the usual LFU victims (count 0), and once they are rare a walk
+    /// has to visit many credited entries to find each one; the ring finds them directly.
+    /// Every victim still satisfies the sampled threshold (quality argument unchanged).
+    fn recent_step(&self, hand: &mut Hand, cx: &mut Cx) -> bool {
+        let Some(thr) = hand.thr else {
+            return false;
+        };
+        let guard = epoch::pin();
+        for _ in 0..RECENT_TRIES {
+            let Some(e) = hand.recent.front().copied() else {
+                return false;
+            };
+            // SAFETY: see `enforce_cap`: partitions live as long as the index.
+            let part = unsafe { &*(e.part as *const Partition) };
+            let key = e.key.to_be_bytes();
+            let rank = part
+                .table
+                .find(&key, &guard)
+                .and_then(|n| n.holder(e.rep).copied())
+                .filter(|h| h.generation() == e.generation)
+                .map(|h| {
+                    let alg = cx.alg(self, &part.tenant);
+                    (eff_count(part, &key, &h, alg, &guard), h.last_seen_ms())
+                });
+            let Some(rank) = rank.filter(|r| *r <= thr) else {
+                hand.recent.pop_front(); // gone, re-created, or credited since: forget it
+                continue;
+            };
+            if hand.cands.last().is_some_and(|best| best.rank <= rank) {
+                return false; // the buffer's best comes first in the ideal order
+            }
+            hand.recent.pop_front();
+            let v = Victim {
+                rank,
+                part: usize::MAX, // not a position in `hand.parts`; unused by `evict_entry`
+                key: own_key(&key),
+                rep: e.rep,
+                generation: e.generation,
+            };
+            if self.evict_entry(part, &v, thr, cx) {
+                hand.budget = hand.budget.saturating_sub(1);
+                return true;
+            }
+        }
+        false
+    }
 
     /// Evicts one candidate (refilling the buffer when empty). Returns whether progress was made
     /// (a victim removed, or fresh candidates found).
@@ -484,6 +570,7 @@ impl Index {
         while visited < WALK_BUDGET && hand.cands.len() < CANDIDATES {
             if pi >= hand.parts.len() {
                 (pi, s, g) = (0, 0, 0);
+                hand.more = false;
                 hand.lapped = true;
                 wraps += 1;
                 if wraps > 1 {
@@ -494,6 +581,7 @@ impl Index {
             let p = &hand.parts[pi];
             if !cx.eligible(p) {
                 (pi, s, g) = (pi + 1, 0, 0);
+                hand.more = false;
                 visited += 1;
                 continue;
             }
@@ -512,12 +600,18 @@ impl Index {
                 });
             });
             visited += WALK_STEP;
-            g += WALK_STEP;
-            if g >= len {
-                g = 0;
-                s += 1;
-                if s >= SHARDS {
-                    s = 0;
+            // Shard-interleaved order: the same group range of every shard, then the next
+            // range. Victims then come evenly from all shards, whose inserts are even too; a
+            // shard-by-shard walk drained one shard at a time, so every shard's arena had to
+            // hold its own high-water mark (~20% above its share under steady churn).
+            hand.more |= g + WALK_STEP < len;
+            s += 1;
+            if s >= SHARDS {
+                s = 0;
+                if std::mem::take(&mut hand.more) {
+                    g += WALK_STEP;
+                } else {
+                    g = 0;
                     pi += 1;
                 }
             }

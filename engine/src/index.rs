@@ -34,6 +34,7 @@ use std::sync::{Arc, Weak};
 
 #[path = "eviction.rs"]
 pub(crate) mod eviction;
+use eviction::RecentEntry;
 
 /// Eviction reason for `index_evictions_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -507,6 +508,7 @@ impl Index {
         I: IntoIterator<Item = PrefixRef<'a, H>>,
     {
         let mut out = IngestOutcome::default();
+        let mut created = Created::default();
         let ts_us = self.resolve_now_us(update.timestamp_us);
         let ts_ms = us_to_ms(ts_us);
         let t = update.tenant_id;
@@ -542,6 +544,7 @@ impl Index {
                     Some((p, rep)) if &*p.adapter == adapter => (p, rep),
                     _ => {
                         if let Some((p, rep)) = cur {
+                            created.take(p, rep, &mut pend);
                             self.flush_pending(p, rep, &mut pend, &guard);
                         }
                         let p = self.ensure_part(t, m, update.hash_scheme, adapter);
@@ -610,6 +613,7 @@ impl Index {
                 }
             }
             if let Some((p, rep)) = cur {
+                created.take(p, rep, &mut pend);
                 self.flush_pending(p, rep, &mut pend, &guard);
             }
         }
@@ -631,7 +635,7 @@ impl Index {
         }
         // K14 steps 3 and 4 (after the update's own upserts: they are eligible victims).
         self.enforce_quota(t, ts_us);
-        self.enforce_cap();
+        self.enforce_cap(&created.items[..created.n]);
         if !reserved {
             self.ingest_blocks.fetch_add(out.upserts, Ordering::Relaxed);
         }
@@ -808,12 +812,14 @@ impl Index {
                     let h = Holder::new(rep, tier, tokens, ts_ms, g);
                     with_holders_inserted(hs, pos, h, |buf| w.replace(i, buf, guard));
                     new_entry = true;
+                    pend.note_created(p.key(), g);
                 }
             }
             None => {
                 let g = w.next_generation();
                 w.insert_p(p, &[Holder::new(rep, tier, tokens, ts_ms, g)], guard);
                 new_entry = true;
+                pend.note_created(p.key(), g);
                 out.keys_added += 1;
                 pend.keys += 1;
             }
@@ -2336,6 +2342,49 @@ struct Pending {
     /// New entries not yet added to the index-wide entry count. (Removals are subtracted from
     /// it at once, before the unlink: see `Index::remove_holder`.)
     added: i64,
+    /// The first few new entries with 8-byte keys: `(key, generation)`, for the cap's
+    /// recent-entries feed (see `eviction.rs`).
+    created: [(u64, u32); RECENT_PER_RUN],
+    n_created: usize,
+}
+
+impl Pending {
+    #[inline]
+    fn note_created(&mut self, key: &[u8], generation: u32) {
+        if self.n_created < RECENT_PER_RUN
+            && let Ok(k) = <[u8; 8]>::try_from(key)
+        {
+            self.created[self.n_created] = (u64::from_be_bytes(k), generation);
+            self.n_created += 1;
+        }
+    }
+}
+
+/// New entries of one (partition, replica) run an ingest reports to the cap.
+const RECENT_PER_RUN: usize = 4;
+
+/// The new entries an ingest passes to [`Index::enforce_cap`] (a few per run, none allocated).
+#[derive(Default)]
+struct Created {
+    items: [RecentEntry; RECENT_PER_RUN],
+    n: usize,
+}
+
+impl Created {
+    /// Moves `pend`'s new entries of `(part, rep)` in (as many as fit).
+    fn take(&mut self, part: &Partition, rep: u32, pend: &mut Pending) {
+        for &(key, generation) in &pend.created[..std::mem::take(&mut pend.n_created)] {
+            if self.n < self.items.len() {
+                self.items[self.n] = RecentEntry {
+                    part: part as *const Partition as usize,
+                    key,
+                    rep,
+                    generation,
+                };
+                self.n += 1;
+            }
+        }
+    }
 }
 
 /// Chains at least this long are ingested grouped by shard (one lock per shard group).

@@ -955,6 +955,11 @@ impl<'k> Probe<'k> {
     fn shard(&self) -> usize {
         (self.h >> SHARD_SHIFT) as usize & (SHARDS - 1)
     }
+    /// The key being probed.
+    #[inline]
+    pub(crate) fn key(&self) -> &'k [u8] {
+        self.key
+    }
 }
 
 impl KeyTable {

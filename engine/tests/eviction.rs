@@ -439,9 +439,22 @@ fn t86_lru_quality() {
 
 #[test]
 fn t87_lfu_quality() {
+    t87_credited_survivors(11);
+}
+
+/// T87 under other sampler seeds: the recent-entries ring keeps the quality well above the bar
+/// (without it, 1 seed in 10 fell to ~94.7%).
+#[test]
+fn t87_lfu_quality_across_seeds() {
+    for seed in 1..=6 {
+        t87_credited_survivors(seed);
+    }
+}
+
+fn t87_credited_survivors(seed: u64) {
     const N: u64 = 100_000;
     const CAP: i64 = 50_000;
-    let e = env_seed(CAP, 11);
+    let e = env_seed(CAP, seed);
     e.set_lfu("t");
     for i in 0..N {
         let k = i.to_be_bytes();
@@ -462,8 +475,11 @@ fn t87_lfu_quality() {
         .step_by(2)
         .filter(|i| has(&e, "t", &i.to_be_bytes(), "r"))
         .count();
-    println!("T87: {credited} credited entries of {CAP} survivors");
-    assert!(credited >= 47_500, "credited survivors {credited}");
+    println!("T87 (seed {seed}): {credited} credited entries of {CAP} survivors");
+    assert!(
+        credited >= 47_500,
+        "seed {seed}: credited survivors {credited}"
+    );
 }
 
 #[test]
