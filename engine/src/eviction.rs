@@ -409,6 +409,9 @@ impl Index {
         let Some(thr) = hand.thr else {
             return false;
         };
+        if hand.recent.is_empty() {
+            return false; // LRU-only indexes never fill the ring: no pin for them
+        }
         let guard = epoch::pin();
         for _ in 0..RECENT_TRIES {
             let Some(e) = hand.recent.front().copied() else {
@@ -456,10 +459,12 @@ impl Index {
             return self.refill(hand, cx);
         };
         let thr = hand.thr.unwrap_or(RANK_MAX);
-        let part = hand.parts[v.part].clone();
+        // Borrowed, not cloned: the hand keeps its partitions, and a clone would be two locked
+        // reference-count updates per victim.
+        let part = &hand.parts[v.part];
         let removed = match cx.mode {
-            Mode::Cap => self.evict_entry(&part, &v, thr, cx),
-            Mode::Quota => self.evict_key(&part, v.key.as_bytes(), thr.1, cx.now_us),
+            Mode::Cap => self.evict_entry(part, &v, thr, cx),
+            Mode::Quota => self.evict_key(part, v.key.as_bytes(), thr.1, cx.now_us),
         };
         if removed {
             hand.budget = hand.budget.saturating_sub(1);
@@ -675,8 +680,8 @@ impl Index {
             {
                 break;
             }
-            let part = hand.parts[v.part].clone();
-            if self.evict_entry(&part, v, RANK_MAX, cx) {
+            let part = &hand.parts[v.part];
+            if self.evict_entry(part, v, RANK_MAX, cx) {
                 removed += 1;
             }
         }
@@ -710,8 +715,8 @@ impl Index {
         all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         let mut removed = 0;
         for (full, pi) in all.iter().take(need.max(0) as usize) {
-            let part = hand.parts[*pi].clone();
-            if self.evict_key(&part, &full.4, i64::MAX, cx.now_us) {
+            let part = &hand.parts[*pi];
+            if self.evict_key(part, &full.4, i64::MAX, cx.now_us) {
                 removed += 1;
                 part.tenant.quota_evictions.fetch_add(1, Ordering::Relaxed);
             }
