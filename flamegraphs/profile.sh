@@ -4,6 +4,7 @@
 #   flamegraphs/profile.sh            # everything: W1M lookups + ingest + server under load
 #   SERVER=0 flamegraphs/profile.sh   # skip the server/loadgen profile
 #   W1M=0 flamegraphs/profile.sh      # server profile only (server.svg, server-lookup.svg)
+#   W1M=0 SERVER=0 flamegraphs/profile.sh   # the cap-eviction profile only (eviction-cap.svg)
 #
 # What it does:
 #   1. installs perf (Debian `linux-perf`) and inferno when they are missing;
@@ -14,7 +15,8 @@
 #        a. one full W1M run (16,384 chains, 100,000 queries/set): lookup hot path;
 #        b. W1M_REPEAT short W1M runs (full index, 1,000 queries/set): the ingest (insert) and
 #           remove phases take ~70 ms per run, so they need several runs to get samples;
-#        c. the server while ic-loadgen drives it for SERVER_SECS seconds (optional);
+#        c. EVICTION_REPEAT runs of the T86 eviction bench (N = 100,000, LRU): ingest at the cap;
+#        d. the server while ic-loadgen drives it for SERVER_SECS seconds (optional);
 #   4. collapses the stacks (perf script | inferno-collapse-perf), splits the W1M profile into
 #      phases by grepping the folded stacks on function names (w1m has no flag to run a single
 #      phase), and draws the SVGs with inferno-flamegraph --minwidth (small enough to commit).
@@ -35,6 +37,9 @@ W1M_ARGS="${W1M_ARGS:-}"                     # lookup profile: default = the ful
 W1M_REPEAT="${W1M_REPEAT:-20}"               # ingest profile: number of short runs
 SERVER="${SERVER:-1}"                        # 0 = skip the server profile
 W1M="${W1M:-1}"                              # 0 = skip the W1M profiles (server only)
+EVICTION="${EVICTION:-1}"                    # 0 = skip the cap-eviction profile
+EVICTION_REPEAT="${EVICTION_REPEAT:-20}"     # T86 runs (each spends ~0.1 s at the cap)
+EVICTION_FREQ="${EVICTION_FREQ:-4999}"       # short runs: sample faster than the W1M profile
 LOADGEN_BIN="${LOADGEN_BIN:-}"               # prebuilt ic-loadgen (it is not profiled)
 LOADGEN_ARGS="${LOADGEN_ARGS:-}"             # extra ic-loadgen flags (e.g. a lookup-heavy mix)
 SERVER_FREQ="${SERVER_FREQ:-499}"            # the server profile has deeper, larger stacks
@@ -76,6 +81,10 @@ if [ "$SERVER" != 0 ]; then
             -p inferencecache-bench --bin ic-loadgen
         LOADGEN_BIN="$BIN/ic-loadgen"
     fi
+fi
+if [ "$EVICTION" != 0 ]; then
+    log "build eviction (release profile)"
+    cargo build --release -p inferencecache-bench --bin eviction
 fi
 mkdir -p "$WORK" "$OUT"
 
@@ -169,7 +178,21 @@ svg "$WORK/ingest.folded" ingest "W1M insert: Index::ingest of 16,384 x 64-block
 svg "$WORK/remove.folded" remove "W1M remove: PREFIX_EVICTED of every chain ($W1M_REPEAT runs)"
 fi
 
-# ---- 3c. server under load -----------------------------------------------------------------
+# ---- 3c. cap eviction (T86) ----------------------------------------------------------------
+if [ "$EVICTION" != 0 ]; then
+    log "perf record: $EVICTION_REPEAT x eviction --n 100000 --no-t94 --alg lru (T86)"
+    perf record -e cpu-clock -F "$EVICTION_FREQ" -g --call-graph "$CALLGRAPH" \
+        -o "$WORK/eviction.perf.data" \
+        -- bash -c 'for _ in $(seq "$1"); do "$2" --n 100000 --no-t94 --alg lru || exit 1; done' \
+        _ "$EVICTION_REPEAT" "$BIN/eviction" >"$WORK/eviction.out" 2>&1
+    log "collapse eviction"
+    collapse "$WORK/eviction.perf.data" "$WORK/eviction-all.folded"
+    phase "$WORK/eviction-all.folded" "$WORK/eviction-cap.folded" 'enforce_cap'
+    svg "$WORK/eviction-cap.folded" eviction-cap \
+        "T86 at the cap: Index::enforce_cap (LRU, N = 100,000, $EVICTION_REPEAT runs)"
+fi
+
+# ---- 3d. server under load -----------------------------------------------------------------
 if [ "$SERVER" != 0 ]; then
     for p in "$GRPC_PORT" "$HTTP_PORT" "$CTRL_PORT"; do
         if (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
