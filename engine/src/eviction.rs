@@ -23,7 +23,7 @@
 //!    (≈ the 6% quantile of the population), or at [`THRESHOLD_RANK_BY_AGE`] (≈ 14%) when all
 //!    samples share one `eff_count` (pure age order); the samples at or below it are the first
 //!    candidates.
-//! 2. *Walk*: a persistent cursor (partition, shard, group) walks the table lock-free, collecting
+//! 2. *Walk*: a persistent cursor (partition, shard, position) walks the table lock-free, collecting
 //!    entries whose rank is ≤ the threshold into a small candidate buffer (≤ [`CANDIDATES`], at
 //!    most [`WALK_BUDGET`] groups per refill), sorted so the smallest rank goes first.
 //! 3. *Evict*: pop the smallest candidate, re-validate it under its shard lock (still present,
@@ -139,10 +139,12 @@ pub(crate) struct Hand {
     budget: u64,
     /// The cursor wrapped around since the last estimate.
     lapped: bool,
-    /// Walk cursor: (partition, shard, group), in shard-interleaved order (see `walk`).
-    cursor: (usize, usize, usize),
-    /// Some shard of the cursor's partition has groups beyond the current range.
-    more: bool,
+    /// Walk cursor: (partition, shard, position), in shard-interleaved order (see `walk`). The
+    /// position is a fraction of a table in units of 2^-32, not a group index: tables are
+    /// rebuilt at other sizes under the walk, and a key's home keeps its relative position.
+    cursor: (usize, usize, u64),
+    /// The fraction of a table the current round covers in each shard (2^-32 units).
+    step: u64,
     /// Cap only: new entries of LFU namespaces reported by earlier ingests, oldest first.
     recent: VecDeque<RecentEntry>,
     /// The cap's per-enforcement algorithm cache ([`Cx::algs`]), kept here between
@@ -162,7 +164,7 @@ impl Hand {
             budget: 0,
             lapped: false,
             cursor: (0, 0, 0),
-            more: false,
+            step: 0,
             recent: VecDeque::new(),
             algs: Vec::new(),
         }
@@ -361,7 +363,6 @@ impl Index {
             hand.cands.clear();
             hand.thr = None;
             hand.cursor = (0, 0, 0);
-            hand.more = false;
         }
         let mut cx = Cx {
             mode: Mode::Quota,
@@ -562,6 +563,7 @@ impl Index {
 
     /// Walks the cursor lock-free, collecting candidates at or below the threshold.
     fn walk(&self, hand: &mut Hand, cx: &mut Cx) {
+        const WHOLE: u64 = 1 << 32;
         let Some(thr) = hand.thr else {
             return;
         };
@@ -569,13 +571,12 @@ impl Index {
             return;
         }
         let guard = epoch::pin();
-        let (mut pi, mut s, mut g) = hand.cursor;
+        let (mut pi, mut s, mut pos) = hand.cursor;
         let mut visited = 0;
         let mut wraps = 0;
         while visited < WALK_BUDGET && hand.cands.len() < CANDIDATES {
             if pi >= hand.parts.len() {
-                (pi, s, g) = (0, 0, 0);
-                hand.more = false;
+                (pi, s, pos) = (0, 0, 0);
                 hand.lapped = true;
                 wraps += 1;
                 if wraps > 1 {
@@ -585,13 +586,28 @@ impl Index {
             }
             let p = &hand.parts[pi];
             if !cx.eligible(p) {
-                (pi, s, g) = (pi + 1, 0, 0);
-                hand.more = false;
+                (pi, s, pos) = (pi + 1, 0, 0);
                 visited += 1;
                 continue;
             }
+            // Shard-interleaved order: the same slice of every shard's table, then the next
+            // slice. Victims then come evenly from all shards, whose inserts are even too; a
+            // shard-by-shard walk drained one shard at a time, so every shard's arena had to
+            // hold its own high-water mark (~20% above its share under steady churn). Slices
+            // are fractions of each table, so a shard rebuilt at another size mid-lap is still
+            // covered where the lap stands (home groups scale with the table length).
+            let len = p.table.slot_ids(s, &guard) >> 3;
+            if s == 0 {
+                // About `WALK_STEP` groups of each shard per round.
+                hand.step = ((WALK_STEP as u64) << 32)
+                    .div_ceil(len.max(1) as u64)
+                    .min(WHOLE);
+            }
+            let end_pos = (pos + hand.step).min(WHOLE);
+            let first = ((pos as u128 * len as u128) >> 32) as usize;
+            let last = ((end_pos as u128 * len as u128) >> 32) as usize;
             let cands = &mut hand.cands;
-            let len = p.table.scan_groups(s, g, WALK_STEP, &guard, |node| {
+            p.table.scan_groups(s, first, last - first, &guard, |node| {
                 self.visit(cx, p, node, &guard, |rank, rep, generation| {
                     if rank <= thr {
                         cands.push(Victim {
@@ -604,24 +620,18 @@ impl Index {
                     }
                 });
             });
-            visited += WALK_STEP;
-            // Shard-interleaved order: the same group range of every shard, then the next
-            // range. Victims then come evenly from all shards, whose inserts are even too; a
-            // shard-by-shard walk drained one shard at a time, so every shard's arena had to
-            // hold its own high-water mark (~20% above its share under steady churn).
-            hand.more |= g + WALK_STEP < len;
+            visited += (last - first).max(1);
             s += 1;
             if s >= SHARDS {
                 s = 0;
-                if std::mem::take(&mut hand.more) {
-                    g += WALK_STEP;
-                } else {
-                    g = 0;
+                pos = end_pos;
+                if pos >= WHOLE {
+                    pos = 0;
                     pi += 1;
                 }
             }
         }
-        hand.cursor = (pi, s, g);
+        hand.cursor = (pi, s, pos);
     }
 
     // ----------------------------------------------------------------------------------------
