@@ -74,7 +74,7 @@ const CANDIDATES: usize = 32;
 const RECENT_RING: usize = 1024;
 /// Ring entries examined per step before falling back to the buffer.
 const RECENT_TRIES: usize = 4;
-/// Groups (7 slots each) a refill walks at most.
+/// Groups (6 lanes each) a refill walks at most.
 const WALK_BUDGET: usize = 1024;
 /// Groups scanned between candidate-buffer checks.
 const WALK_STEP: usize = 4;

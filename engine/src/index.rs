@@ -18,8 +18,6 @@ use crate::rank::{
 };
 use crate::sink::{ChangeEvent, ChangeKind, ChangeSink};
 use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-// Not behind the loom seam, like the `all_parts` mutex it mirrors (partition creation is
-// modelled through the directories, not through this list).
 use crate::table::{
     Cand, Credited, Holder, KeyNode, KeySum, KeyTable, Probe, SHARDS, ShardWriter, tier_code,
     tier_wire,
@@ -29,6 +27,8 @@ use crossbeam_epoch::{self as epoch, Guard};
 use parking_lot::{Condvar, Mutex, RwLock};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
+// Not behind the loom seam, like the `all_parts` mutex it mirrors (partition creation is
+// modelled through the directories, not through this list).
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Weak};
 
@@ -2088,12 +2088,14 @@ impl Index {
     pub fn memory_breakdown(&self) -> MemoryBreakdown {
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
         let mut out = MemoryBreakdown::default();
-        let mut total = self.stats_bytes.load(Ordering::Relaxed);
         for p in parts.iter() {
             p.table.breakdown(&mut out);
-            total += p.table.bytes() + PARTITION_BYTES;
         }
-        out.other = total - out.key_tables - out.nodes_live - out.nodes_free - out.arena_unused;
+        out.other = self.memory_bytes()
+            - out.key_tables
+            - out.nodes_live
+            - out.nodes_free
+            - out.arena_unused;
         out
     }
 

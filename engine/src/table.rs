@@ -1172,8 +1172,8 @@ impl KeyTable {
 
     /// Lock-free sequential scan of groups `g0 .. g0 + n` of shard `s`'s current table, calling
     /// `f` on every live node (occupied lanes found from the tag word; the nodes of the group
-    /// two ahead are prefetched). Returns the number of groups of the table scanned (a rebuild
-    /// may change it between calls; callers treat positions as approximate).
+    /// two ahead are prefetched). Groups past the table's end are skipped (a rebuild may change
+    /// its length between calls; callers treat positions as approximate).
     pub(crate) fn scan_groups<'g>(
         &self,
         s: usize,
@@ -1181,7 +1181,7 @@ impl KeyTable {
         n: usize,
         guard: &'g Guard,
         mut f: impl FnMut(&'g KeyNode),
-    ) -> usize {
+    ) {
         let t = self.table_of(s, guard);
         let arena = &t.arena;
         let len = t.groups.len();
@@ -1207,7 +1207,6 @@ impl KeyTable {
                 }
             }
         }
-        len
     }
 
     /// The LFU cell of entry `(key digest, rep, generation)`, if it was ever credited and is
