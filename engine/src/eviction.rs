@@ -43,7 +43,7 @@
 //! re-estimation is amortized over ~3% of the population. A lower quantile buys quality with
 //! walk cost (rank 1 of 64: ~99.8% / ~35 visits per victim).
 
-use super::{Index, KeyBytesOwned, Pending, evict_slot, own_key};
+use super::{Carry, Index, KeyBytesOwned, Pending, evict_slot, own_key};
 use crate::config::Algorithm;
 use crate::dir::{Partition, TenantRec};
 use crate::index::EvictionReason;
@@ -198,14 +198,18 @@ impl Hand {
 
 /// Per-enforcement context: the mode and the algorithms resolved so far (once per tenant per
 /// enforcement, V3 "resolved at eviction time", C4).
-struct Cx {
+struct Cx<'a> {
     mode: Mode,
     /// (tenant record address, algorithm) resolved in this enforcement.
     algs: Vec<(usize, Algorithm)>,
     now_us: i64,
+    /// The calling ingest's held-back deltas (cap mode; see [`Carry`]).
+    carry: Option<Carry<'a>>,
+    /// Cap evictions per `evict_slot`, counted once at the end of the enforcement.
+    evicted: [u64; 4],
 }
 
-impl Cx {
+impl Cx<'_> {
     fn alg(&mut self, ix: &Index, t: &TenantRec) -> Algorithm {
         if self.mode == Mode::Quota {
             return Algorithm::Lru; // quota order is always age-based (V5)
@@ -222,7 +226,7 @@ impl Cx {
     /// Whether a partition holds candidates for this mode.
     fn eligible(&self, p: &Partition) -> bool {
         match self.mode {
-            Mode::Cap => !p.tenant.reserved && p.entries.load(Ordering::Relaxed) > 0,
+            Mode::Cap => !p.tenant.reserved && self.entries(p) > 0,
             Mode::Quota => p.keys.load(Ordering::Relaxed) > 0,
         }
     }
@@ -230,8 +234,45 @@ impl Cx {
     fn weight(&self, p: &Partition) -> i64 {
         match self.mode {
             Mode::Cap if p.tenant.reserved => 0,
-            Mode::Cap => p.entries.load(Ordering::Relaxed).max(0),
+            Mode::Cap => self.entries(p).max(0),
             Mode::Quota => p.keys.load(Ordering::Relaxed).max(0),
+        }
+    }
+
+    /// `p`'s entries, counting the carry's held-back delta (a partition that only this ingest
+    /// filled is still a candidate).
+    fn entries(&self, p: &Partition) -> i64 {
+        let held = match &self.carry {
+            Some(c) if std::ptr::eq(c.part, p) => c.pend.entries,
+            _ => 0,
+        };
+        p.entries.load(Ordering::Relaxed) + held
+    }
+
+    /// Applies a cap victim's deltas: folded into the carry when the victim is of its
+    /// partition (key counts) and replica (entries, serving), else applied now.
+    fn settle(&mut self, ix: &Index, part: &Partition, rep: u32, mut pend: Pending, g: &Guard) {
+        if let Some(c) = &mut self.carry
+            && std::ptr::eq(c.part, part)
+        {
+            c.pend.keys += std::mem::take(&mut pend.keys);
+            if c.rep == rep {
+                c.pend.entries += std::mem::take(&mut pend.entries);
+            }
+        }
+        ix.flush_derived(part, rep, &mut pend, g);
+    }
+
+    /// Applies what the enforcement held back: the carry and the eviction counts.
+    fn finish(&mut self, ix: &Index) {
+        if let Some(mut c) = self.carry.take() {
+            let guard = epoch::pin();
+            ix.flush_derived(c.part, c.rep, &mut c.pend, &guard);
+        }
+        for (slot, n) in self.evicted.iter_mut().enumerate() {
+            if *n > 0 {
+                ix.evictions[slot].fetch_add(std::mem::take(n), Ordering::Relaxed);
+            }
         }
     }
 }
@@ -286,9 +327,13 @@ impl Index {
     /// entries the calling ingest just created; when the index is over the cap, those of LFU
     /// namespaces join the recent-entries ring *after* this enforcement, so an entry is never a
     /// ring victim of its own ingest.
-    pub(super) fn enforce_cap(&self, created: &[RecentEntry]) {
+    pub(super) fn enforce_cap(&self, created: &[RecentEntry], carry: Option<Carry<'_>>) {
         let cap = self.cfg.max_entries;
         if cap <= 0 || self.storage_entries.load(Ordering::Relaxed) <= cap {
+            if let Some(mut c) = carry {
+                let guard = epoch::pin();
+                self.flush_derived(c.part, c.rep, &mut c.pend, &guard);
+            }
             return;
         }
         let mut hand = self.cap_hand.lock();
@@ -303,6 +348,8 @@ impl Index {
             mode: Mode::Cap,
             algs,
             now_us: self.clock.now_us(),
+            carry,
+            evicted: [0; 4],
         };
         let mut stall = 0;
         loop {
@@ -333,24 +380,33 @@ impl Index {
                 hand.recent.push_back(*e);
             }
         }
+        cx.finish(self);
         hand.algs = cx.algs;
     }
 
     /// V5 for the ingesting tenant `t`: while its distinct keys exceed its budget `B ≥ 0`,
     /// delete whole keys, oldest first. `B = 0` empties the tenant.
-    pub(super) fn enforce_quota(&self, t: &str, now_us: i64) {
+    ///
+    /// `carry` holds the ingest's own key delta (its tenant is `t`): it counts here, and is
+    /// applied before any removal, which reads the counters as they are.
+    pub(super) fn enforce_quota(&self, t: &str, now_us: i64, carry: &mut Option<Carry<'_>>) {
         let Some(tr) = self.tenant_ref(t) else {
             return;
         };
-        if tr.keys.load(Ordering::Relaxed) <= 0 {
+        let held = carry.as_ref().map_or(0, |c| c.pend.keys);
+        if tr.keys.load(Ordering::Relaxed) + held <= 0 {
             return;
         }
         let budget = match self.resolvers.quota(t) {
             Some(b) if b >= 0 => b,
             _ => return,
         };
-        if tr.keys.load(Ordering::Relaxed) <= budget {
+        if tr.keys.load(Ordering::Relaxed) + held <= budget {
             return;
+        }
+        if let Some(mut c) = carry.take() {
+            let guard = epoch::pin();
+            self.flush_derived(c.part, c.rep, &mut c.pend, &guard);
         }
         let mut hand = tr.quota_hand.lock();
         let before = hand.parts.len();
@@ -368,6 +424,8 @@ impl Index {
             mode: Mode::Quota,
             algs: Vec::new(),
             now_us,
+            carry: None,
+            evicted: [0; 4],
         };
         if budget == 0 {
             // Everything goes: no ordering needed.
@@ -773,8 +831,8 @@ impl Index {
         }
         w.maybe_shrink(&guard);
         drop(w);
-        self.flush_pending(part, v.rep, &mut pend, &guard);
-        self.evictions[evict_slot(alg, EvictionReason::Cap)].fetch_add(1, Ordering::Relaxed);
+        cx.settle(self, part, v.rep, pend, &guard);
+        cx.evicted[evict_slot(alg, EvictionReason::Cap)] += 1;
         if let Some(s) = self.active_sink(part.tenant.reserved) {
             let reps = part.scope.replicas.load(&guard);
             s.publish(&ChangeEvent {

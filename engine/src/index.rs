@@ -509,6 +509,7 @@ impl Index {
     {
         let mut out = IngestOutcome::default();
         let mut created = Created::default();
+        let mut carry: Option<Carry<'_>> = None;
         let ts_us = self.resolve_now_us(update.timestamp_us);
         let ts_ms = us_to_ms(ts_us);
         let t = update.tenant_id;
@@ -614,7 +615,16 @@ impl Index {
             }
             if let Some((p, rep)) = cur {
                 created.take(p, rep, &mut pend);
-                self.flush_pending(p, rep, &mut pend, &guard);
+                // The entry count now (the cap reads it). Over the cap, the last run's key and
+                // entry deltas wait for the cap, which cancels same-namespace victims against
+                // them.
+                self.flush_added(p, &mut pend);
+                let cap = self.cfg.max_entries;
+                if cap > 0 && self.storage_entries.load(Ordering::Relaxed) > cap {
+                    carry = Some(Carry { part: p, rep, pend });
+                } else {
+                    self.flush_derived(p, rep, &mut pend, &guard);
+                }
             }
         }
         if let Some(st) = update.stats {
@@ -634,8 +644,8 @@ impl Index {
             }
         }
         // K14 steps 3 and 4 (after the update's own upserts: they are eligible victims).
-        self.enforce_quota(t, ts_us);
-        self.enforce_cap(&created.items[..created.n]);
+        self.enforce_quota(t, ts_us, &mut carry);
+        self.enforce_cap(&created.items[..created.n], carry);
         if !reserved {
             self.ingest_blocks.fetch_add(out.upserts, Ordering::Relaxed);
         }
@@ -703,10 +713,39 @@ impl Index {
     }
 
     /// Applies the derived counter deltas of one (partition, replica) run of upserts.
-    fn flush_pending(&self, part: &Partition, rep: u32, pend: &mut Pending, guard: &Guard) {
+    pub(super) fn flush_pending(
+        &self,
+        part: &Partition,
+        rep: u32,
+        pend: &mut Pending,
+        guard: &Guard,
+    ) {
+        self.flush_added(part, pend);
+        self.flush_derived(part, rep, pend, guard);
+    }
+
+    /// Applies `pend`'s new entries to the index-wide entry count.
+    fn flush_added(&self, part: &Partition, pend: &mut Pending) {
+        let added = std::mem::take(&mut pend.added);
+        if added != 0 {
+            if part.tenant.reserved {
+                self.reserved_entries.fetch_add(added, Ordering::Relaxed);
+            } else {
+                self.storage_entries.fetch_add(added, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Applies `pend`'s key and entry deltas (key counts, partition entries, serving).
+    pub(super) fn flush_derived(
+        &self,
+        part: &Partition,
+        rep: u32,
+        pend: &mut Pending,
+        guard: &Guard,
+    ) {
         let keys = std::mem::take(&mut pend.keys);
         let entries = std::mem::take(&mut pend.entries);
-        let added = std::mem::take(&mut pend.added);
         if keys != 0 {
             part.keys.fetch_add(keys, Ordering::Relaxed);
             part.tenant.keys.fetch_add(keys, Ordering::Relaxed);
@@ -719,13 +758,6 @@ impl Index {
         if entries != 0 {
             part.entries.fetch_add(entries, Ordering::Relaxed);
             Self::serving_add(part, rep, entries, guard);
-        }
-        if added != 0 {
-            if part.tenant.reserved {
-                self.reserved_entries.fetch_add(added, Ordering::Relaxed);
-            } else {
-                self.storage_entries.fetch_add(added, Ordering::Relaxed);
-            }
         }
     }
 
@@ -2338,9 +2370,9 @@ fn own_key(k: &[u8]) -> KeyBytesOwned {
 
 /// Derived counter deltas of an ingest not yet applied (see `Index::flush_pending`).
 #[derive(Default)]
-struct Pending {
-    keys: i64,
-    entries: i64,
+pub(super) struct Pending {
+    pub(super) keys: i64,
+    pub(super) entries: i64,
     /// New entries not yet added to the index-wide entry count. (Removals are subtracted from
     /// it at once, before the unlink: see `Index::remove_holder`.)
     added: i64,
@@ -2360,6 +2392,18 @@ impl Pending {
             self.n_created += 1;
         }
     }
+}
+
+/// The key and entry deltas of an ingest's last (partition, replica) run, held back until its
+/// quota and cap enforcement are done (its new entries are already in the entry count). A cap
+/// victim of the same partition folds its own deltas in instead of applying them, so at the cap
+/// an ingest and its victim in one namespace mostly cancel and touch no shared counter but the
+/// entry count. Until the flush, the partition's counters lag by at most this one ingest (C3);
+/// the enforcement that holds the carry accounts for it where it reads them.
+pub(super) struct Carry<'a> {
+    pub(super) part: &'a Partition,
+    pub(super) rep: u32,
+    pub(super) pend: Pending,
 }
 
 /// New entries of one (partition, replica) run an ingest reports to the cap.
