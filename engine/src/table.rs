@@ -1401,7 +1401,9 @@ impl ShardWriter<'_> {
         let units = unsafe { (*(t.arena.node(old) as *const KeyNode)).units() };
         self.st.node_units -= units as usize;
         let st = &mut *self.st;
-        let batch = st.retired.get_or_insert_with(|| st.arena.new_batch());
+        let batch = st
+            .retired
+            .get_or_insert_with(|| st.arena.new_batch(&t.arena));
         t.arena.add_retired(batch, old, units);
         if batch.len() >= BATCH_CAPACITY {
             self.flush_retired(guard);
