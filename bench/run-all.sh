@@ -4,11 +4,12 @@
 # them, so a section not re-run keeps its last recorded run (each section carries its own date,
 # machine, load and command).
 #
-#   bench/run-all.sh                 # every section (about 25 minutes on 2 cores)
+#   bench/run-all.sh                 # every section (about 35 minutes on 2 cores)
 #   bench/run-all.sh w1m eviction    # only these sections, then reassemble
 #   bench/run-all.sh --assemble      # only reassemble
 #
 # Sections: w1m (bench/run-w1m.sh), eviction (bin `eviction`), churn (bin `churn`, 10 minutes),
+# churn-fit (bin `churn --caps`: 3 caps × 3 minutes, RSS fitted against the cap),
 # rw (bin `rw`, P7), criterion (`cargo bench --bench engine`, table by criterion-table.awk), plus results/server.md, written by hand from the server benches
 # (`e2e-lookup`, `soak.sh`; bench/README.md has their commands).
 set -euo pipefail
@@ -66,8 +67,14 @@ section() {
           "cargo run --release -p inferencecache-bench --bin churn -- --minutes 10"
         "$TARGET/release/churn" --minutes 10 || true
       } >"$RES/churn.tmp" && mv "$RES/churn.tmp" "$RES/churn.md" ;;
+    churn-fit)
+      build churn
+      { header "Churn at the cap: RSS per entry, fitted over caps (issue #4)" \
+          "cargo run --release -p inferencecache-bench --bin churn -- --caps 250000,500000,1000000 --minutes 3"
+        "$TARGET/release/churn" --caps 250000,500000,1000000 --minutes 3 || true
+      } >"$RES/churn-fit.tmp" && mv "$RES/churn-fit.tmp" "$RES/churn-fit.md" ;;
     *)
-      echo "unknown section: $1 (w1m, eviction, rw, criterion, churn)" >&2; exit 2 ;;
+      echo "unknown section: $1 (w1m, eviction, rw, criterion, churn, churn-fit)" >&2; exit 2 ;;
   esac
 }
 
@@ -79,11 +86,14 @@ assemble() {
     echo "command that produced it, its date, the machine and its load. Workloads, methods and pass"
     echo "bars: \`benchmarks.md\` of the spec, summarized in \`bench/README.md\`."
     echo
-    for f in "$RES"/w1m.md "$RES"/criterion.md "$RES"/eviction.md "$RES"/rw.md "$RES"/churn.md; do
+    for f in "$RES"/w1m.md "$RES"/criterion.md "$RES"/eviction.md "$RES"/rw.md "$RES"/churn.md \
+      "$RES"/churn-fit.md; do
       [ -f "$f" ] && { cat "$f"; echo; }
     done
     for f in "$RES"/*.md; do
-      case "$(basename "$f")" in w1m.md|criterion.md|eviction.md|rw.md|churn.md) continue ;; esac
+      case "$(basename "$f")" in
+        w1m.md|criterion.md|eviction.md|rw.md|churn.md|churn-fit.md) continue ;;
+      esac
       cat "$f"; echo
     done
   } >"$ROOT/bench/RESULTS.md"
@@ -94,7 +104,7 @@ if [ "${1:-}" = "--assemble" ]; then
   exit 0
 fi
 if [ $# -eq 0 ]; then
-  set -- w1m criterion eviction rw churn
+  set -- w1m criterion eviction rw churn churn-fit
 fi
 for s in "$@"; do
   echo "== section $s" >&2
