@@ -265,9 +265,8 @@ impl Cx<'_> {
 
     /// Applies what the enforcement held back: the carry and the eviction counts.
     fn finish(&mut self, ix: &Index) {
-        if let Some(mut c) = self.carry.take() {
-            let guard = epoch::pin();
-            ix.flush_derived(c.part, c.rep, &mut c.pend, &guard);
+        if let Some(c) = self.carry.take() {
+            c.apply(ix);
         }
         for (slot, n) in self.evicted.iter_mut().enumerate() {
             if *n > 0 {
@@ -330,9 +329,8 @@ impl Index {
     pub(super) fn enforce_cap(&self, created: &[RecentEntry], carry: Option<Carry<'_>>) {
         let cap = self.cfg.max_entries;
         if cap <= 0 || self.storage_entries.load(Ordering::Relaxed) <= cap {
-            if let Some(mut c) = carry {
-                let guard = epoch::pin();
-                self.flush_derived(c.part, c.rep, &mut c.pend, &guard);
+            if let Some(c) = carry {
+                c.apply(self);
             }
             return;
         }
@@ -404,9 +402,8 @@ impl Index {
         if tr.keys.load(Ordering::Relaxed) + held <= budget {
             return;
         }
-        if let Some(mut c) = carry.take() {
-            let guard = epoch::pin();
-            self.flush_derived(c.part, c.rep, &mut c.pend, &guard);
+        if let Some(c) = carry.take() {
+            c.apply(self);
         }
         let mut hand = tr.quota_hand.lock();
         let before = hand.parts.len();

@@ -2406,6 +2406,14 @@ pub(super) struct Carry<'a> {
     pub(super) pend: Pending,
 }
 
+impl Carry<'_> {
+    /// Applies the held-back deltas.
+    pub(super) fn apply(mut self, ix: &Index) {
+        let guard = epoch::pin();
+        ix.flush_derived(self.part, self.rep, &mut self.pend, &guard);
+    }
+}
+
 /// New entries of one (partition, replica) run an ingest reports to the cap.
 const RECENT_PER_RUN: usize = 4;
 
