@@ -713,13 +713,7 @@ impl Index {
     }
 
     /// Applies the derived counter deltas of one (partition, replica) run of upserts.
-    pub(super) fn flush_pending(
-        &self,
-        part: &Partition,
-        rep: u32,
-        pend: &mut Pending,
-        guard: &Guard,
-    ) {
+    fn flush_pending(&self, part: &Partition, rep: u32, pend: &mut Pending, guard: &Guard) {
         self.flush_added(part, pend);
         self.flush_derived(part, rep, pend, guard);
     }
@@ -737,13 +731,7 @@ impl Index {
     }
 
     /// Applies `pend`'s key and entry deltas (key counts, partition entries, serving).
-    pub(super) fn flush_derived(
-        &self,
-        part: &Partition,
-        rep: u32,
-        pend: &mut Pending,
-        guard: &Guard,
-    ) {
+    fn flush_derived(&self, part: &Partition, rep: u32, pend: &mut Pending, guard: &Guard) {
         let keys = std::mem::take(&mut pend.keys);
         let entries = std::mem::take(&mut pend.entries);
         if keys != 0 {
@@ -2370,9 +2358,9 @@ fn own_key(k: &[u8]) -> KeyBytesOwned {
 
 /// Derived counter deltas of an ingest not yet applied (see `Index::flush_pending`).
 #[derive(Default)]
-pub(super) struct Pending {
-    pub(super) keys: i64,
-    pub(super) entries: i64,
+struct Pending {
+    keys: i64,
+    entries: i64,
     /// New entries not yet added to the index-wide entry count. (Removals are subtracted from
     /// it at once, before the unlink: see `Index::remove_holder`.)
     added: i64,
@@ -2400,15 +2388,15 @@ impl Pending {
 /// an ingest and its victim in one namespace mostly cancel and touch no shared counter but the
 /// entry count. Until the flush, the partition's counters lag by at most this one ingest (C3);
 /// the enforcement that holds the carry accounts for it where it reads them.
-pub(super) struct Carry<'a> {
-    pub(super) part: &'a Partition,
-    pub(super) rep: u32,
-    pub(super) pend: Pending,
+struct Carry<'a> {
+    part: &'a Partition,
+    rep: u32,
+    pend: Pending,
 }
 
 impl Carry<'_> {
     /// Applies the held-back deltas.
-    pub(super) fn apply(mut self, ix: &Index) {
+    fn apply(mut self, ix: &Index) {
         let guard = epoch::pin();
         ix.flush_derived(self.part, self.rep, &mut self.pend, &guard);
     }
