@@ -53,7 +53,7 @@
 //! once, before the unlink (loom m8a). The partition weights of the sampling count the held
 //! entries; eviction counts are summed per enforcement.
 
-use super::{Carry, Index, KeyBytesOwned, Pending, evict_slot, own_key};
+use super::{Carry, EVICT_SLOTS, Index, KeyBytesOwned, Pending, evict_slot, own_key};
 use crate::config::Algorithm;
 use crate::dir::{Partition, TenantRec};
 use crate::index::EvictionReason;
@@ -216,7 +216,7 @@ struct Cx<'a> {
     /// The calling ingest's held-back deltas (cap mode; see [`Carry`]).
     carry: Option<Carry<'a>>,
     /// Cap evictions per `evict_slot`, counted once at the end of the enforcement.
-    evicted: [u64; 4],
+    evicted: [u64; EVICT_SLOTS],
 }
 
 impl Cx<'_> {
@@ -331,6 +331,12 @@ impl Index {
     // ----------------------------------------------------------------------------------------
     // Entry points (called by `ingest`)
 
+    /// Whether a cap is set and the non-reserved entries exceed it.
+    pub(super) fn over_cap(&self) -> bool {
+        let cap = self.cfg.max_entries;
+        cap > 0 && self.storage_entries.load(Ordering::Relaxed) > cap
+    }
+
     /// V2: while `effective = storage_entries − reserved_storage_entries > cap`, remove victims.
     /// (`storage_entries` already excludes reserved tenants, K15.) `created` are some of the
     /// entries the calling ingest just created; when the index is over the cap, those of LFU
@@ -338,7 +344,7 @@ impl Index {
     /// ring victim of its own ingest.
     pub(super) fn enforce_cap(&self, created: &[RecentEntry], carry: Option<Carry<'_>>) {
         let cap = self.cfg.max_entries;
-        if cap <= 0 || self.storage_entries.load(Ordering::Relaxed) <= cap {
+        if !self.over_cap() {
             if let Some(c) = carry {
                 c.apply(self);
             }
@@ -357,7 +363,7 @@ impl Index {
             algs,
             now_us: self.clock.now_us(),
             carry,
-            evicted: [0; 4],
+            evicted: [0; EVICT_SLOTS],
         };
         let mut stall = 0;
         loop {
@@ -432,7 +438,7 @@ impl Index {
             algs: Vec::new(),
             now_us,
             carry: None,
-            evicted: [0; 4],
+            evicted: [0; EVICT_SLOTS],
         };
         if budget == 0 {
             // Everything goes: no ordering needed.

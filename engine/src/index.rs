@@ -252,7 +252,7 @@ pub struct Index {
     storage_entries: AtomicI64,
     reserved_entries: AtomicI64,
     /// `[lru_cap, lru_ttl, lfu_cap, lfu_ttl]`.
-    evictions: [AtomicU64; 4],
+    evictions: [AtomicU64; EVICT_SLOTS],
     ingest_blocks: AtomicU64,
     stats_bytes: AtomicI64,
     sink: RwLock<Option<Arc<dyn ChangeSink>>>,
@@ -619,8 +619,7 @@ impl Index {
                 // entry deltas wait for the cap, which cancels same-namespace victims against
                 // them.
                 self.flush_added(p, &mut pend);
-                let cap = self.cfg.max_entries;
-                if cap > 0 && self.storage_entries.load(Ordering::Relaxed) > cap {
+                if self.over_cap() {
                     carry = Some(Carry { part: p, rep, pend });
                 } else {
                     self.flush_derived(p, rep, &mut pend, &guard);
@@ -2493,6 +2492,9 @@ fn with_holders_removed<R>(hs: &[Holder], pos: usize, f: impl FnOnce(&[Holder]) 
         f(&v)
     }
 }
+
+/// Eviction counters: (LRU, LFU) × (cap, TTL), indexed by [`evict_slot`].
+const EVICT_SLOTS: usize = 4;
 
 fn evict_slot(a: Algorithm, r: EvictionReason) -> usize {
     (match a {

@@ -58,9 +58,7 @@ fn main() -> ExitCode {
             ("--warmup-s", Some(v)) => warmup_s = v,
             ("--ttl-ms", Some(v)) if v > 0 => ttl_ms = v,
             ("--clear-every", Some(v)) if v > 0 => clear_every = v,
-            ("--caps", _) if raw.as_deref().and_then(parse_caps).is_some() => {
-                caps = raw.as_deref().and_then(parse_caps).unwrap_or_default();
-            }
+            ("--caps", _) if let Some(c) = raw.as_deref().and_then(parse_caps) => caps = c,
             _ => {
                 eprintln!(
                     "usage: churn [--minutes N] [--cap N | --caps N,N[,…]] [--warmup-s N] \
