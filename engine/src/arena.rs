@@ -13,9 +13,12 @@
 //! Memory comes in chunks: the first is 4 KiB and each new one doubles, up to 256 KiB (so a
 //! partition with a handful of keys stays small). A node index is `chunk << 15 | offset`, the
 //! offset in 8-byte units (2^15 units = 256 KiB), the chunk id up to 2^17. Chunk id 0 is never
-//! used, so index 0 means "no node". Nodes of up to [`MAX_CLASS_UNITS`] units
-//! are carved from the current chunk or reused from a free list of exactly their size; a larger
-//! node (more than ~60 holders) gets a chunk of its own, released with it.
+//! used, so index 0 means "no node". While the chunk ids stay below 2^9 (~128 MiB of nodes)
+//! every index fits in 24 bits, which is what lets a table pack a lane's tag and index into 4
+//! bytes (narrow tables, `table.rs`); [`ArenaState::index_bound`] tells the table when not.
+//! Nodes of up to [`MAX_CLASS_UNITS`] units are carved from the current chunk or reused from a
+//! free list of exactly their size; a larger node (more than ~60 holders) gets a chunk of its
+//! own, released with it.
 //!
 //! # Concurrency
 //!
@@ -276,6 +279,12 @@ impl ArenaState {
     /// Bytes obtained from the system allocator so far (chunks, directories).
     pub(crate) fn bytes(&self) -> i64 {
         self.bytes
+    }
+
+    /// An upper bound (exclusive) on every index handed out so far: the chunk ids in use.
+    /// Until a new chunk id is taken, every node of this arena has an index below it.
+    pub(crate) fn index_bound(&self) -> u64 {
+        (self.nchunks as u64) << OFF_BITS
     }
 
     /// A node of `units` units: its index and address. Mutex holder only.

@@ -53,6 +53,22 @@ std::thread_local! {
     static LEDGER: RefCell<Ledger> = RefCell::new(Ledger::default());
 }
 
+std::thread_local! {
+    static WIDE_TABLES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Makes the key tables created on this thread use wide groups from the start (the format a
+/// shard takes past 128 MiB of nodes; the models' tables are tiny and would otherwise always be
+/// narrow), so the models check both lane formats. Call before `loom::model`.
+pub fn set_wide_tables(on: bool) {
+    WIDE_TABLES.with(|w| w.set(on));
+}
+
+/// Whether [`set_wide_tables`] is on for this thread.
+pub(crate) fn wide_tables() -> bool {
+    WIDE_TABLES.with(|w| w.get())
+}
+
 /// Starts tracking (call first thing inside the `loom::model` closure): clears the ledger.
 pub fn arm() {
     LEDGER.with(|l| {

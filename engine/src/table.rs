@@ -6,15 +6,22 @@
 //! A [`KeyTable`] has [`SHARDS`] shards chosen by the top bits of the mixed key digest. Each shard
 //! owns an epoch-protected [`ShardTable`]: an array of 32-byte [`Group`]s (two per cache line) of
 //! any length (the home group is the hash's low 32 bits scaled to the length, so a rebuild sizes
-//! the table to its keys without power-of-two rounding). A group holds 6 lanes — each the 32-bit
-//! index of a node in the shard's [`Arena`](crate::arena) — and their 1-byte tags packed in one
-//! `AtomicU64` (tag lanes 6 and 7 are unused and permanently "full"). A tag is [`EMPTY`] (never
-//! used: ends a probe), [`TOMB`] (deleted: probe continues; reused by inserts) or `0x80 | 7 bits
-//! of the hash` (a fingerprint). Probing is linear over groups; a probe ends at the first group
-//! holding an empty lane, so a miss usually reads one cache line (P2). A 16-bit presence summary
-//! per home group (a superset, cleared only by rebuilds) answers most misses without reading the
-//! group. A table and the arena its lanes index are published together (the table owns a
-//! reference to the arena), so a rebuild that compacts the arena swaps both at once.
+//! the table to its keys without power-of-two rounding). A lane names a node of the shard's
+//! [`Arena`](crate::arena) by its index and carries a 1-byte tag: [`EMPTY`] (never used: ends a
+//! probe), [`TOMB`] (deleted: probe continues; reused by inserts) or `0x80 | 7 bits of the hash`
+//! (a fingerprint). Probing is linear over groups; a probe ends at the first group holding an
+//! empty lane, so a miss usually reads one cache line (P2). A 16-bit presence summary per 6
+//! slots (a superset, cleared only by rebuilds) answers most misses without reading the group. A
+//! table and the arena its lanes index are published together (the table owns a reference to the
+//! arena), so a rebuild that compacts the arena swaps both at once.
+//!
+//! Groups come in two formats, chosen per table at its rebuild. **Narrow** (every table whose
+//! arena's indices fit in 24 bits, i.e. up to 128 MiB of nodes per shard): 8 lanes, each a `u32`
+//! `tag << 24 | index`, 4 bytes per lane. **Wide** (beyond that): a tag word of 6 tags and 6 full
+//! `u32` indices, 5⅓ bytes per lane. The first node allocated at an index a narrow lane cannot
+//! hold moves the shard to a wide table (an ordinary rebuild, before the node is published); a
+//! compaction that leaves the arena small enough brings it back. Readers decode either format
+//! into the same 8 tag bytes and indices ([`Lanes`]), so one probe loop serves both.
 //!
 //! A [`KeyNode`] lives in the arena at its exact size in 8-byte units: the 8-byte key (or, for
 //! other lengths, the big-endian XXH3-64 digest), then its holders inline (16 bytes each, sorted
@@ -51,13 +58,17 @@
 //! # Memory ordering
 //!
 //! Insert: the writer builds the node in the arena (registering a new chunk in the arena's
-//! directory first if it needs one), stores the node's index in the lane (Release) and then the
-//! group's tag word (Release). A reader loads the tag word (Acquire) and, on a fingerprint match,
-//! the lane (Acquire), then translates the index through the arena directory: everything the
-//! writer did before the lane store — the node's bytes, the directory entry — is visible to it
-//! (C3, never torn). Replace: one `swap` (AcqRel) of the lane; the tag is unchanged. Remove: the
-//! lane is set to 0 (Release) before the tag becomes TOMB; a reader that sees a matching tag and
-//! an empty lane treats the lane as deleted. A rebuilt table is fully built with Relaxed stores
+//! directory first if it needs one), then publishes it. Narrow: one Release store of the word
+//! holding the lane (tag and index together). Wide: the index (Release), then the group's tag
+//! word (Release). A reader loads the group's words (Acquire; a wide group's tag word first) and,
+//! on a fingerprint match, translates the index through the arena directory: everything the
+//! writer did before the store it read — the node's bytes, the directory entry — is visible to it
+//! (C3, never torn). Only the shard mutex holder stores into a group, so a store of one lane's
+//! word (which also holds a neighbouring lane) rewrites that neighbour with its current value.
+//! Replace: the new index is stored the same way; the tag is unchanged. Remove: narrow, one
+//! store turns the lane into TOMB or EMPTY with index 0; wide, the index becomes 0 (Release)
+//! before the tag does, and a reader that sees a matching tag and index 0 treats the lane as
+//! deleted. A rebuilt table is fully built with Relaxed stores
 //! and published with a Release store of the shard's table pointer; readers that still hold the
 //! old table (and, after a compaction, the old arena it references) see nodes that stay valid
 //! until their guard is dropped (stale but consistent). A retired node's memory returns to the
@@ -68,8 +79,7 @@ use crate::arena::{Arena, ArenaState, BATCH_CAPACITY, Batch, units_for};
 use crate::index::MemoryBreakdown;
 use crate::pages::{PageArray, heap_chunk as chunk};
 use crate::sync::{
-    AtomicI64, AtomicPtr, AtomicU16, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering,
-    thread_local,
+    AtomicI64, AtomicPtr, AtomicU16, AtomicU64, Mutex, MutexGuard, Ordering, thread_local,
 };
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use crossbeam_utils::CachePadded;
@@ -81,8 +91,16 @@ use std::sync::Arc;
 /// Number of shards per partition table.
 pub(crate) const SHARDS: usize = 16;
 const SHARD_SHIFT: u32 = 60;
-/// Lanes per group.
-const LANES: usize = 6;
+/// Lanes per group of a narrow table (tag and node index share a `u32`).
+const NARROW_LANES: usize = 8;
+/// Lanes per group of a wide table (a tag word and six `u32` node indices).
+const WIDE_LANES: usize = 6;
+/// Node index bits of a narrow lane: a shard whose arena hands out an index at or above
+/// `1 << NARROW_BITS` (128 MiB of nodes) needs a wide table.
+const NARROW_BITS: u32 = 24;
+const NARROW_MASK: u32 = (1 << NARROW_BITS) - 1;
+/// Table slots per presence-summary word.
+const SUMMARY_SLOTS: usize = 6;
 /// Minimum groups per shard table.
 const MIN_GROUPS: usize = 1;
 /// Arena bytes beyond a multiple of the live nodes' that a rebuild tolerates before compacting.
@@ -94,11 +112,9 @@ const EMPTY: u64 = 0x00;
 const TOMB: u64 = 0x01;
 const LO: u64 = 0x0101_0101_0101_0101;
 const HI: u64 = 0x8080_8080_8080_8080;
-/// Lanes 6 and 7 of the tag word have no slot: permanently TOMB (never empty, never match a
-/// fingerprint).
-const INIT_TAGS: u64 = (TOMB << 56) | (TOMB << 48);
-/// Tag bytes of the real lanes.
-const LANE_BYTES: u64 = (1 << (8 * LANES)) - 1;
+/// A wide group's initial tag word: tag lanes 6 and 7 have no slot and are permanently TOMB
+/// (never empty, never match a fingerprint).
+const WIDE_INIT_TAGS: u64 = (TOMB << 56) | (TOMB << 48);
 
 /// Tier codes as stored (K6 compaction): 1 = T1, 2 = T2, 3 = T3, 4 = colder/invalid.
 pub(crate) const TIER_COLDER: u8 = 4;
@@ -447,24 +463,68 @@ fn note_retired(guard: &Guard) {
     }
 }
 
-/// Half a cache line: 6 lanes, each the arena index of a node (0: none).
+/// Half a cache line of lanes; a lane names a node by its arena index (0: none) and carries a
+/// one-byte tag. Narrow tables: 8 lanes, each `tag << 24 | index`, lane `l` in half `l / 4` of
+/// word `l % 4` (so that the four tag bytes of each half line up with a shift per word, see
+/// [`narrow_tags`]). Wide tables: word 0 is the tag word (byte `l` = tag of lane `l`; bytes 6
+/// and 7 permanently TOMB) and words 1–3 hold lanes 0–5 as `u32` indices (lane `l` in half
+/// `l % 2` of word `1 + l / 2`).
 #[repr(C, align(32))]
 struct Group {
-    tags: AtomicU64,
-    ptrs: [AtomicU32; LANES],
+    w: [AtomicU64; 4],
+}
+
+/// A group as one reader load of its four words: the lanes' tags gathered into one word (byte
+/// `l` = tag of lane `l`, so the SWAR tests below apply to both formats) and their indices.
+#[derive(Clone, Copy)]
+struct Lanes {
+    tags: u64,
+    w: [u64; 4],
+    wide: bool,
+}
+
+impl Lanes {
+    /// The node index in lane `l` (0: none).
+    #[inline]
+    fn idx(&self, l: usize) -> u32 {
+        if self.wide {
+            (self.w[1 + l / 2] >> (32 * (l & 1))) as u32
+        } else {
+            (self.w[l & 3] >> (32 * (l >> 2))) as u32 & NARROW_MASK
+        }
+    }
+}
+
+/// The tag bytes of a narrow group's words, lane `l` in byte `l`: lane `l`'s tag sits in bits
+/// `32 * (l / 4) + 24..` of word `l % 4`, i.e. `24 - 8 * (l % 4)` bits above its byte in the
+/// result, one shift per word for both halves.
+#[inline]
+fn narrow_tags(w: &[u64; 4]) -> u64 {
+    ((w[0] >> 24) & 0x0000_00ff_0000_00ff)
+        | ((w[1] >> 16) & 0x0000_ff00_0000_ff00)
+        | ((w[2] >> 8) & 0x00ff_0000_00ff_0000)
+        | (w[3] & 0xff00_0000_ff00_0000)
 }
 
 struct ShardTable {
     groups: PageArray<Group>,
+    /// Wide format (6 lanes of full `u32` indices per group) instead of narrow (8 lanes of
+    /// 24-bit indices); fixed for the table's life.
+    wide: bool,
     /// Where the nodes named by this table's lanes live. A table and its arena are published
     /// together: a compacting rebuild moves the nodes into a new arena and publishes a new table
     /// pointing at it, so a reader translates every index it read through the right directory.
     arena: Arc<Arena>,
-    /// Per home group, a 16-bit presence summary of the keys whose probe starts there (bit
-    /// `summary_bit(h)`). Set before a key is published, cleared only by a rebuild (a superset):
-    /// a clear bit proves absence without touching the group line (P2: ~16 KiB per 1 M slots
-    /// of summary stays cache-resident, the groups do not).
+    /// A 16-bit presence summary per [`SUMMARY_SLOTS`] slots of the table: bit
+    /// `summary_bit(h)` of word `summary_at(h)` is set for every key with mixed hash `h`. Set
+    /// before a key is published, cleared only by a rebuild (a superset): a clear bit proves
+    /// absence without touching the group line (P2: the summary, 1/12 the size of the groups,
+    /// stays cache-resident, the groups do not). Its words follow the slots, not the groups:
+    /// one word per narrow group let a third more misses through than one per 6-lane group did
+    /// (W1M Q0 57 → 77 ns), and one 32-bit word per group cost a quarter more bytes per lane.
     summary: PageArray<AtomicU16>,
+    /// Number of summary words.
+    ns: u64,
     /// Number of groups.
     n: u64,
 }
@@ -475,19 +535,89 @@ fn summary_bit(h: u64) -> u16 {
 }
 
 impl ShardTable {
-    fn new(groups: usize, arena: Arc<Arena>) -> Self {
+    fn new(groups: usize, arena: Arc<Arena>, wide: bool) -> Self {
         debug_assert!(groups >= 1 && groups <= u32::MAX as usize);
+        let first = if wide { WIDE_INIT_TAGS } else { 0 };
         let groups = PageArray::new(groups, |_| Group {
-            tags: AtomicU64::new(INIT_TAGS),
-            ptrs: Default::default(),
+            w: [
+                AtomicU64::new(first),
+                AtomicU64::new(0),
+                AtomicU64::new(0),
+                AtomicU64::new(0),
+            ],
         });
         let n = groups.len() as u64;
-        let summary = PageArray::new(groups.len(), |_| AtomicU16::new(0));
+        let ns = (groups.len() * if wide { WIDE_LANES } else { NARROW_LANES })
+            .div_ceil(SUMMARY_SLOTS)
+            .max(1);
+        let summary = PageArray::new(ns, |_| AtomicU16::new(0));
+        let ns = ns as u64;
         Self {
             groups,
+            wide,
             arena,
             summary,
+            ns,
             n,
+        }
+    }
+
+    /// Lanes per group.
+    #[inline]
+    fn lanes(&self) -> usize {
+        if self.wide { WIDE_LANES } else { NARROW_LANES }
+    }
+
+    /// Tag bytes of the real lanes.
+    #[inline]
+    fn lane_bytes(&self) -> u64 {
+        if self.wide {
+            (1 << (8 * WIDE_LANES)) - 1
+        } else {
+            !0
+        }
+    }
+
+    /// Reads group `g` (each word with `ord`; a wide group's tag word first, so a tag seen
+    /// with Acquire comes with the index stored before it).
+    #[inline]
+    fn read(&self, g: usize, ord: Ordering) -> Lanes {
+        let grp = &self.groups[g];
+        let w = [
+            grp.w[0].load(ord),
+            grp.w[1].load(ord),
+            grp.w[2].load(ord),
+            grp.w[3].load(ord),
+        ];
+        let tags = if self.wide { w[0] } else { narrow_tags(&w) };
+        Lanes {
+            tags,
+            w,
+            wide: self.wide,
+        }
+    }
+
+    /// Sets lane `l` of group `g` to `tag` and node index `idx` (mutex holder, or a table not
+    /// yet published). Narrow: one store of the lane's word. Wide: the index, then the tag
+    /// word, both with `ord` — a reader that sees the tag (Acquire) sees the index, and a
+    /// removal (index 0, then TOMB) is seen as "deleted" from either store on.
+    #[inline]
+    fn set(&self, g: usize, l: usize, tag: u64, idx: u32, ord: Ordering) {
+        let grp = &self.groups[g];
+        if self.wide {
+            let sh = 32 * (l & 1);
+            let word = &grp.w[1 + l / 2];
+            let x = word.load(Ordering::Relaxed);
+            word.store((x & !(0xffff_ffff << sh)) | (idx as u64) << sh, ord);
+            let t = grp.w[0].load(Ordering::Relaxed);
+            grp.w[0].store((t & !(0xff << (8 * l))) | tag << (8 * l), ord);
+        } else {
+            debug_assert!(idx <= NARROW_MASK);
+            let sh = 32 * (l >> 2);
+            let word = &grp.w[l & 3];
+            let x = word.load(Ordering::Relaxed);
+            let lane = tag << NARROW_BITS | idx as u64;
+            word.store((x & !(0xffff_ffff << sh)) | lane << sh, ord);
         }
     }
 
@@ -497,6 +627,13 @@ impl ShardTable {
     #[inline]
     fn home(&self, h: u64) -> usize {
         (((h & 0xffff_ffff) * self.n) >> 32) as usize
+    }
+
+    /// The summary word of mixed hash `h`: like the home group, its low 32 bits scaled to the
+    /// number of words.
+    #[inline]
+    fn summary_at(&self, h: u64) -> usize {
+        (((h & 0xffff_ffff) * self.ns) >> 32) as usize
     }
 
     /// The group after `g` in probe order.
@@ -509,20 +646,37 @@ impl ShardTable {
     /// Whether the key with mixed hash `h` may be present (false: definitely absent).
     #[inline]
     fn may_contain(&self, h: u64) -> bool {
-        self.summary[self.home(h)].load(Ordering::Relaxed) & summary_bit(h) != 0
+        self.summary[self.summary_at(h)].load(Ordering::Relaxed) & summary_bit(h) != 0
     }
 
     /// Marks the key with mixed hash `h` present (mutex holder / unpublished table only).
     #[inline]
     fn mark(&self, h: u64) {
-        let s = &self.summary[self.home(h)];
+        let s = &self.summary[self.summary_at(h)];
         s.store(
             s.load(Ordering::Relaxed) | summary_bit(h),
             Ordering::Relaxed,
         );
     }
     fn slots(&self) -> usize {
-        self.groups.len() * LANES
+        self.groups.len() * self.lanes()
+    }
+
+    /// The node index at slot id `i` (`group << 3 | lane`; Acquire), None past the table or
+    /// its lanes.
+    #[inline]
+    fn lane_at(&self, i: usize) -> Option<u32> {
+        let (g, l) = (i >> 3, i & 7);
+        if l >= self.lanes() || g >= self.groups.len() {
+            return None;
+        }
+        // Only the word holding the lane's index (see `Lanes::idx`).
+        let grp = &self.groups[g];
+        Some(if self.wide {
+            (grp.w[1 + l / 2].load(Ordering::Acquire) >> (32 * (l & 1))) as u32
+        } else {
+            (grp.w[l & 3].load(Ordering::Acquire) >> (32 * (l >> 2))) as u32 & NARROW_MASK
+        })
     }
     fn bytes(&self) -> usize {
         self.groups.footprint() + self.summary.footprint() + chunk(std::mem::size_of::<Self>())
@@ -537,16 +691,16 @@ impl ShardTable {
         let fp = fingerprint(h) * LO;
         let mut g = self.home(h);
         loop {
-            let grp = &self.groups[g];
-            let tags = grp.tags.load(Ordering::Acquire);
+            let grp = self.read(g, Ordering::Acquire);
+            let tags = grp.tags;
             let mut m = zero_bytes(tags ^ fp);
             while m != 0 {
                 let lane = (m.trailing_zeros() / 8) as usize;
                 m &= m - 1;
-                if lane >= LANES {
+                if lane >= self.lanes() {
                     break;
                 }
-                let i = grp.ptrs[lane].load(Ordering::Acquire);
+                let i = grp.idx(lane);
                 if i == 0 {
                     continue;
                 }
@@ -880,7 +1034,20 @@ impl LfuTable {
     }
 }
 
+/// Whether a rebuild copies the live nodes into a fresh arena.
+#[derive(Clone, Copy)]
+enum Compact {
+    /// When the arena holds more than 4× the live nodes' bytes, or the shard is empty.
+    Auto,
+    /// Always (`maybe_shrink`'s bloat check).
+    Force,
+    /// Never: a node not yet published lives in the current arena.
+    Never,
+}
+
 struct ShardState {
+    /// Arena indices at or above this need a wide table ([`NARROW_BITS`]; lower in tests).
+    narrow_limit: u64,
     /// Live keys.
     live: usize,
     /// `live + 1` at the last rebuild (tells growth from tombstone cleanup, see `rebuild`).
@@ -964,13 +1131,28 @@ impl<'k> Probe<'k> {
 
 impl KeyTable {
     pub(crate) fn new() -> Self {
+        // Loom models can ask for wide tables from the start (limit 0: every index is "too
+        // large" for a narrow lane).
+        #[cfg(loom)]
+        let narrow_limit = if crate::loom_api::wide_tables() {
+            0
+        } else {
+            1 << NARROW_BITS
+        };
+        #[cfg(not(loom))]
+        let narrow_limit = 1 << NARROW_BITS;
         let shards: Box<[CachePadded<Shard>]> = (0..SHARDS)
             .map(|_| {
                 CachePadded::new(Shard {
-                    table: Atomic::new(ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()))),
+                    table: Atomic::new(ShardTable::new(
+                        MIN_GROUPS,
+                        Arc::new(Arena::new()),
+                        narrow_limit == 0,
+                    )),
                     lfu: Atomic::null(),
                     bytes: AtomicI64::new(0),
                     w: Mutex::new(ShardState {
+                        narrow_limit,
                         live: 0,
                         live_at_rebuild: 0,
                         used: 0,
@@ -991,7 +1173,7 @@ impl KeyTable {
             shards,
             bytes: AtomicI64::new(0),
         };
-        let per = ShardTable::new(MIN_GROUPS, Arc::new(Arena::new())).bytes()
+        let per = ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false).bytes()
             + std::mem::size_of::<CachePadded<Shard>>();
         t.add_bytes((per * SHARDS) as i64);
         t
@@ -1027,6 +1209,23 @@ impl KeyTable {
                 .sum::<i64>()
     }
 
+    /// A table whose shards go wide once an arena index reaches `limit` (tests of the wide
+    /// format and of the switch, without 128 MiB of nodes).
+    #[cfg(all(test, not(loom)))]
+    fn with_narrow_limit(limit: u64) -> Self {
+        let t = Self::new();
+        for sh in t.shards.iter() {
+            sh.w.lock().narrow_limit = limit;
+        }
+        t
+    }
+
+    /// Whether shard `s`'s current table is wide (tests).
+    #[cfg(all(test, not(loom)))]
+    fn is_wide(&self, s: usize) -> bool {
+        self.table_of(s, &epoch::pin()).wide
+    }
+
     #[inline]
     fn table_of<'g>(&self, s: usize, guard: &'g Guard) -> &'g ShardTable {
         let t = self.shards[s].table.load(Ordering::Acquire, guard);
@@ -1056,16 +1255,16 @@ impl KeyTable {
         let t = self.table_of(p.shard(), guard);
         // No presence-summary check here: candidates are taken for the blocks after a match,
         // which usually match too, and the summary would cost one more line per block.
-        let grp = &t.groups[t.home(p.h)];
-        let tags = grp.tags.load(Ordering::Acquire);
+        let grp = t.read(t.home(p.h), Ordering::Acquire);
+        let tags = grp.tags;
         let mut m = zero_bytes(tags ^ (fingerprint(p.h) * LO));
         while m != 0 {
             let lane = (m.trailing_zeros() / 8) as usize;
             m &= m - 1;
-            if lane >= LANES {
+            if lane >= t.lanes() {
                 break;
             }
-            let i = grp.ptrs[lane].load(Ordering::Acquire);
+            let i = grp.idx(lane);
             if i != 0 {
                 let n = t.arena.node(i) as *const KeyNode;
                 // Every line an 8-holder node (136 bytes, the common shared-prefix case) can
@@ -1137,9 +1336,10 @@ impl KeyTable {
         for s in 0..SHARDS {
             let t = self.table_of(s, guard);
             let arena = &t.arena;
-            for g in t.groups.iter() {
-                for p in g.ptrs.iter() {
-                    let i = p.load(Ordering::Acquire);
+            for g in 0..t.groups.len() {
+                let grp = t.read(g, Ordering::Acquire);
+                for l in 0..t.lanes() {
+                    let i = grp.idx(l);
                     if i != 0 {
                         // SAFETY: as in `find`.
                         f(unsafe { &*(arena.node(i) as *const KeyNode) });
@@ -1160,11 +1360,7 @@ impl KeyTable {
     /// be replaced or removed right after; writers re-validate under the shard mutex.
     pub(crate) fn node_at<'g>(&self, s: usize, i: usize, guard: &'g Guard) -> Option<&'g KeyNode> {
         let t = self.table_of(s, guard);
-        let (g, lane) = (i >> 3, i & 7);
-        if lane >= LANES {
-            return None;
-        }
-        let i = t.groups.get(g)?.ptrs[lane].load(Ordering::Acquire);
+        let i = t.lane_at(i)?;
         // SAFETY: as in `find`: a non-zero lane index is a published node retired through the
         // epoch, valid while `guard` is pinned.
         (i != 0).then(|| unsafe { &*(t.arena.node(i) as *const KeyNode) })
@@ -1185,22 +1381,25 @@ impl KeyTable {
         let t = self.table_of(s, guard);
         let arena = &t.arena;
         let len = t.groups.len();
+        // Occupied lanes (tag high bit set) of a group, lowest first.
+        let full = |grp: &Lanes| grp.tags & t.lane_bytes() & HI;
         for g in g0..(g0 + n).min(len) {
-            if let Some(ahead) = t.groups.get(g + 2) {
-                for p in ahead.ptrs.iter() {
-                    let x = p.load(Ordering::Relaxed);
+            if g + 2 < len {
+                let ahead = t.read(g + 2, Ordering::Relaxed);
+                let mut m = full(&ahead);
+                while m != 0 {
+                    let x = ahead.idx((m.trailing_zeros() / 8) as usize);
+                    m &= m - 1;
                     if x != 0 {
                         prefetch(arena.node(x));
                     }
                 }
             }
-            let grp = &t.groups[g];
-            let tags = grp.tags.load(Ordering::Acquire);
-            for (lane, p) in grp.ptrs.iter().enumerate() {
-                if (tags >> (8 * lane)) & 0x80 == 0 {
-                    continue;
-                }
-                let x = p.load(Ordering::Acquire);
+            let grp = t.read(g, Ordering::Acquire);
+            let mut m = full(&grp);
+            while m != 0 {
+                let x = grp.idx((m.trailing_zeros() / 8) as usize);
+                m &= m - 1;
                 if x != 0 {
                     // SAFETY: as in `find`: a published node retired through the epoch.
                     f(unsafe { &*(arena.node(x) as *const KeyNode) });
@@ -1240,9 +1439,10 @@ impl Drop for KeyTable {
                     // its last reference (this table's, or a pending deferred free's) goes.
                     let tab = t.into_owned();
                     #[cfg(loom)]
-                    for g in tab.groups.iter() {
-                        for p in g.ptrs.iter() {
-                            let i = p.load(Ordering::Relaxed);
+                    for g in 0..tab.groups.len() {
+                        let grp = tab.read(g, Ordering::Relaxed);
+                        for l in 0..tab.lanes() {
+                            let i = grp.idx(l);
                             if i != 0 {
                                 crate::loom_api::destroyed(
                                     crate::loom_api::Kind::Node,
@@ -1297,7 +1497,8 @@ impl Drop for ShardWriter<'_> {
     }
 }
 
-/// Slot index encoding for writers: `group << 3 | lane` (lanes 6 and 7 never hold a key).
+/// Slot index encoding for writers: `group << 3 | lane` (lanes 6 and 7 of a wide group never
+/// hold a key).
 #[inline]
 fn slot_id(g: usize, lane: usize) -> usize {
     g << 3 | lane
@@ -1342,11 +1543,7 @@ impl ShardWriter<'_> {
     /// The live node at slot id `i`, if any.
     pub(crate) fn node_at<'g>(&self, i: usize, guard: &'g Guard) -> Option<&'g KeyNode> {
         let t = self.current(guard);
-        let (g, lane) = (i >> 3, i & 7);
-        if lane >= LANES {
-            return None;
-        }
-        let i = t.groups.get(g)?.ptrs[lane].load(Ordering::Acquire);
+        let i = t.lane_at(i)?;
         if i == 0 {
             None
         } else {
@@ -1366,14 +1563,26 @@ impl ShardWriter<'_> {
     /// the old node.
     pub(crate) fn replace(&mut self, i: usize, holders: &[Holder], guard: &Guard) {
         let t = self.current(guard);
-        let slot = &t.groups[i >> 3].ptrs[i & 7];
-        let old = slot.load(Ordering::Relaxed);
+        let old = t.lane_at(i).unwrap_or(0);
         debug_assert!(old != 0);
         let old_node = t.arena.node(old) as *const KeyNode;
-        // SAFETY: `old` is live (we hold the shard mutex; only we unlink).
+        // SAFETY: `old` is live (we hold the shard mutex; only we unlink), and stays so until
+        // it is retired below, in this arena (a rebuild inside `build` never compacts).
         let (key, d) = unsafe { ((*old_node).key(), (*old_node).digest()) };
+        let rebuilds = self.st.rebuilds;
         let (new, _) = self.build(key, d, holders, guard);
-        slot.swap(new, Ordering::AcqRel);
+        let t = self.current(guard);
+        let (g, l) = if self.st.rebuilds == rebuilds {
+            (i >> 3, i & 7)
+        } else {
+            // `build` moved the shard to a wide table, and the key with it.
+            match t.probe(key, d, mix(d)) {
+                Some((g, l, _)) => (g, l),
+                None => unreachable!("a rebuild moves every live key"),
+            }
+        };
+        let tag = (t.read(g, Ordering::Relaxed).tags >> (8 * l)) & 0xff;
+        t.set(g, l, tag, new, Ordering::Release);
         self.retire_node(old, guard);
     }
 
@@ -1391,6 +1600,11 @@ impl ShardWriter<'_> {
         self.add_bytes(self.st.arena.bytes() - before);
         self.st.node_units += KeyNode::units_of(holders.len(), key) as usize;
         self.st.peak_units = self.st.peak_units.max(self.st.node_units);
+        if !t.wide && u64::from(built.0) >= self.st.narrow_limit {
+            // A narrow lane cannot name the new node: move the shard to a wide table first
+            // (the node is not published yet; the rebuild keeps this arena).
+            self.rebuild(guard, Compact::Never);
+        }
         built
     }
 
@@ -1427,22 +1641,20 @@ impl ShardWriter<'_> {
     /// Deletes the key at slot id `i` (tombstone) and retires its node.
     pub(crate) fn remove(&mut self, i: usize, guard: &Guard) {
         let t = self.current(guard);
-        let grp = &t.groups[i >> 3];
-        let lane = i & 7;
-        let old = grp.ptrs[lane].swap(0, Ordering::AcqRel);
+        let (g, lane) = (i >> 3, i & 7);
+        let grp = t.read(g, Ordering::Relaxed);
+        let old = grp.idx(lane);
         debug_assert!(old != 0);
-        let tags = grp.tags.load(Ordering::Relaxed);
         // Invariant 2: a group that still has an EMPTY lane has had one since the table was
         // built, so no probe ever went past it and no key lives beyond it; the freed lane can be
         // EMPTY again (probes keep ending here). Otherwise it must stay a tombstone.
-        let freed = if zero_bytes(tags) != 0 {
+        let freed = if zero_bytes(grp.tags) != 0 {
             self.st.used -= 1;
             EMPTY
         } else {
             TOMB
         };
-        let tags = (tags & !(0xff << (8 * lane))) | (freed << (8 * lane));
-        grp.tags.store(tags, Ordering::Release);
+        t.set(g, lane, freed, 0, Ordering::Release);
         self.retire_node(old, guard);
         self.st.live -= 1;
     }
@@ -1462,7 +1674,14 @@ impl ShardWriter<'_> {
         let peak_bytes = (self.st.peak_units * crate::arena::UNIT) as i64;
         let bloated = held > peak_bytes * 3 / 2 + COMPACT_SLACK;
         if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() || empty_arena || bloated {
-            self.rebuild(guard, bloated);
+            self.rebuild(
+                guard,
+                if bloated {
+                    Compact::Force
+                } else {
+                    Compact::Auto
+                },
+            );
         }
     }
 
@@ -1470,7 +1689,7 @@ impl ShardWriter<'_> {
     /// this shard.
     pub(crate) fn insert_p(&mut self, p: Probe<'_>, holders: &[Holder], guard: &Guard) {
         if (self.st.used + 1) * 20 > self.current(guard).slots() * 17 {
-            self.rebuild(guard, false);
+            self.rebuild(guard, Compact::Auto);
         }
         let (node, _) = self.build(p.key, p.d, holders, guard);
         let t = self.current(guard);
@@ -1478,20 +1697,18 @@ impl ShardWriter<'_> {
         // pointer with Acquire also sees the bit; a reader that misses the bit is concurrent).
         t.mark(p.h);
         let mut g = t.home(p.h);
+        let real = t.lane_bytes();
         loop {
-            let grp = &t.groups[g];
-            let tags = grp.tags.load(Ordering::Relaxed);
+            let tags = t.read(g, Ordering::Relaxed).tags;
             // Free lanes: EMPTY (0) or TOMB (1), i.e. bytes ≤ 1.
-            let free = zero_bytes((tags & !LO & LANE_BYTES) | !LANE_BYTES);
+            let free = zero_bytes((tags & !LO & real) | !real);
             if free != 0 {
                 let lane = (free.trailing_zeros() / 8) as usize;
-                debug_assert!(lane < LANES);
+                debug_assert!(lane < t.lanes());
                 if (tags >> (8 * lane)) & 0xff == EMPTY {
                     self.st.used += 1;
                 }
-                grp.ptrs[lane].store(node, Ordering::Release);
-                let tags = (tags & !(0xff << (8 * lane))) | (fingerprint(p.h) << (8 * lane));
-                grp.tags.store(tags, Ordering::Release);
+                t.set(g, lane, fingerprint(p.h), node, Ordering::Release);
                 break;
             }
             g = t.step(g);
@@ -1504,7 +1721,7 @@ impl ShardWriter<'_> {
     /// the live nodes' bytes (+ 16 KiB: a shard emptied key by key then copies each node about
     /// 1/3 of a time in all) or the shard is empty, the live nodes are also copied into a fresh
     /// arena and the old one goes with the old table, through the epoch.
-    fn rebuild(&mut self, guard: &Guard, compact: bool) {
+    fn rebuild(&mut self, guard: &Guard, compact: Compact) {
         // Retirements belong to the current arena, which a compaction replaces.
         self.flush_retired(guard);
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
@@ -1520,13 +1737,29 @@ impl ShardWriter<'_> {
         let growing = live * 4 > self.st.live_at_rebuild * 5;
         self.st.live_at_rebuild = live;
         let slots = if growing { live * 2 } else { live * 3 / 2 };
-        let groups = slots.div_ceil(LANES).max(MIN_GROUPS);
         let live_bytes = (self.st.node_units * crate::arena::UNIT) as i64;
         // Loom models stay on the move-only path: their tables are tiny, and the compaction
         // reuses the table-retirement protocol they already check.
         let held = self.st.arena.carved();
         let compact = !cfg!(loom)
-            && (compact || held > 4 * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0);
+            && match compact {
+                Compact::Never => false,
+                Compact::Force => true,
+                Compact::Auto => {
+                    held > 4 * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0
+                }
+            };
+        // Narrow lanes while every index fits in 24 bits: the arena's chunk ids so far, or,
+        // for a fresh arena, live nodes of at most half that space (chunk ids cover 2^15 units
+        // each whatever their size, and each chunk may end in an unused tail).
+        let limit = self.st.narrow_limit;
+        let wide = if compact {
+            self.st.node_units as u64 * 2 + (1 << 16) >= limit
+        } else {
+            self.st.arena.index_bound() > limit
+        };
+        let lanes = if wide { WIDE_LANES } else { NARROW_LANES };
+        let groups = slots.div_ceil(lanes).max(MIN_GROUPS);
         let mut fresh = compact.then(ArenaState::new);
         let new = ShardTable::new(
             groups,
@@ -1535,20 +1768,23 @@ impl ShardWriter<'_> {
             } else {
                 old.arena.clone()
             },
+            wide,
         );
         let arena = &old.arena;
-        for (gi, grp) in old.groups.iter().enumerate() {
+        for gi in 0..old.groups.len() {
             // Each move reads the node's digest: prefetch the nodes of a group 2 ahead.
-            if let Some(ahead) = old.groups.get(gi + 2) {
-                for p in ahead.ptrs.iter() {
-                    let n = p.load(Ordering::Relaxed);
+            if gi + 2 < old.groups.len() {
+                let ahead = old.read(gi + 2, Ordering::Relaxed);
+                for l in 0..old.lanes() {
+                    let n = ahead.idx(l);
                     if n != 0 {
                         prefetch(arena.node(n));
                     }
                 }
             }
-            for p in grp.ptrs.iter() {
-                let n = p.load(Ordering::Relaxed);
+            let grp = old.read(gi, Ordering::Relaxed);
+            for l in 0..old.lanes() {
+                let n = grp.idx(l);
                 if n == 0 {
                     continue;
                 }
@@ -1576,14 +1812,11 @@ impl ShardWriter<'_> {
                 new.mark(h);
                 let mut g = new.home(h);
                 loop {
-                    let ng = &new.groups[g];
-                    let tags = ng.tags.load(Ordering::Relaxed);
-                    let e = zero_bytes(tags);
+                    let e = zero_bytes(new.read(g, Ordering::Relaxed).tags);
                     if e != 0 {
                         let lane = (e.trailing_zeros() / 8) as usize;
-                        ng.ptrs[lane].store(n, Ordering::Relaxed);
-                        ng.tags
-                            .store(tags | fingerprint(h) << (8 * lane), Ordering::Relaxed);
+                        debug_assert!(wide || n <= NARROW_MASK, "narrow table sized for its arena");
+                        new.set(g, lane, fingerprint(h), n, Ordering::Relaxed);
                         break;
                     }
                     g = new.step(g);
@@ -1809,7 +2042,7 @@ mod tests {
         let base = t.bytes();
         put_keys(&t, 0..N, 1);
         let full = t.bytes() - base;
-        // 24-byte nodes, 1.2–2 lanes of 32/6 bytes and a 2-byte summary per 6 lanes per key, and
+        // 24-byte nodes, 1.2–2 lanes of 4 bytes and a 2-byte summary per 8 lanes per key, and
         // the unused tail of each shard's current chunk (chunks double up to 256 KiB, so with
         // only 3,750 keys per shard the tail is still a third of the arena).
         let per_key = full as f64 / N as f64;
@@ -1837,6 +2070,168 @@ mod tests {
         drop(guard);
         remove_keys(&t, N - 1_000..N);
         assert_eq!(t.bytes(), base, "an emptied shard gives its arena back");
+    }
+
+    #[test]
+    fn both_group_formats_read_back_every_lane() {
+        for wide in [false, true] {
+            let t = ShardTable::new(2, Arc::new(Arena::new()), wide);
+            let lanes = t.lanes();
+            for l in 0..lanes {
+                let idx = if wide {
+                    u32::MAX - l as u32
+                } else {
+                    NARROW_MASK - l as u32
+                };
+                t.set(1, l, 0x80 | l as u64, idx, Ordering::Relaxed);
+            }
+            // Overwrite one lane: its neighbours in the same word keep their values.
+            t.set(1, 2, TOMB, 0, Ordering::Relaxed);
+            let g = t.read(1, Ordering::Relaxed);
+            for l in 0..lanes {
+                let (tag, idx) = ((g.tags >> (8 * l)) & 0xff, g.idx(l));
+                if l == 2 {
+                    assert_eq!((tag, idx), (TOMB, 0), "wide {wide}");
+                } else {
+                    let want = if wide {
+                        u32::MAX - l as u32
+                    } else {
+                        NARROW_MASK - l as u32
+                    };
+                    assert_eq!((tag, idx), (0x80 | l as u64, want), "wide {wide} lane {l}");
+                }
+            }
+            // A wide group's tag bytes 6 and 7 are never free and never match.
+            if wide {
+                assert_eq!(g.tags >> 48, WIDE_INIT_TAGS >> 48);
+            }
+            let untouched = t.read(0, Ordering::Relaxed);
+            assert!(
+                zero_bytes(untouched.tags) != 0,
+                "an unused group has EMPTY lanes"
+            );
+        }
+    }
+
+    /// Random inserts, holder changes and removals against a map, on a table whose shards
+    /// switch to the wide format after a few chunks; then most keys go and compaction brings
+    /// the shards back to narrow tables. Every key is found with its last holders throughout.
+    #[test]
+    fn narrow_and_wide_tables_agree_with_a_map_across_the_switch() {
+        // 3 chunk ids of 2^15 units: wide from the fourth chunk on.
+        let t = KeyTable::with_narrow_limit(3 << 15);
+        let mut model: std::collections::HashMap<u64, Vec<Holder>> = Default::default();
+        let guard = epoch::pin();
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let check = |t: &KeyTable, model: &std::collections::HashMap<u64, Vec<Holder>>| {
+            let guard = epoch::pin();
+            for (k, hs) in model {
+                let n = t
+                    .find(&k.to_be_bytes(), &guard)
+                    .expect("a live key is found");
+                assert_eq!(n.holders().len(), hs.len());
+                for (a, b) in n.holders().iter().zip(hs) {
+                    assert!(a.same_data(b) && a.rep() == b.rep(), "key {k:x}: holders");
+                }
+            }
+        };
+        for step in 0..60_000u32 {
+            let r = next();
+            let k = r % 20_000;
+            let key = k.to_be_bytes();
+            let p = Probe::new(&key);
+            let mut w = t.writer(KeyTable::shard_of(p));
+            match (w.find_p(p, &guard), r >> 60) {
+                (None, _) => {
+                    let hs = vec![Holder::new(0, 1, 16, i64::from(step), 1)];
+                    w.insert_p(p, &hs, &guard);
+                    model.insert(k, hs);
+                }
+                (Some((i, _)), 0..=3) => {
+                    w.remove(i, &guard);
+                    w.maybe_shrink(&guard);
+                    model.remove(&k);
+                }
+                (Some((i, n)), _) => {
+                    // Grow or refresh the holder set (up to 3 replicas).
+                    let mut hs = n.holders().to_vec();
+                    let rep = (r >> 20) as u32 % 3;
+                    let h = Holder::new(rep, 2, 32, i64::from(step), 7);
+                    match hs.iter().position(|x| x.rep() == rep) {
+                        Some(pos) => hs[pos] = h,
+                        None => {
+                            let pos = hs.partition_point(|x| x.rep() < rep);
+                            hs.insert(pos, h);
+                        }
+                    }
+                    w.replace(i, &hs, &guard);
+                    model.insert(k, hs);
+                }
+            }
+            drop(w);
+            if step % 15_000 == 14_999 {
+                check(&t, &model);
+            }
+        }
+        check(&t, &model);
+        assert!(
+            (0..SHARDS).all(|s| t.is_wide(s)),
+            "every shard outgrew 3 chunk ids and went wide"
+        );
+        // Keep 1 key in 40: removals shrink the tables and compact the arenas, whose fresh
+        // indices fit narrow lanes again.
+        let doomed: Vec<u64> = model.keys().copied().filter(|k| k % 40 != 0).collect();
+        for k in doomed {
+            let key = k.to_be_bytes();
+            let p = Probe::new(&key);
+            let mut w = t.writer(KeyTable::shard_of(p));
+            let (i, _) = w.find_p(p, &guard).expect("present");
+            w.remove(i, &guard);
+            w.maybe_shrink(&guard);
+            model.remove(&k);
+        }
+        check(&t, &model);
+        assert!(
+            (0..SHARDS).all(|s| !t.is_wide(s)),
+            "compacted shards are narrow again"
+        );
+    }
+
+    /// Readers keep finding a fixed set of keys while a writer's inserts move their shards
+    /// from narrow to wide tables (the switch is an ordinary rebuild: readers of the old table
+    /// stay valid through the epoch).
+    #[test]
+    fn readers_never_miss_a_key_while_its_shard_goes_wide() {
+        let t = KeyTable::with_narrow_limit(2 << 15);
+        put_keys(&t, 0..2_000, 2);
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                put_keys(&t, 1_000_000..1_060_000, 3);
+                done.store(true, Ordering::Release);
+            });
+            for _ in 0..2 {
+                sc.spawn(|| {
+                    let mut rounds = 0;
+                    while !done.load(Ordering::Acquire) || rounds == 0 {
+                        let guard = epoch::pin();
+                        for k in 0..2_000u64 {
+                            let n = t.find(&k.to_be_bytes(), &guard).expect("never missed");
+                            assert_eq!(n.holders().len(), 2);
+                            assert_eq!(n.holders()[1].last_seen_ms(), k as i64);
+                        }
+                        rounds += 1;
+                    }
+                });
+            }
+        });
+        assert!((0..SHARDS).all(|s| t.is_wide(s)));
     }
 
     #[test]

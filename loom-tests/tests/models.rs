@@ -280,9 +280,22 @@ fn assert_reclaimed(nodes_linked: usize, cells_linked: usize, sums_linked: usize
 /// ingest, while a reader looks both keys up. The reader sees each entry either before or after
 /// the write, never torn (C3): the holder set is `[a]` or `[a, b]`, and an entry it sees carries
 /// exactly the written token count and last_seen. Shadow cells make loom check that the node's
-/// initialisation happens-before every read through the published pointer.
+/// initialisation happens-before every read through the published pointer. On narrow tables
+/// (the models' size: tag and index in one lane word) and, in `m1w`, on wide ones (index, then
+/// tag word).
 #[test]
 fn m1_publish_vs_reader() {
+    publish_vs_reader();
+}
+
+/// Model 1 on wide tables (the group format of shards past 128 MiB of nodes).
+#[test]
+fn m1w_publish_vs_reader_wide() {
+    loom_api::set_wide_tables(true);
+    publish_vs_reader();
+}
+
+fn publish_vs_reader() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         put(&ix, A, &[(key(1), 10)], 1_000);
@@ -318,28 +331,41 @@ fn m1_publish_vs_reader() {
 /// whichever table the reader loaded; the new key is absent or complete.
 #[test]
 fn m1b_rebuild_vs_reader() {
-    // Six keys of one shard: the sixth insert exceeds the 4/5 load bound of a 1-group table.
+    rebuild_vs_reader(false);
+}
+
+/// Model 1b on wide tables.
+#[test]
+fn m1bw_rebuild_vs_reader_wide() {
+    rebuild_vs_reader(true);
+}
+
+fn rebuild_vs_reader(wide: bool) {
+    loom_api::set_wide_tables(wide);
+    // Keys of one shard until its 1-group table (8 narrow lanes, 6 wide) passes the 17/20 load
+    // bound: the 7th insert (narrow) or the 6th (wide) rebuilds it.
+    let n = if wide { 6 } else { 7 };
     let shard = loom_api::shard_of(&key(1));
     let same: Vec<u64> = (1..)
         .filter(|&i| loom_api::shard_of(&key(i)) == shard)
-        .take(6)
+        .take(n)
         .collect();
     model(move || {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
-        let first: Vec<_> = same[..5].iter().map(|&i| (key(i), 1)).collect();
+        let first: Vec<_> = same[..n - 1].iter().map(|&i| (key(i), 1)).collect();
         put(&ix, A, &first, 1_000);
-        let last = key(same[5]);
+        let last = key(same[n - 1]);
         let w = spawn_on(&ix, move |ix| {
             put(ix, A, &[(last, 7)], 1_000);
         });
         assert_eq!(entry(&ix, &key(same[0]), A), Some((1, 1_000)));
         assert!(matches!(entry(&ix, &last, A), None | Some((7, 1_000))));
         w.join().unwrap();
-        for &i in &same[..5] {
+        for &i in &same[..n - 1] {
             assert_eq!(entry(&ix, &key(i), A), Some((1, 1_000)));
         }
         assert_eq!(entry(&ix, &last, A), Some((7, 1_000)));
-        assert_final(&ix, 6);
+        assert_final(&ix, n as i64);
     });
 }
 
@@ -350,9 +376,21 @@ fn m1b_rebuild_vs_reader() {
 /// through crossbeam-epoch) while a pinned reader walks it. The reader sees one of the four
 /// states; loom checks that no node is freed while a reader pinned before its unlink can still
 /// read it (shadow cells), and once the reader has left every retired node is freed exactly once
-/// (no leak, no double free).
+/// (no leak, no double free). `m2w`: the same on wide tables, whose removal stores the index
+/// and the tag separately.
 #[test]
 fn m2_remove_reclaim_vs_pinned_reader() {
+    remove_reclaim_vs_pinned_reader();
+}
+
+/// Model 2 on wide tables.
+#[test]
+fn m2w_remove_reclaim_vs_pinned_reader_wide() {
+    loom_api::set_wide_tables(true);
+    remove_reclaim_vs_pinned_reader();
+}
+
+fn remove_reclaim_vs_pinned_reader() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         put(&ix, A, &[(key(1), 10)], 1_000);
