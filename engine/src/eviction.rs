@@ -43,8 +43,9 @@
 //! the group arrays, occupied lanes from the tag word, nodes prefetched two groups ahead) plus
 //! one re-probe and the removal under the shard lock; the 64-sample re-estimation is amortized
 //! over ~3% of the population. A lower quantile buys quality with walk cost (rank 1 of 64:
-//! ~99.8% / ~35 visits per victim). Measured T86 per-ingest cost at the cap: 1.8× the cost
-//! below it at N = 100k (bar 2×).
+//! ~99.8% / ~35 visits per victim). Measured T86 per-ingest cost at the cap: 1.8–1.9× the
+//! cost below it at N = 100k (bar 2×). Quotas, which have no cost bar, sample at the 7th of 64
+//! (≈ 11%): V5's N/2 quality is then 96.5–99.0% over 16 seeds (94.5–98.3% at the cap's rank).
 //!
 //! **Counters.** The cap runs holding the calling ingest's key and entry deltas ([`Carry`]): a
 //! victim of the same partition folds its own deltas into them (and of the same replica, its
