@@ -483,15 +483,30 @@ struct Lanes {
     wide: bool,
 }
 
+/// Where lane `l` of a group keeps its node index: the word, and the shift of its `u32` half
+/// (see [`Group`]). The one definition of the layout; a narrow lane's `u32` also carries its tag
+/// in the top byte ([`half_index`] strips it).
+#[inline]
+fn lane_pos(wide: bool, l: usize) -> (usize, u32) {
+    if wide {
+        (1 + l / 2, 32 * (l as u32 & 1))
+    } else {
+        (l & 3, 32 * (l as u32 >> 2))
+    }
+}
+
+/// The node index in the `u32` half of a lane (narrow: without its tag byte).
+#[inline]
+fn half_index(wide: bool, half: u32) -> u32 {
+    if wide { half } else { half & NARROW_MASK }
+}
+
 impl Lanes {
     /// The node index in lane `l` (0: none).
     #[inline]
     fn idx(&self, l: usize) -> u32 {
-        if self.wide {
-            (self.w[1 + l / 2] >> (32 * (l & 1))) as u32
-        } else {
-            (self.w[l & 3] >> (32 * (l >> 2))) as u32 & NARROW_MASK
-        }
+        let (k, sh) = lane_pos(self.wide, l);
+        half_index(self.wide, (self.w[k] >> sh) as u32)
     }
 }
 
@@ -604,20 +619,18 @@ impl ShardTable {
     #[inline]
     fn set(&self, g: usize, l: usize, tag: u64, idx: u32, ord: Ordering) {
         let grp = &self.groups[g];
-        if self.wide {
-            let sh = 32 * (l & 1);
-            let word = &grp.w[1 + l / 2];
-            let x = word.load(Ordering::Relaxed);
-            word.store((x & !(0xffff_ffff << sh)) | (idx as u64) << sh, ord);
-            let t = grp.w[0].load(Ordering::Relaxed);
-            grp.w[0].store((t & !(0xff << (8 * l))) | tag << (8 * l), ord);
+        let (k, sh) = lane_pos(self.wide, l);
+        let half = if self.wide {
+            idx as u64
         } else {
             debug_assert!(idx <= NARROW_MASK);
-            let sh = 32 * (l >> 2);
-            let word = &grp.w[l & 3];
-            let x = word.load(Ordering::Relaxed);
-            let lane = tag << NARROW_BITS | idx as u64;
-            word.store((x & !(0xffff_ffff << sh)) | lane << sh, ord);
+            tag << NARROW_BITS | idx as u64
+        };
+        let x = grp.w[k].load(Ordering::Relaxed);
+        grp.w[k].store((x & !(0xffff_ffff << sh)) | half << sh, ord);
+        if self.wide {
+            let t = grp.w[0].load(Ordering::Relaxed);
+            grp.w[0].store((t & !(0xff << (8 * l))) | tag << (8 * l), ord);
         }
     }
 
@@ -670,13 +683,10 @@ impl ShardTable {
         if l >= self.lanes() || g >= self.groups.len() {
             return None;
         }
-        // Only the word holding the lane's index (see `Lanes::idx`).
-        let grp = &self.groups[g];
-        Some(if self.wide {
-            (grp.w[1 + l / 2].load(Ordering::Acquire) >> (32 * (l & 1))) as u32
-        } else {
-            (grp.w[l & 3].load(Ordering::Acquire) >> (32 * (l >> 2))) as u32 & NARROW_MASK
-        })
+        // Only the word holding the lane's index.
+        let (k, sh) = lane_pos(self.wide, l);
+        let half = (self.groups[g].w[k].load(Ordering::Acquire) >> sh) as u32;
+        Some(half_index(self.wide, half))
     }
     fn bytes(&self) -> usize {
         self.groups.footprint() + self.summary.footprint() + chunk(std::mem::size_of::<Self>())
