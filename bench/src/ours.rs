@@ -379,6 +379,9 @@ pub fn run(w: &Workload, q: &Queries, plan: Plan, rec: &mut Recorder) -> Result<
         ));
     }
     rec.put_write(ROW_CORE, "insert", entries, el);
+    if std::env::var_os("W1M_BREAKDOWN").is_some() {
+        eprintln!("memory after insert: {:?}", ix.memory_breakdown());
+    }
     let rss_delta = rss1.saturating_sub(rss0) as f64;
     let mem = ix.memory_bytes() as f64;
     rec.put(ROW_CORE, "rss_b_entry", rss_delta / entries as f64, "B");

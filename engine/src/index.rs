@@ -16,6 +16,7 @@ use crate::rank::{
     distinguishing_power, freshness, is_live, prefix_score, pressure_factor, recency, slo_c,
     tenant_hot_score,
 };
+use crate::runs::{ChainRun, MAX_RUN, MIN_RUN};
 use crate::sink::{ChangeEvent, ChangeKind, ChangeSink};
 use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use crate::table::{
@@ -222,6 +223,8 @@ pub struct MemoryBreakdown {
     /// Arena chunk bytes not carved into nodes yet (the tail of each current chunk), plus the
     /// chunk directories.
     pub arena_unused: i64,
+    /// Chain runs (lookup shortcuts over shared chain prefixes, see `docs/engine.md`).
+    pub chain_runs: i64,
     /// Everything else `memory_bytes` counts: LFU cells and tables, retired tables still
     /// waiting for their epoch, partition and stats records.
     pub other: i64,
@@ -559,7 +562,11 @@ impl Index {
                     sink: sink.as_deref(),
                 };
                 let tier = tier_code(r.tier);
-                let up = |key: &[u8], tokens: i32, pend: &mut Pending, out: &mut IngestOutcome| {
+                let up = |key: &[u8],
+                          tokens: i32,
+                          run: Option<u64>,
+                          pend: &mut Pending,
+                          out: &mut IngestOutcome| {
                     self.upsert(
                         &ctx,
                         key,
@@ -569,10 +576,16 @@ impl Index {
                         ts_ms,
                         ts_us,
                         tier,
+                        run,
                         &guard,
                         out,
                         pend,
                     )
+                };
+                let mut plan = if chain {
+                    Self::plan_run(part, r.block_hashes, rep, &guard)
+                } else {
+                    None
                 };
                 if chain && ctx.sink.is_none() && r.block_hashes.len() >= GROUP_MIN {
                     self.upsert_chain_grouped(
@@ -582,14 +595,12 @@ impl Index {
                         rep,
                         ts_ms,
                         tier,
+                        plan.as_mut(),
                         &guard,
                         &mut out,
                         &mut pend,
                         &mut order,
                     );
-                    if !r.prefix_hash.is_empty() {
-                        up(r.prefix_hash, r.token_count, &mut pend, &mut out);
-                    }
                 } else if chain {
                     let mut sum: i32 = 0;
                     let bh = r.block_hashes;
@@ -604,13 +615,18 @@ impl Index {
                             part.table.candidate(Probe::new(bh[j + 2].as_ref()), &guard);
                         }
                         sum = sum.wrapping_add(*c);
-                        up(h.as_ref(), sum, &mut pend, &mut out);
+                        let run = plan.as_ref().and_then(|pl| pl.word(j));
+                        let node = up(h.as_ref(), sum, run, &mut pend, &mut out);
+                        if let Some(pl) = plan.as_mut() {
+                            pl.note(j, node);
+                        }
                     }
-                    if !r.prefix_hash.is_empty() {
-                        up(r.prefix_hash, r.token_count, &mut pend, &mut out);
-                    }
-                } else {
-                    up(r.prefix_hash, r.token_count, &mut pend, &mut out);
+                }
+                if let Some(pl) = plan {
+                    pl.seal(part, &guard);
+                }
+                if !chain || !r.prefix_hash.is_empty() {
+                    up(r.prefix_hash, r.token_count, None, &mut pend, &mut out);
                 }
             }
             if let Some((p, rep)) = cur {
@@ -664,6 +680,7 @@ impl Index {
         rep: u32,
         ts_ms: i64,
         tier: u8,
+        mut plan: Option<&mut RunPlan>,
         guard: &Guard,
         out: &mut IngestOutcome,
         pend: &mut Pending,
@@ -705,10 +722,63 @@ impl Index {
                         .candidate(Probe::new(hashes[order[k + 2].0 as usize].as_ref()), guard);
                 }
                 let (j, tokens) = order[k];
-                let p = Probe::new(hashes[j as usize].as_ref());
-                Self::upsert_locked(&mut w, p, rep, tokens, ts_ms, tier, guard, out, pend);
+                let j = j as usize;
+                let p = Probe::new(hashes[j].as_ref());
+                let run = plan.as_ref().and_then(|pl| pl.word(j));
+                let (_, node) =
+                    Self::upsert_locked(&mut w, p, rep, tokens, ts_ms, tier, run, guard, out, pend);
+                if let Some(pl) = plan.as_mut() {
+                    pl.note(j, node);
+                }
             }
         }
+    }
+
+    /// The chain run for a chain ingest (see [`crate::runs`]): its leading blocks whose keys
+    /// another replica already holds, i.e. whose nodes this ingest will leave with several
+    /// holders — the large nodes a lookup would otherwise read one by one. `None` when that
+    /// stretch is shorter than [`MIN_RUN`] (a chain of this replica's own, or one sharing little)
+    /// or a key is not 8 bytes. The peek is lock-free; a concurrent change only makes the run
+    /// cover blocks that end up with one holder (not marked live, so never stepped over).
+    fn plan_run<H: AsRef<[u8]>>(
+        part: &Partition,
+        hashes: &[H],
+        rep: u32,
+        guard: &Guard,
+    ) -> Option<RunPlan> {
+        let n = hashes.len().min(MAX_RUN);
+        if n < MIN_RUN {
+            return None;
+        }
+        let t = &part.table;
+        let mut b = 0;
+        while b < n {
+            if b + PREFETCH < n {
+                t.prefetch_home(Probe::new(hashes[b + PREFETCH].as_ref()), guard);
+            }
+            let key = hashes[b].as_ref();
+            if key.len() != 8 {
+                break;
+            }
+            match t.find(key, guard) {
+                Some(node) if node.holders().iter().any(|h| h.rep() != rep) => b += 1,
+                _ => break,
+            }
+        }
+        if b < MIN_RUN {
+            return None;
+        }
+        // Every key of the stretch is 8 bytes (checked by the peek).
+        let keys = hashes[..b]
+            .iter()
+            .map(|h| <[u8; 8]>::try_from(h.as_ref()).unwrap_or_default());
+        let run = ChainRun::create(keys)?;
+        // SAFETY: just created; the plan holds the creator's reference.
+        t.add_run_bytes(unsafe { (*run).bytes() } as i64);
+        Some(RunPlan {
+            run,
+            nodes: vec![0; b],
+        })
     }
 
     /// Applies the derived counter deltas of one (partition, replica) run of upserts.
@@ -776,14 +846,16 @@ impl Index {
         ts_ms: i64,
         ts_us: i64,
         tier: u8,
+        run: Option<u64>,
         guard: &Guard,
         out: &mut IngestOutcome,
         pend: &mut Pending,
-    ) {
+    ) -> *const KeyNode {
         let part = ctx.part;
         let p = Probe::new(key);
         let mut w = part.table.writer(KeyTable::shard_of(p));
-        let new_entry = Self::upsert_locked(&mut w, p, rep, tokens, ts_ms, tier, guard, out, pend);
+        let (new_entry, node) =
+            Self::upsert_locked(&mut w, p, rep, tokens, ts_ms, tier, run, guard, out, pend);
         drop(w);
         if new_entry && let Some(s) = ctx.sink {
             s.publish(&ChangeEvent {
@@ -796,9 +868,12 @@ impl Index {
                 timestamp_us: ts_us,
             });
         }
+        node
     }
 
-    /// The K11 upsert under the key's shard writer. Returns whether a new entry was created.
+    /// The K11 upsert under the key's shard writer. Returns whether a new entry was created,
+    /// and the node it published naming `run` (null if none: a node of one holder, or nothing
+    /// changed).
     #[allow(clippy::too_many_arguments)]
     #[inline]
     fn upsert_locked(
@@ -808,12 +883,14 @@ impl Index {
         tokens: i32,
         ts_ms: i64,
         tier: u8,
+        run: Option<u64>,
         guard: &Guard,
         out: &mut IngestOutcome,
         pend: &mut Pending,
-    ) -> bool {
+    ) -> (bool, *const KeyNode) {
         out.upserts += 1;
         let mut new_entry = false;
+        let mut published = std::ptr::null();
         match w.find_p(p, guard) {
             Some((i, node)) => {
                 let hs = node.holders();
@@ -821,22 +898,31 @@ impl Index {
                 if pos < hs.len() && hs[pos].rep() == rep {
                     let h2 = hs[pos].refreshed(tokens, tier, ts_ms);
                     if !h2.same_data(&hs[pos]) {
+                        let run = run.filter(|_| hs.len() > 1);
                         with_holders(hs, |buf| {
                             buf[pos] = h2;
-                            w.replace(i, buf, guard);
+                            let nn = w.replace(i, buf, run, guard);
+                            if run.is_some() {
+                                published = nn;
+                            }
                         });
                     }
                 } else {
                     let g = w.next_generation();
                     let h = Holder::new(rep, tier, tokens, ts_ms, g);
-                    with_holders_inserted(hs, pos, h, |buf| w.replace(i, buf, guard));
+                    with_holders_inserted(hs, pos, h, |buf| {
+                        let nn = w.replace(i, buf, run, guard);
+                        if run.is_some() {
+                            published = nn;
+                        }
+                    });
                     new_entry = true;
                     pend.note_created(p.key(), g);
                 }
             }
             None => {
                 let g = w.next_generation();
-                w.insert_p(p, &[Holder::new(rep, tier, tokens, ts_ms, g)], guard);
+                w.insert_p(p, &[Holder::new(rep, tier, tokens, ts_ms, g)], None, guard);
                 new_entry = true;
                 pend.note_created(p.key(), g);
                 out.keys_added += 1;
@@ -848,7 +934,7 @@ impl Index {
             pend.entries += 1;
             pend.added += 1;
         }
-        new_entry
+        (new_entry, published)
     }
 
     fn store_stats(&self, model: &ModelRec, replica: &str, st: &ReplicaStatsInput, ts_ms: i64) {
@@ -941,7 +1027,7 @@ impl Index {
             w.remove(i, guard);
             pend.keys -= 1;
         } else {
-            with_holders_removed(hs, pos, |buf| w.replace(i, buf, guard));
+            with_holders_removed(hs, pos, |buf| w.replace(i, buf, None, guard));
         }
         // LFU state is lost on delete (V3); an LRU-only shard has none.
         if w.has_lfu()
@@ -1237,19 +1323,23 @@ impl Index {
         let Some(n0) = t.find_p(p0, guard) else {
             return;
         };
+        // Blocks after block 0 that a chain run covers (see `run_skip`): the pipeline starts
+        // after them.
+        let skip0 = if capture_nodes {
+            0
+        } else {
+            run_skip(n0, hashes, 0, n)
+        };
         // Each block's probe (digest and mixed hash) is computed once, when its home group is
         // prefetched, and reused by the candidate and resolve stages (`PROBES` blocks ahead).
         let mut probes = [p0; PROBES];
-        for (j, h) in hashes.iter().enumerate().take(n.min(PREFETCH + 1)).skip(1) {
-            let p = Probe::new(h.as_ref());
-            t.prefetch_home(p, guard);
-            probes[j % PROBES] = p;
-        }
+        Self::reprime(t, hashes, n, skip0 + 1, guard, &mut probes);
         let hs0 = n0.holders();
         if hs0[hs0.len() - 1].rep() < 64 {
             Self::walk_fast(
                 t,
                 n0,
+                skip0,
                 hashes,
                 counts,
                 n,
@@ -1264,6 +1354,7 @@ impl Index {
             Self::walk_general(
                 t,
                 n0,
+                skip0,
                 hashes,
                 counts,
                 n,
@@ -1283,6 +1374,7 @@ impl Index {
     fn walk_fast<'k, H: AsRef<[u8]>>(
         t: &KeyTable,
         n0: &KeyNode,
+        skip0: usize,
         hashes: &'k [H],
         counts: &[i32],
         n: usize,
@@ -1331,11 +1423,20 @@ impl Index {
                 Cand::Miss
             }
         };
-        let mut ring = [Cand::Miss; 8];
-        for (j, c) in ring.iter_mut().enumerate().take(AHEAD + 1).skip(1) {
-            *c = cand_at(j, probes);
+        // After a run skip the ring restarts with full probes (`Cand::Probe`): the candidates'
+        // group reads would stall on lines whose prefetch has only just been issued, and the
+        // block after a skip often starts another run, which would skip them again.
+        let mut ring = [Cand::Probe; 8];
+        let mut i = 1 + skip0;
+        if skip0 == 0 {
+            for (j, c) in ring.iter_mut().enumerate().take(AHEAD + 1).skip(1) {
+                *c = cand_at(j, probes);
+            }
+        } else {
+            for &c in &counts[1..=skip0] {
+                acc = acc.wrapping_add(c);
+            }
         }
-        let mut i = 1usize;
         while i < n {
             let Some(node) = t.resolve(ring[i & 7], probes[i % PROBES], guard) else {
                 break;
@@ -1373,6 +1474,21 @@ impl Index {
             if open == 0 {
                 break;
             }
+            // The blocks a chain run says carry these same holders: the open runs continue
+            // through them unchanged (same liveness, oldest `last_seen` and tier).
+            if !capture_nodes {
+                let m = run_skip(node, hashes, i, n);
+                if m > 0 {
+                    for &c in &counts[i..i + m] {
+                        acc = acc.wrapping_add(c);
+                    }
+                    i += m;
+                    Self::reprime(t, hashes, n, i + 1, guard, probes);
+                    for j in i + 1..i + 1 + AHEAD {
+                        ring[j & 7] = Cand::Probe;
+                    }
+                }
+            }
             acc = acc.wrapping_add(counts[i]);
             i += 1;
         }
@@ -1399,6 +1515,7 @@ impl Index {
     fn walk_general<'k, H: AsRef<[u8]>>(
         t: &KeyTable,
         n0: &KeyNode,
+        skip0: usize,
         hashes: &'k [H],
         counts: &[i32],
         n: usize,
@@ -1429,7 +1546,21 @@ impl Index {
             scratch.nodes.push(n0 as *const KeyNode as usize);
         }
         let mut open = runs.len();
-        for i in 1..n {
+        // Steps over the `m` blocks a chain run covers after block `i` (see `run_skip`): every
+        // open run continues through them.
+        let advance = |i: usize, m: usize, runs: &mut Vec<Run>| {
+            let mut sum = 0i32;
+            for &c in &counts[i + 1..=i + m] {
+                sum = sum.wrapping_add(c);
+            }
+            for r in runs.iter_mut().filter(|r| r.open) {
+                r.matched = r.matched.wrapping_add(sum);
+                r.blocks += m as u32;
+            }
+        };
+        advance(0, skip0, runs);
+        let mut i = 1 + skip0;
+        while i < n {
             // Same probe ring as `walk_fast`: each block's probe is computed once, when its home
             // group is prefetched.
             if i + PREFETCH < n {
@@ -1471,6 +1602,39 @@ impl Index {
             if open == 0 {
                 break;
             }
+            let m = if capture_nodes {
+                0
+            } else {
+                run_skip(node, hashes, i, n)
+            };
+            if m > 0 {
+                advance(i, m, runs);
+                Self::reprime(t, hashes, n, i + m + 1, guard, probes);
+            }
+            i += 1 + m;
+        }
+    }
+
+    /// Restarts the walk's probe pipeline at block `from` after a run skip: the probes (and
+    /// home-group prefetches) of blocks `from .. from + PREFETCH`.
+    #[inline]
+    fn reprime<'k, H: AsRef<[u8]>>(
+        t: &KeyTable,
+        hashes: &'k [H],
+        n: usize,
+        from: usize,
+        guard: &Guard,
+        probes: &mut [Probe<'k>; PROBES],
+    ) {
+        for (j, h) in hashes
+            .iter()
+            .enumerate()
+            .take(n.min(from + PREFETCH))
+            .skip(from)
+        {
+            let p = Probe::new(h.as_ref());
+            t.prefetch_home(p, guard);
+            probes[j % PROBES] = p;
         }
     }
 
@@ -2114,7 +2278,8 @@ impl Index {
             - out.key_tables
             - out.nodes_live
             - out.nodes_free
-            - out.arena_unused;
+            - out.arena_unused
+            - out.chain_runs;
         out
     }
 
@@ -2346,6 +2511,76 @@ impl Drop for Index {
             m.parts.lock().clear();
         }
     }
+}
+
+/// A chain run being built by one chain ingest (see [`Index::plan_run`]).
+struct RunPlan {
+    run: *const ChainRun,
+    /// The node the ingest published naming each offset (0: none).
+    nodes: Vec<usize>,
+}
+
+impl RunPlan {
+    /// The run word for block `j` of the chain, if the run covers it.
+    #[inline]
+    fn word(&self, j: usize) -> Option<u64> {
+        (j < self.nodes.len()).then(|| crate::runs::run_word(self.run, j))
+    }
+
+    /// Records what the upsert of block `j` published.
+    #[inline]
+    fn note(&mut self, j: usize, node: *const KeyNode) {
+        if let Some(slot) = self.nodes.get_mut(j) {
+            *slot = node as usize;
+        }
+    }
+
+    /// Writes the stop bits and seals the run, then drops the ingest's reference. Call while
+    /// still pinned by the guard the nodes were published under (they may already be replaced;
+    /// the guard keeps them readable).
+    fn seal(self, part: &Partition, guard: &Guard) {
+        let node = |o: usize| -> Option<&KeyNode> {
+            // SAFETY: a node this ingest published under `guard`, which is still pinned.
+            (self.nodes[o] != 0).then(|| unsafe { &*(self.nodes[o] as *const KeyNode) })
+        };
+        let published = self.nodes.iter().filter(|&&n| n != 0).count();
+        let stop = |o: usize| match (node(o - 1), node(o)) {
+            (Some(a), Some(b)) => {
+                let (ha, hb) = (a.holders(), b.holders());
+                ha.len() != hb.len() || ha.iter().zip(hb).any(|(x, y)| !x.same_for_lookup(y))
+            }
+            _ => true,
+        };
+        // SAFETY: this ingest created the run and has published its last node.
+        let freed = unsafe { ChainRun::seal(self.run, published, stop, guard) };
+        if freed != 0 {
+            part.table.add_run_bytes(-(freed as i64));
+        }
+    }
+}
+
+/// How many blocks after block `i` of the request the chain run named by `node` covers: blocks whose keys continue the run's and that still carry exactly `node`'s
+/// holders (see [`crate::runs`]). 0 if `node` names no run.
+#[inline]
+fn run_skip<H: AsRef<[u8]>>(node: &KeyNode, hashes: &[H], i: usize, n: usize) -> usize {
+    let Some((r, o)) = node.run() else {
+        return 0;
+    };
+    // SAFETY: `node` is reachable under the caller's guard and names the run, so the run is
+    // freed (if at all) only after that guard is dropped (`runs`, "Reclamation").
+    let r = unsafe { &*r };
+    let max = (r.stretch_end(o) - o - 1).min(n - i - 1);
+    let mut m = 0;
+    while m < max {
+        let Ok(k) = <[u8; 8]>::try_from(hashes[i + 1 + m].as_ref()) else {
+            break;
+        };
+        if u64::from_be_bytes(k) != r.key(o + 1 + m) {
+            break;
+        }
+        m += 1;
+    }
+    m
 }
 
 fn own_key(k: &[u8]) -> KeyBytesOwned {
@@ -2606,7 +2841,7 @@ mod tests {
                 Holder::new(1, 1, 16, -5, 7),
                 Holder::new(3, 4, -2, 1 << 42, (1 << 28) - 1),
             ];
-            let buf = KeyNode::build_boxed(key, crate::table::digest(key), &hs);
+            let buf = KeyNode::build_boxed(key, crate::table::digest(key), &hs, None);
             // SAFETY: `buf` holds a node written by `build_boxed`, alive for this iteration.
             let r = unsafe { &*(buf.as_ptr() as *const KeyNode) };
             assert_eq!(r.key(), key);

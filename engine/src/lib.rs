@@ -16,6 +16,7 @@ mod index;
 pub mod loom_api;
 mod pages;
 pub mod rank;
+mod runs;
 mod sink;
 mod sync;
 mod table;

@@ -32,6 +32,8 @@ pub enum Kind {
     LfuCell,
     /// A per-key access sum (`table::KeySum`).
     KeySum,
+    /// A chain run (`runs::ChainRun`).
+    Run,
 }
 
 struct Entry {

@@ -26,12 +26,14 @@
 //! A [`KeyNode`] lives in the arena at its exact size in 8-byte units: the 8-byte key (or, for
 //! other lengths, the big-endian XXH3-64 digest), then its holders inline (16 bytes each, sorted
 //! by scope-local replica index, the last one flagged), then for non-8-byte keys `u32 len` + the
-//! key bytes. A single-holder node with an 8-byte key is 24 bytes, with no allocator header.
+//! key bytes. A single-holder node with an 8-byte key is 24 bytes, with no allocator header. A
+//! node built by a chain ingest inside a chain run ([`crate::runs`]) holds the run word in the
+//! key's place (its holders are flagged; the key is read from the run), at the same size.
 //!
 //! [`Holder`] packs `last_seen` (ms, signed 44 bits: years ~1691–2248; out-of-range timestamps
 //! are clamped), the replica index (20 bits), `token_count` (i32), the tier code (2 bits), a
-//! per-entry generation (28 bits, from a per-shard counter; it wraps after 2^28 creations in one
-//! shard, far longer than any captured hit lives) and two layout flags.
+//! per-entry generation (27 bits, from a per-shard counter; it wraps after 2^27 creations in one
+//! shard, far longer than any captured hit lives) and three layout flags.
 //!
 //! LFU state lives in a per-shard side table ([`LfuTable`]) that exists only once an entry of the
 //! shard has been credited: `(digest, replica, generation) → LfuCell {count, key sum}`. An
@@ -78,6 +80,7 @@
 use crate::arena::{Arena, ArenaState, BATCH_CAPACITY, Batch, units_for};
 use crate::index::MemoryBreakdown;
 use crate::pages::{PageArray, heap_chunk as chunk};
+use crate::runs::ChainRun;
 use crate::sync::{
     AtomicI64, AtomicPtr, AtomicU16, AtomicU64, Mutex, MutexGuard, Ordering, thread_local,
 };
@@ -124,8 +127,10 @@ const REP_BITS: u32 = 20;
 const TS_BITS: u32 = 44;
 const TS_MAX: i64 = (1 << (TS_BITS - 1)) - 1;
 const TS_MIN: i64 = -(1 << (TS_BITS - 1));
-/// Per-entry generations are 28-bit.
-pub(crate) const GEN_MASK: u32 = (1 << 28) - 1;
+/// Per-entry generations are 27-bit.
+pub(crate) const GEN_MASK: u32 = (1 << 27) - 1;
+/// On every holder: the node's first word is a run word, not the key (see [`crate::runs`]).
+const F_RUN: u64 = 1 << 61;
 const F_LONG: u64 = 1 << 62;
 const F_LAST: u64 = 1 << 63;
 
@@ -158,7 +163,7 @@ pub(crate) fn clamp_ts(ms: i64) -> i64 {
 /// One holder of a key (16 bytes).
 ///
 /// `a = last_seen_ms (signed 44) << 20 | rep (20)`;
-/// `b = tokens (u32) | tier−1 (2) << 32 | generation (28) << 34 | F_LONG | F_LAST`.
+/// `b = tokens (u32) | tier−1 (2) << 32 | generation (27) << 34 | F_RUN | F_LONG | F_LAST`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
 pub(crate) struct Holder {
@@ -204,7 +209,13 @@ impl Holder {
     /// Same entry state (flags ignored).
     #[inline]
     pub(crate) fn same_data(&self, o: &Holder) -> bool {
-        self.a == o.a && (self.b ^ o.b) & !(F_LONG | F_LAST) == 0
+        self.a == o.a && (self.b ^ o.b) & !(F_RUN | F_LONG | F_LAST) == 0
+    }
+    /// Same replica, `last_seen` and tier: what a lookup reads of a holder (token counts and
+    /// generations may differ).
+    #[inline]
+    pub(crate) fn same_for_lookup(&self, o: &Holder) -> bool {
+        self.a == o.a && (self.b ^ o.b) & (3 << 32) == 0
     }
     /// K11 refresh: new tokens and tier, `last_seen = max(old, ts)` (D7); generation kept.
     #[inline]
@@ -240,7 +251,11 @@ impl KeyNode {
     pub(crate) fn digest(&self) -> u64 {
         #[cfg(loom)]
         crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
-        u64::from_be_bytes(self.k)
+        match self.run() {
+            // SAFETY: see `run_ref`.
+            Some((r, o)) => unsafe { (*r).key(o) },
+            None => u64::from_be_bytes(self.k),
+        }
     }
 
     /// Number of holders (≥ 1).
@@ -266,6 +281,19 @@ impl KeyNode {
         unsafe { std::slice::from_raw_parts(self.holders_ptr(), self.len()) }
     }
 
+    /// The run this node names and its offset in it (see [`crate::runs`]). A run node keeps
+    /// its key in the run (the run word takes the key's place), so it is no larger than a
+    /// plain node. The run is alive as long as the node can be reached: a node holds a
+    /// reference to its run until it is unlinked, and readers that reach it are pinned.
+    #[inline]
+    pub(crate) fn run(&self) -> Option<(*const ChainRun, usize)> {
+        // SAFETY: there is always a first holder.
+        if unsafe { (*self.holders_ptr()).b } & F_RUN == 0 {
+            return None;
+        }
+        Some(crate::runs::unpack(u64::from_ne_bytes(self.k)))
+    }
+
     #[inline]
     fn is_long(&self) -> bool {
         // SAFETY: there is always a first holder.
@@ -275,6 +303,10 @@ impl KeyNode {
     /// The key bytes.
     #[inline]
     pub(crate) fn key(&self) -> &[u8] {
+        if let Some((r, o)) = self.run() {
+            // SAFETY: the run outlives every reference to a node naming it (see `run`).
+            return unsafe { (*r).key_bytes(o) };
+        }
         if !self.is_long() {
             return &self.k;
         }
@@ -291,7 +323,20 @@ impl KeyNode {
     /// Whether this node's key is `key` (whose digest is `d`).
     #[inline]
     pub(crate) fn matches(&self, key: &[u8], d: u64) -> bool {
-        self.digest() == d && (key.len() == 8 && !self.is_long() || self.key() == key)
+        #[cfg(loom)]
+        crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
+        // SAFETY: there is always a first holder.
+        let b = unsafe { (*self.holders_ptr()).b };
+        if b & F_RUN != 0 {
+            return self.run_matches(key, d);
+        }
+        u64::from_be_bytes(self.k) == d && (key.len() == 8 && b & F_LONG == 0 || self.key() == key)
+    }
+
+    /// [`KeyNode::matches`] for a run node (its key is in the run; always 8 bytes).
+    #[inline(never)]
+    fn run_matches(&self, key: &[u8], d: u64) -> bool {
+        key.len() == 8 && self.digest() == d
     }
 
     /// The holder of replica `rep`.
@@ -313,7 +358,13 @@ impl KeyNode {
     }
 
     fn layout(&self) -> Layout {
-        Self::layout_for(self.len(), self.key())
+        // Run nodes have 8-byte keys (`Index::plan_run`): no need to read the run.
+        let extra = if self.is_long() {
+            4 + self.key().len()
+        } else {
+            0
+        };
+        Layout::from_size_align(HDR + self.len() * HS + extra, 8).expect("node layout")
     }
 
     /// Arena units of this node.
@@ -321,19 +372,21 @@ impl KeyNode {
         units_for(self.layout().size())
     }
 
-    /// Arena units of a node with `n` holders and this key.
+    /// Arena units of a node with `n` holders and this key (with or without a run).
     pub(crate) fn units_of(n: usize, key: &[u8]) -> u32 {
         units_for(Self::layout_for(n, key).size())
     }
 
     /// Builds a node in the shard's arena: its index and address. `holders` must be sorted by
     /// replica index and non-empty. Mutex holder only.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn build_in(
         st: &mut ArenaState,
         arena: &Arena,
         key: &[u8],
         d: u64,
         holders: &[Holder],
+        run: Option<u64>,
         guard: &Guard,
     ) -> (u32, NonNull<KeyNode>) {
         assert!(!holders.is_empty());
@@ -341,7 +394,7 @@ impl KeyNode {
         let (idx, p) = st.alloc(arena, units_for(lay.size()), guard);
         // SAFETY: the arena handed out `units_for(lay.size())` units at `p`, 8-aligned and
         // unreachable by anyone else.
-        let nn = unsafe { Self::write_at(p, key, d, holders) };
+        let nn = unsafe { Self::write_at(p, key, d, holders, run) };
         (idx, nn)
     }
 
@@ -349,23 +402,36 @@ impl KeyNode {
     ///
     /// # Safety
     /// `p` is 8-aligned, writable for `layout_for(holders.len(), key).size()` bytes and not
-    /// visible to any other thread.
-    unsafe fn write_at(p: *mut u8, key: &[u8], d: u64, holders: &[Holder]) -> NonNull<KeyNode> {
+    /// visible to any other thread; a `run` word names a live run holding `key` at its offset.
+    unsafe fn write_at(
+        p: *mut u8,
+        key: &[u8],
+        d: u64,
+        holders: &[Holder],
+        run: Option<u64>,
+    ) -> NonNull<KeyNode> {
         let n = holders.len();
         let long = key.len() != 8;
+        debug_assert!(!(long && run.is_some()), "run nodes have 8-byte keys");
         let Some(nn) = NonNull::new(p) else {
             unreachable!("arena nodes are never null")
         };
-        // SAFETY: per the contract: we write the header, `n` holders and (long keys) the length
-        // and bytes, all within the node's size.
+        // SAFETY: per the contract: we write the key or run word, `n` holders and (long keys)
+        // the length and bytes, all within the node's size.
         unsafe {
-            (p as *mut [u8; 8]).write(d.to_be_bytes());
+            (p as *mut [u8; 8]).write(match run {
+                Some(w) => w.to_ne_bytes(),
+                None => d.to_be_bytes(),
+            });
             let hp = p.add(HDR) as *mut Holder;
             for (i, h) in holders.iter().enumerate() {
                 let mut h = *h;
-                h.b &= !(F_LONG | F_LAST);
+                h.b &= !(F_RUN | F_LONG | F_LAST);
                 if long {
                     h.b |= F_LONG;
+                }
+                if run.is_some() {
+                    h.b |= F_RUN;
                 }
                 if i + 1 == n {
                     h.b |= F_LAST;
@@ -385,11 +451,16 @@ impl KeyNode {
 
     /// Builds a node in a plain allocation (unit tests of the layout).
     #[cfg(test)]
-    pub(crate) fn build_boxed(key: &[u8], d: u64, holders: &[Holder]) -> Box<[u64]> {
+    pub(crate) fn build_boxed(
+        key: &[u8],
+        d: u64,
+        holders: &[Holder],
+        run: Option<u64>,
+    ) -> Box<[u64]> {
         let size = Self::layout_for(holders.len(), key).size();
         let mut buf = vec![0u64; size.div_ceil(8)].into_boxed_slice();
         // SAFETY: `buf` is 8-aligned, at least `size` bytes and ours alone.
-        unsafe { Self::write_at(buf.as_mut_ptr() as *mut u8, key, d, holders) };
+        unsafe { Self::write_at(buf.as_mut_ptr() as *mut u8, key, d, holders, run) };
         buf
     }
 }
@@ -1065,7 +1136,7 @@ struct ShardState {
     /// Lanes full or TOMB.
     used: usize,
     rebuilds: u64,
-    /// Next per-entry generation (28-bit, wrapping).
+    /// Next per-entry generation (27-bit, wrapping).
     next_gen: u32,
     lfu_live: usize,
     lfu_used: usize,
@@ -1101,6 +1172,8 @@ pub(crate) struct KeyTable {
     shards: Box<[CachePadded<Shard>]>,
     /// Bytes held (nodes, cells, tables); Relaxed, exact once writes quiesce.
     bytes: AtomicI64,
+    /// Bytes of the chain runs whose nodes live in this table (also in `bytes`); Relaxed.
+    run_bytes: AtomicI64,
 }
 
 /// Result of [`KeyTable::candidate`].
@@ -1182,6 +1255,7 @@ impl KeyTable {
         let t = Self {
             shards,
             bytes: AtomicI64::new(0),
+            run_bytes: AtomicI64::new(0),
         };
         let per = ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false).bytes()
             + std::mem::size_of::<CachePadded<Shard>>();
@@ -1192,6 +1266,13 @@ impl KeyTable {
     #[inline]
     pub(crate) fn add_bytes(&self, b: i64) {
         self.bytes.fetch_add(b, Ordering::Relaxed);
+    }
+
+    /// Accounts a chain run created for this table's nodes (or, negative, freed).
+    #[inline]
+    pub(crate) fn add_run_bytes(&self, b: i64) {
+        self.run_bytes.fetch_add(b, Ordering::Relaxed);
+        self.add_bytes(b);
     }
 
     /// Adds this table's share of [`MemoryBreakdown`] (locks each shard in turn, briefly).
@@ -1208,6 +1289,7 @@ impl KeyTable {
             out.nodes_free += st.arena.carved() - live;
             out.arena_unused += st.arena.bytes() - st.arena.carved();
         }
+        out.chain_runs += self.run_bytes.load(Ordering::Relaxed);
     }
 
     pub(crate) fn bytes(&self) -> i64 {
@@ -1336,6 +1418,7 @@ impl KeyTable {
         let shard = &self.shards[i];
         ShardWriter {
             shard,
+            table: self,
             st: shard.w.lock(),
         }
     }
@@ -1447,18 +1530,21 @@ impl Drop for KeyTable {
                 if !t.is_null() {
                     // The nodes still linked live in the arena, which frees its chunks when
                     // its last reference (this table's, or a pending deferred free's) goes.
+                    // Their chain runs are freed with their last node.
                     let tab = t.into_owned();
-                    #[cfg(loom)]
                     for g in 0..tab.groups.len() {
                         let grp = tab.read(g, Ordering::Relaxed);
                         for l in 0..tab.lanes() {
                             let i = grp.idx(l);
-                            if i != 0 {
-                                crate::loom_api::destroyed(
-                                    crate::loom_api::Kind::Node,
-                                    tab.arena.node(i) as usize,
-                                );
+                            if i == 0 {
+                                continue;
                             }
+                            let node = tab.arena.node(i) as *const KeyNode;
+                            if let Some((r, _)) = (*node).run() {
+                                ChainRun::release_now(r);
+                            }
+                            #[cfg(loom)]
+                            crate::loom_api::destroyed(crate::loom_api::Kind::Node, node as usize);
                         }
                     }
                     drop(tab);
@@ -1488,6 +1574,7 @@ impl Drop for KeyTable {
 /// Exclusive writer access to one shard.
 pub(crate) struct ShardWriter<'a> {
     shard: &'a Shard,
+    table: &'a KeyTable,
     st: MutexGuard<'a, ShardState>,
 }
 
@@ -1569,18 +1656,25 @@ impl ShardWriter<'_> {
         g
     }
 
-    /// Replaces the node at slot id `i` (same key) with a node built from `holders`; retires
-    /// the old node.
-    pub(crate) fn replace(&mut self, i: usize, holders: &[Holder], guard: &Guard) {
+    /// Replaces the node at slot id `i` (same key) with a node built from `holders` (naming
+    /// `run`'s offset, see [`crate::runs`]); retires the old node. Returns the new node.
+    pub(crate) fn replace(
+        &mut self,
+        i: usize,
+        holders: &[Holder],
+        run: Option<u64>,
+        guard: &Guard,
+    ) -> *const KeyNode {
         let t = self.current(guard);
         let old = t.lane_at(i).unwrap_or(0);
         debug_assert!(old != 0);
         let old_node = t.arena.node(old) as *const KeyNode;
         // SAFETY: `old` is live (we hold the shard mutex; only we unlink), and stays so until
         // it is retired below, in this arena (a rebuild inside `build` never compacts).
-        let (key, d) = unsafe { ((*old_node).key(), (*old_node).digest()) };
+        let (key, d, old_run) =
+            unsafe { ((*old_node).key(), (*old_node).digest(), (*old_node).run()) };
         let rebuilds = self.st.rebuilds;
-        let (new, _) = self.build(key, d, holders, guard);
+        let (new, nn) = self.build(key, d, holders, run, guard);
         let t = self.current(guard);
         let (g, l) = if self.st.rebuilds == rebuilds {
             (i >> 3, i & 7)
@@ -1592,8 +1686,32 @@ impl ShardWriter<'_> {
             }
         };
         let tag = (t.read(g, Ordering::Relaxed).tags >> (8 * l)) & 0xff;
+        Self::unlink_run(old_run);
         t.set(g, l, tag, new, Ordering::Release);
         self.retire_node(old, guard);
+        self.release_run(old_run, guard);
+        nn.as_ptr()
+    }
+
+    /// Before an unlinked node's replacement is published: its run no longer covers it.
+    #[inline]
+    fn unlink_run(run: Option<(*const ChainRun, usize)>) {
+        if let Some((r, o)) = run {
+            // SAFETY: the node naming the run is still linked, so the run is alive.
+            unsafe { (*r).unlink(o) };
+        }
+    }
+
+    /// After an unlinked node's replacement is published: drops the node's run reference.
+    #[inline]
+    fn release_run(&self, run: Option<(*const ChainRun, usize)>, guard: &Guard) {
+        if let Some((r, _)) = run {
+            // SAFETY: the node owned this reference and is unlinked now.
+            let freed = unsafe { ChainRun::release(r, guard) };
+            if freed != 0 {
+                self.table.add_run_bytes(-(freed as i64));
+            }
+        }
     }
 
     /// Builds a node in this shard's arena (accounting any memory the arena had to take).
@@ -1602,11 +1720,12 @@ impl ShardWriter<'_> {
         key: &[u8],
         d: u64,
         holders: &[Holder],
+        run: Option<u64>,
         guard: &Guard,
     ) -> (u32, NonNull<KeyNode>) {
         let t = self.current(guard);
         let before = self.st.arena.bytes();
-        let built = KeyNode::build_in(&mut self.st.arena, &t.arena, key, d, holders, guard);
+        let built = KeyNode::build_in(&mut self.st.arena, &t.arena, key, d, holders, run, guard);
         self.add_bytes(self.st.arena.bytes() - before);
         self.st.node_units += KeyNode::units_of(holders.len(), key) as usize;
         self.st.peak_units = self.st.peak_units.max(self.st.node_units);
@@ -1664,8 +1783,12 @@ impl ShardWriter<'_> {
         } else {
             TOMB
         };
+        // SAFETY: `old` is live until retired below (we hold the mutex).
+        let old_run = unsafe { (*(t.arena.node(old) as *const KeyNode)).run() };
+        Self::unlink_run(old_run);
         t.set(g, lane, freed, 0, Ordering::Release);
         self.retire_node(old, guard);
+        self.release_run(old_run, guard);
         self.st.live -= 1;
     }
 
@@ -1695,13 +1818,19 @@ impl ShardWriter<'_> {
         }
     }
 
-    /// Inserts a new key (the caller checked it is absent) with `holders`; `p` must belong to
-    /// this shard.
-    pub(crate) fn insert_p(&mut self, p: Probe<'_>, holders: &[Holder], guard: &Guard) {
+    /// Inserts a new key (the caller checked it is absent) with `holders` (naming `run`'s
+    /// offset); `p` must belong to this shard. Returns the new node.
+    pub(crate) fn insert_p(
+        &mut self,
+        p: Probe<'_>,
+        holders: &[Holder],
+        run: Option<u64>,
+        guard: &Guard,
+    ) -> *const KeyNode {
         if (self.st.used + 1) * 20 > self.current(guard).slots() * 17 {
             self.rebuild(guard, Compact::Auto);
         }
-        let (node, _) = self.build(p.key, p.d, holders, guard);
+        let (node, nn) = self.build(p.key, p.d, holders, run, guard);
         let t = self.current(guard);
         // Summary bit before the node is published (a reader that sees the node's tag and
         // pointer with Acquire also sees the bit; a reader that misses the bit is concurrent).
@@ -1724,6 +1853,7 @@ impl ShardWriter<'_> {
             g = t.step(g);
         }
         self.st.live += 1;
+        nn.as_ptr()
     }
 
     /// Rebuilds the table sized for the live keys (drops tombstones, grows or shrinks). When
@@ -1782,13 +1912,30 @@ impl ShardWriter<'_> {
         );
         let arena = &old.arena;
         for gi in 0..old.groups.len() {
-            // Each move reads the node's digest: prefetch the nodes of a group 2 ahead.
-            if gi + 2 < old.groups.len() {
-                let ahead = old.read(gi + 2, Ordering::Relaxed);
+            // Each move reads the node's digest: prefetch the nodes of a group 4 ahead, and the
+            // run keys (a run node's key lives in its run) of the group 2 ahead, whose nodes
+            // were prefetched two steps earlier.
+            if gi + 4 < old.groups.len() {
+                let ahead = old.read(gi + 4, Ordering::Relaxed);
                 for l in 0..old.lanes() {
                     let n = ahead.idx(l);
                     if n != 0 {
                         prefetch(arena.node(n));
+                    }
+                }
+            }
+            if gi + 2 < old.groups.len() {
+                let next = old.read(gi + 2, Ordering::Relaxed);
+                for l in 0..old.lanes() {
+                    let n = next.idx(l);
+                    if n == 0 {
+                        continue;
+                    }
+                    // SAFETY: live node (we hold the mutex).
+                    let run = unsafe { (*(arena.node(n) as *const KeyNode)).run() };
+                    if let Some((r, o)) = run {
+                        // SAFETY: a linked node's run is alive (see `KeyNode::run`).
+                        prefetch(unsafe { (*r).key_bytes(o) });
                     }
                 }
             }
@@ -2029,7 +2176,8 @@ mod tests {
             let hs: Vec<Holder> = (0..holders as u32)
                 .map(|r| Holder::new(r, 1, 16, k as i64, 1))
                 .collect();
-            t.writer(KeyTable::shard_of(p)).insert_p(p, &hs, &guard);
+            t.writer(KeyTable::shard_of(p))
+                .insert_p(p, &hs, None, &guard);
         }
     }
 
@@ -2160,7 +2308,7 @@ mod tests {
             match (w.find_p(p, &guard), r >> 60) {
                 (None, _) => {
                     let hs = vec![Holder::new(0, 1, 16, i64::from(step), 1)];
-                    w.insert_p(p, &hs, &guard);
+                    w.insert_p(p, &hs, None, &guard);
                     model.insert(k, hs);
                 }
                 (Some((i, _)), 0..=3) => {
@@ -2180,7 +2328,7 @@ mod tests {
                             hs.insert(pos, h);
                         }
                     }
-                    w.replace(i, &hs, &guard);
+                    w.replace(i, &hs, None, &guard);
                     model.insert(k, hs);
                 }
             }

@@ -135,3 +135,56 @@ fn dropped_indexes_with_quota_and_lfu_do_not_accumulate() {
         "{grown} bytes still live after 2000 dropped indexes"
     );
 }
+
+/// Two replicas ingest the same 200-block chain, so the second ingest builds a chain run over
+/// it (`runs`: ~1.7 KB of keys and bits); the dropped index frees the run with its last node.
+#[test]
+fn dropped_indexes_with_chain_runs_do_not_accumulate() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let blocks: Vec<[u8; 8]> = (0..200u64).map(|i| (0xD0_0000 + i).to_be_bytes()).collect();
+    let counts = vec![16; blocks.len()];
+    let build_and_drop = || {
+        let ix = Index::new(
+            IndexConfig::default(),
+            Arc::new(plain()),
+            Arc::new(ManualClock::new(1_700_000_000_000_000)),
+        );
+        for replica in ["r0", "r1"] {
+            ix.ingest(CacheStateUpdate {
+                replica_id: replica,
+                model_id: "m",
+                tenant_id: "t",
+                hash_scheme: "vllm",
+                timestamp_us: 0,
+                adapter_id: "",
+                stats: None,
+                prefixes: std::iter::once(PrefixRef {
+                    prefix_hash: &[],
+                    token_count: 0,
+                    block_hashes: &blocks,
+                    block_token_counts: &counts,
+                    tier: 0,
+                    adapter_id: "",
+                }),
+            });
+        }
+        assert!(
+            ix.memory_breakdown().chain_runs > 200 * 8,
+            "a run was built"
+        );
+        drop(ix);
+    };
+    for _ in 0..50 {
+        build_and_drop();
+    }
+    let before = LIVE.load(Ordering::Relaxed);
+    for _ in 0..2000 {
+        build_and_drop();
+    }
+    let grown = LIVE.load(Ordering::Relaxed) - before;
+    // A leaked run would be ~3.4 MB here.
+    assert!(
+        grown < 1 << 20,
+        "{grown} bytes still live after 2000 dropped indexes"
+    );
+}

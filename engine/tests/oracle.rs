@@ -26,8 +26,64 @@ fn key(i: u8) -> Vec<u8> {
         0..=3 => (0x1111u64 * (i as u64 + 1)).to_be_bytes().to_vec(),
         4 => b"x".to_vec(),
         5 => b"longer-key-5".to_vec(),
+        // The chain-run ops' keys (`run_key`).
+        8..=63 => (0x5151_0000u64 + i as u64).to_be_bytes().to_vec(),
         _ => Vec::new(),
     }
+}
+
+/// Block `i` of shared chain `b`: the first 4 blocks are common to the three chains.
+fn run_key(b: u8, i: u8) -> u8 {
+    if i < 4 { 8 + i } else { 12 + b * 12 + i }
+}
+
+/// A prefix of one of three chains that share their first 4 blocks (8-byte keys).
+fn shared_chain_s() -> impl proptest::strategy::Strategy<Value = (Vec<u8>, Vec<i32>)> {
+    (
+        0u8..3,
+        1u8..12,
+        prop_oneof![3 => Just(16), 1 => Just(8), 1 => Just(0)],
+    )
+        .prop_map(|(b, len, c)| {
+            (
+                (0..len).map(|i| run_key(b, i)).collect(),
+                vec![c; len as usize],
+            )
+        })
+}
+
+/// Ops on one namespace where replicas ingest prefixes of a few shared chains (so chain runs
+/// form), then change single blocks inside them (re-ingest with another tier or time, evict),
+/// while lookups walk the chains: every lookup must still equal the model's.
+fn run_op_s() -> impl proptest::strategy::Strategy<Value = Op> {
+    let any_key = 8u8..48;
+    prop_oneof![
+        8 => (0u8..3, ts_s(), shared_chain_s(), tier_s())
+            .prop_map(|(r, ts, (ks, cs), tier)| Op::Ingest {
+                r, t: 0, m: 0, s: 0, a: 0, ts,
+                refs: vec![(RefSpec::Chain(ks, cs, None), tier, 0)],
+                stats: None,
+            }),
+        3 => (0u8..3, ts_s(), any_key.clone(), tier_s(), 0i32..40)
+            .prop_map(|(r, ts, k, tier, n)| Op::Ingest {
+                r, t: 0, m: 0, s: 0, a: 0, ts,
+                refs: vec![(RefSpec::Legacy(k, n), tier, 0)],
+                stats: None,
+            }),
+        3 => (0u8..3, any_key.clone(), ts_s()).prop_map(|(r, k, ts)| Op::Evict { r, t: 0, m: 0, k, a: 0, ts }),
+        1 => (0u8..3, proptest::collection::vec(any_key, 0..10), ts_s())
+            .prop_map(|(r, ks, ts)| Op::EvictBatch { r, t: 0, m: 0, ks, a: 0, ts }),
+        1 => (0u8..3).prop_map(|r| Op::Clear { r, t: 0, m: 0 }),
+        10 => (shared_chain_s(), 0u8..3).prop_map(|((mut ks, cs), wrong)| {
+            // Sometimes a request that leaves the chain after its shared blocks.
+            if wrong == 0 && ks.len() > 5 {
+                ks[5] = run_key((ks[4] - 16) / 12 + 1, 5);
+            }
+            Op::Lookup { t: 0, m: 0, s: 0, a: 0, k: ks[0], chain: Some((ks, cs)), ttft: 0 }
+        }),
+        2 => Just(Op::Sweep),
+        2 => prop_oneof![(0i64..400_000), Just(GLOBAL_TTL)].prop_map(Op::Clock),
+    ]
 }
 
 struct Res {
@@ -140,9 +196,11 @@ fn tier_s() -> impl proptest::strategy::Strategy<Value = i32> {
 
 fn ref_s() -> impl proptest::strategy::Strategy<Value = (RefSpec, i32, u8)> {
     let legacy = (0u8..7, -2i32..100).prop_map(|(k, n)| RefSpec::Legacy(k, n));
+    // Chains up to 8 blocks, mostly of 8-byte keys: long enough for chain runs (shared leading
+    // stretches of at least 4 blocks, `runs::MIN_RUN`) to form and be stepped over.
     let chain = (
-        proptest::collection::vec(0u8..6, 0..4),
-        proptest::collection::vec(prop_oneof![Just(16), Just(0), Just(-4), Just(8)], 0..4),
+        proptest::collection::vec(prop_oneof![6 => 0u8..4, 1 => 4u8..6], 0..9),
+        proptest::collection::vec(prop_oneof![Just(16), Just(0), Just(-4), Just(8)], 0..9),
         proptest::option::of((0u8..7, 0i32..200)),
     )
         .prop_map(|(mut ks, mut cs, full)| {
@@ -174,7 +232,7 @@ fn op_s() -> impl proptest::strategy::Strategy<Value = Op> {
         1 => (0u8..3, tn(), mn(), ts_s()).prop_map(|(r, t, m, ts)| Op::Updated { r, t, m, ts }),
         1 => (0u8..3, 0u8..3, 0u8..2, 0u8..7).prop_map(|(r, t, m, k)| Op::Added { r, t, m, k }),
         10 => (tn(), mn(), sn(), an(), 0u8..7,
-               proptest::option::of((proptest::collection::vec(0u8..7, 0..5), proptest::collection::vec(prop_oneof![Just(16), Just(0), Just(-4), Just(8)], 0..5))),
+               proptest::option::of((proptest::collection::vec(prop_oneof![6 => 0u8..4, 1 => 4u8..7], 0..10), proptest::collection::vec(prop_oneof![Just(16), Just(0), Just(-4), Just(8)], 0..10))),
                prop_oneof![Just(0), Just(50), Just(500)])
             .prop_map(|(t, m, s, a, k, chain, ttft)| {
                 let chain = chain.map(|(ks, mut cs)| {
@@ -533,6 +591,13 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
     #[test]
     fn t90_oracle(ops in proptest::collection::vec(op_s(), 1..40)) {
+        run(ops)?;
+    }
+
+    /// T90 on shared chains: chain runs form, blocks inside them change, lookups step over
+    /// them (`runs`), and every answer must still be the model's.
+    #[test]
+    fn t90_oracle_chain_runs(ops in proptest::collection::vec(run_op_s(), 1..60)) {
         run(ops)?;
     }
 

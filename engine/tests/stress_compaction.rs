@@ -103,7 +103,9 @@ fn compaction_never_hides_a_live_key_from_a_reader() {
 }
 
 /// `memory_breakdown` accounts for every byte of `memory_bytes`, and its live-node share is
-/// exact: a one-holder node with an 8-byte key is 24 bytes, a two-holder node 40.
+/// exact: a one-holder node with an 8-byte key is 24 bytes, a two-holder node 40, whether or not
+/// a chain run names it (the second replica's ingest of a shared chain: the run word takes the
+/// key's place, and the key lives in the run).
 #[test]
 fn memory_breakdown_adds_up_and_counts_live_nodes_exactly() {
     let env = env_with(IndexConfig::default());
@@ -117,7 +119,8 @@ fn memory_breakdown_adds_up_and_counts_live_nodes_exactly() {
     ingest(&env, "b", &shared);
     let parts = |ix: &Index| {
         let b = ix.memory_breakdown();
-        let sum = b.key_tables + b.nodes_live + b.nodes_free + b.arena_unused + b.other;
+        let sum =
+            b.key_tables + b.nodes_live + b.nodes_free + b.arena_unused + b.chain_runs + b.other;
         assert_eq!(sum, ix.memory_bytes(), "{b:?}");
         assert!(b.key_tables > 0 && b.nodes_free >= 0 && b.arena_unused >= 0 && b.other > 0);
         b
@@ -127,6 +130,11 @@ fn memory_breakdown_adds_up_and_counts_live_nodes_exactly() {
     // not live (deferred or on a free list), and nothing allocated after them.
     assert_eq!(b.nodes_live, 3_000 * 40 + 5_000 * 24, "{b:?}");
     assert!(b.nodes_free >= 3_000 * 24, "{b:?}");
+    // One run over the 3,000 shared blocks: their keys plus two bitmaps.
+    assert!(
+        b.chain_runs >= 3_000 * 8 && b.chain_runs < 3_000 * 8 + 1024,
+        "{b:?}"
+    );
     env.ix.apply_event(CacheEventInput {
         event_type: event_type::ALL_CLEARED,
         replica_id: "a",
@@ -138,4 +146,6 @@ fn memory_breakdown_adds_up_and_counts_live_nodes_exactly() {
     });
     let b = parts(&ix);
     assert_eq!(b.nodes_live, 3_000 * 24, "{b:?}");
+    // "a"'s holders are gone, so are the two-holder nodes, and the run with the last of them.
+    assert_eq!(b.chain_runs, 0, "{b:?}");
 }

@@ -960,3 +960,200 @@ fn m9_concurrent_partition_creation() {
         assert_reclaimed(1, 0, 0);
     });
 }
+
+// ------------------------------------------------------------------------------------------------
+// 10. Chain runs (`engine/src/runs.rs`)
+
+/// The four blocks of the models' shared chain.
+fn run_chain() -> [[u8; 8]; 4] {
+    [key(11), key(12), key(13), key(14)]
+}
+
+/// One chain-form ingest of `keys` for `replica` (16 tokens per block, tier 1).
+fn put_chain(ix: &Index, replica: &str, keys: &[[u8; 8]], ts_ms: i64) {
+    let counts = vec![16; keys.len()];
+    ix.ingest(CacheStateUpdate {
+        replica_id: replica,
+        model_id: M,
+        tenant_id: T,
+        hash_scheme: S,
+        timestamp_us: ts_ms * 1000,
+        adapter_id: "",
+        prefixes: std::iter::once(PrefixRef {
+            prefix_hash: &[],
+            token_count: 0,
+            block_hashes: keys,
+            block_token_counts: &counts,
+            tier: 1,
+            adapter_id: "",
+        }),
+        stats: None,
+    });
+}
+
+/// Matched blocks per replica of a chain lookup of `keys` (a replica absent: 0).
+fn chain_blocks(ix: &Index, keys: &[[u8; 8]]) -> (i32, i32) {
+    let counts = vec![16; keys.len()];
+    let r = ix.lookup(&LookupRequest {
+        block_hashes: keys,
+        block_token_counts: &counts,
+        ..LookupRequest::new(T, M, S)
+    });
+    let of = |name: &str| {
+        r.iter()
+            .find(|s| &*s.replica_id == name)
+            .map_or(0, |s| s.matched_tokens / 16)
+    };
+    (of(A), of(B))
+}
+
+/// Collects the epoch garbage, then checks that exactly `linked` chain runs are still allocated
+/// (the ones live nodes name) and every other run built was freed once.
+fn assert_runs(linked: usize) {
+    loom_api::collect_garbage(|| loom_api::live(Kind::Run) == linked);
+    assert_eq!(
+        loom_api::live(Kind::Run),
+        linked,
+        "chain runs still allocated"
+    );
+    assert_eq!(
+        loom_api::built(Kind::Run) - loom_api::freed(Kind::Run),
+        linked as u64,
+        "chain runs: leak or early free"
+    );
+}
+
+/// Model 10a: a reader walks a chain while a writer removes one block from inside the chain
+/// run that covers it. `b` holds the four blocks through a run (`a` had ingested the chain
+/// first, so `b`'s ingest built one; stretch 0..4), and the writer evicts `b` from block 3: it
+/// sets the block's dead bit before it publishes the replacement node. The reader may step over
+/// block 3 only while the bit is unset, so it sees `b` with 4 blocks (before the removal) or 2
+/// (after), never anything else, and `a` with 4 throughout. The run's reads (keys, bits) must
+/// happen-after its creation (loom causality, via the ledger).
+#[test]
+fn m10a_run_block_removed_vs_walk() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        let c = run_chain();
+        put_chain(&ix, A, &c, 1_000);
+        put_chain(&ix, B, &c, 1_000);
+        assert_eq!(loom_api::built(Kind::Run), 1, "b's ingest built a run");
+        let w = spawn_on(&ix, move |ix| evict(ix, B, &c[2]));
+        let (a, b) = chain_blocks(&ix, &c);
+        assert_eq!(a, 4, "a holds the whole chain throughout");
+        assert!(b == 4 || b == 2, "b matched {b} blocks");
+        outcome(if b == 4 {
+            "reader saw b's 4 blocks"
+        } else {
+            "reader saw b's 2 blocks"
+        });
+        w.join().unwrap();
+        assert_eq!(chain_blocks(&ix, &c), (4, 2));
+        // Three of the run's nodes are still linked.
+        assert_runs(1);
+    });
+}
+
+/// Model 10b: a reader walks a chain while the ingest that builds its run publishes the nodes
+/// and seals the run. Before the seal the walk probes block by block; after it, it may step
+/// over the run. Either way `b`'s match is the prefix of blocks published so far (0..=4, the
+/// chain form publishes in chain order), and reading the run's keys and bits happens-after
+/// they were written (Release stores of the lanes and of the seal).
+#[test]
+fn m10b_run_build_vs_walk() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        let c = run_chain();
+        put_chain(&ix, A, &c, 1_000);
+        let w = spawn_on(&ix, move |ix| put_chain(ix, B, &c, 1_000));
+        let (a, b) = chain_blocks(&ix, &c);
+        assert_eq!(a, 4);
+        assert!((0..=4).contains(&b), "b matched {b} blocks");
+        outcome(match b {
+            0 => "reader saw b with 0 blocks",
+            4 => "reader saw b with 4 blocks",
+            _ => "reader saw b with 1-3 blocks",
+        });
+        w.join().unwrap();
+        assert_eq!(chain_blocks(&ix, &c), (4, 4));
+        assert_runs(1);
+    });
+}
+
+/// Model 10c: reclamation. A writer removes `b` from every block of the chain (each removal
+/// replaces a run node, the last one drops the run's last reference and retires it) and
+/// collects eagerly, while a pinned reader may be reading the run. The run is freed only after
+/// the reader is done (a free not ordered after the reader's reads is a causality failure, a
+/// read of a freed run panics), and it is freed: no leak.
+#[test]
+fn m10c_run_reclaim_vs_pinned_walk() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        let c = run_chain();
+        put_chain(&ix, A, &c, 1_000);
+        put_chain(&ix, B, &c, 1_000);
+        let w = spawn_on(&ix, move |ix| {
+            ix.evict_prefixes(T, M, B, "", &c, 0);
+            loom_api::reclaim_step();
+            loom_api::reclaim_step();
+        });
+        let (a, b) = chain_blocks(&ix, &c);
+        assert_eq!(a, 4);
+        assert!((0..=4).contains(&b), "b matched {b} blocks");
+        outcome(match b {
+            0 => "reader saw b with 0 blocks",
+            4 => "reader saw b with 4 blocks",
+            _ => "reader saw b with 1-3 blocks",
+        });
+        w.join().unwrap();
+        assert_eq!(chain_blocks(&ix, &c), (4, 0));
+        assert_runs(0);
+    });
+}
+
+/// Model 10d: a run's stop bits. `a` holds the chain at tier 1 except block 3, which it
+/// re-ingested at tier 3 (colder), so `b`'s ingest builds a run whose stretch breaks around
+/// block 3. A walk that steps over it with the stretch's holders would report `a`'s coldest
+/// tier as 1; every walk must report 3, whether it reads the run before its seal (no skip),
+/// after it (the stop bits, published by the seal's Release store), or not at all.
+#[test]
+fn m10d_run_stop_bits_vs_walk() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        let c = run_chain();
+        put_chain(&ix, A, &c, 1_000);
+        ix.ingest(CacheStateUpdate {
+            replica_id: A,
+            model_id: M,
+            tenant_id: T,
+            hash_scheme: S,
+            timestamp_us: 1_000_000,
+            adapter_id: "",
+            prefixes: std::iter::once(PrefixRef {
+                prefix_hash: &c[2],
+                token_count: 48,
+                block_hashes: &NO_BLOCKS,
+                block_token_counts: &[],
+                tier: 3,
+                adapter_id: "",
+            }),
+            stats: None,
+        });
+        let w = spawn_on(&ix, move |ix| put_chain(ix, B, &c, 1_000));
+        let counts = [16; 4];
+        let r = ix.lookup(&LookupRequest {
+            block_hashes: &c,
+            block_token_counts: &counts,
+            ..LookupRequest::new(T, M, S)
+        });
+        let a = r.iter().find(|s| &*s.replica_id == A).expect("a matched");
+        assert_eq!(
+            (a.matched_tokens, a.tier),
+            (64, 3),
+            "a's coldest tier over the chain"
+        );
+        w.join().unwrap();
+        assert_eq!(chain_blocks(&ix, &c), (4, 4));
+        assert_runs(1);
+    });
+}

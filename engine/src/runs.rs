@@ -1,0 +1,326 @@
+//! Chain runs: a lookup shortcut over a stretch of consecutive chain blocks whose entries carry
+//! the same holders.
+//!
+//! A longest-prefix walk costs one table probe per block (a group line, then the node's lines).
+//! On a shared prefix (a system prompt every replica holds) the nodes are the largest ones —
+//! several holders, two or three cache lines each — and every one of them says the same thing:
+//! the same replicas, with the same `last_seen` and tier. A [`ChainRun`] records, for the leading
+//! blocks of one chain ingest that end up with several holders, the blocks' keys in one array
+//! plus which of them still carry the holders this ingest gave them. A walk that reaches a block
+//! whose node names a run compares the request's next hashes with the run's keys (consecutive,
+//! in cache) and steps over every block that matches and is still as the ingest left it, instead
+//! of probing each one: their holders are, by construction, those of the node it just read.
+//!
+//! # Structure
+//!
+//! `{refs, sealed, len, words: [dead bits][stop bits], keys}`, one run per chain ingest that
+//! qualifies (see `Index::plan_run`), covering offsets `0..len` of the chain. A node built by
+//! that ingest for offset `o` holds the *run word* `run pointer | o << 48` in place of its key
+//! (a flag on its holders says so; the key is `keys[o]`), so a run node is no larger than a
+//! plain one. The run is exact, never a hint to verify:
+//!
+//! - **dead bit `o`**: the node the ingest published for offset `o` has been replaced or
+//!   removed. Whoever unlinks it sets the bit under the key's shard mutex, before the change is
+//!   published; a bit is never cleared.
+//! - **stop bit `o`**: the ingest published no node naming `(run, o)` or `(run, o − 1)`
+//!   (unchanged entry, one holder), or the two do not have the same holders (replicas,
+//!   `last_seen` and tier). Written once, before the run is **sealed**.
+//! - **keys**: the chain's first `len` keys, written before any node names the run.
+//!
+//! So for a sealed run, a node naming `(run, o)` and every offset `o < p < end`, where `end` is
+//! the first offset after `o` with a stop or dead bit: the key `keys[p]` is held by exactly the
+//! holders of the node at `o`, with the same `last_seen` and tier ([`ChainRun::stretch_end`]).
+//! Generations and per-block token counts differ per entry and are not covered: LFU lookups
+//! (which capture every node) do not use runs, and lookups read token counts from the request.
+//!
+//! # Memory ordering
+//!
+//! - The run (keys, zeroed bits) is fully written before the first node naming it is published
+//!   with the table's Release lane store, so a reader that found the node through the table
+//!   (Acquire) sees it.
+//! - Stop bits are stored (Relaxed) after the ingest's last node is published and before the
+//!   Release store of `sealed`; a reader loads `sealed` with Acquire before it reads them.
+//! - A dead bit is set (Release) before the lane store that publishes the change. A reader whose
+//!   Acquire load of a dead word does not see the bit read it before the set in the word's
+//!   modification order: the walk behaves as if it had read that block before the change (C3
+//!   asks for per-entry atomicity, not a snapshot across entries). A reader that has seen the
+//!   change (it happens-before) sees the bit.
+//!
+//! # Reclamation
+//!
+//! `refs` counts the published nodes naming the run that are still linked. The ingest does not
+//! count them one by one: the run starts at a bias of 2^40 (its own reference), each unlink
+//! subtracts one after its lane store, and the seal subtracts the bias less the number of nodes
+//! the ingest published. Whoever brings the count to zero retires the run through the epoch.
+//! Every node naming it is unlinked by then, so a reader that can still reach one was pinned
+//! before its unlink and therefore before the retirement.
+
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
+use crossbeam_epoch::Guard;
+
+/// Shortest leading stretch of shared blocks worth a run.
+pub(crate) const MIN_RUN: usize = 4;
+/// Longest run: offsets are 16 bits in a node's run word.
+pub(crate) const MAX_RUN: usize = 1 << 16;
+const OFFSET_SHIFT: u32 = 48;
+/// The ingest's reference while it builds the run (see "Reclamation").
+const BIAS: u64 = 1 << 40;
+const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
+
+/// A run over the first `len` blocks of one chain ingest (see the module docs).
+pub(crate) struct ChainRun {
+    refs: AtomicU64,
+    sealed: AtomicBool,
+    len: usize,
+    /// Dead bits (`len.div_ceil(64)` words), then stop bits (as many).
+    words: Box<[AtomicU64]>,
+    /// The blocks' 8-byte keys (immutable; the run nodes' keys live here).
+    keys: Box<[[u8; 8]]>,
+}
+
+impl ChainRun {
+    /// A new, unsealed run over `keys` (at most [`MAX_RUN`]), holding the ingest's reference.
+    /// `None` when the allocation's address does not fit a run word (never on today's 64-bit
+    /// targets, whose user addresses have at most 48 bits).
+    pub(crate) fn create(keys: impl ExactSizeIterator<Item = [u8; 8]>) -> Option<*const ChainRun> {
+        let keys: Box<[[u8; 8]]> = keys.collect();
+        let len = keys.len();
+        debug_assert!(len > 0 && len <= MAX_RUN);
+        let words: Box<[AtomicU64]> = (0..2 * len.div_ceil(64))
+            .map(|_| AtomicU64::new(0))
+            .collect();
+        let p = Box::into_raw(Box::new(ChainRun {
+            refs: AtomicU64::new(BIAS),
+            sealed: AtomicBool::new(false),
+            len,
+            words,
+            keys,
+        }));
+        if p as u64 & !PTR_MASK != 0 {
+            // SAFETY: just allocated, never shared.
+            drop(unsafe { Box::from_raw(p) });
+            return None;
+        }
+        #[cfg(loom)]
+        crate::loom_api::created(crate::loom_api::Kind::Run, p as usize);
+        Some(p)
+    }
+
+    /// Bytes this run holds (for `memory_bytes`; glibc chunk sizes, see `pages::heap_chunk`).
+    pub(crate) fn bytes(&self) -> usize {
+        crate::pages::heap_chunk(std::mem::size_of::<ChainRun>())
+            + crate::pages::heap_chunk(self.words.len() * 8)
+            + crate::pages::heap_chunk(self.len * 8)
+    }
+
+    #[inline]
+    fn nw(&self) -> usize {
+        self.len.div_ceil(64)
+    }
+
+    /// Block `o`'s key.
+    #[inline]
+    pub(crate) fn key_bytes(&self, o: usize) -> &[u8; 8] {
+        #[cfg(loom)]
+        crate::loom_api::read(crate::loom_api::Kind::Run, self as *const ChainRun as usize);
+        &self.keys[o]
+    }
+
+    /// The digest of block `o`'s key (its big-endian value, as for every 8-byte key).
+    #[inline]
+    pub(crate) fn key(&self, o: usize) -> u64 {
+        u64::from_be_bytes(*self.key_bytes(o))
+    }
+
+    /// Block `o`'s node is being replaced or removed (under its shard mutex, before the change
+    /// is published).
+    pub(crate) fn unlink(&self, o: usize) {
+        self.words[o / 64].fetch_or(1 << (o % 64), Ordering::Release);
+    }
+
+    /// Seals the run: sets the stop bits (`stop(o)` for every `o` in `1..len`), publishes them,
+    /// then drops the ingest's reference, given the number of nodes it published naming the
+    /// run. Returns the run's bytes if that freed it (through the epoch), else 0.
+    ///
+    /// # Safety
+    /// `p` is a live, unsealed run and the caller is the ingest that created it, done
+    /// publishing nodes.
+    pub(crate) unsafe fn seal(
+        p: *const ChainRun,
+        published: usize,
+        mut stop: impl FnMut(usize) -> bool,
+        guard: &Guard,
+    ) -> usize {
+        // SAFETY: the ingest's reference keeps the run alive.
+        let r = unsafe { &*p };
+        let nw = r.nw();
+        for w in 0..nw {
+            let mut bits = 0u64;
+            for b in 0..64 {
+                let o = w * 64 + b;
+                if o >= r.len {
+                    break;
+                }
+                if o == 0 || stop(o) {
+                    bits |= 1 << b;
+                }
+            }
+            r.words[nw + w].store(bits, Ordering::Relaxed);
+        }
+        r.sealed.store(true, Ordering::Release);
+        // SAFETY: the ingest's reference, exchanged for its published nodes' ones.
+        unsafe { Self::drop_refs(p, BIAS - published as u64, guard) }
+    }
+
+    /// Reader: the end (exclusive) of the stretch of blocks after `o` that are known to carry
+    /// the holders of the node naming `(self, o)`; `o + 1` when there is none (or the run is not
+    /// sealed yet).
+    #[inline]
+    pub(crate) fn stretch_end(&self, o: usize) -> usize {
+        #[cfg(loom)]
+        crate::loom_api::read(crate::loom_api::Kind::Run, self as *const ChainRun as usize);
+        if !self.sealed.load(Ordering::Acquire) {
+            return o + 1;
+        }
+        let nw = self.nw();
+        let mut p = o + 1;
+        while p < self.len {
+            let w = p / 64;
+            let dead = self.words[w].load(Ordering::Acquire);
+            let stop = self.words[nw + w].load(Ordering::Relaxed);
+            // First offset at or after `p` (in this word) that is dead or starts a new stretch.
+            let bad = (dead | stop) >> (p % 64);
+            if bad != 0 {
+                return (p + bad.trailing_zeros() as usize).min(self.len);
+            }
+            p = (w + 1) * 64;
+        }
+        self.len
+    }
+
+    /// Drops one reference. The last one retires the run through the epoch and returns its
+    /// bytes (for accounting); otherwise 0.
+    ///
+    /// # Safety
+    /// `p` is a live run and the caller owns one of its references; if it is a node's, that
+    /// node is already unlinked (its replacement published).
+    pub(crate) unsafe fn release(p: *const ChainRun, guard: &Guard) -> usize {
+        // SAFETY: per the contract.
+        unsafe { Self::drop_refs(p, 1, guard) }
+    }
+
+    /// Drops `n` references (see [`ChainRun::release`]).
+    ///
+    /// # Safety
+    /// As for `release`, with `n` references owned.
+    unsafe fn drop_refs(p: *const ChainRun, n: u64, guard: &Guard) -> usize {
+        // SAFETY: the caller's references keep the run alive until this decrement.
+        let r = unsafe { &*p };
+        if r.refs.fetch_sub(n, Ordering::AcqRel) != n {
+            return 0;
+        }
+        let bytes = r.bytes();
+        let addr = p as usize;
+        // SAFETY: no linked node names the run any more and the creator has sealed it, so only
+        // readers pinned before the last unlink can reach it; the epoch frees it after them.
+        unsafe {
+            guard.defer_unchecked(move || {
+                #[cfg(loom)]
+                crate::loom_api::destroyed(crate::loom_api::Kind::Run, addr);
+                drop(Box::from_raw(addr as *mut ChainRun));
+            })
+        };
+        bytes
+    }
+
+    /// [`ChainRun::release`] when no reader can exist (the table is being dropped).
+    ///
+    /// # Safety
+    /// As for `release`, and no other thread can reach the run.
+    pub(crate) unsafe fn release_now(p: *const ChainRun) -> usize {
+        // SAFETY: as for `release`.
+        let r = unsafe { &*p };
+        if r.refs.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return 0;
+        }
+        let bytes = r.bytes();
+        #[cfg(loom)]
+        crate::loom_api::destroyed(crate::loom_api::Kind::Run, p as usize);
+        // SAFETY: last reference, and nobody else can reach it.
+        drop(unsafe { Box::from_raw(p as *mut ChainRun) });
+        bytes
+    }
+}
+
+/// The run word of a node built for offset `o` of run `p`.
+#[inline]
+pub(crate) fn run_word(p: *const ChainRun, o: usize) -> u64 {
+    debug_assert!(o < MAX_RUN);
+    p as u64 | (o as u64) << OFFSET_SHIFT
+}
+
+/// The run and offset a run word names.
+#[inline]
+pub(crate) fn unpack(w: u64) -> (*const ChainRun, usize) {
+    (
+        (w & PTR_MASK) as usize as *const ChainRun,
+        (w >> OFFSET_SHIFT) as usize,
+    )
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crossbeam_epoch as epoch;
+
+    fn run(len: usize) -> *const ChainRun {
+        ChainRun::create((0..len).map(|k| (k as u64 * 7 + 1).to_be_bytes())).unwrap()
+    }
+
+    #[test]
+    fn an_unsealed_run_covers_nothing() {
+        let p = run(8);
+        // SAFETY: `p` is live until the seal frees it (no node holds a reference).
+        let r = unsafe { &*p };
+        assert_eq!(r.stretch_end(0), 1);
+        assert_eq!(r.key(3), 22);
+        let guard = epoch::pin();
+        // SAFETY: our own run; 0 nodes published, so the seal frees it.
+        assert!(unsafe { ChainRun::seal(p, 0, |_| false, &guard) } > 0);
+    }
+
+    #[test]
+    fn stretches_end_at_stop_bits_and_dead_blocks_across_words() {
+        let p = run(200);
+        // SAFETY: 200 published nodes keep the run alive (leaked at the end).
+        let r = unsafe { &*p };
+        r.unlink(150);
+        let guard = epoch::pin();
+        // SAFETY: our own run.
+        let freed = unsafe { ChainRun::seal(p, 200, |o| o == 70 || o == 130, &guard) };
+        assert_eq!(freed, 0);
+        assert_eq!(r.stretch_end(0), 70, "stop bit");
+        assert_eq!(r.stretch_end(69), 70);
+        assert_eq!(r.stretch_end(70), 130, "across a word boundary");
+        assert_eq!(r.stretch_end(130), 150, "unlinked before the seal");
+        r.unlink(100);
+        assert_eq!(r.stretch_end(70), 100, "unlinked after the seal");
+        assert_eq!(r.stretch_end(64), 70);
+        assert_eq!(r.stretch_end(150), 200, "the end");
+        assert_eq!(r.stretch_end(199), 200);
+    }
+
+    #[test]
+    fn the_last_reference_frees_the_run() {
+        let p = run(4);
+        let guard = epoch::pin();
+        // SAFETY: two published nodes; one is unlinked before the seal, one after.
+        unsafe {
+            assert_eq!(ChainRun::release(p, &guard), 0);
+            assert_eq!(ChainRun::seal(p, 2, |_| false, &guard), 0);
+            assert!(ChainRun::release(p, &guard) > 4 * 8);
+        }
+        let (q, o) = unpack(run_word(p, 77));
+        assert_eq!((q, o), (p, 77));
+    }
+}
