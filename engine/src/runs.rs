@@ -57,6 +57,7 @@
 
 use crate::sync::{AtomicBool, AtomicU64, Ordering};
 use crossbeam_epoch::Guard;
+use std::alloc::{Layout, alloc, dealloc, handle_alloc_error};
 
 /// Shortest leading stretch of shared blocks worth a run.
 pub(crate) const MIN_RUN: usize = 4;
@@ -67,38 +68,60 @@ const OFFSET_SHIFT: u32 = 48;
 const BIAS: u64 = 1 << 40;
 const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
 
-/// A run over the first `len` blocks of one chain ingest (see the module docs).
+/// A run over the first `len` blocks of one chain ingest (see the module docs). One allocation:
+/// this header, then `2 · ⌈len / 64⌉` bit words (dead bits, then stop bits), then the `len`
+/// 8-byte keys, so a walk reaches the bits and the keys without another pointer to chase.
+#[repr(C)]
 pub(crate) struct ChainRun {
     refs: AtomicU64,
     sealed: AtomicBool,
-    len: usize,
-    /// Dead bits (`len.div_ceil(64)` words), then stop bits (as many).
-    words: Box<[AtomicU64]>,
-    /// The blocks' 8-byte keys (immutable; the run nodes' keys live here).
-    keys: Box<[[u8; 8]]>,
+    len: u32,
 }
 
+const HEADER: usize = std::mem::size_of::<ChainRun>();
+const WORD: usize = std::mem::size_of::<AtomicU64>();
+
 impl ChainRun {
+    fn layout(len: usize) -> Layout {
+        let size = HEADER + 2 * len.div_ceil(64) * WORD + len * 8;
+        let align = std::mem::align_of::<ChainRun>().max(std::mem::align_of::<AtomicU64>());
+        Layout::from_size_align(size, align).expect("chain run layout")
+    }
+
     /// A new, unsealed run over `keys` (at most [`MAX_RUN`]), holding the ingest's reference.
     /// `None` when the allocation's address does not fit a run word (never on today's 64-bit
     /// targets, whose user addresses have at most 48 bits).
     pub(crate) fn create(keys: impl ExactSizeIterator<Item = [u8; 8]>) -> Option<*const ChainRun> {
-        let keys: Box<[[u8; 8]]> = keys.collect();
         let len = keys.len();
         debug_assert!(len > 0 && len <= MAX_RUN);
-        let words: Box<[AtomicU64]> = (0..2 * len.div_ceil(64))
-            .map(|_| AtomicU64::new(0))
-            .collect();
-        let p = Box::into_raw(Box::new(ChainRun {
-            refs: AtomicU64::new(BIAS),
-            sealed: AtomicBool::new(false),
-            len,
-            words,
-            keys,
-        }));
+        let lay = Self::layout(len);
+        // SAFETY: the layout has a non-zero size (the header).
+        let p = unsafe { alloc(lay) } as *mut ChainRun;
+        if p.is_null() {
+            handle_alloc_error(lay);
+        }
+        // SAFETY: `p` is a fresh allocation of `lay`: the header, the words and the keys are
+        // written in place, each inside it and suitably aligned (8-byte words after a header
+        // whose size is a multiple of their alignment; keys have alignment 1).
+        unsafe {
+            p.write(ChainRun {
+                refs: AtomicU64::new(BIAS),
+                sealed: AtomicBool::new(false),
+                len: len as u32,
+            });
+            let w = (p as *mut u8).add(HEADER) as *mut AtomicU64;
+            for i in 0..2 * len.div_ceil(64) {
+                w.add(i).write(AtomicU64::new(0));
+            }
+            let k = (p as *mut u8).add(HEADER + 2 * len.div_ceil(64) * WORD) as *mut [u8; 8];
+            let mut keys = keys;
+            for i in 0..len {
+                k.add(i).write(keys.next().unwrap_or_default());
+            }
+        }
         if p as u64 & !PTR_MASK != 0 {
-            // SAFETY: just allocated, never shared.
-            drop(unsafe { Box::from_raw(p) });
+            // SAFETY: just built, never shared.
+            unsafe { Self::free(p) };
             return None;
         }
         #[cfg(loom)]
@@ -106,16 +129,48 @@ impl ChainRun {
         Some(p)
     }
 
+    /// Drops and deallocates a run.
+    ///
+    /// # Safety
+    /// `p` was built by `create` and nobody can reach it any more.
+    unsafe fn free(p: *mut ChainRun) {
+        // SAFETY: per the contract; the words were written by `create`.
+        unsafe {
+            let len = (*p).len as usize;
+            let w = (p as *mut u8).add(HEADER) as *mut AtomicU64;
+            std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(w, 2 * len.div_ceil(64)));
+            std::ptr::drop_in_place(p);
+            dealloc(p as *mut u8, Self::layout(len));
+        }
+    }
+
     /// Bytes this run holds (for `memory_bytes`; glibc chunk sizes, see `pages::heap_chunk`).
     pub(crate) fn bytes(&self) -> usize {
-        crate::pages::heap_chunk(std::mem::size_of::<ChainRun>())
-            + crate::pages::heap_chunk(self.words.len() * 8)
-            + crate::pages::heap_chunk(self.len * 8)
+        crate::pages::heap_chunk(Self::layout(self.len()).size())
+    }
+
+    /// Blocks covered.
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.len as usize
     }
 
     #[inline]
     fn nw(&self) -> usize {
-        self.len.div_ceil(64)
+        self.len().div_ceil(64)
+    }
+
+    /// The dead words, then the stop words.
+    #[inline]
+    fn words(&self) -> &[AtomicU64] {
+        // SAFETY: `create` wrote `2 · nw` words right after the header; they live as long as
+        // the run.
+        unsafe {
+            std::slice::from_raw_parts(
+                (self as *const ChainRun as *const u8).add(HEADER) as *const AtomicU64,
+                2 * self.nw(),
+            )
+        }
     }
 
     /// Block `o`'s key.
@@ -123,7 +178,14 @@ impl ChainRun {
     pub(crate) fn key_bytes(&self, o: usize) -> &[u8; 8] {
         #[cfg(loom)]
         crate::loom_api::read(crate::loom_api::Kind::Run, self as *const ChainRun as usize);
-        &self.keys[o]
+        assert!(o < self.len());
+        // SAFETY: `create` wrote `len` keys after the words; immutable and alive as long as the
+        // run; `o < len`.
+        unsafe {
+            &*((self as *const ChainRun as *const u8).add(HEADER + 2 * self.nw() * WORD)
+                as *const [u8; 8])
+                .add(o)
+        }
     }
 
     /// The digest of block `o`'s key (its big-endian value, as for every 8-byte key).
@@ -135,7 +197,7 @@ impl ChainRun {
     /// Block `o`'s node is being replaced or removed (under its shard mutex, before the change
     /// is published).
     pub(crate) fn unlink(&self, o: usize) {
-        self.words[o / 64].fetch_or(1 << (o % 64), Ordering::Release);
+        self.words()[o / 64].fetch_or(1 << (o % 64), Ordering::Release);
     }
 
     /// Seals the run: sets the stop bits (`stop(o)` for every `o` in `1..len`), publishes them,
@@ -158,14 +220,14 @@ impl ChainRun {
             let mut bits = 0u64;
             for b in 0..64 {
                 let o = w * 64 + b;
-                if o >= r.len {
+                if o >= r.len() {
                     break;
                 }
                 if o == 0 || stop(o) {
                     bits |= 1 << b;
                 }
             }
-            r.words[nw + w].store(bits, Ordering::Relaxed);
+            r.words()[nw + w].store(bits, Ordering::Relaxed);
         }
         r.sealed.store(true, Ordering::Release);
         // SAFETY: the ingest's reference, exchanged for its published nodes' ones.
@@ -184,18 +246,18 @@ impl ChainRun {
         }
         let nw = self.nw();
         let mut p = o + 1;
-        while p < self.len {
+        while p < self.len() {
             let w = p / 64;
-            let dead = self.words[w].load(Ordering::Acquire);
-            let stop = self.words[nw + w].load(Ordering::Relaxed);
+            let dead = self.words()[w].load(Ordering::Acquire);
+            let stop = self.words()[nw + w].load(Ordering::Relaxed);
             // First offset at or after `p` (in this word) that is dead or starts a new stretch.
             let bad = (dead | stop) >> (p % 64);
             if bad != 0 {
-                return (p + bad.trailing_zeros() as usize).min(self.len);
+                return (p + bad.trailing_zeros() as usize).min(self.len());
             }
             p = (w + 1) * 64;
         }
-        self.len
+        self.len()
     }
 
     /// Drops one reference. The last one retires the run through the epoch and returns its
@@ -227,7 +289,7 @@ impl ChainRun {
             guard.defer_unchecked(move || {
                 #[cfg(loom)]
                 crate::loom_api::destroyed(crate::loom_api::Kind::Run, addr);
-                drop(Box::from_raw(addr as *mut ChainRun));
+                Self::free(addr as *mut ChainRun);
             })
         };
         bytes
@@ -247,7 +309,7 @@ impl ChainRun {
         #[cfg(loom)]
         crate::loom_api::destroyed(crate::loom_api::Kind::Run, p as usize);
         // SAFETY: last reference, and nobody else can reach it.
-        drop(unsafe { Box::from_raw(p as *mut ChainRun) });
+        unsafe { Self::free(p as *mut ChainRun) };
         bytes
     }
 }
