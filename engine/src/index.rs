@@ -1441,12 +1441,20 @@ impl Index {
             let Some(node) = t.resolve(ring[i & 7], probes[i % PROBES], guard) else {
                 break;
             };
-            if i + PREFETCH < n {
-                let p = Probe::new(hashes[i + PREFETCH].as_ref());
-                t.prefetch_home(p, guard);
-                probes[(i + PREFETCH) % PROBES] = p;
+            // A chain run decides first whether the next blocks need the pipeline at all.
+            let skip = if capture_nodes {
+                0
+            } else {
+                run_skip(node, hashes, i, n)
+            };
+            if skip == 0 {
+                if i + PREFETCH < n {
+                    let p = Probe::new(hashes[i + PREFETCH].as_ref());
+                    t.prefetch_home(p, guard);
+                    probes[(i + PREFETCH) % PROBES] = p;
+                }
+                ring[(i + AHEAD) & 7] = cand_at(i + AHEAD, probes);
             }
-            ring[(i + AHEAD) & 7] = cand_at(i + AHEAD, probes);
             if capture_nodes {
                 scratch.nodes.push(node as *const KeyNode as usize);
             }
@@ -1476,17 +1484,14 @@ impl Index {
             }
             // The blocks a chain run says carry these same holders: the open runs continue
             // through them unchanged (same liveness, oldest `last_seen` and tier).
-            if !capture_nodes {
-                let m = run_skip(node, hashes, i, n);
-                if m > 0 {
-                    for &c in &counts[i..i + m] {
-                        acc = acc.wrapping_add(c);
-                    }
-                    i += m;
-                    Self::reprime(t, hashes, n, i + 1, guard, probes);
-                    for j in i + 1..i + 1 + AHEAD {
-                        ring[j & 7] = Cand::Probe;
-                    }
+            if skip > 0 {
+                for &c in &counts[i..i + skip] {
+                    acc = acc.wrapping_add(c);
+                }
+                i += skip;
+                Self::reprime(t, hashes, n, i + 1, guard, probes);
+                for j in i + 1..i + 1 + AHEAD {
+                    ring[j & 7] = Cand::Probe;
                 }
             }
             acc = acc.wrapping_add(counts[i]);
