@@ -738,8 +738,9 @@ impl Index {
     /// another replica already holds, i.e. whose nodes this ingest will leave with several
     /// holders — the large nodes a lookup would otherwise read one by one. `None` when that
     /// stretch is shorter than [`MIN_RUN`] (a chain of this replica's own, or one sharing little)
-    /// or a key is not 8 bytes. The peek is lock-free; a concurrent change only makes the run
-    /// cover blocks that end up with one holder (not marked live, so never stepped over).
+    /// or a key is not 8 bytes. The peek is lock-free and steps over the stretches of the runs it
+    /// meets (their blocks have the holders of the node it read); a concurrent change only makes
+    /// the run cover blocks that end up with one holder (stop bits: never stepped over).
     fn plan_run<H: AsRef<[u8]>>(
         part: &Partition,
         hashes: &[H],
@@ -761,7 +762,10 @@ impl Index {
                 break;
             }
             match t.find(key, guard) {
-                Some(node) if node.holders().iter().any(|h| h.rep() != rep) => b += 1,
+                // The blocks its own run says carry the same holders need no probe.
+                Some(node) if node.holders().iter().any(|h| h.rep() != rep) => {
+                    b += 1 + run_skip(node, hashes, b, n);
+                }
                 _ => break,
             }
         }
