@@ -7,7 +7,9 @@
 //! (per key, or per shard group of a chain), build a replacement node and publish it with a
 //! Release store. Derived counters are atomics whose deltas writers apply once per (partition,
 //! replica) run of an ingest or eviction batch; they may lag an in-flight write and are exact once
-//! writes quiesce (C3). The chain walk is software-pipelined (prefetch, candidate, resolve).
+//! writes quiesce (C3). The chain walk is software-pipelined (prefetch, candidate, resolve), and
+//! steps over the blocks of a chain run (`runs.rs`) whose keys follow the request's: a chain
+//! ingest builds one over the leading blocks other replicas already hold.
 
 use crate::clock::{Clock, us_to_ms};
 use crate::config::{Algorithm, IndexConfig, Resolvers};
