@@ -1066,18 +1066,31 @@ fn m10b_run_build_vs_walk() {
         let c = run_chain();
         put_chain(&ix, A, &c, 1_000);
         let w = spawn_on(&ix, move |ix| put_chain(ix, B, &c, 1_000));
-        let (a, b) = chain_blocks(&ix, &c);
-        assert_eq!(a, 4);
-        assert!((0..=4).contains(&b), "b matched {b} blocks");
-        outcome(match b {
-            0 => "reader saw b with 0 blocks",
-            4 => "reader saw b with 4 blocks",
-            _ => "reader saw b with 1-3 blocks",
-        });
-        w.join().unwrap();
-        assert_eq!(chain_blocks(&ix, &c), (4, 4));
-        assert_runs(1);
+        walk_while(&ix, &c, w, 4, 1);
     });
+}
+
+/// The reader of m10b / m10c: walks the chain while `w` changes `b`'s blocks. `a` keeps all 4
+/// blocks; `b` shows some prefix of them. After the join `b` has `b_after` blocks and `runs`
+/// chain runs are still allocated.
+fn walk_while(
+    ix: &Index,
+    c: &[[u8; 8]],
+    w: loom::thread::JoinHandle<()>,
+    b_after: i32,
+    runs: usize,
+) {
+    let (a, b) = chain_blocks(ix, c);
+    assert_eq!(a, 4);
+    assert!((0..=4).contains(&b), "b matched {b} blocks");
+    outcome(match b {
+        0 => "reader saw b with 0 blocks",
+        4 => "reader saw b with 4 blocks",
+        _ => "reader saw b with 1-3 blocks",
+    });
+    w.join().unwrap();
+    assert_eq!(chain_blocks(ix, c), (4, b_after));
+    assert_runs(runs);
 }
 
 /// Model 10c: reclamation. A writer removes `b` from every block of the chain (each removal
@@ -1097,17 +1110,7 @@ fn m10c_run_reclaim_vs_pinned_walk() {
             loom_api::reclaim_step();
             loom_api::reclaim_step();
         });
-        let (a, b) = chain_blocks(&ix, &c);
-        assert_eq!(a, 4);
-        assert!((0..=4).contains(&b), "b matched {b} blocks");
-        outcome(match b {
-            0 => "reader saw b with 0 blocks",
-            4 => "reader saw b with 4 blocks",
-            _ => "reader saw b with 1-3 blocks",
-        });
-        w.join().unwrap();
-        assert_eq!(chain_blocks(&ix, &c), (4, 0));
-        assert_runs(0);
+        walk_while(&ix, &c, w, 0, 0);
     });
 }
 
