@@ -2868,6 +2868,59 @@ mod tests {
         }
     }
 
+    /// Both walk paths step over chain runs (every ingest after the first builds one over the
+    /// blocks the others hold) and stop exactly where a replica's holder ends or was removed:
+    /// 8 replicas take the bitset path, 70 the general one (block 0 has indices ≥ 64).
+    #[test]
+    fn both_walk_paths_step_over_runs_exactly() {
+        let keys: Vec<[u8; 8]> = (0..40u64)
+            .map(|i| (i * 104_729 + 11).to_be_bytes())
+            .collect();
+        for nrep in [8usize, 70] {
+            let ix = Index::new(
+                IndexConfig::default(),
+                Arc::new(DefaultResolvers),
+                Arc::new(ManualClock::new(NOW)),
+            );
+            // r005 holds 10 blocks; everyone else the whole chain, r005 ingesting last (its
+            // run's stretch ends at block 10).
+            for r in (0..nrep).filter(|&r| r != 5).chain([5]) {
+                let n = if r == 5 { 10 } else { keys.len() };
+                chain(&ix, &format!("r{r:03}"), &keys[..n]);
+            }
+            assert!(ix.memory_breakdown().chain_runs > 0, "runs were built");
+            // r003 loses block 25 (a dead bit in the runs that cover it).
+            ix.evict_prefixes("t", "m", "r003", "", &keys[25..26], 0);
+            let want: Vec<(String, i32, u32)> = {
+                let mut v: Vec<_> = (0..nrep)
+                    .map(|r| {
+                        let b = match r {
+                            5 => 10,
+                            3 => 25,
+                            _ => keys.len() as u32,
+                        };
+                        (format!("r{r:03}"), 16 * b as i32, b)
+                    })
+                    .collect();
+                v.sort();
+                v
+            };
+            assert_eq!(matches(&ix, &keys), want, "nrep {nrep}");
+            // A request that leaves the chain after block 30 stops there for everyone.
+            let mut other = keys.clone();
+            other[31] = 0xFFFF_FFFF_u64.to_be_bytes();
+            let got = matches(&ix, &other);
+            assert!(
+                got.iter().all(|(r, _, b)| match r.as_str() {
+                    "r005" => *b == 10,
+                    "r003" => *b == 25,
+                    _ => *b == 31,
+                }),
+                "nrep {nrep}: {got:?}"
+            );
+        }
+    }
+
     #[test]
     fn node_layout_roundtrip() {
         for key in [&b"12345678"[..], b"", b"x", b"a-much-longer-key-than-eight"] {
