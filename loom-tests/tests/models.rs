@@ -66,8 +66,13 @@ fn index_with(
     ))
 }
 
-/// One legacy (exact-key) ingest of `keys` by `replica` at `ts_ms`.
-fn put(ix: &Index, replica: &str, keys: &[([u8; 8], i32)], ts_ms: i64) -> IngestOutcome {
+/// One ingest of `prefixes` by `replica` into (T, M, S) at `ts_ms`, without stats.
+fn ingest_refs<'a>(
+    ix: &Index,
+    replica: &'a str,
+    ts_ms: i64,
+    prefixes: impl IntoIterator<Item = PrefixRef<'a, [u8; 8]>>,
+) -> IngestOutcome {
     ix.ingest(CacheStateUpdate {
         replica_id: replica,
         model_id: M,
@@ -75,16 +80,31 @@ fn put(ix: &Index, replica: &str, keys: &[([u8; 8], i32)], ts_ms: i64) -> Ingest
         hash_scheme: S,
         timestamp_us: ts_ms * 1000,
         adapter_id: "",
-        prefixes: keys.iter().map(|(k, tokens)| PrefixRef {
-            prefix_hash: k,
-            token_count: *tokens,
-            block_hashes: &NO_BLOCKS,
-            block_token_counts: &[],
-            tier: 1,
-            adapter_id: "",
-        }),
+        prefixes,
         stats: None,
     })
+}
+
+/// A legacy (exact-key) ref of `k` with `tokens` at wire tier `tier`.
+fn legacy_ref(k: &[u8], tokens: i32, tier: i32) -> PrefixRef<'_, [u8; 8]> {
+    PrefixRef {
+        prefix_hash: k,
+        token_count: tokens,
+        block_hashes: &NO_BLOCKS,
+        block_token_counts: &[],
+        tier,
+        adapter_id: "",
+    }
+}
+
+/// One legacy (exact-key) ingest of `keys` by `replica` at `ts_ms`.
+fn put(ix: &Index, replica: &str, keys: &[([u8; 8], i32)], ts_ms: i64) -> IngestOutcome {
+    ingest_refs(
+        ix,
+        replica,
+        ts_ms,
+        keys.iter().map(|(k, tokens)| legacy_ref(k, *tokens, 1)),
+    )
 }
 
 fn event(ix: &Index, kind: i32, replica: &str, k: &[u8]) {
@@ -972,23 +992,15 @@ fn run_chain() -> [[u8; 8]; 4] {
 /// One chain-form ingest of `keys` for `replica` (16 tokens per block, tier 1).
 fn put_chain(ix: &Index, replica: &str, keys: &[[u8; 8]], ts_ms: i64) {
     let counts = vec![16; keys.len()];
-    ix.ingest(CacheStateUpdate {
-        replica_id: replica,
-        model_id: M,
-        tenant_id: T,
-        hash_scheme: S,
-        timestamp_us: ts_ms * 1000,
+    let chain = PrefixRef {
+        prefix_hash: &[],
+        token_count: 0,
+        block_hashes: keys,
+        block_token_counts: &counts,
+        tier: 1,
         adapter_id: "",
-        prefixes: std::iter::once(PrefixRef {
-            prefix_hash: &[],
-            token_count: 0,
-            block_hashes: keys,
-            block_token_counts: &counts,
-            tier: 1,
-            adapter_id: "",
-        }),
-        stats: None,
-    });
+    };
+    ingest_refs(ix, replica, ts_ms, std::iter::once(chain));
 }
 
 /// Matched blocks per replica of a chain lookup of `keys` (a replica absent: 0).
@@ -1125,23 +1137,7 @@ fn m10d_run_stop_bits_vs_walk() {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         let c = run_chain();
         put_chain(&ix, A, &c, 1_000);
-        ix.ingest(CacheStateUpdate {
-            replica_id: A,
-            model_id: M,
-            tenant_id: T,
-            hash_scheme: S,
-            timestamp_us: 1_000_000,
-            adapter_id: "",
-            prefixes: std::iter::once(PrefixRef {
-                prefix_hash: &c[2],
-                token_count: 48,
-                block_hashes: &NO_BLOCKS,
-                block_token_counts: &[],
-                tier: 3,
-                adapter_id: "",
-            }),
-            stats: None,
-        });
+        ingest_refs(&ix, A, 1_000, std::iter::once(legacy_ref(&c[2], 48, 3)));
         let w = spawn_on(&ix, move |ix| put_chain(ix, B, &c, 1_000));
         let counts = [16; 4];
         let r = ix.lookup(&LookupRequest {
