@@ -1967,7 +1967,8 @@ impl Index {
         }
         let now_ms = us_to_ms(self.clock.now_us());
         let ttl = self.ttl_for(t);
-        if let Some(part) = self.part_ref(t, m, s, req.adapter_id) {
+        let part = self.part_ref(t, m, s, req.adapter_id);
+        if let Some(part) = part {
             let capture = self.resolvers.algorithm(t) == Algorithm::Lfu;
             self.prefix_scores(part, req, chain, now_ms, ttl, capture, buf);
             if !buf.scores.is_empty() {
@@ -1984,7 +1985,14 @@ impl Index {
         if !chain && self.tenant_hot(req, now_ms, &mut buf.scores) {
             return Strategy::TenantHot;
         }
-        self.classify(t, m, s)
+        match part {
+            // The partition names the same directory records the lookups by name would find
+            // (records are never removed): no string hashing on the common miss.
+            Some(p) => {
+                self.classify_with(|| Some(&*p.tenant), || Some(&*p.model), || Some(&*p.scope))
+            }
+            None => self.classify(t, m, s),
+        }
     }
 
     /// O2: TENANT_HOT candidates into `out`; true if any.
@@ -2030,18 +2038,33 @@ impl Index {
 
     /// O3 miss classifier (O(1) counter reads).
     pub fn classify(&self, tenant: &str, model: &str, scheme: &str) -> Strategy {
+        self.classify_with(
+            || self.tenant_ref(tenant),
+            || self.model_ref(tenant, model),
+            || self.scope_ref(tenant, model, scheme),
+        )
+    }
+
+    /// The classifier over directory records, each looked up only when the previous test
+    /// passed.
+    fn classify_with<'a>(
+        &'a self,
+        tenant: impl FnOnce() -> Option<&'a TenantRec>,
+        model: impl FnOnce() -> Option<&'a ModelRec>,
+        scope: impl FnOnce() -> Option<&'a ScopeRec>,
+    ) -> Strategy {
         if self.total_keys.load(Ordering::Relaxed) <= 0 {
             return Strategy::None;
         }
-        match self.tenant_ref(tenant) {
+        match tenant() {
             Some(t) if t.keys.load(Ordering::Relaxed) > 0 => {}
             _ => return Strategy::UnknownTenant,
         }
-        match self.model_ref(tenant, model) {
+        match model() {
             Some(m) if m.keys.load(Ordering::Relaxed) > 0 => {}
             _ => return Strategy::UnknownModel,
         }
-        match self.scope_ref(tenant, model, scheme) {
+        match scope() {
             Some(s) if s.serving_n.load(Ordering::Relaxed) > 0 => Strategy::None,
             _ => Strategy::UnknownHashScheme,
         }
@@ -2966,6 +2989,67 @@ mod tests {
                 }),
                 "nrep {nrep}: {got:?}"
             );
+        }
+    }
+
+    /// O3 on a partition that exists but was emptied: the route classifies its miss from the
+    /// partition's own directory records, with the same answers as the lookups by name.
+    #[test]
+    fn o3_classifies_misses_in_an_emptied_known_partition() {
+        let ix = Index::new(
+            IndexConfig::default(),
+            Arc::new(DefaultResolvers),
+            Arc::new(ManualClock::new(NOW)),
+        );
+        let put = |t: &str, m: &str, s: &str, key: [u8; 8]| {
+            ix.ingest(CacheStateUpdate {
+                replica_id: "r",
+                model_id: m,
+                tenant_id: t,
+                hash_scheme: s,
+                timestamp_us: NOW,
+                adapter_id: "",
+                stats: None,
+                prefixes: std::iter::once(PrefixRef {
+                    prefix_hash: b"",
+                    token_count: 0,
+                    block_hashes: &[key],
+                    block_token_counts: &[16],
+                    tier: 0,
+                    adapter_id: "",
+                }),
+            });
+        };
+        let route = |t: &str, m: &str, s: &str| {
+            let hashes = [[0xEE; 8]];
+            ix.lookup_route(&LookupRequest {
+                block_hashes: &hashes[..],
+                block_token_counts: &[16],
+                ..LookupRequest::new(t, m, s)
+            })
+            .strategy
+        };
+        let k = |i: u8| [i; 8];
+        put("a", "m", "s", k(1));
+        put("b", "m", "s", k(2));
+        put("b", "m2", "s", k(3));
+        put("c", "m", "s2", k(4));
+        put("c", "m", "s", k(5));
+        assert_eq!(route("a", "m", "s"), Strategy::None, "O3.5: novel prefix");
+        // Tenant a has no key left; b's (b, m) and c's (c, m, s) neither, but each still has
+        // keys one level up.
+        ix.evict_prefixes("a", "m", "r", "", &[k(1)], 0);
+        ix.evict_prefixes("b", "m", "r", "", &[k(2)], 0);
+        ix.evict_prefixes("c", "m", "r", "", &[k(5)], 0);
+        for (t, m, s, want) in [
+            ("a", "m", "s", Strategy::UnknownTenant),
+            ("b", "m", "s", Strategy::UnknownModel),
+            ("c", "m", "s", Strategy::UnknownHashScheme),
+            ("c", "m", "s2", Strategy::None),
+        ] {
+            assert!(ix.partition(t, m, s, "").is_some(), "{t}/{m}/{s} exists");
+            assert_eq!(route(t, m, s), want, "{t}/{m}/{s}");
+            assert_eq!(ix.classify(t, m, s), want, "{t}/{m}/{s} by name");
         }
     }
 

@@ -108,11 +108,21 @@ fn walks_never_step_over_a_changed_block_of_a_run() {
     // restoring.
     let phase = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    // Lookups the readers completed within a stable absent / present phase. The toggler goes on
+    // past TOGGLES until both were seen (a loaded 2-core CI machine may not schedule the
+    // readers during the first toggles), for at most a minute.
+    let seen = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
     let toggler = {
-        let (ix, phase) = (ix.clone(), phase.clone());
+        let (ix, phase, seen) = (ix.clone(), phase.clone(), seen.clone());
         std::thread::spawn(move || {
             let k = chain()[HOLE];
-            for _ in 0..TOGGLES {
+            let start = std::time::Instant::now();
+            let mut round = 0;
+            while round < TOGGLES
+                || (seen.iter().any(|c| c.load(Ordering::Relaxed) == 0)
+                    && start.elapsed() < std::time::Duration::from_secs(60))
+            {
+                round += 1;
                 phase.fetch_add(1, Ordering::SeqCst);
                 ix.apply_event(CacheEventInput {
                     event_type: event_type::PREFIX_EVICTED,
@@ -147,7 +157,7 @@ fn walks_never_step_over_a_changed_block_of_a_run() {
         .collect();
     let readers: Vec<_> = (0..2)
         .map(|_| {
-            let (ix, phase, stop) = (ix.clone(), phase.clone(), stop.clone());
+            let (ix, phase, stop, seen) = (ix.clone(), phase.clone(), stop.clone(), seen.clone());
             std::thread::spawn(move || {
                 let mut scratch = MatchScratch::default();
                 let (mut absent, mut present) = (0u64, 0u64);
@@ -164,10 +174,12 @@ fn walks_never_step_over_a_changed_block_of_a_run() {
                     if before == after && before % 4 == 2 {
                         assert_eq!(got[0], HOLE as u32, "w0 stepped over its missing block");
                         absent += 1;
+                        seen[0].fetch_add(1, Ordering::Relaxed);
                     }
                     if before == after && before % 4 == 0 {
                         assert_eq!(got[0], LEN as u32, "w0 stopped at a block it holds");
                         present += 1;
+                        seen[1].fetch_add(1, Ordering::Relaxed);
                     }
                 }
                 (absent, present)
