@@ -1331,25 +1331,27 @@ impl Index {
         };
         // Blocks after block 0 that a chain run covers (see `run_skip`): the pipeline starts
         // after them.
-        let skip0 = if capture_nodes {
-            0
+        let (skip0, tail0) = if capture_nodes {
+            (0, false)
         } else {
-            run_skip(n0, hashes, 0, n)
+            walk_skip(n0, hashes, 0, n)
         };
         // Each block's probe (digest and mixed hash) is computed once, when its home group is
         // prefetched, and reused by the candidate and resolve stages (`PROBES` blocks ahead).
         let mut probes = [p0; PROBES];
-        if skip0 == 0 {
+        let primed = if skip0 == 0 {
             Self::reprime(t, hashes, n, 1, guard, &mut probes);
+            true
         } else {
-            Self::land(t, hashes, n, skip0 + 1, guard, &mut probes);
-        }
+            Self::land(t, hashes, n, skip0 + 1, tail0, guard, &mut probes)
+        };
         let hs0 = n0.holders();
         if hs0[hs0.len() - 1].rep() < 64 {
             Self::walk_fast(
                 t,
                 n0,
                 skip0,
+                primed,
                 hashes,
                 counts,
                 n,
@@ -1365,6 +1367,7 @@ impl Index {
                 t,
                 n0,
                 skip0,
+                primed,
                 hashes,
                 counts,
                 n,
@@ -1385,6 +1388,7 @@ impl Index {
         t: &KeyTable,
         n0: &KeyNode,
         skip0: usize,
+        primed0: bool,
         hashes: &'k [H],
         counts: &[i32],
         n: usize,
@@ -1438,11 +1442,12 @@ impl Index {
         // block after a skip often starts another run, which would skip them again.
         let mut ring = [Cand::Probe; 8];
         let mut i = 1 + skip0;
-        // Whether the prefetch pipeline runs ahead of block `i`. After a run skip it does not:
-        // the block the walk lands on often starts another run, and primed lines past it would
-        // be wasted (W1M Q50 lands twice, on blocks 16 and 32); it is primed at the first
-        // landing block that takes no skip.
-        let mut primed = skip0 == 0;
+        // Whether the prefetch pipeline runs ahead of block `i`. After a skip that ends inside
+        // its run it does not: the block the walk lands on usually starts the run's next
+        // stretch, and primed lines past it would be wasted (W1M Q50 lands on block 16, then
+        // on the miss at 32); it is primed at the first landing block that takes no skip, or
+        // at once where a tail likely follows (see `land`).
+        let mut primed = primed0;
         if skip0 == 0 {
             for (j, c) in ring.iter_mut().enumerate().take(AHEAD + 1).skip(1) {
                 *c = cand_at(j, probes);
@@ -1457,10 +1462,10 @@ impl Index {
                 break;
             };
             // A chain run decides first whether the next blocks need the pipeline at all.
-            let skip = if capture_nodes {
-                0
+            let (skip, tail) = if capture_nodes {
+                (0, false)
             } else {
-                run_skip(node, hashes, i, n)
+                walk_skip(node, hashes, i, n)
             };
             if skip == 0 {
                 if primed {
@@ -1514,8 +1519,7 @@ impl Index {
                 for j in i + 1..i + 1 + AHEAD {
                     ring[j & 7] = Cand::Probe;
                 }
-                Self::land(t, hashes, n, i + 1, guard, probes);
-                primed = false;
+                primed = Self::land(t, hashes, n, i + 1, tail, guard, probes);
             }
             acc = acc.wrapping_add(counts[i]);
             i += 1;
@@ -1550,6 +1554,7 @@ impl Index {
         t: &KeyTable,
         n0: &KeyNode,
         skip0: usize,
+        primed0: bool,
         hashes: &'k [H],
         counts: &[i32],
         n: usize,
@@ -1594,8 +1599,9 @@ impl Index {
         };
         advance(0, skip0, runs);
         let mut i = 1 + skip0;
-        // As in `walk_fast`: no prefetch pipeline past a block a run skip lands on.
-        let mut primed = skip0 == 0;
+        // As in `walk_fast`: no prefetch pipeline past a block a run skip lands on inside
+        // its run.
+        let mut primed = primed0;
         while i < n {
             // Same probe ring as `walk_fast`: each block's probe is computed once, when its home
             // group is prefetched.
@@ -1638,15 +1644,14 @@ impl Index {
             if open == 0 {
                 break;
             }
-            let m = if capture_nodes {
-                0
+            let (m, tail) = if capture_nodes {
+                (0, false)
             } else {
-                run_skip(node, hashes, i, n)
+                walk_skip(node, hashes, i, n)
             };
             if m > 0 {
                 advance(i, m, runs);
-                Self::land(t, hashes, n, i + m + 1, guard, probes);
-                primed = false;
+                primed = Self::land(t, hashes, n, i + m + 1, tail, guard, probes);
             } else if !primed {
                 Self::reprime(t, hashes, n, i + 1, guard, probes);
                 primed = true;
@@ -1656,21 +1661,30 @@ impl Index {
     }
 
     /// After a run skip: the probe of the block the walk lands on (`at`), its home group
-    /// prefetched.
+    /// prefetched. When the skip reached its run's end (`tail`, see `walk_skip`) and the block
+    /// may exist, the pipeline is primed from it at once (returns true): a single-holder tail
+    /// most likely follows. Otherwise it is primed only if that block takes no skip.
     #[inline]
     fn land<'k, H: AsRef<[u8]>>(
         t: &KeyTable,
         hashes: &'k [H],
         n: usize,
         at: usize,
+        tail: bool,
         guard: &Guard,
         probes: &mut [Probe<'k>; PROBES],
-    ) {
-        if at < n {
-            let p = Probe::new(hashes[at].as_ref());
-            t.prefetch_home(p, guard);
-            probes[at % PROBES] = p;
+    ) -> bool {
+        if at >= n {
+            return false;
         }
+        let p = Probe::new(hashes[at].as_ref());
+        if tail && t.may_contain(p, guard) {
+            Self::reprime(t, hashes, n, at, guard, probes);
+            return true;
+        }
+        t.prefetch_home(p, guard);
+        probes[at % PROBES] = p;
+        false
     }
 
     /// Starts the walk's probe pipeline at block `from` (block 1, or the first block after a run
@@ -2668,8 +2682,18 @@ impl RunPlan {
 /// holders (see [`crate::runs`]). 0 if `node` names no run.
 #[inline]
 fn run_skip<H: AsRef<[u8]>>(node: &KeyNode, hashes: &[H], i: usize, n: usize) -> usize {
+    walk_skip(node, hashes, i, n).0
+}
+
+/// [`run_skip`], and whether the skip reached the run's last block: the stretches a run covers
+/// are the chain's blocks that several replicas hold, so the block after it usually starts a
+/// single-holder tail, which the walk reads block by block (its prefetch pipeline is then
+/// primed at once). A skip that ends inside the run lands on a block whose holders changed,
+/// usually the start of the run's next stretch, or where the request left the chain.
+#[inline]
+fn walk_skip<H: AsRef<[u8]>>(node: &KeyNode, hashes: &[H], i: usize, n: usize) -> (usize, bool) {
     let Some((r, o)) = node.run() else {
-        return 0;
+        return (0, false);
     };
     // SAFETY: `node` is reachable under the caller's guard and names the run, so the run is
     // freed (if at all) only after that guard is dropped (`runs`, "Reclamation").
@@ -2685,7 +2709,7 @@ fn run_skip<H: AsRef<[u8]>>(node: &KeyNode, hashes: &[H], i: usize, n: usize) ->
         }
         m += 1;
     }
-    m
+    (m, m > 0 && o + 1 + m == r.len())
 }
 
 fn own_key(k: &[u8]) -> KeyBytesOwned {

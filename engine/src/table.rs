@@ -1399,6 +1399,12 @@ impl KeyTable {
         }
     }
 
+    /// Whether `p`'s key may be present (its presence-summary bit; false: definitely absent).
+    #[inline]
+    pub(crate) fn may_contain(&self, p: Probe<'_>, guard: &Guard) -> bool {
+        self.table_of(p.shard(), guard).may_contain(p.h)
+    }
+
     /// Prefetches the home group of `p` (a hint; reads only the shard's table pointer).
     #[inline]
     pub(crate) fn prefetch_home(&self, p: Probe<'_>, guard: &Guard) {
