@@ -1,17 +1,15 @@
 //! gRPC TLS, hot reload and mutual TLS with certificates generated in the test (SV15–SV17).
 
 mod common;
-#[path = "common/tls_ca.rs"]
-mod tls_ca;
 
 use common::{TestServer, manual_state};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_server::service::ServerOptions;
 use inferencecache_server::tls::{TlsFiles, server_config};
+use inferencecache_test_ca::Ca;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
-use tls_ca::Ca;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 /// A fresh directory for one TLS test.

@@ -506,40 +506,9 @@ async fn sc15_producer_token_required() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-struct Ca {
-    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
-}
-
-impl Ca {
-    fn new(name: &str) -> Self {
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
-        Self {
-            issuer: rcgen::CertifiedIssuer::self_signed(
-                params,
-                rcgen::KeyPair::generate().unwrap(),
-            )
-            .unwrap(),
-        }
-    }
-    fn pem(&self) -> String {
-        self.issuer.pem()
-    }
-    fn leaf(&self) -> (String, String) {
-        let params =
-            rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
-                .unwrap();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        (cert.pem(), key.serialize_pem())
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sc15_mutual_tls_end_to_end() {
+    use inferencecache_test_ca::Ca;
     use tonic::transport::{Certificate, ClientTlsConfig, Identity};
     let Some(bin) = server_binary() else { return };
     let dir = temp_dir("sc15tls");

@@ -3,15 +3,13 @@
 //! the test (the TLS half of SC15).
 
 mod common;
-#[path = "../../server/tests/common/tls_ca.rs"]
-mod tls_ca;
 
 use common::{Mode, start_fake_server_with, temp_dir};
 use inferencecache_sidecar::client::{GrpcSink, TlsFiles, build_channel};
 use inferencecache_sidecar::reporter::{Identity, Reporter, ReporterConfig};
 use inferencecache_sidecar::wire::{BlockStored, Event, EventBatch};
+use inferencecache_test_ca::Ca;
 use std::path::PathBuf;
-use tls_ca::Ca;
 use tonic::transport::{Certificate, Identity as TlsIdentity, ServerTlsConfig};
 
 fn one_store() -> EventBatch {
