@@ -223,13 +223,61 @@ pub(crate) struct ScopeReplica {
     pub(crate) serving: AtomicI64,
 }
 
+/// The replicas of a scope by scope-local index, with each one's rank among their ids in byte
+/// order: ranking orders replicas with equal scores (R4, R5) by comparing ranks instead of ids.
+/// One immutable snapshot per change, so a reader's ranks are consistent with its list.
+#[derive(Clone, Default)]
+pub(crate) struct ReplicaList {
+    list: Vec<Arc<ScopeReplica>>,
+    /// `rank[i]`: position of replica `i`'s id in byte order among the scope's ids.
+    rank: Vec<u32>,
+    /// Replica indices in byte order of their ids (the inverse of `rank`).
+    sorted: Vec<u32>,
+}
+
+impl ReplicaList {
+    /// Rank of replica `i`'s id among the scope's ids (byte order); `i` must be a valid index.
+    #[inline]
+    pub(crate) fn rank(&self, i: u32) -> u32 {
+        self.rank[i as usize]
+    }
+
+    /// This list plus `name` (not yet in it) at the next index.
+    fn with(&self, name: Arc<str>) -> Self {
+        let i = self.list.len() as u32;
+        let pos = self
+            .sorted
+            .partition_point(|&j| *self.list[j as usize].name < *name);
+        let mut list = self.list.clone();
+        list.push(Arc::new(ScopeReplica {
+            name,
+            serving: AtomicI64::new(0),
+        }));
+        let mut sorted = self.sorted.clone();
+        sorted.insert(pos, i);
+        let mut rank = self.rank.clone();
+        rank.push(0);
+        for (r, &j) in sorted.iter().enumerate().skip(pos) {
+            rank[j as usize] = r as u32;
+        }
+        Self { list, rank, sorted }
+    }
+}
+
+impl std::ops::Deref for ReplicaList {
+    type Target = [Arc<ScopeReplica>];
+    fn deref(&self) -> &Self::Target {
+        &self.list
+    }
+}
+
 /// A scope (tenant, model, scheme).
 pub(crate) struct ScopeRec {
     pub(crate) tenant: Arc<str>,
     pub(crate) model: Arc<str>,
     pub(crate) scheme: Arc<str>,
-    /// Replicas by scope-local index (append only).
-    pub(crate) replicas: Rcu<Vec<Arc<ScopeReplica>>>,
+    /// Replicas by scope-local index (append only), with their id ranks.
+    pub(crate) replicas: Rcu<ReplicaList>,
     /// Writer-side name → local index (sync seam: held across the replicas RCU update).
     pub(crate) by_name: crate::sync::Mutex<HashMap<Arc<str>, u32>>,
     /// Replicas with serving > 0.
@@ -242,7 +290,7 @@ impl ScopeRec {
             tenant,
             model,
             scheme,
-            replicas: Rcu::new(Vec::new()),
+            replicas: Rcu::new(ReplicaList::default()),
             by_name: crate::sync::Mutex::new(HashMap::new()),
             serving_n: AtomicI64::new(0),
         }
@@ -256,11 +304,7 @@ impl ScopeRec {
         }
         let name: Arc<str> = name.into();
         let i = self.replicas.update(|v| {
-            let mut v2 = v.clone();
-            v2.push(Arc::new(ScopeReplica {
-                name: name.clone(),
-                serving: AtomicI64::new(0),
-            }));
+            let v2 = v.with(name.clone());
             let i = (v2.len() - 1) as u32;
             (Some(v2), i)
         });
@@ -299,4 +343,34 @@ pub(crate) struct Partition {
     pub(crate) keys: AtomicI64,
     /// Storage entries of the partition (eviction sampling weights, V2).
     pub(crate) entries: AtomicI64,
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// After every insertion, in any order, each replica's rank is its id's position in byte
+    /// order, and indices stay insertion order.
+    #[test]
+    fn replica_ranks_follow_byte_order() {
+        let names = [
+            "r-07", "r-10", "a", "r-1", "", "zz", "r-07x", "Z", "é", "r-0", "b", "r-100",
+        ];
+        let mut list = ReplicaList::default();
+        for (k, &name) in names.iter().enumerate() {
+            list = list.with(name.into());
+            let mut by_id: Vec<&str> = names[..=k].to_vec();
+            by_id.sort_unstable();
+            for (i, r) in list.iter().enumerate() {
+                assert_eq!(&*r.name, names[i], "index order");
+                let want = by_id.iter().position(|&n| n == names[i]).unwrap();
+                assert_eq!(
+                    list.rank(i as u32) as usize,
+                    want,
+                    "{:?} after {k}",
+                    names[i]
+                );
+            }
+        }
+    }
 }

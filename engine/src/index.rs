@@ -82,10 +82,23 @@ struct Run {
     open: bool,
 }
 
+/// A replica's chain-path score before ranking (see `Index::prefix_scores`).
+#[derive(Clone, Copy)]
+struct Ranked {
+    score: f32,
+    matched: i32,
+    fresh: f32,
+    tier: u8,
+    rep: u32,
+    /// Rank of the replica's id in byte order (the tie-break of R4 and R5).
+    rank: u32,
+}
+
 /// Reusable scratch space for [`Index::match_chain_into`].
 #[derive(Default)]
 pub struct MatchScratch {
     runs: Vec<Run>,
+    ranked: Vec<Ranked>,
     nodes: Vec<usize>,
     /// Per-replica run state of the bitset fast path (indices < 64), sized 64 once.
     fast: Vec<Run>,
@@ -1797,6 +1810,8 @@ impl Index {
                 return;
             }
             let reps = part.scope.replicas.load(&guard);
+            let ranked = &mut buf.scratch.ranked;
+            ranked.clear();
             for r in buf.scratch.runs.iter() {
                 if r.matched <= 0 {
                     continue;
@@ -1809,12 +1824,13 @@ impl Index {
                     continue;
                 };
                 let pf = self.pressure_pf(&part.model, &rr.name, now_ms, ttl, &guard);
-                buf.scores.push(ScoredReplica {
-                    replica_id: rr.name.clone(),
+                ranked.push(Ranked {
                     score: prefix_score(r.matched, f, pf, c),
-                    matched_tokens: r.matched,
-                    estimated_cache_hit_prob: f,
-                    tier: tier_wire(r.tier),
+                    matched: r.matched,
+                    fresh: f,
+                    tier: r.tier,
+                    rep: r.rep,
+                    rank: reps.rank(r.rep),
                 });
                 if capture {
                     for &np in buf.scratch.nodes[..r.blocks as usize].iter() {
@@ -1832,29 +1848,40 @@ impl Index {
                 }
             }
             buf.scratch.nodes.clear();
-            let scores = &mut buf.scores;
-            if n > 1 && !scores.is_empty() {
+            // Ties are ordered by replica id through the ids' ranks (R4, R5): integer compares,
+            // and one id clone per returned replica, once its place is known.
+            if n > 1 && !ranked.is_empty() {
                 // R4 chain grouping.
-                scores.sort_unstable_by(|a, b| {
-                    b.matched_tokens
-                        .cmp(&a.matched_tokens)
-                        .then_with(|| a.replica_id.cmp(&b.replica_id))
-                });
+                ranked.sort_unstable_by(|a, b| b.matched.cmp(&a.matched).then(a.rank.cmp(&b.rank)));
                 let mut i = 0;
-                while i < scores.len() {
+                while i < ranked.len() {
                     let mut j = i;
-                    while j < scores.len() && scores[j].matched_tokens == scores[i].matched_tokens {
+                    while j < ranked.len() && ranked[j].matched == ranked[i].matched {
                         j += 1;
                     }
                     let dp = distinguishing_power(j as i64, n);
                     if dp != 1.0 {
-                        for s in &mut scores[i..j] {
+                        for s in &mut ranked[i..j] {
                             s.score *= dp as f32;
                         }
                     }
                     i = j;
                 }
             }
+            // R5.
+            ranked.sort_unstable_by(|a, b| {
+                b.score
+                    .partial_cmp(&a.score)
+                    .unwrap_or(std::cmp::Ordering::Equal)
+                    .then(a.rank.cmp(&b.rank))
+            });
+            buf.scores.extend(ranked.iter().map(|s| ScoredReplica {
+                replica_id: reps[s.rep as usize].name.clone(),
+                score: s.score,
+                matched_tokens: s.matched,
+                estimated_cache_hit_prob: s.fresh,
+                tier: tier_wire(s.tier),
+            }));
         } else {
             if req.prefix_hash.is_empty() {
                 return;
@@ -1894,8 +1921,8 @@ impl Index {
                     s.score *= dp as f32;
                 }
             }
+            sort_final(&mut buf.scores);
         }
-        sort_final(&mut buf.scores);
     }
 
     /// Bare lookup (L1–L10): prefix scores only, never credits, no fallbacks.
