@@ -601,8 +601,8 @@ struct ShardTable {
     /// together: a compacting rebuild moves the nodes into a new arena and publishes a new table
     /// pointing at it, so a reader translates every index it read through the right directory.
     arena: Arc<Arena>,
-    /// A 16-bit presence summary per [`SUMMARY_SLOTS`] slots of the table: bit
-    /// `summary_bit(h)` of word `summary_at(h)` is set for every key with mixed hash `h`. Set
+    /// A 16-bit presence summary per [`SUMMARY_SLOTS`] slots of the table: the two bits
+    /// `summary_bits(h)` of word `summary_at(h)` are set for every key with mixed hash `h`. Set
     /// before a key is published, cleared only by a rebuild (a superset): a clear bit proves
     /// absence without touching the group line (P2: the summary, 1/12 the size of the groups,
     /// stays cache-resident, the groups do not). Its words follow the slots, not the groups:
@@ -615,9 +615,12 @@ struct ShardTable {
     n: u64,
 }
 
+/// The two bits of a key's summary word (they may coincide). Two bits per key instead of one
+/// let through a fifth fewer absent keys of W1M (24.7% → 20.0% of Q0 misses read the group
+/// line; 18.6% → 13.2% at 12,000 chains) for the same memory.
 #[inline]
-fn summary_bit(h: u64) -> u16 {
-    1 << ((h >> 40) & 15)
+fn summary_bits(h: u64) -> u16 {
+    1 << ((h >> 40) & 15) | 1 << ((h >> 44) & 15)
 }
 
 impl ShardTable {
@@ -707,7 +710,7 @@ impl ShardTable {
 
     /// The home group of mixed hash `h`: its low 32 bits scaled to the group count (any count,
     /// not only powers of two, so a rebuild can size the table to the live keys). The low bits
-    /// are independent of the shard (bits 60–63), fingerprint (48–54) and summary (40–43) bits.
+    /// are independent of the shard (bits 60–63), fingerprint (48–54) and summary (40–47) bits.
     #[inline]
     fn home(&self, h: u64) -> usize {
         (((h & 0xffff_ffff) * self.n) >> 32) as usize
@@ -730,7 +733,8 @@ impl ShardTable {
     /// Whether the key with mixed hash `h` may be present (false: definitely absent).
     #[inline]
     fn may_contain(&self, h: u64) -> bool {
-        self.summary[self.summary_at(h)].load(Ordering::Relaxed) & summary_bit(h) != 0
+        let bits = summary_bits(h);
+        self.summary[self.summary_at(h)].load(Ordering::Relaxed) & bits == bits
     }
 
     /// Marks the key with mixed hash `h` present (mutex holder / unpublished table only).
@@ -738,7 +742,7 @@ impl ShardTable {
     fn mark(&self, h: u64) {
         let s = &self.summary[self.summary_at(h)];
         s.store(
-            s.load(Ordering::Relaxed) | summary_bit(h),
+            s.load(Ordering::Relaxed) | summary_bits(h),
             Ordering::Relaxed,
         );
     }
