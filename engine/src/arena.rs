@@ -33,7 +33,8 @@
 //!   the shard state across writer sessions, flushed when full and before a compaction). A full
 //!   batch goes to the epoch as one deferred function; once every reader pinned before it has
 //!   unpinned, the function puts the batch on the [`Owner`]'s `freed` list (a mutex: batches
-//!   arrive from whichever thread collects garbage, off the reader path). The writer drains that
+//!   arrive from whichever thread collects garbage, often a reader inside a lookup, so the list
+//!   is linked through the batches and the function allocates nothing). The writer drains that
 //!   list into its free lists when a size class runs dry, and recycles the empty batch. Nothing
 //!   is reused before its epoch has passed, so a pinned reader never sees a node change under it
 //!   (the same argument as for freeing, `table.rs` invariant 4); handing a node to the epoch
@@ -110,6 +111,8 @@ pub(crate) struct Batch {
     /// Keeps the arena's memory alive while the batch waits for its epoch (None once handed
     /// back, so the owner's list of returned batches holds no reference to the owner itself).
     owner: Option<Arc<Owner>>,
+    /// The next batch on the owner's `freed` list.
+    next: Option<Box<Batch>>,
 }
 
 impl Batch {
@@ -123,10 +126,44 @@ impl Batch {
 pub(crate) struct Owner {
     /// `(base, bytes)` by chunk id; `(null, 0)` for a released single-node chunk.
     chunks: Mutex<Vec<(usize, usize)>>,
-    /// Batches whose epoch has passed, waiting for the writer. Boxed: a batch travels through
-    /// the deferred function as one pointer and is reused as is.
-    #[allow(clippy::vec_box)]
-    freed: Mutex<Vec<Box<Batch>>>,
+    /// Batches whose epoch has passed, waiting for the writer: a list linked through the
+    /// batches themselves, so the deferred function that returns a batch never allocates.
+    /// (It runs on whichever thread collects garbage, often a reader inside a lookup, which
+    /// must stay allocation-free: T93.)
+    freed: Mutex<Freed>,
+}
+
+/// The owner's list of returned batches (see [`Owner`]).
+#[derive(Default)]
+struct Freed {
+    head: Option<Box<Batch>>,
+}
+
+impl Freed {
+    fn push(&mut self, mut b: Box<Batch>) {
+        b.next = self.head.take();
+        self.head = Some(b);
+    }
+
+    /// The whole list (follow `next`).
+    fn take(&mut self) -> Option<Box<Batch>> {
+        self.head.take()
+    }
+
+    #[cfg(all(test, not(loom)))]
+    fn is_empty(&self) -> bool {
+        self.head.is_none()
+    }
+}
+
+impl Drop for Freed {
+    fn drop(&mut self) {
+        // Iteratively: a burst of removals can leave thousands of batches on the list.
+        let mut next = self.head.take();
+        while let Some(mut b) = next {
+            next = b.next.take();
+        }
+    }
 }
 
 #[cfg(all(test, not(loom)))]
@@ -136,6 +173,7 @@ impl Owner {
         self.freed.lock().push(Box::new(Batch {
             items: vec![Retired { idx, units }],
             owner: None,
+            next: None,
         }));
     }
 }
@@ -165,7 +203,7 @@ impl Arena {
             owner: Arc::new(Owner {
                 // Chunk id 0 stays unused: index 0 is "no node".
                 chunks: Mutex::new(vec![(0, 0)]),
-                freed: Mutex::new(Vec::new()),
+                freed: Mutex::new(Freed::default()),
             }),
         }
     }
@@ -339,6 +377,7 @@ impl ArenaState {
             Box::new(Batch {
                 items: Vec::with_capacity(BATCH_CAPACITY),
                 owner: None,
+                next: None,
             })
         })
     }
@@ -346,8 +385,9 @@ impl ArenaState {
     /// Moves the frees whose epoch has passed into the free lists (single-node chunks go back
     /// to the system allocator).
     fn take_back(&mut self, a: &Arena) {
-        let batches = std::mem::take(&mut *a.owner.freed.lock());
-        for mut b in batches {
+        let mut next = a.owner.freed.lock().take();
+        while let Some(mut b) = next {
+            next = b.next.take();
             for r in b.items.drain(..) {
                 self.give_back(a, r.idx, r.units);
             }
@@ -551,7 +591,9 @@ mod tests {
             }
             in_flight.push(b);
         }
-        a.owner.freed.lock().append(&mut in_flight);
+        for b in in_flight {
+            a.owner.freed.lock().push(b);
+        }
         // With no spare left, the next batches are the returned ones, and their nodes are
         // back in the free lists (no free-list miss needed to take them back).
         for _ in 0..8 {
