@@ -242,6 +242,15 @@ impl ReplicaList {
         self.rank[i as usize]
     }
 
+    /// The index of the replica named `name`, if any (binary search in id order).
+    pub(crate) fn find(&self, name: &str) -> Option<u32> {
+        let pos = self
+            .sorted
+            .partition_point(|&j| *self.list[j as usize].name < *name);
+        let &j = self.sorted.get(pos)?;
+        (*self.list[j as usize].name == *name).then_some(j)
+    }
+
     /// This list plus `name` (not yet in it) at the next index.
     fn with(&self, name: Arc<str>) -> Self {
         let i = self.list.len() as u32;
@@ -321,13 +330,12 @@ impl ScopeRec {
         self.by_name.lock().get(name).copied()
     }
 
-    /// Serving count of `name` (reader side, linear scan).
+    /// Serving count of `name` (reader side, a binary search: TENANT_HOT asks once per
+    /// stats record, so a linear scan made it quadratic in the fleet's size).
     pub(crate) fn serving_of(&self, name: &str, guard: &Guard) -> i64 {
-        self.replicas
-            .load(guard)
-            .iter()
-            .find(|r| &*r.name == name)
-            .map_or(0, |r| r.serving.load(Ordering::Relaxed))
+        let reps = self.replicas.load(guard);
+        reps.find(name)
+            .map_or(0, |i| reps[i as usize].serving.load(Ordering::Relaxed))
     }
 }
 
@@ -363,6 +371,7 @@ mod tests {
             by_id.sort_unstable();
             for (i, r) in list.iter().enumerate() {
                 assert_eq!(&*r.name, names[i], "index order");
+                assert_eq!(list.find(names[i]), Some(i as u32), "find {:?}", names[i]);
                 let want = by_id.iter().position(|&n| n == names[i]).unwrap();
                 assert_eq!(
                     list.rank(i as u32) as usize,
@@ -370,6 +379,9 @@ mod tests {
                     "{:?} after {k}",
                     names[i]
                 );
+            }
+            for absent in ["r-07y", "zzz", "r-", "\u{0}"] {
+                assert_eq!(list.find(absent), None, "{absent:?} is not a replica");
             }
         }
     }
