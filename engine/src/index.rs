@@ -1868,13 +1868,7 @@ impl Index {
                     i = j;
                 }
             }
-            // R5.
-            ranked.sort_unstable_by(|a, b| {
-                b.score
-                    .partial_cmp(&a.score)
-                    .unwrap_or(std::cmp::Ordering::Equal)
-                    .then(a.rank.cmp(&b.rank))
-            });
+            sort_ranked(ranked);
             buf.scores.extend(ranked.iter().map(|s| ScoredReplica {
                 replica_id: reps[s.rep as usize].name.clone(),
                 score: s.score,
@@ -2023,7 +2017,7 @@ impl Index {
                 return Strategy::PrefixMatch;
             }
         }
-        if !chain && self.tenant_hot(req, now_ms, &mut buf.scores) {
+        if !chain && self.tenant_hot(req, now_ms, &mut buf.scratch.ranked, &mut buf.scores) {
             return Strategy::TenantHot;
         }
         match part {
@@ -2041,6 +2035,7 @@ impl Index {
         &self,
         req: &LookupRequest<'_, H>,
         now_ms: i64,
+        ranked: &mut Vec<Ranked>,
         out: &mut Vec<ScoredReplica>,
     ) -> bool {
         let rc = &self.cfg.ranker;
@@ -2055,7 +2050,9 @@ impl Index {
         };
         let c = slo_c(rc, req.ttft_ms);
         let guard = epoch::pin();
-        for st in model.stats.load(&guard).iter() {
+        let stats = model.stats.load(&guard);
+        ranked.clear();
+        for (i, st) in stats.iter().enumerate() {
             let age = now_ms - st.reported_ms;
             if age >= rc.tenant_hot_max_age_ms || st.hit_rate < rc.tenant_hot_min_hit_rate {
                 continue;
@@ -2065,15 +2062,25 @@ impl Index {
             }
             let rec = recency(age, rc.tenant_hot_max_age_ms);
             let pf = pressure_factor(rc.pressure_weight, st.pressure);
-            out.push(ScoredReplica {
-                replica_id: st.replica.clone(),
+            // Stats records are kept sorted by replica id, so a record's position is its id's
+            // rank among them: R5's tie-break without comparing ids.
+            ranked.push(Ranked {
                 score: tenant_hot_score(st.hit_rate, rec, pf, c),
-                matched_tokens: 0,
-                estimated_cache_hit_prob: st.hit_rate,
-                tier: tier::UNSPECIFIED,
+                matched: 0,
+                fresh: st.hit_rate,
+                tier: 0,
+                rep: i as u32,
+                rank: i as u32,
             });
         }
-        sort_final(out);
+        sort_ranked(ranked);
+        out.extend(ranked.iter().map(|s| ScoredReplica {
+            replica_id: stats[s.rep as usize].replica.clone(),
+            score: s.score,
+            matched_tokens: 0,
+            estimated_cache_hit_prob: s.fresh,
+            tier: tier::UNSPECIFIED,
+        }));
         !out.is_empty()
     }
 
@@ -2895,6 +2902,16 @@ fn evict_slot(a: Algorithm, r: EvictionReason) -> usize {
         EvictionReason::Cap => 0,
         EvictionReason::Ttl => 1,
     }
+}
+
+/// R5 on ranked entries: score desc, then replica id asc through the ids' ranks.
+fn sort_ranked(v: &mut [Ranked]) {
+    v.sort_unstable_by(|a, b| {
+        b.score
+            .partial_cmp(&a.score)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.rank.cmp(&b.rank))
+    });
 }
 
 /// R5: score desc, then replica id asc (ids are unique, so an unstable sort is deterministic).
