@@ -1,12 +1,13 @@
 //! Criterion micro-benchmarks of the engine's operations, grouped so a regression shows at a
 //! glance: `ingest`, `chain_lookup` (core match and full route, by depth and replica count),
-//! `exact_lookup`, `events`, `credit`. Run: `cargo bench -p inferencecache-bench --bench engine`.
+//! `exact_lookup`, `tenant_hot`, `events`, `credit`.
+//! Run: `cargo bench -p inferencecache-bench --bench engine`.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use inferencecache_bench::fixed_policy::FixedPolicy;
 use inferencecache_engine::{
     CacheEventInput, CacheStateUpdate, Clock, Index, IndexConfig, LookupRequest, ManualClock,
-    MatchScratch, PrefixRef, RouteBuffer, event_type,
+    MatchScratch, PrefixRef, ReplicaStatsInput, RouteBuffer, Strategy, event_type,
 };
 use std::hint::black_box;
 use std::sync::Arc;
@@ -178,6 +179,58 @@ fn bench_exact_lookup(c: &mut Criterion) {
     g.finish();
 }
 
+/// O2 at fleet scale: an exact-path miss answered by TENANT_HOT, every replica serving the
+/// scope and reporting the same stats (so every score ties and R5 orders by id). Replica ids
+/// look like Kubernetes pod names: long, with a shared prefix.
+fn bench_tenant_hot(c: &mut Criterion) {
+    let mut g = c.benchmark_group("tenant_hot");
+    for replicas in [16usize, 256, 2048] {
+        let (ix, _clock) = index(false);
+        let hashes = [key(1, 0)];
+        let counts = [16];
+        for r in 0..replicas {
+            let refs = [PrefixRef {
+                prefix_hash: &[],
+                token_count: 0,
+                block_hashes: &hashes,
+                block_token_counts: &counts,
+                tier: 1,
+                adapter_id: "",
+            }];
+            let replica = format!("vllm-llama-3-70b-instruct-7d9f8c6b5d-{r:05x}");
+            ix.ingest(CacheStateUpdate {
+                replica_id: &replica,
+                model_id: "m",
+                tenant_id: "t",
+                hash_scheme: "vllm",
+                timestamp_us: 0,
+                prefixes: refs,
+                stats: Some(ReplicaStatsInput {
+                    cache_memory_bytes: 1 << 30,
+                    hit_rate: 0.5,
+                    pressure: 0.25,
+                    t2_hit_tokens: 0,
+                    t2_query_tokens: 0,
+                }),
+                adapter_id: "",
+            });
+        }
+        let miss_key = key(123_456, 0);
+        let miss = LookupRequest::<[u8; 8]> {
+            prefix_hash: &miss_key,
+            ..LookupRequest::new("t", "m", "vllm")
+        };
+        let mut buf = RouteBuffer::new();
+        assert_eq!(ix.lookup_route_into(&miss, &mut buf), Strategy::TenantHot);
+        assert_eq!(buf.scores.len(), replicas, "every replica is a candidate");
+        g.throughput(Throughput::Elements(replicas as u64));
+        g.bench_function(BenchmarkId::from_parameter(replicas), |b| {
+            b.iter(|| black_box(ix.lookup_route_into(black_box(&miss), &mut buf)))
+        });
+    }
+    g.finish();
+}
+
 fn bench_events(c: &mut Criterion) {
     let mut g = c.benchmark_group("events");
     g.bench_function("prefix_evicted_then_reingest", |b| {
@@ -265,6 +318,7 @@ criterion_group!(
     bench_ingest,
     bench_chain_lookup,
     bench_exact_lookup,
+    bench_tenant_hot,
     bench_events,
     bench_credit
 );

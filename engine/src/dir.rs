@@ -251,6 +251,11 @@ impl ReplicaList {
         (*self.list[j as usize].name == *name).then_some(j)
     }
 
+    /// A cursor over the replicas in id order, for looking up names given in ascending order.
+    pub(crate) fn cursor(&self) -> IdCursor<'_> {
+        IdCursor { list: self, pos: 0 }
+    }
+
     /// This list plus `name` (not yet in it) at the next index.
     fn with(&self, name: Arc<str>) -> Self {
         let i = self.list.len() as u32;
@@ -330,12 +335,42 @@ impl ScopeRec {
         self.by_name.lock().get(name).copied()
     }
 
-    /// Serving count of `name` (reader side, a binary search: TENANT_HOT asks once per
-    /// stats record, so a linear scan made it quadratic in the fleet's size).
+    /// Serving count of `name` (reader side, a binary search; TENANT_HOT, which asks for
+    /// many names in id order, merges with [`ReplicaList::cursor`] instead).
     pub(crate) fn serving_of(&self, name: &str, guard: &Guard) -> i64 {
         let reps = self.replicas.load(guard);
         reps.find(name)
             .map_or(0, |i| reps[i as usize].serving.load(Ordering::Relaxed))
+    }
+}
+
+/// Finds replicas by names given in ascending byte order (a merge with the id order).
+///
+/// Each `seek` gallops forward from the previous position, so `m` ascending names in a list
+/// of `n` cost O(m log(n / m)) id compares, never more than a binary search per name.
+pub(crate) struct IdCursor<'a> {
+    list: &'a ReplicaList,
+    /// Every replica before `pos` in id order has an id below the last name sought.
+    pos: usize,
+}
+
+impl<'a> IdCursor<'a> {
+    /// The replica named `name`, if any. Names must not decrease from one call to the next.
+    pub(crate) fn seek(&mut self, name: &str) -> Option<&'a ScopeReplica> {
+        let list = self.list;
+        let rest = &list.sorted[self.pos..];
+        let below = |j: &u32| *list.list[*j as usize].name < *name;
+        // Gallop to a window whose end is not below `name`, then search inside it.
+        let mut end = 1;
+        while end < rest.len() && below(&rest[end - 1]) {
+            end *= 2;
+        }
+        let end = end.min(rest.len());
+        let start = end / 2;
+        self.pos += start + rest[start..end].partition_point(below);
+        let &j = list.sorted.get(self.pos)?;
+        let r = &*list.list[j as usize];
+        (*r.name == *name).then_some(r)
     }
 }
 
@@ -384,5 +419,34 @@ mod tests {
                 assert_eq!(list.find(absent), None, "{absent:?} is not a replica");
             }
         }
+    }
+
+    /// A cursor finds exactly the present names of every ascending query sequence, whatever
+    /// the gaps between them (galloping over 0, 1, 2, 3, ... replicas).
+    #[test]
+    fn id_cursor_merges_ascending_names() {
+        let mut list = ReplicaList::default();
+        // Present: even numbers (inserted in a scrambled order); the odd ones are absent.
+        let n = 300u32;
+        for k in 0..n {
+            let v = (k * 7919) % n * 2;
+            list = list.with(format!("r-{v:05}").into());
+        }
+        let queries: Vec<u32> = (0..2 * n + 2).collect();
+        for step in 1..40 {
+            for offset in 0..step.min(5) {
+                let seq: Vec<u32> = queries.iter().copied().skip(offset).step_by(step).collect();
+                let mut cursor = list.cursor();
+                for q in seq {
+                    let name = format!("r-{q:05}");
+                    let got = cursor.seek(&name).map(|r| r.name.to_string());
+                    let want = (q % 2 == 0 && q < 2 * n).then(|| name.clone());
+                    assert_eq!(got, want, "step {step}, offset {offset}, {name}");
+                    // Names may repeat: seeking the same name again finds it again.
+                    assert_eq!(cursor.seek(&name).map(|r| r.name.to_string()), want);
+                }
+            }
+        }
+        assert!(ReplicaList::default().cursor().seek("r").is_none());
     }
 }

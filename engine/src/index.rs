@@ -1868,14 +1868,7 @@ impl Index {
                     i = j;
                 }
             }
-            sort_ranked(ranked);
-            buf.scores.extend(ranked.iter().map(|s| ScoredReplica {
-                replica_id: reps[s.rep as usize].name.clone(),
-                score: s.score,
-                matched_tokens: s.matched,
-                estimated_cache_hit_prob: s.fresh,
-                tier: tier_wire(s.tier),
-            }));
+            emit_ranked(ranked, &mut buf.scores, |rep| &reps[rep as usize].name);
         } else {
             if req.prefix_hash.is_empty() {
                 return;
@@ -1884,6 +1877,8 @@ impl Index {
                 return;
             };
             let reps = part.scope.replicas.load(&guard);
+            let ranked = &mut buf.scratch.ranked;
+            ranked.clear();
             for h in node.holders().iter() {
                 let f = freshness(now_ms, h.last_seen_ms(), ttl);
                 if f <= 0.0 {
@@ -1893,12 +1888,13 @@ impl Index {
                     continue;
                 };
                 let pf = self.pressure_pf(&part.model, &rr.name, now_ms, ttl, &guard);
-                buf.scores.push(ScoredReplica {
-                    replica_id: rr.name.clone(),
+                ranked.push(Ranked {
                     score: prefix_score(h.tokens(), f, pf, c),
-                    matched_tokens: h.tokens(),
-                    estimated_cache_hit_prob: f,
-                    tier: tier_wire(h.tier()),
+                    matched: h.tokens(),
+                    fresh: f,
+                    tier: h.tier(),
+                    rep: h.rep(),
+                    rank: reps.rank(h.rep()),
                 });
                 if capture && h.tokens() > 0 {
                     buf.hits.hits.push(Hit {
@@ -1909,13 +1905,13 @@ impl Index {
                     });
                 }
             }
-            let dp = distinguishing_power(buf.scores.len() as i64, n);
+            let dp = distinguishing_power(ranked.len() as i64, n);
             if dp != 1.0 {
-                for s in &mut buf.scores {
+                for s in ranked.iter_mut() {
                     s.score *= dp as f32;
                 }
             }
-            sort_final(&mut buf.scores);
+            emit_ranked(ranked, &mut buf.scores, |rep| &reps[rep as usize].name);
         }
     }
 
@@ -2051,13 +2047,19 @@ impl Index {
         let c = slo_c(rc, req.ttft_ms);
         let guard = epoch::pin();
         let stats = model.stats.load(&guard);
+        // Both the stats records and the cursor go in id order: one merge, no per-record search.
+        let reps = scope.replicas.load(&guard);
+        let mut serving = reps.cursor();
         ranked.clear();
         for (i, st) in stats.iter().enumerate() {
             let age = now_ms - st.reported_ms;
             if age >= rc.tenant_hot_max_age_ms || st.hit_rate < rc.tenant_hot_min_hit_rate {
                 continue;
             }
-            if scope.serving_of(&st.replica, &guard) <= 0 {
+            if serving
+                .seek(&st.replica)
+                .is_none_or(|r| r.serving.load(Ordering::Relaxed) <= 0)
+            {
                 continue;
             }
             let rec = recency(age, rc.tenant_hot_max_age_ms);
@@ -2073,14 +2075,7 @@ impl Index {
                 rank: i as u32,
             });
         }
-        sort_ranked(ranked);
-        out.extend(ranked.iter().map(|s| ScoredReplica {
-            replica_id: stats[s.rep as usize].replica.clone(),
-            score: s.score,
-            matched_tokens: 0,
-            estimated_cache_hit_prob: s.fresh,
-            tier: tier::UNSPECIFIED,
-        }));
+        emit_ranked(ranked, out, |i| &stats[i as usize].replica);
         !out.is_empty()
     }
 
@@ -2914,14 +2909,21 @@ fn sort_ranked(v: &mut [Ranked]) {
     });
 }
 
-/// R5: score desc, then replica id asc (ids are unique, so an unstable sort is deterministic).
-fn sort_final(v: &mut [ScoredReplica]) {
-    v.sort_unstable_by(|a, b| {
-        b.score
-            .partial_cmp(&a.score)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then_with(|| a.replica_id.cmp(&b.replica_id))
-    });
+/// Sorts `ranked` (R5) and appends the scores to `out` in that order, naming entry `rep` by
+/// `name(rep)`: each returned id is cloned once, once its place is known.
+fn emit_ranked<'n>(
+    ranked: &mut [Ranked],
+    out: &mut Vec<ScoredReplica>,
+    name: impl Fn(u32) -> &'n Arc<str>,
+) {
+    sort_ranked(ranked);
+    out.extend(ranked.iter().map(|s| ScoredReplica {
+        replica_id: name(s.rep).clone(),
+        score: s.score,
+        matched_tokens: s.matched,
+        estimated_cache_hit_prob: s.fresh,
+        tier: tier_wire(s.tier),
+    }));
 }
 
 #[cfg(test)]
