@@ -29,7 +29,15 @@
 //! 3. *Evict*: pop the smallest candidate, re-validate it under its shard lock (still present,
 //!    same generation, rank still ≤ the threshold: a re-ingest or credit since the walk saves
 //!    it) and remove it.
-//! 4. *Re-sample* after a lap of the cursor, after about half of the estimated population below
+//! 4. *Run mates* (cap, LRU): a victim whose node names a chain run queues the run's other
+//!    linked blocks (up to [`MAX_MATES`]) as the next candidates. They are the entries the same
+//!    chain ingest left unchanged — the victim's replica with the same `last_seen`, so tied
+//!    with it in the ideal order — and are taken while the index is still over the cap, each
+//!    re-validated like any candidate (present, naming the same run, rank ≤ threshold). A chain
+//!    thus leaves whole, and its run (8 B per block) with it, instead of block by block over a
+//!    lap of the walk (test `cap_evicts_chains_whole_with_their_run_mates`: without mates, 35
+//!    chains at the cap were half-evicted, with them none).
+//! 5. *Re-sample* after a lap of the cursor, after about half of the estimated population below
 //!    the threshold was evicted (the threshold goes stale as its entries disappear), or when a
 //!    walk finds nothing within its budget.
 //!
@@ -58,6 +66,7 @@ use super::{Carry, EVICT_SLOTS, Index, KeyBytesOwned, Pending, evict_slot, own_k
 use crate::config::Algorithm;
 use crate::dir::{Partition, TenantRec};
 use crate::index::EvictionReason;
+use crate::runs::ChainRun;
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
 use crate::table::{Holder, KeyNode, KeyTable, Probe, SHARDS};
@@ -136,7 +145,13 @@ struct Victim {
     key: KeyBytesOwned,
     rep: u32,
     generation: u32,
+    /// Non-zero: a run mate of an evicted entry (see [`Index::evict_entry`]), identified by the
+    /// address of the chain run its node names instead of by generation.
+    run: usize,
 }
+
+/// Run mates queued per cap victim at most (longer runs leave the rest to the walk).
+const MAX_MATES: usize = 256;
 
 /// Victim-selection state (one for the global cap, one per tenant for its quota). Guarded by a
 /// mutex: enforcement is serialized per hand, never with readers.
@@ -324,7 +339,7 @@ impl Index {
         match cx.mode {
             Mode::Cap => {
                 let alg = cx.alg(self, &p.tenant);
-                for h in node.holders() {
+                for h in node.holders().iter() {
                     let e = eff_count(p, node.key(), h, alg, guard);
                     f((e, h.last_seen_ms()), h.rep(), h.generation());
                 }
@@ -500,7 +515,7 @@ impl Index {
             let rank = part
                 .table
                 .find(&key, &guard)
-                .and_then(|n| n.holder(e.rep).copied())
+                .and_then(|n| n.holder(e.rep))
                 .filter(|h| h.generation() == e.generation)
                 .map(|h| {
                     let alg = cx.alg(self, &part.tenant);
@@ -520,8 +535,9 @@ impl Index {
                 key: own_key(&key),
                 rep: e.rep,
                 generation: e.generation,
+                run: 0,
             };
-            if self.evict_entry(part, &v, thr, cx) {
+            if self.evict_entry(part, &v, thr, cx, None) {
                 hand.budget = hand.budget.saturating_sub(1);
                 return true;
             }
@@ -540,7 +556,7 @@ impl Index {
         // reference-count updates per victim.
         let part = &hand.parts[v.part];
         let removed = match cx.mode {
-            Mode::Cap => self.evict_entry(part, &v, thr, cx),
+            Mode::Cap => self.evict_entry(part, &v, thr, cx, Some(&mut hand.cands)),
             Mode::Quota => self.evict_key(part, v.key.as_bytes(), thr.1, cx.now_us),
         };
         if removed {
@@ -611,6 +627,7 @@ impl Index {
                     key: own_key(node.key()),
                     rep,
                     generation,
+                    run: 0,
                 });
             });
         }
@@ -692,6 +709,7 @@ impl Index {
                             key: own_key(node.key()),
                             rep,
                             generation,
+                            run: 0,
                         });
                     }
                 });
@@ -751,6 +769,7 @@ impl Index {
                                 key: own_key(node.key()),
                                 rep,
                                 generation,
+                                run: 0,
                             };
                             all.push((full, v));
                         });
@@ -767,7 +786,7 @@ impl Index {
                 break;
             }
             let part = &hand.parts[v.part];
-            if self.evict_entry(part, v, RANK_MAX, cx) {
+            if self.evict_entry(part, v, RANK_MAX, cx, None) {
                 removed += 1;
             }
         }
@@ -816,7 +835,14 @@ impl Index {
     /// Removes the cap victim `v` if it is still present with the same generation and its rank
     /// is still ≤ `thr` (re-validated under the shard lock). Counts `index_evictions{alg, cap}`
     /// and emits N1 REMOVED with the removal time.
-    fn evict_entry(&self, part: &Partition, v: &Victim, thr: Rank, cx: &mut Cx) -> bool {
+    fn evict_entry(
+        &self,
+        part: &Partition,
+        v: &Victim,
+        thr: Rank,
+        cx: &mut Cx,
+        mates: Option<&mut Vec<Victim>>,
+    ) -> bool {
         let alg = cx.alg(self, &part.tenant);
         let key = v.key.as_bytes();
         let pr = Probe::new(key);
@@ -825,12 +851,16 @@ impl Index {
         let Some((i, node)) = w.find_p(pr, &guard) else {
             return false;
         };
-        let Some(h) = node.holder(v.rep).copied() else {
+        let Some(h) = node.holder(v.rep) else {
             return false;
         };
-        if h.generation() != v.generation
-            || (eff_count(part, key, &h, alg, &guard), h.last_seen_ms()) > thr
-        {
+        let run = node.run();
+        let same = if v.run != 0 {
+            run.is_some_and(|(r, _)| r as usize == v.run)
+        } else {
+            h.generation() == v.generation
+        };
+        if !same || (eff_count(part, key, &h, alg, &guard), h.last_seen_ms()) > thr {
             return false;
         }
         // Still over the cap? Read after the victim was chosen and its shard locked: a removal
@@ -849,6 +879,27 @@ impl Index {
         }
         w.maybe_shrink(&guard);
         drop(w);
+        // Run mates next: the other blocks the victim's chain ingest left as they were carry
+        // this holder with the same `last_seen`, i.e. the same rank under LRU, so they are the
+        // next victims in the ideal order (ties) and go first. A chain whose blocks the walk
+        // would otherwise find one at a time, across a whole lap, keeps its run (its keys, ~8 B
+        // per block) alive until the last of them goes; evicted together, it goes at once.
+        // (A mate's own mates are already queued: only a victim found otherwise queues them.)
+        if let (Some(out), Some((r, o)), Algorithm::Lru, 0) = (mates, run, alg, v.run) {
+            // SAFETY: the node named the run until its unlink above, and `guard` was pinned
+            // before that: the run is freed (if at all) only after the guard is dropped.
+            let r = unsafe { &*r };
+            for m in r.live_offsets().filter(|&m| m != o).take(MAX_MATES) {
+                out.push(Victim {
+                    rank: v.rank,
+                    part: v.part,
+                    key: KeyBytesOwned::Short(*r.key_bytes(m)),
+                    rep: v.rep,
+                    generation: 0,
+                    run: r as *const ChainRun as usize,
+                });
+            }
+        }
         cx.settle(self, part, v.rep, pend, &guard);
         cx.evicted[evict_slot(alg, EvictionReason::Cap)] += 1;
         if let Some(s) = self.active_sink(part.tenant.reserved) {

@@ -598,7 +598,7 @@ impl Index {
                     )
                 };
                 let mut plan = if chain {
-                    Self::plan_run(part, r.block_hashes, rep, &guard)
+                    Self::plan_run(part, r.block_hashes, rep, ts_ms)
                 } else {
                     None
                 };
@@ -749,49 +749,30 @@ impl Index {
         }
     }
 
-    /// The chain run for a chain ingest (see [`crate::runs`]): its leading blocks whose keys
-    /// another replica already holds, i.e. whose nodes this ingest will leave with several
-    /// holders — the large nodes a lookup would otherwise read one by one. `None` when that
-    /// stretch is shorter than [`MIN_RUN`] (a chain of this replica's own, or one sharing little)
-    /// or a key is not 8 bytes. The peek is lock-free and steps over the stretches of the runs it
-    /// meets (their blocks have the holders of the node it read); a concurrent change only makes
-    /// the run cover blocks that end up with one holder (stop bits: never stepped over).
+    /// The chain run for a chain ingest (see [`crate::runs`]): its leading blocks with 8-byte
+    /// keys (at most [`MAX_RUN`]), `None` when fewer than [`MIN_RUN`]. The blocks this ingest
+    /// leaves with several holders get run nodes of their usual size, and those it leaves with
+    /// only its own entry get 16-byte member nodes, so a lookup steps over both the shared
+    /// prefix and the replica's own tail in a few probes instead of one per block.
     fn plan_run<H: AsRef<[u8]>>(
         part: &Partition,
         hashes: &[H],
         rep: u32,
-        guard: &Guard,
+        ts_ms: i64,
     ) -> Option<RunPlan> {
         let n = hashes.len().min(MAX_RUN);
-        if n < MIN_RUN {
-            return None;
-        }
-        let t = &part.table;
-        let mut b = 0;
-        while b < n {
-            if b + PREFETCH < n {
-                t.prefetch_home(Probe::new(hashes[b + PREFETCH].as_ref()), guard);
-            }
-            let key = hashes[b].as_ref();
-            if key.len() != 8 {
-                break;
-            }
-            match t.find(key, guard) {
-                // The blocks its own run says carry the same holders need no probe.
-                Some(node) if node.holders().iter().any(|h| h.rep() != rep) => {
-                    b += 1 + run_skip(node, hashes, b, n);
-                }
-                _ => break,
-            }
-        }
+        let b = hashes[..n]
+            .iter()
+            .take_while(|h| h.as_ref().len() == 8)
+            .count();
         if b < MIN_RUN {
             return None;
         }
-        // Every key of the stretch is 8 bytes (checked by the peek).
+        let t = &part.table;
         let keys = hashes[..b]
             .iter()
             .map(|h| <[u8; 8]>::try_from(h.as_ref()).unwrap_or_default());
-        let run = ChainRun::create(keys)?;
+        let run = ChainRun::create(keys, Holder::member_word(rep, ts_ms))?;
         // SAFETY: just created; the plan holds the creator's reference.
         t.add_run_bytes(unsafe { (*run).bytes() } as i64);
         Some(RunPlan {
@@ -917,8 +898,7 @@ impl Index {
                 if pos < hs.len() && hs[pos].rep() == rep {
                     let h2 = hs[pos].refreshed(tokens, tier, ts_ms);
                     if !h2.same_data(&hs[pos]) {
-                        let run = run.filter(|_| hs.len() > 1);
-                        with_holders(hs, |buf| {
+                        with_holders(&hs, |buf| {
                             buf[pos] = h2;
                             let nn = w.replace(i, buf, run, guard);
                             if run.is_some() {
@@ -929,7 +909,7 @@ impl Index {
                 } else {
                     let g = w.next_generation();
                     let h = Holder::new(rep, tier, tokens, ts_ms, g);
-                    with_holders_inserted(hs, pos, h, |buf| {
+                    with_holders_inserted(&hs, pos, h, |buf| {
                         let nn = w.replace(i, buf, run, guard);
                         if run.is_some() {
                             published = nn;
@@ -941,7 +921,10 @@ impl Index {
             }
             None => {
                 let g = w.next_generation();
-                w.insert_p(p, &[Holder::new(rep, tier, tokens, ts_ms, g)], None, guard);
+                let nn = w.insert_p(p, &[Holder::new(rep, tier, tokens, ts_ms, g)], run, guard);
+                if run.is_some() {
+                    published = nn;
+                }
                 new_entry = true;
                 pend.note_created(p.key(), g);
                 out.keys_added += 1;
@@ -1046,7 +1029,7 @@ impl Index {
             w.remove(i, guard);
             pend.keys -= 1;
         } else {
-            with_holders_removed(hs, pos, |buf| w.replace(i, buf, None, guard));
+            with_holders_removed(&hs, pos, |buf| w.replace(i, buf, None, guard));
         }
         // LFU state is lost on delete (V3); an LRU-only shard has none.
         if w.has_lfu()
@@ -1417,7 +1400,7 @@ impl Index {
         }
         let fr = &mut scratch.fast[..64];
         let mut open = 0u64;
-        for h in n0.holders() {
+        for h in n0.holders().iter() {
             let ls = h.last_seen_ms();
             if is_live(now_ms, ls, ttl_ms) {
                 let r = h.rep();
@@ -1499,7 +1482,7 @@ impl Index {
                 scratch.nodes.push(node as *const KeyNode as usize);
             }
             let mut still = 0u64;
-            for h in node.holders() {
+            for h in node.holders().iter() {
                 let r = h.rep();
                 if r < 64 && open & (1 << r) != 0 {
                     let ls = h.last_seen_ms();
@@ -2445,7 +2428,7 @@ impl Index {
         let guard = epoch::pin();
         let node = p.table.find(key, &guard)?;
         let reps = p.scope.replicas.load(&guard);
-        let h = node.holders().iter().find(|h| {
+        let h = *node.holders().iter().find(|h| {
             reps.get(h.rep() as usize)
                 .is_some_and(|r| &*r.name == replica)
         })?;
@@ -2695,7 +2678,7 @@ impl RunPlan {
         let stop = |o: usize| match (node(o - 1), node(o)) {
             (Some(a), Some(b)) => {
                 let (ha, hb) = (a.holders(), b.holders());
-                ha.len() != hb.len() || ha.iter().zip(hb).any(|(x, y)| !x.same_for_lookup(y))
+                ha.len() != hb.len() || ha.iter().zip(hb.iter()).any(|(x, y)| !x.same_for_lookup(y))
             }
             _ => true,
         };
@@ -2707,14 +2690,9 @@ impl RunPlan {
     }
 }
 
-/// How many blocks after block `i` of the request the chain run named by `node` covers: blocks whose keys continue the run's and that still carry exactly `node`'s
-/// holders (see [`crate::runs`]). 0 if `node` names no run.
-#[inline]
-fn run_skip<H: AsRef<[u8]>>(node: &KeyNode, hashes: &[H], i: usize, n: usize) -> usize {
-    walk_skip(node, hashes, i, n).0
-}
-
-/// [`run_skip`], and whether the skip reached the run's last block: the stretches a run covers
+/// How many blocks after block `i` of the request the chain run named by `node` covers:
+/// blocks whose keys continue the run's and that still carry exactly `node`'s holders (see
+/// [`crate::runs`]); 0 if `node` names no run. Also whether the skip reached the run's last block: the stretches a run covers
 /// are the chain's blocks that several replicas hold, so the block after it usually starts a
 /// single-holder tail, which the walk reads block by block (its prefetch pipeline is then
 /// primed at once). A skip that ends inside the run lands on a block whose holders changed,
@@ -3174,7 +3152,7 @@ mod tests {
         for key in [&b"12345678"[..], b"", b"x", b"a-much-longer-key-than-eight"] {
             let hs = [
                 Holder::new(1, 1, 16, -5, 7),
-                Holder::new(3, 4, -2, 1 << 42, (1 << 28) - 1),
+                Holder::new(3, 4, -2, (1 << 42) - 1, (1 << 28) - 1),
             ];
             let buf = KeyNode::build_boxed(key, crate::table::digest(key), &hs, None);
             // SAFETY: `buf` holds a node written by `build_boxed`, alive for this iteration.
@@ -3182,7 +3160,8 @@ mod tests {
             assert_eq!(r.key(), key);
             assert_eq!(r.holders().len(), 2);
             assert!(r.holders()[0].same_data(&hs[0]) && r.holders()[1].same_data(&hs[1]));
-            assert_eq!(r.holders()[1].last_seen_ms(), 1 << 42);
+            assert_eq!(r.holders()[1].last_seen_ms(), (1 << 42) - 1);
+            assert!(!r.is_member());
             assert_eq!(r.holders()[1].tier(), 4);
             assert_eq!(r.holders()[1].tokens(), -2);
             assert_eq!(r.holders()[0].last_seen_ms(), -5);
@@ -3198,6 +3177,65 @@ mod tests {
             Holder::new(0, 1, 0, i64::MAX, 0).last_seen_ms(),
             crate::table::clamp_ts(i64::MAX)
         );
+    }
+
+    /// A run node of one holder takes the 16-byte member form exactly when its holder is the
+    /// run's member (same replica and `last_seen`), and reads back the same either way; no
+    /// plain node ever looks like a member node, whatever its first holder's timestamp.
+    #[test]
+    fn member_nodes_roundtrip_and_never_alias_plain_nodes() {
+        use crate::table::clamp_ts;
+        let guard = epoch::pin();
+        let keys: Vec<[u8; 8]> = (0..8u64).map(|k| (k * 31 + 5).to_be_bytes()).collect();
+        for ts in [
+            0,
+            -5,
+            1_700_000_000_000,
+            i64::MAX,
+            i64::MIN,
+            (1 << 42) - 1,
+            -(1 << 42),
+        ] {
+            let member = Holder::member_word(9, ts);
+            let run = ChainRun::create(keys.iter().copied(), member).unwrap();
+            for (h, member_form) in [
+                (Holder::new(9, 2, 48, ts, 77), true),
+                (
+                    Holder::new(9, 2, 48, ts.saturating_add(1), 77),
+                    clamp_ts(ts.saturating_add(1)) == clamp_ts(ts),
+                ),
+                (Holder::new(8, 2, 48, ts, 77), false),
+            ] {
+                let w = crate::runs::run_word(run, 3);
+                let buf =
+                    KeyNode::build_boxed(&keys[3], u64::from_be_bytes(keys[3]), &[h], Some(w));
+                // SAFETY: `buf` holds a node written by `build_boxed`; its run is alive.
+                let r = unsafe { &*(buf.as_ptr() as *const KeyNode) };
+                assert_eq!(r.is_member(), member_form, "ts {ts}, {h:?}");
+                assert_eq!(r.units(), if member_form { 2 } else { 3 });
+                assert_eq!(r.holders().len(), 1);
+                assert!(r.holders()[0].same_data(&h), "ts {ts}");
+                assert_eq!(r.holder(h.rep()).map(|x| x.generation()), Some(77));
+                assert_eq!(r.key(), &keys[3]);
+                assert_eq!(r.run(), Some((run, 3)));
+                assert!(r.matches(&keys[3], u64::from_be_bytes(keys[3])));
+                assert!(!r.matches(&keys[4], u64::from_be_bytes(keys[4])));
+            }
+            for key in [&keys[0][..], b"long key, stored inline"] {
+                let plain = KeyNode::build_boxed(
+                    key,
+                    crate::table::digest(key),
+                    &[Holder::new(crate::table::REP_MASK, 4, -1, ts, 1)],
+                    None,
+                );
+                // SAFETY: as above.
+                let r = unsafe { &*(plain.as_ptr() as *const KeyNode) };
+                assert!(!r.is_member(), "plain node at ts {ts}");
+                assert_eq!(r.key(), key);
+            }
+            // SAFETY: our own run, no node names it (the boxed nodes hold no reference).
+            assert!(unsafe { ChainRun::seal(run, 0, |_| false, &guard) } > 0);
+        }
     }
 }
 

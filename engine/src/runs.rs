@@ -2,22 +2,26 @@
 //! the same holders.
 //!
 //! A longest-prefix walk costs one table probe per block (a group line, then the node's lines).
-//! On a shared prefix (a system prompt every replica holds) the nodes are the largest ones —
-//! several holders, two or three cache lines each — and every one of them says the same thing:
-//! the same replicas, with the same `last_seen` and tier. A [`ChainRun`] records, for the leading
-//! blocks of one chain ingest that end up with several holders, the blocks' keys in one array
-//! plus which of them still carry the holders this ingest gave them. A walk that reaches a block
-//! whose node names a run compares the request's next hashes with the run's keys (consecutive,
-//! in cache) and steps over every block that matches and is still as the ingest left it, instead
-//! of probing each one: their holders are, by construction, those of the node it just read.
+//! Along one ingested chain, consecutive nodes mostly say the same thing: on a shared prefix (a
+//! system prompt every replica holds) the same replicas, with the same `last_seen` and tier; on
+//! the replica's own tail (a conversation only it has seen) just that replica. A [`ChainRun`]
+//! records, for the blocks of one chain ingest, the blocks' keys in one array plus which of them
+//! still carry the holders this ingest gave them. A walk that reaches a block whose node names a
+//! run compares the request's next hashes with the run's keys (consecutive, in cache) and steps
+//! over every block that matches and is still as the ingest left it, instead of probing each
+//! one: their holders are, by construction, those of the node it just read.
 //!
 //! # Structure
 //!
-//! `{refs, sealed, len, words: [dead bits][stop bits], keys}`, one run per chain ingest that
-//! qualifies (see `Index::plan_run`), covering offsets `0..len` of the chain. A node built by
-//! that ingest for offset `o` holds the *run word* `run pointer | o << 48` in place of its key
-//! (a flag on its holders says so; the key is `keys[o]`), so a run node is no larger than a
-//! plain one. The run is exact, never a hint to verify:
+//! `{refs, member, sealed, len, words: [dead bits][stop bits], keys}`, one run per chain ingest
+//! of at least [`MIN_RUN`] blocks with 8-byte keys (see `Index::plan_run`), covering offsets
+//! `0..len` of the chain. A node built by that ingest for offset `o` holds the *run word*
+//! `run pointer | o << 48` in place of its key (a flag on its holders says so; the key is
+//! `keys[o]`), so a run node is no larger than a plain one. A node whose only holder is the
+//! ingest's own entry is a 16-byte *member node*: its holder's first word (replica and
+//! `last_seen`, the same for the whole ingest) is the run's `member` word, so the run's key
+//! costs no more than the one a plain node would hold (see `table::KeyNode`). The run is exact,
+//! never a hint to verify:
 //!
 //! - **dead bit `o`**: the node the ingest published for offset `o` has been replaced or
 //!   removed. Whoever unlinks it sets the bit under the key's shard mutex, before the change is
@@ -59,7 +63,7 @@ use crate::sync::{AtomicBool, AtomicU64, Ordering};
 use crossbeam_epoch::Guard;
 use std::alloc::{Layout, alloc, dealloc, handle_alloc_error};
 
-/// Shortest leading stretch of shared blocks worth a run.
+/// Shortest chain worth a run.
 pub(crate) const MIN_RUN: usize = 4;
 /// Longest run: offsets are 16 bits in a node's run word.
 pub(crate) const MAX_RUN: usize = 1 << 16;
@@ -69,11 +73,17 @@ const BIAS: u64 = 1 << 40;
 const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
 
 /// A run over the first `len` blocks of one chain ingest (see the module docs). One allocation:
-/// this header, then `2 · ⌈len / 64⌉` bit words (dead bits, then stop bits), then the `len`
-/// 8-byte keys, so a walk reaches the bits and the keys without another pointer to chase.
+/// `2 · ⌈len / 64⌉` bit words (dead bits, then stop bits), then this header, then the `len`
+/// 8-byte keys; a run pointer points at the header. A walk reaches the bits and the keys
+/// without another pointer to chase, and a key's address does not depend on the run's length:
+/// checking a node's key (a table probe whose fingerprint matched) reads the node and the key's
+/// line, not the header.
 #[repr(C)]
 pub(crate) struct ChainRun {
     refs: AtomicU64,
+    /// The creating ingest's holder word `a` (its replica and `last_seen`): the holder of every
+    /// member node naming the run (see `table::KeyNode`).
+    member: u64,
     sealed: AtomicBool,
     len: u32,
 }
@@ -83,37 +93,49 @@ const WORD: usize = std::mem::size_of::<AtomicU64>();
 
 impl ChainRun {
     fn layout(len: usize) -> Layout {
-        let size = HEADER + 2 * len.div_ceil(64) * WORD + len * 8;
+        let size = Self::words_bytes(len) + HEADER + len * 8;
         let align = std::mem::align_of::<ChainRun>().max(std::mem::align_of::<AtomicU64>());
         Layout::from_size_align(size, align).expect("chain run layout")
     }
 
-    /// A new, unsealed run over `keys` (at most [`MAX_RUN`]), holding the ingest's reference.
-    /// `None` when the allocation's address does not fit a run word (never on today's 64-bit
-    /// targets, whose user addresses have at most 48 bits).
-    pub(crate) fn create(keys: impl ExactSizeIterator<Item = [u8; 8]>) -> Option<*const ChainRun> {
+    /// Bytes of the bit words in front of the header of a run over `len` blocks.
+    #[inline]
+    fn words_bytes(len: usize) -> usize {
+        2 * len.div_ceil(64) * WORD
+    }
+
+    /// A new, unsealed run over `keys` (at most [`MAX_RUN`]) with member word `member`,
+    /// holding the ingest's reference. `None` when the allocation's address does not fit a run
+    /// word (never on today's 64-bit targets, whose user addresses have at most 48 bits).
+    pub(crate) fn create(
+        keys: impl ExactSizeIterator<Item = [u8; 8]>,
+        member: u64,
+    ) -> Option<*const ChainRun> {
         let len = keys.len();
         debug_assert!(len > 0 && len <= MAX_RUN);
         let lay = Self::layout(len);
         // SAFETY: the layout has a non-zero size (the header).
-        let p = unsafe { alloc(lay) } as *mut ChainRun;
-        if p.is_null() {
+        let base = unsafe { alloc(lay) };
+        if base.is_null() {
             handle_alloc_error(lay);
         }
-        // SAFETY: `p` is a fresh allocation of `lay`: the header, the words and the keys are
-        // written in place, each inside it and suitably aligned (8-byte words after a header
-        // whose size is a multiple of their alignment; keys have alignment 1).
+        // SAFETY: inside the allocation (the words come first).
+        let p = unsafe { base.add(Self::words_bytes(len)) } as *mut ChainRun;
+        // SAFETY: `base` is a fresh allocation of `lay`: the words, the header and the keys are
+        // written in place, each inside it and suitably aligned (8-byte words at the start, a
+        // header after a multiple of 8 bytes, keys with alignment 1).
         unsafe {
-            p.write(ChainRun {
-                refs: AtomicU64::new(BIAS),
-                sealed: AtomicBool::new(false),
-                len: len as u32,
-            });
-            let w = (p as *mut u8).add(HEADER) as *mut AtomicU64;
+            let w = base as *mut AtomicU64;
             for i in 0..2 * len.div_ceil(64) {
                 w.add(i).write(AtomicU64::new(0));
             }
-            let k = (p as *mut u8).add(HEADER + 2 * len.div_ceil(64) * WORD) as *mut [u8; 8];
+            p.write(ChainRun {
+                refs: AtomicU64::new(BIAS),
+                member,
+                sealed: AtomicBool::new(false),
+                len: len as u32,
+            });
+            let k = (p as *mut u8).add(HEADER) as *mut [u8; 8];
             let mut keys = keys;
             for i in 0..len {
                 k.add(i).write(keys.next().unwrap_or_default());
@@ -134,19 +156,29 @@ impl ChainRun {
     /// # Safety
     /// `p` was built by `create` and nobody can reach it any more.
     unsafe fn free(p: *mut ChainRun) {
-        // SAFETY: per the contract; the words were written by `create`.
+        // SAFETY: per the contract; the words were written by `create`, in front of the
+        // header, at the start of the allocation.
         unsafe {
             let len = (*p).len as usize;
-            let w = (p as *mut u8).add(HEADER) as *mut AtomicU64;
+            let base = (p as *mut u8).sub(Self::words_bytes(len));
+            let w = base as *mut AtomicU64;
             std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(w, 2 * len.div_ceil(64)));
             std::ptr::drop_in_place(p);
-            dealloc(p as *mut u8, Self::layout(len));
+            dealloc(base, Self::layout(len));
         }
     }
 
     /// Bytes this run holds (for `memory_bytes`; glibc chunk sizes, see `pages::heap_chunk`).
     pub(crate) fn bytes(&self) -> usize {
         crate::pages::heap_chunk(Self::layout(self.len()).size())
+    }
+
+    /// The member word (see the field).
+    #[inline]
+    pub(crate) fn member(&self) -> u64 {
+        #[cfg(loom)]
+        crate::loom_api::read(crate::loom_api::Kind::Run, self as *const ChainRun as usize);
+        self.member
     }
 
     /// Blocks covered.
@@ -163,11 +195,12 @@ impl ChainRun {
     /// The dead words, then the stop words.
     #[inline]
     fn words(&self) -> &[AtomicU64] {
-        // SAFETY: `create` wrote `2 · nw` words right after the header; they live as long as
-        // the run.
+        // SAFETY: `create` wrote `2 · nw` words right in front of the header; they live as
+        // long as the run.
         unsafe {
             std::slice::from_raw_parts(
-                (self as *const ChainRun as *const u8).add(HEADER) as *const AtomicU64,
+                (self as *const ChainRun as *const u8).sub(Self::words_bytes(self.len()))
+                    as *const AtomicU64,
                 2 * self.nw(),
             )
         }
@@ -178,20 +211,38 @@ impl ChainRun {
     pub(crate) fn key_bytes(&self, o: usize) -> &[u8; 8] {
         #[cfg(loom)]
         crate::loom_api::read(crate::loom_api::Kind::Run, self as *const ChainRun as usize);
-        assert!(o < self.len());
-        // SAFETY: `create` wrote `len` keys after the words; immutable and alive as long as the
-        // run; `o < len`.
-        unsafe {
-            &*((self as *const ChainRun as *const u8).add(HEADER + 2 * self.nw() * WORD)
-                as *const [u8; 8])
-                .add(o)
-        }
+        // Not checked in release builds: reading the length would cost a probe whose
+        // fingerprint matched a run node one more cache line (see the struct docs).
+        debug_assert!(o < self.len());
+        // SAFETY: `create` wrote `len` keys right after the header; immutable and alive as long
+        // as the run. `o < len`: every offset a caller passes is a node's own (a run word is
+        // only made for an offset below its run's length, `Index::plan_run`) or lies before a
+        // stretch end (`stretch_end` ≤ `len`).
+        unsafe { &*((self as *const ChainRun as *const u8).add(HEADER) as *const [u8; 8]).add(o) }
     }
 
     /// The digest of block `o`'s key (its big-endian value, as for every 8-byte key).
     #[inline]
     pub(crate) fn key(&self, o: usize) -> u64 {
         u64::from_be_bytes(*self.key_bytes(o))
+    }
+
+    /// The offsets whose nodes are still linked (no dead bit), ascending.
+    pub(crate) fn live_offsets(&self) -> impl Iterator<Item = usize> + '_ {
+        let len = self.len();
+        (0..self.nw()).flat_map(move |w| {
+            let mut live = !self.words()[w].load(Ordering::Acquire);
+            if (w + 1) * 64 > len {
+                live &= (1u64 << (len - w * 64)) - 1;
+            }
+            std::iter::from_fn(move || {
+                (live != 0).then(|| {
+                    let b = live.trailing_zeros() as usize;
+                    live &= live - 1;
+                    w * 64 + b
+                })
+            })
+        })
     }
 
     /// Block `o`'s node is being replaced or removed (under its shard mutex, before the change
@@ -336,7 +387,7 @@ mod tests {
     use crossbeam_epoch as epoch;
 
     fn run(len: usize) -> *const ChainRun {
-        ChainRun::create((0..len).map(|k| (k as u64 * 7 + 1).to_be_bytes())).unwrap()
+        ChainRun::create((0..len).map(|k| (k as u64 * 7 + 1).to_be_bytes()), 0).unwrap()
     }
 
     #[test]

@@ -30,7 +30,15 @@
 //! node built by a chain ingest inside a chain run ([`crate::runs`]) holds the run word in the
 //! key's place (its holders are flagged; the key is read from the run), at the same size.
 //!
-//! [`Holder`] packs `last_seen` (ms, signed 44 bits: years ~1691–2248; out-of-range timestamps
+//! A **member node** is the 16-byte form of a run node with one holder whose first word
+//! (`last_seen` and replica) is the run's member word, i.e. the ingest's own entry: the run
+//! word, then only the holder's second word. Its top two bits are `10` (`F_LAST` set, `F_LONG`
+//! clear), which a plain node's second word, its first holder's `a`, never has: `last_seen` is
+//! stored in 43 bits, sign-extended through bit 63. So a member node's key costs what a plain
+//! node's does (8 bytes, in the run), and a chain's single-holder tail is a run a lookup steps
+//! over instead of one probe per block. [`KeyNode::holders`] rebuilds the holder from the run.
+//!
+//! [`Holder`] packs `last_seen` (ms, signed 43 bits: years ~1830–2109; out-of-range timestamps
 //! are clamped), the replica index (20 bits), `token_count` (i32), the tier code (2 bits), a
 //! per-entry generation (27 bits, from a per-shard counter; it wraps after 2^27 creations in one
 //! shard, far longer than any captured hit lives) and three layout flags.
@@ -124,7 +132,10 @@ pub(crate) const TIER_COLDER: u8 = 4;
 /// Largest scope-local replica index.
 pub(crate) const REP_MASK: u32 = (1 << REP_BITS) - 1;
 const REP_BITS: u32 = 20;
-const TS_BITS: u32 = 44;
+/// Stored `last_seen` bits (signed). 43, not the 44 the field has room for: the top two bits of
+/// a holder's first word are then always equal, which tells a member node's holder word (top
+/// bits `10`) from a plain node's first holder (see [`KeyNode`]).
+const TS_BITS: u32 = 43;
 const TS_MAX: i64 = (1 << (TS_BITS - 1)) - 1;
 const TS_MIN: i64 = -(1 << (TS_BITS - 1));
 /// Per-entry generations are 27-bit.
@@ -154,7 +165,7 @@ pub(crate) fn tier_wire(code: u8) -> i32 {
     }
 }
 
-/// Clamps a ms timestamp to the 44-bit stored range (years ~1691–2248).
+/// Clamps a ms timestamp to the 43-bit stored range (years ~1830–2109).
 #[inline]
 pub(crate) fn clamp_ts(ms: i64) -> i64 {
     ms.clamp(TS_MIN, TS_MAX)
@@ -162,7 +173,7 @@ pub(crate) fn clamp_ts(ms: i64) -> i64 {
 
 /// One holder of a key (16 bytes).
 ///
-/// `a = last_seen_ms (signed 44) << 20 | rep (20)`;
+/// `a = last_seen_ms (signed 43, sign-extended to 44 bits) << 20 | rep (20)`;
 /// `b = tokens (u32) | tier−1 (2) << 32 | generation (27) << 34 | F_RUN | F_LONG | F_LAST`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
@@ -181,6 +192,12 @@ impl Holder {
             | (((tier - 1) as u64 & 3) << 32)
             | (((generation & GEN_MASK) as u64) << 34);
         Self { a, b }
+    }
+    /// The first word of every holder of replica `rep` last seen at `last_seen_ms`: a run's
+    /// member word (see [`KeyNode`]).
+    #[inline]
+    pub(crate) fn member_word(rep: u32, last_seen_ms: i64) -> u64 {
+        Self::new(rep, 1, 0, last_seen_ms, 0).a
     }
     #[inline]
     pub(crate) fn rep(&self) -> u32 {
@@ -235,8 +252,56 @@ pub(crate) struct KeyNode {
 
 const HDR: usize = std::mem::size_of::<KeyNode>();
 const HS: usize = std::mem::size_of::<Holder>();
+/// Size of a member node: the run word and one holder's second word.
+const MEMBER_SIZE: usize = HDR + 8;
+
+/// A node's holders: a slice of a plain node, or the one holder of a member node, rebuilt
+/// from its run (see [`KeyNode`]). Dereferences to the slice either way.
+pub(crate) enum Holders<'a> {
+    Slice(&'a [Holder]),
+    One(Holder),
+}
+
+impl std::ops::Deref for Holders<'_> {
+    type Target = [Holder];
+    #[inline]
+    fn deref(&self) -> &[Holder] {
+        match self {
+            Holders::Slice(s) => s,
+            Holders::One(h) => std::slice::from_ref(h),
+        }
+    }
+}
 
 impl KeyNode {
+    /// The word after the key word: a plain node's first holder's `a`, or a member node's
+    /// holder `b`.
+    #[inline]
+    fn second_word(&self) -> u64 {
+        #[cfg(loom)]
+        crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
+        // SAFETY: every node has at least 16 bytes (a member node is the smallest).
+        unsafe { ((self as *const KeyNode as *const u8).add(HDR) as *const u64).read() }
+    }
+
+    /// Whether this is a member node (top bits `10` of the second word, see the module docs).
+    #[inline]
+    pub(crate) fn is_member(&self) -> bool {
+        self.second_word() >> 62 == 0b10
+    }
+
+    /// A member node's holder: the run's member word and the node's own second word.
+    #[inline]
+    fn member_holder(&self) -> Holder {
+        let (r, _) = crate::runs::unpack(u64::from_ne_bytes(self.k));
+        // SAFETY: a member node names a run, alive while the node can be reached (see `run`).
+        let a = unsafe { (*r).member() };
+        Holder {
+            a,
+            b: self.second_word(),
+        }
+    }
+
     #[inline]
     fn holders_ptr(&self) -> *const Holder {
         #[cfg(loom)]
@@ -261,6 +326,9 @@ impl KeyNode {
     /// Number of holders (≥ 1).
     #[inline]
     pub(crate) fn len(&self) -> usize {
+        if self.is_member() {
+            return 1;
+        }
         let p = self.holders_ptr();
         let mut n = 0;
         // SAFETY: holders are contiguous and the last one carries F_LAST (set by `build`), so
@@ -275,10 +343,13 @@ impl KeyNode {
 
     /// The holders, sorted by replica index.
     #[inline]
-    pub(crate) fn holders(&self) -> &[Holder] {
+    pub(crate) fn holders(&self) -> Holders<'_> {
+        if self.is_member() {
+            return Holders::One(self.member_holder());
+        }
         // SAFETY: `len()` holders are initialized right after the header and live as long as
         // the node (immutable once published).
-        unsafe { std::slice::from_raw_parts(self.holders_ptr(), self.len()) }
+        Holders::Slice(unsafe { std::slice::from_raw_parts(self.holders_ptr(), self.len()) })
     }
 
     /// The run this node names and its offset in it (see [`crate::runs`]). A run node keeps
@@ -287,17 +358,26 @@ impl KeyNode {
     /// reference to its run until it is unlinked, and readers that reach it are pinned.
     #[inline]
     pub(crate) fn run(&self) -> Option<(*const ChainRun, usize)> {
-        // SAFETY: there is always a first holder.
-        if unsafe { (*self.holders_ptr()).b } & F_RUN == 0 {
+        if self.first_b() & F_RUN == 0 {
             return None;
         }
         Some(crate::runs::unpack(u64::from_ne_bytes(self.k)))
     }
 
+    /// The second word of the first holder (its flags); a member node's own second word.
+    #[inline]
+    fn first_b(&self) -> u64 {
+        let w = self.second_word();
+        if w >> 62 == 0b10 {
+            return w;
+        }
+        // SAFETY: a plain node has at least one holder.
+        unsafe { (*self.holders_ptr()).b }
+    }
+
     #[inline]
     fn is_long(&self) -> bool {
-        // SAFETY: there is always a first holder.
-        unsafe { (*self.holders_ptr()).b & F_LONG != 0 }
+        self.first_b() & F_LONG != 0
     }
 
     /// The key bytes.
@@ -325,8 +405,7 @@ impl KeyNode {
     pub(crate) fn matches(&self, key: &[u8], d: u64) -> bool {
         #[cfg(loom)]
         crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
-        // SAFETY: there is always a first holder.
-        let b = unsafe { (*self.holders_ptr()).b };
+        let b = self.first_b();
         if b & F_RUN != 0 {
             return self.run_matches(key, d);
         }
@@ -341,23 +420,45 @@ impl KeyNode {
 
     /// The holder of replica `rep`.
     #[inline]
-    pub(crate) fn holder(&self, rep: u32) -> Option<&Holder> {
+    pub(crate) fn holder(&self, rep: u32) -> Option<Holder> {
         let hs = self.holders();
         if hs.len() <= 16 {
-            hs.iter().find(|h| h.rep() == rep)
+            hs.iter().find(|h| h.rep() == rep).copied()
         } else {
             hs.binary_search_by_key(&rep, |h| h.rep())
                 .ok()
-                .map(|i| &hs[i])
+                .map(|i| hs[i])
         }
     }
 
-    fn layout_for(n: usize, key: &[u8]) -> Layout {
+    /// Whether a node of `holders` naming `run` takes the member form: one holder, the run's
+    /// member (same replica and `last_seen`).
+    #[inline]
+    fn member_form(holders: &[Holder], key: &[u8], run: Option<u64>) -> bool {
+        match run {
+            Some(w) if holders.len() == 1 && key.len() == 8 => {
+                let (r, _) = crate::runs::unpack(w);
+                // SAFETY: a run word handed to a build names a live run: the building
+                // ingest's, which holds its own reference until the seal.
+                unsafe { (*r).member() == holders[0].a }
+            }
+            _ => false,
+        }
+    }
+
+    fn layout_for(holders: &[Holder], key: &[u8], run: Option<u64>) -> Layout {
+        if Self::member_form(holders, key, run) {
+            return Layout::from_size_align(MEMBER_SIZE, 8).expect("node layout");
+        }
+        let n = holders.len();
         let extra = if key.len() == 8 { 0 } else { 4 + key.len() };
         Layout::from_size_align(HDR + n * HS + extra, 8).expect("node layout")
     }
 
     fn layout(&self) -> Layout {
+        if self.is_member() {
+            return Layout::from_size_align(MEMBER_SIZE, 8).expect("node layout");
+        }
         // Run nodes have 8-byte keys (`Index::plan_run`): no need to read the run.
         let extra = if self.is_long() {
             4 + self.key().len()
@@ -372,9 +473,9 @@ impl KeyNode {
         units_for(self.layout().size())
     }
 
-    /// Arena units of a node with `n` holders and this key (with or without a run).
-    pub(crate) fn units_of(n: usize, key: &[u8]) -> u32 {
-        units_for(Self::layout_for(n, key).size())
+    /// Arena units of a node with these holders and key, naming `run` or not.
+    pub(crate) fn units_of(holders: &[Holder], key: &[u8], run: Option<u64>) -> u32 {
+        units_for(Self::layout_for(holders, key, run).size())
     }
 
     /// Builds a node in the shard's arena: its index and address. `holders` must be sorted by
@@ -390,7 +491,7 @@ impl KeyNode {
         guard: &Guard,
     ) -> (u32, NonNull<KeyNode>) {
         assert!(!holders.is_empty());
-        let lay = Self::layout_for(holders.len(), key);
+        let lay = Self::layout_for(holders, key, run);
         let (idx, p) = st.alloc(arena, units_for(lay.size()), guard);
         // SAFETY: the arena handed out `units_for(lay.size())` units at `p`, 8-aligned and
         // unreachable by anyone else.
@@ -401,7 +502,7 @@ impl KeyNode {
     /// Writes a node at `p`.
     ///
     /// # Safety
-    /// `p` is 8-aligned, writable for `layout_for(holders.len(), key).size()` bytes and not
+    /// `p` is 8-aligned, writable for `layout_for(holders, key, run).size()` bytes and not
     /// visible to any other thread; a `run` word names a live run holding `key` at its offset.
     unsafe fn write_at(
         p: *mut u8,
@@ -416,6 +517,19 @@ impl KeyNode {
         let Some(nn) = NonNull::new(p) else {
             unreachable!("arena nodes are never null")
         };
+        if let Some(w) = run
+            && Self::member_form(holders, key, run)
+        {
+            // SAFETY: per the contract, `p` has room for a member node (`layout_for`).
+            unsafe {
+                (p as *mut u64).write(w);
+                let b = (holders[0].b & !(F_RUN | F_LONG | F_LAST)) | F_RUN | F_LAST;
+                (p.add(HDR) as *mut u64).write(b);
+            }
+            #[cfg(loom)]
+            crate::loom_api::created(crate::loom_api::Kind::Node, p as usize);
+            return nn.cast();
+        }
         // SAFETY: per the contract: we write the key or run word, `n` holders and (long keys)
         // the length and bytes, all within the node's size.
         unsafe {
@@ -457,7 +571,7 @@ impl KeyNode {
         holders: &[Holder],
         run: Option<u64>,
     ) -> Box<[u64]> {
-        let size = Self::layout_for(holders.len(), key).size();
+        let size = Self::layout_for(holders, key, run).size();
         let mut buf = vec![0u64; size.div_ceil(8)].into_boxed_slice();
         // SAFETY: `buf` is 8-aligned, at least `size` bytes and ours alone.
         unsafe { Self::write_at(buf.as_mut_ptr() as *mut u8, key, d, holders, run) };
@@ -1740,7 +1854,7 @@ impl ShardWriter<'_> {
         let before = self.st.arena.bytes();
         let built = KeyNode::build_in(&mut self.st.arena, &t.arena, key, d, holders, run, guard);
         self.add_bytes(self.st.arena.bytes() - before);
-        self.st.node_units += KeyNode::units_of(holders.len(), key) as usize;
+        self.st.node_units += KeyNode::units_of(holders, key, run) as usize;
         self.st.peak_units = self.st.peak_units.max(self.st.node_units);
         if !t.wide && u64::from(built.0) >= self.st.narrow_limit {
             // A narrow lane cannot name the new node: move the shard to a wide table first

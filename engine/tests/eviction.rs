@@ -403,6 +403,58 @@ fn k4_e7_enforcement_triggers() {
 
 // ---------------------------------------------------------------- D6 quality and cost
 
+/// V2 with chain runs: once the cap takes one entry of a chain ingest, the chain's other
+/// unchanged entries (same replica, same `last_seen`: tied next in LRU order) go next, so chains
+/// leave whole and their runs with them instead of lingering half-evicted for a whole lap of
+/// the cap's walk. The cap is still met exactly, oldest chains first.
+#[test]
+fn cap_evicts_chains_whole_with_their_run_mates() {
+    const CHAINS: u64 = 300;
+    const LEN: u64 = 32;
+    const CAP: i64 = 3_200; // 100 chains
+    let e = env_seed(CAP, 11);
+    let key = |c: u64, b: u64| (c << 32 | b).to_be_bytes();
+    let counts = vec![16; LEN as usize];
+    for c in 0..CHAINS {
+        let keys: Vec<[u8; 8]> = (0..LEN).map(|b| key(c, b)).collect();
+        let hashes: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+        let replica = format!("r{}", c % 4);
+        e.chain_with(
+            &Put {
+                replica: &replica,
+                ts: T0 + c as i64 * 1000,
+                ..Put::default()
+            },
+            &hashes,
+            &counts,
+            b"",
+            0,
+        );
+        assert!(e.ix.storage_entries() <= CAP, "chain {c}");
+    }
+    assert_eq!(e.ix.storage_entries(), CAP);
+    let present = |c: u64| {
+        let replica = format!("r{}", c % 4);
+        (0..LEN)
+            .filter(|&b| has(&e, "t", &key(c, b), &replica))
+            .count() as u64
+    };
+    let held: Vec<u64> = (0..CHAINS).map(present).collect();
+    let partial = held.iter().filter(|&&n| n > 0 && n < LEN).count();
+    let whole_new = (CHAINS - 100..CHAINS)
+        .filter(|&c| held[c as usize] == LEN)
+        .count();
+    println!("partial chains {partial}, whole among the newest 100: {whole_new}");
+    assert!(partial <= 2, "chains left half-evicted: {partial}");
+    assert!(whole_new >= 95, "newest chains kept: {whole_new}");
+    // What is left of the runs: the live chains' and at most the partial ones'.
+    let runs = e.ix.memory_breakdown().chain_runs;
+    assert!(
+        runs <= (100 + 2) * (LEN as i64 * 8 + 64),
+        "chain runs hold {runs} bytes"
+    );
+}
+
 /// T86 (D6), quality part: N = 100,000 distinct increasing times, cap 50,000, LRU. The cost part
 /// (per-ingest cost at the cap vs below it) is a benchmark, not a test:
 /// `cargo run --release -p inferencecache-bench --bin eviction` (results in bench/RESULTS.md).

@@ -1049,7 +1049,11 @@ fn m10a_run_block_removed_vs_walk() {
         let c = run_chain();
         put_chain(&ix, A, &c, 1_000);
         put_chain(&ix, B, &c, 1_000);
-        assert_eq!(loom_api::built(Kind::Run), 1, "b's ingest built a run");
+        assert_eq!(
+            loom_api::built(Kind::Run),
+            2,
+            "a's ingest built a run (its member nodes), b's another"
+        );
         let w = spawn_on(&ix, move |ix| evict(ix, B, &c[2]));
         let (a, b) = chain_blocks(&ix, &c);
         assert_eq!(a, 4, "a holds the whole chain throughout");
@@ -1070,7 +1074,10 @@ fn m10a_run_block_removed_vs_walk() {
 /// and seals the run. Before the seal the walk probes block by block; after it, it may step
 /// over the run. Either way `b`'s match is the prefix of blocks published so far (0..=4, the
 /// chain form publishes in chain order), and reading the run's keys and bits happens-after
-/// they were written (Release stores of the lanes and of the seal).
+/// they were written (Release stores of the lanes and of the seal). `a`'s blocks start as
+/// member nodes of `a`'s own run, whose holder the reader rebuilds from that run; `b`'s ingest
+/// replaces them one by one and the last replacement retires `a`'s run while the reader may
+/// still be reading it (a free not ordered after those reads is a causality failure).
 #[test]
 fn m10b_run_build_vs_walk() {
     model(|| {
