@@ -8,8 +8,8 @@
 //! Release store. Derived counters are atomics whose deltas writers apply once per (partition,
 //! replica) run of an ingest or eviction batch; they may lag an in-flight write and are exact once
 //! writes quiesce (C3). The chain walk is software-pipelined (prefetch, candidate, resolve), and
-//! steps over the blocks of a chain run (`runs.rs`) whose keys follow the request's: a chain
-//! ingest builds one over the leading blocks other replicas already hold.
+//! steps over the blocks of a chain run (`runs.rs`) whose keys follow the request's: every chain
+//! ingest builds one over its blocks.
 
 use crate::clock::{Clock, us_to_ms};
 use crate::config::{Algorithm, IndexConfig, Resolvers};
@@ -338,24 +338,27 @@ impl Index {
     }
 
     fn tenant_ref(&self, t: &str) -> Option<&TenantRec> {
-        self.tenants.get(hash_strs(&[t]), |r| &*r.name == t)
+        self.tenants.get(hash_strs(&[t]), |r| same_str(&r.name, t))
     }
 
     fn model_ref(&self, t: &str, m: &str) -> Option<&ModelRec> {
         self.models.get(hash_strs(&[t, m]), |r| {
-            &*r.tenant.name == t && &*r.name == m
+            same_str(&r.tenant.name, t) && same_str(&r.name, m)
         })
     }
 
     fn scope_ref(&self, t: &str, m: &str, s: &str) -> Option<&ScopeRec> {
         self.scopes.get(hash_strs(&[t, m, s]), |r| {
-            &*r.tenant == t && &*r.model == m && &*r.scheme == s
+            same_str(&r.tenant, t) && same_str(&r.model, m) && same_str(&r.scheme, s)
         })
     }
 
     fn part_ref(&self, t: &str, m: &str, s: &str, a: &str) -> Option<&Partition> {
         self.parts.get(hash_strs(&[t, m, s, a]), |p| {
-            &*p.adapter == a && &*p.scheme == s && &*p.model.name == m && &*p.tenant.name == t
+            same_str(&p.adapter, a)
+                && same_str(&p.scheme, s)
+                && same_str(&p.model.name, m)
+                && same_str(&p.tenant.name, t)
         })
     }
 
@@ -363,7 +366,7 @@ impl Index {
         self.tenants
             .get_or_insert(
                 hash_strs(&[t]),
-                |r| &*r.name == t,
+                |r| same_str(&r.name, t),
                 || {
                     Arc::new(TenantRec {
                         name: t.into(),
@@ -383,7 +386,7 @@ impl Index {
 
     fn ensure_model(&self, t: &str, m: &str) -> Arc<ModelRec> {
         if let Some(r) = self.models.get_arc(hash_strs(&[t, m]), &|r: &ModelRec| {
-            &*r.tenant.name == t && &*r.name == m
+            same_str(&r.tenant.name, t) && same_str(&r.name, m)
         }) {
             return r;
         }
@@ -403,7 +406,7 @@ impl Index {
             .0;
         let (rec, created) = self.models.get_or_insert(
             hash_strs(&[t, m]),
-            |r| &*r.tenant.name == t && &*r.name == m,
+            |r| same_str(&r.tenant.name, t) && same_str(&r.name, m),
             || {
                 Arc::new(ModelRec {
                     tenant: tenant.clone(),
@@ -432,13 +435,18 @@ impl Index {
             .scopes
             .get_or_insert(
                 hash_strs(&[t, m, s]),
-                |r| &*r.tenant == t && &*r.model == m && &*r.scheme == s,
+                |r| same_str(&r.tenant, t) && same_str(&r.model, m) && same_str(&r.scheme, s),
                 || Arc::new(ScopeRec::new(t.into(), m.into(), s.into())),
             )
             .0;
         let (p, created) = self.parts.get_or_insert(
             hash_strs(&[t, m, s, a]),
-            |p| &*p.adapter == a && &*p.scheme == s && &*p.model.name == m && &*p.tenant.name == t,
+            |p| {
+                same_str(&p.adapter, a)
+                    && same_str(&p.scheme, s)
+                    && same_str(&p.model.name, m)
+                    && same_str(&p.tenant.name, t)
+            },
             || {
                 Arc::new(Partition {
                     tenant: model.tenant.clone(),
@@ -560,7 +568,7 @@ impl Index {
                     continue; // K10 / D8
                 }
                 let (part, rep) = match cur {
-                    Some((p, rep)) if &*p.adapter == adapter => (p, rep),
+                    Some((p, rep)) if same_str(&p.adapter, adapter) => (p, rep),
                     _ => {
                         if let Some((p, rep)) = cur {
                             created.take(p, rep, &mut pend);
@@ -1658,8 +1666,8 @@ impl Index {
 
     /// After a run skip: the probe of the block the walk lands on (`at`), its home group
     /// prefetched. When the skip reached its run's end (`tail`, see `walk_skip`) and the block
-    /// may exist, the pipeline is primed from it at once (returns true): a single-holder tail
-    /// most likely follows. Otherwise it is primed only if that block takes no skip.
+    /// may exist, the pipeline is primed from it at once (returns true): the request goes on
+    /// past the chain the run covers. Otherwise it is primed only if that block takes no skip.
     #[inline]
     fn land<'k, H: AsRef<[u8]>>(
         t: &KeyTable,
@@ -2430,7 +2438,7 @@ impl Index {
         let reps = p.scope.replicas.load(&guard);
         let h = *node.holders().iter().find(|h| {
             reps.get(h.rep() as usize)
-                .is_some_and(|r| &*r.name == replica)
+                .is_some_and(|r| same_str(&r.name, replica))
         })?;
         Some(EntryView {
             token_count: h.tokens(),
@@ -2692,11 +2700,11 @@ impl RunPlan {
 
 /// How many blocks after block `i` of the request the chain run named by `node` covers:
 /// blocks whose keys continue the run's and that still carry exactly `node`'s holders (see
-/// [`crate::runs`]); 0 if `node` names no run. Also whether the skip reached the run's last block: the stretches a run covers
-/// are the chain's blocks that several replicas hold, so the block after it usually starts a
-/// single-holder tail, which the walk reads block by block (its prefetch pipeline is then
-/// primed at once). A skip that ends inside the run lands on a block whose holders changed,
-/// usually the start of the run's next stretch, or where the request left the chain.
+/// [`crate::runs`]); 0 if `node` names no run. Also whether the skip reached the run's last
+/// block: the request then goes on past the ingested chain, block by block unless it meets
+/// another run (its prefetch pipeline is primed at once). A skip that ends inside the run lands
+/// on a block whose holders changed, usually the start of the run's next stretch, or where the
+/// request left the chain.
 #[inline]
 fn walk_skip<H: AsRef<[u8]>>(node: &KeyNode, hashes: &[H], i: usize, n: usize) -> (usize, bool) {
     let Some((r, o)) = node.run() else {
@@ -2885,6 +2893,34 @@ fn sort_ranked(v: &mut [Ranked]) {
             .unwrap_or(std::cmp::Ordering::Equal)
             .then(a.rank.cmp(&b.rank))
     });
+}
+
+/// String equality for the directory's names, which are short (tenant, model, scheme, adapter):
+/// lengths first, then 8-byte words, inline. `==` on `str` calls `memcmp`, whose call and setup
+/// were ~1/5 of a W1M `lookup_route` in a profile (the partition lookup compares four names);
+/// this form took W1M Q50's `lookup_route_into` from ~505 to ~385 ns in alternating runs.
+#[inline]
+fn same_str(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        if x != y {
+            return false;
+        }
+    }
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    let mut i = 0;
+    while i < ra.len() {
+        if ra[i] != rb[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
 }
 
 /// Sorts `ranked` (R5) and appends the scores to `out` in that order, naming entry `rep` by
@@ -3143,6 +3179,25 @@ mod tests {
                         "nrep {nrep}, len {len}, cut {cut}"
                     );
                 }
+            }
+        }
+    }
+
+    /// `same_str` is `==`: every length up to 24, a difference at every position.
+    #[test]
+    fn same_str_is_string_equality() {
+        let base = "abcdefghijklmnopqrstuvwx";
+        for n in 0..=base.len() {
+            let a = &base[..n];
+            assert!(same_str(a, &String::from(a)));
+            for m in 0..=base.len() {
+                assert_eq!(same_str(a, &base[..m]), n == m, "{n} vs {m}");
+            }
+            for i in 0..n {
+                let mut b = a.as_bytes().to_vec();
+                b[i] = b'#';
+                let b = String::from_utf8(b).unwrap();
+                assert!(!same_str(a, &b), "{a:?} vs {b:?}");
             }
         }
     }
