@@ -303,11 +303,14 @@ impl KeyNode {
     }
 
     #[inline]
+    /// The first holder of a plain node. Callers check `is_member` first: a member node has
+    /// only 8 bytes after its header, not a holder.
     fn holders_ptr(&self) -> *const Holder {
+        debug_assert!(!self.is_member());
         #[cfg(loom)]
         crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
-        // SAFETY: a node is always allocated with at least one holder right after the header
-        // (see `build`); the offset stays inside that allocation.
+        // SAFETY: a plain node is always allocated with at least one holder right after the
+        // header (see `build`); the offset stays inside that allocation.
         unsafe { (self as *const KeyNode as *const u8).add(HDR) as *const Holder }
     }
 
