@@ -98,10 +98,16 @@ impl ChainRun {
         Layout::from_size_align(size, align).expect("chain run layout")
     }
 
+    /// Number of bit words (dead, then stop) of a run over `len` blocks.
+    #[inline]
+    fn n_words(len: usize) -> usize {
+        2 * len.div_ceil(64)
+    }
+
     /// Bytes of the bit words in front of the header of a run over `len` blocks.
     #[inline]
     fn words_bytes(len: usize) -> usize {
-        2 * len.div_ceil(64) * WORD
+        Self::n_words(len) * WORD
     }
 
     /// A new, unsealed run over `keys` (at most [`MAX_RUN`]) with member word `member`,
@@ -126,7 +132,7 @@ impl ChainRun {
         // header after a multiple of 8 bytes, keys with alignment 1).
         unsafe {
             let w = base as *mut AtomicU64;
-            for i in 0..2 * len.div_ceil(64) {
+            for i in 0..Self::n_words(len) {
                 w.add(i).write(AtomicU64::new(0));
             }
             p.write(ChainRun {
@@ -162,7 +168,7 @@ impl ChainRun {
             let len = (*p).len as usize;
             let base = (p as *mut u8).sub(Self::words_bytes(len));
             let w = base as *mut AtomicU64;
-            std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(w, 2 * len.div_ceil(64)));
+            std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(w, Self::n_words(len)));
             std::ptr::drop_in_place(p);
             dealloc(base, Self::layout(len));
         }
@@ -201,7 +207,7 @@ impl ChainRun {
             std::slice::from_raw_parts(
                 (self as *const ChainRun as *const u8).sub(Self::words_bytes(self.len()))
                     as *const AtomicU64,
-                2 * self.nw(),
+                Self::n_words(self.len()),
             )
         }
     }

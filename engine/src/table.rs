@@ -255,6 +255,13 @@ const HS: usize = std::mem::size_of::<Holder>();
 /// Size of a member node: the run word and one holder's second word.
 const MEMBER_SIZE: usize = HDR + 8;
 
+/// Whether a node's second word is a member node's holder `b` (top bits `10`: `F_LAST` set,
+/// `F_LONG` clear) rather than a plain node's first holder `a` (top bits equal, see `TS_BITS`).
+#[inline]
+fn is_member_word(w: u64) -> bool {
+    w >> 62 == 0b10
+}
+
 /// A node's holders: a slice of a plain node, or the one holder of a member node, rebuilt
 /// from its run (see [`KeyNode`]). Dereferences to the slice either way.
 pub(crate) enum Holders<'a> {
@@ -284,27 +291,24 @@ impl KeyNode {
         unsafe { ((self as *const KeyNode as *const u8).add(HDR) as *const u64).read() }
     }
 
-    /// Whether this is a member node (top bits `10` of the second word, see the module docs).
+    /// Whether this is a member node (see [`is_member_word`]).
     #[inline]
     pub(crate) fn is_member(&self) -> bool {
-        self.second_word() >> 62 == 0b10
+        is_member_word(self.second_word())
     }
 
-    /// A member node's holder: the run's member word and the node's own second word.
+    /// A member node's holder: the run's member word and the node's own second word `b`.
     #[inline]
-    fn member_holder(&self) -> Holder {
+    fn member_holder(&self, b: u64) -> Holder {
         let (r, _) = crate::runs::unpack(u64::from_ne_bytes(self.k));
         // SAFETY: a member node names a run, alive while the node can be reached (see `run`).
         let a = unsafe { (*r).member() };
-        Holder {
-            a,
-            b: self.second_word(),
-        }
+        Holder { a, b }
     }
 
-    #[inline]
     /// The first holder of a plain node. Callers check `is_member` first: a member node has
     /// only 8 bytes after its header, not a holder.
+    #[inline]
     fn holders_ptr(&self) -> *const Holder {
         debug_assert!(!self.is_member());
         #[cfg(loom)]
@@ -332,6 +336,12 @@ impl KeyNode {
         if self.is_member() {
             return 1;
         }
+        self.plain_len()
+    }
+
+    /// Number of holders of a plain node.
+    #[inline]
+    fn plain_len(&self) -> usize {
         let p = self.holders_ptr();
         let mut n = 0;
         // SAFETY: holders are contiguous and the last one carries F_LAST (set by `build`), so
@@ -347,12 +357,13 @@ impl KeyNode {
     /// The holders, sorted by replica index.
     #[inline]
     pub(crate) fn holders(&self) -> Holders<'_> {
-        if self.is_member() {
-            return Holders::One(self.member_holder());
+        let w = self.second_word();
+        if is_member_word(w) {
+            return Holders::One(self.member_holder(w));
         }
-        // SAFETY: `len()` holders are initialized right after the header and live as long as
-        // the node (immutable once published).
-        Holders::Slice(unsafe { std::slice::from_raw_parts(self.holders_ptr(), self.len()) })
+        // SAFETY: `plain_len()` holders are initialized right after the header and live as
+        // long as the node (immutable once published).
+        Holders::Slice(unsafe { std::slice::from_raw_parts(self.holders_ptr(), self.plain_len()) })
     }
 
     /// The run this node names and its offset in it (see [`crate::runs`]). A run node keeps
@@ -371,7 +382,7 @@ impl KeyNode {
     #[inline]
     fn first_b(&self) -> u64 {
         let w = self.second_word();
-        if w >> 62 == 0b10 {
+        if is_member_word(w) {
             return w;
         }
         // SAFETY: a plain node has at least one holder.
