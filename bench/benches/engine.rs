@@ -1,6 +1,6 @@
 //! Criterion micro-benchmarks of the engine's operations, grouped so a regression shows at a
 //! glance: `ingest`, `chain_lookup` (core match and full route, by depth and replica count),
-//! `exact_lookup`, `tenant_hot`, `events`, `credit`.
+//! `exact_lookup`, `tenant_hot`, `route_stats`, `events`, `credit`.
 //! Run: `cargo bench -p inferencecache-bench --bench engine`.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -231,6 +231,57 @@ fn bench_tenant_hot(c: &mut Criterion) {
     g.finish();
 }
 
+/// The chain path in a fleet that reports stats (S1), as every real one does: `replicas` pods
+/// (Kubernetes-like ids) hold one shared 64-block chain and each has a stats record, so every
+/// scored replica's pressure (R2) comes from its model's stats. W1M reports no stats.
+fn bench_route_stats(c: &mut Criterion) {
+    let mut g = c.benchmark_group("route_stats");
+    for replicas in [8usize, 64] {
+        let (ix, _clock) = index(false);
+        let hashes = chain(7, 64);
+        let counts = vec![16; 64];
+        for r in 0..replicas {
+            let refs = [PrefixRef {
+                prefix_hash: &[],
+                token_count: 0,
+                block_hashes: &hashes,
+                block_token_counts: &counts,
+                tier: 1,
+                adapter_id: "",
+            }];
+            let replica = format!("vllm-llama-3-70b-instruct-7d9f8c6b5d-{r:05x}");
+            ix.ingest(CacheStateUpdate {
+                replica_id: &replica,
+                model_id: "m",
+                tenant_id: "t",
+                hash_scheme: "vllm",
+                timestamp_us: 0,
+                prefixes: refs,
+                stats: Some(ReplicaStatsInput {
+                    cache_memory_bytes: 1 << 30,
+                    hit_rate: 0.5,
+                    pressure: 0.25 + r as f32 / 1024.0,
+                    t2_hit_tokens: 0,
+                    t2_query_tokens: 0,
+                }),
+                adapter_id: "",
+            });
+        }
+        let req = LookupRequest {
+            block_hashes: &hashes[..],
+            block_token_counts: &counts[..],
+            ..LookupRequest::new("t", "m", "vllm")
+        };
+        let mut buf = RouteBuffer::new();
+        assert_eq!(ix.lookup_route_into(&req, &mut buf), Strategy::PrefixMatch);
+        assert_eq!(buf.scores.len(), replicas, "every replica is scored");
+        g.bench_function(BenchmarkId::new("route_into", replicas), |b| {
+            b.iter(|| black_box(ix.lookup_route_into(black_box(&req), &mut buf)))
+        });
+    }
+    g.finish();
+}
+
 fn bench_events(c: &mut Criterion) {
     let mut g = c.benchmark_group("events");
     g.bench_function("prefix_evicted_then_reingest", |b| {
@@ -319,6 +370,7 @@ criterion_group!(
     bench_chain_lookup,
     bench_exact_lookup,
     bench_tenant_hot,
+    bench_route_stats,
     bench_events,
     bench_credit
 );

@@ -13,7 +13,10 @@
 
 use crate::clock::{Clock, us_to_ms};
 use crate::config::{Algorithm, IndexConfig, Resolvers};
-use crate::dir::{Dir, GaugeRec, ModelRec, Partition, ScopeRec, StatsRecord, TenantRec, hash_strs};
+use crate::dir::{
+    Dir, GaugeRec, ModelRec, Partition, ScopeRec, ScopeReplica, StatsRecord, TenantRec, hash_strs,
+    same_str,
+};
 use crate::rank::{
     distinguishing_power, freshness, is_live, prefix_score, pressure_factor, recency, slo_c,
     tenant_hot_score,
@@ -1759,12 +1762,12 @@ impl Index {
     fn pressure_pf(
         &self,
         model: &ModelRec,
-        replica: &str,
+        replica: &ScopeReplica,
         now_ms: i64,
         ttl: i64,
         guard: &Guard,
     ) -> f32 {
-        let p = match model.stats_of(replica, guard) {
+        let p = match model.stats_for(replica, guard) {
             Some(s) if freshness(now_ms, s.reported_ms, ttl) > 0.0 => s.pressure,
             _ => 0.0,
         };
@@ -1814,7 +1817,7 @@ impl Index {
                 let Some(rr) = reps.get(r.rep as usize) else {
                     continue;
                 };
-                let pf = self.pressure_pf(&part.model, &rr.name, now_ms, ttl, &guard);
+                let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, &guard);
                 ranked.push(Ranked {
                     score: prefix_score(r.matched, f, pf, c),
                     matched: r.matched,
@@ -1878,7 +1881,7 @@ impl Index {
                 let Some(rr) = reps.get(h.rep() as usize) else {
                     continue;
                 };
-                let pf = self.pressure_pf(&part.model, &rr.name, now_ms, ttl, &guard);
+                let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, &guard);
                 ranked.push(Ranked {
                     score: prefix_score(h.tokens(), f, pf, c),
                     matched: h.tokens(),
@@ -2895,34 +2898,6 @@ fn sort_ranked(v: &mut [Ranked]) {
     });
 }
 
-/// String equality for the directory's names, which are short (tenant, model, scheme, adapter):
-/// lengths first, then 8-byte words, inline. `==` on `str` calls `memcmp`, whose call and setup
-/// were ~1/5 of a W1M `lookup_route` in a profile (the partition lookup compares four names);
-/// this form took W1M Q50's `lookup_route_into` from ~505 to ~385 ns in alternating runs.
-#[inline]
-fn same_str(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut ca = a.chunks_exact(8);
-    let mut cb = b.chunks_exact(8);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        if x != y {
-            return false;
-        }
-    }
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    let mut i = 0;
-    while i < ra.len() {
-        if ra[i] != rb[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
-}
-
 /// Sorts `ranked` (R5) and appends the scores to `out` in that order, naming entry `rep` by
 /// `name(rep)`: each returned id is cloned once, once its place is known.
 fn emit_ranked<'n>(
@@ -3179,25 +3154,6 @@ mod tests {
                         "nrep {nrep}, len {len}, cut {cut}"
                     );
                 }
-            }
-        }
-    }
-
-    /// `same_str` is `==`: every length up to 24, a difference at every position.
-    #[test]
-    fn same_str_is_string_equality() {
-        let base = "abcdefghijklmnopqrstuvwx";
-        for n in 0..=base.len() {
-            let a = &base[..n];
-            assert!(same_str(a, &String::from(a)));
-            for m in 0..=base.len() {
-                assert_eq!(same_str(a, &base[..m]), n == m, "{n} vs {m}");
-            }
-            for i in 0..n {
-                let mut b = a.as_bytes().to_vec();
-                b[i] = b'#';
-                let b = String::from_utf8(b).unwrap();
-                assert!(!same_str(a, &b), "{a:?} vs {b:?}");
             }
         }
     }

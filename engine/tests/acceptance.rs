@@ -763,6 +763,36 @@ fn t35_pressure() {
     assert_eq!(e.exact(b"p").scores[0].score, 100.0 * (1.0f32 - 0.9));
 }
 
+/// R2 reads each scored replica's own stats record while first reports keep inserting records
+/// in front of the ones already read (ids arrive in descending order, so every earlier record
+/// moves), on both lookup paths.
+#[test]
+fn t35_pressure_follows_each_replica_as_stats_records_move() {
+    let e = env();
+    // A key nobody else holds keeps R6's dp below 1 but equal for every holder.
+    e.put("a-bystander", b"other", 16);
+    let blocks: Vec<Vec<u8>> = (0..8u8).map(|i| vec![b'c', i]).collect();
+    let chain: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
+    let names: Vec<String> = (0..12).rev().map(|i| format!("pod-{i:02}")).collect();
+    let pressure = |i: usize| (i as f32 * 0.37) % 0.9;
+    for (i, name) in names.iter().enumerate() {
+        e.put(name, b"p", 128);
+        e.chain(name, &chain, &[16; 8]);
+        e.stats(name, 0.5, pressure(i));
+        let exact = e.exact(b"p");
+        let walked = e.chain_route(&chain, &[16; 8]);
+        for (r, tokens) in [(&exact, 128), (&walked, 128)] {
+            assert_eq!(r.scores.len(), i + 1);
+            let dp = distinguishing_power(i as i64 + 1, i as i64 + 2) as f32;
+            for s in &r.scores {
+                let j = names.iter().position(|n| **n == *s.replica_id).unwrap();
+                let want = prefix_score(tokens, 1.0, pressure_factor(1.0, pressure(j)), 0.0) * dp;
+                assert_eq!(s.score, want, "{} after {} reports", s.replica_id, i + 1);
+            }
+        }
+    }
+}
+
 #[test]
 fn t36_slo_bias() {
     let ranker = RankerConfig {
