@@ -7,6 +7,7 @@
 //! mutex (copy on insert, O(records) per new record, which is rare) and read wait-free under an
 //! epoch guard.
 
+use crate::ReplicaId;
 use crate::sync::{AtomicI64, AtomicU64, Ordering};
 use crate::table::KeyTable;
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
@@ -210,7 +211,7 @@ pub(crate) struct GaugeRec {
 /// One stats record (S1–S3).
 #[derive(Clone, Debug)]
 pub(crate) struct StatsRecord {
-    pub(crate) replica: Arc<str>,
+    pub(crate) replica: ReplicaId,
     pub(crate) cache_memory_bytes: i64,
     pub(crate) hit_rate: f32,
     pub(crate) pressure: f32,
@@ -271,7 +272,7 @@ impl ModelRec {
 
 /// A replica known in a scope, with its serving count (K16).
 pub(crate) struct ScopeReplica {
-    pub(crate) name: Arc<str>,
+    pub(crate) name: ReplicaId,
     pub(crate) serving: AtomicI64,
     /// Where this replica's record was last found in its model's stats (see
     /// [`ModelRec::stats_for`]). Only a hint, checked by name before use, so any reader may
@@ -314,7 +315,7 @@ impl ReplicaList {
     }
 
     /// This list plus `name` (not yet in it) at the next index.
-    fn with(&self, name: Arc<str>) -> Self {
+    fn with(&self, name: ReplicaId) -> Self {
         let i = self.list.len() as u32;
         let pos = self
             .sorted
@@ -351,7 +352,7 @@ pub(crate) struct ScopeRec {
     /// Replicas by scope-local index (append only), with their id ranks.
     pub(crate) replicas: Rcu<ReplicaList>,
     /// Writer-side name → local index (sync seam: held across the replicas RCU update).
-    pub(crate) by_name: crate::sync::Mutex<HashMap<Arc<str>, u32>>,
+    pub(crate) by_name: crate::sync::Mutex<HashMap<ReplicaId, u32>>,
     /// Replicas with serving > 0.
     pub(crate) serving_n: AtomicI64,
 }
@@ -374,9 +375,9 @@ impl ScopeRec {
         if let Some(&i) = m.get(name) {
             return i;
         }
-        let name: Arc<str> = name.into();
+        let name = ReplicaId::intern(name);
         let i = self.replicas.update(|v| {
-            let v2 = v.with(name.clone());
+            let v2 = v.with(name);
             let i = (v2.len() - 1) as u32;
             (Some(v2), i)
         });
@@ -488,7 +489,7 @@ mod tests {
         let n = 300u32;
         for k in 0..n {
             let v = (k * 7919) % n * 2;
-            list = list.with(format!("r-{v:05}").into());
+            list = list.with(ReplicaId::intern(&format!("r-{v:05}")));
         }
         let queries: Vec<u32> = (0..2 * n + 2).collect();
         for step in 1..40 {

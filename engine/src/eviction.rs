@@ -63,6 +63,7 @@
 //! entries; eviction counts are summed per enforcement.
 
 use super::{Carry, EVICT_SLOTS, Index, KeyBytesOwned, Pending, evict_slot, own_key};
+use crate::ReplicaId;
 use crate::config::Algorithm;
 use crate::dir::{Partition, TenantRec};
 use crate::index::EvictionReason;
@@ -741,7 +742,7 @@ impl Index {
             Arc<str>,
             Arc<str>,
             Vec<u8>,
-            Arc<str>,
+            ReplicaId,
         );
         let mut all: Vec<(Full, Victim)> = Vec::new();
         {
@@ -761,7 +762,7 @@ impl Index {
                                 p.scheme.clone(),
                                 p.adapter.clone(),
                                 node.key().to_vec(),
-                                reps[rep as usize].name.clone(),
+                                reps[rep as usize].name,
                             );
                             let v = Victim {
                                 rank,

@@ -11,6 +11,7 @@
 //! steps over the blocks of a chain run (`runs.rs`) whose keys follow the request's: every chain
 //! ingest builds one over its blocks.
 
+use crate::ReplicaId;
 use crate::clock::{Clock, us_to_ms};
 use crate::config::{Algorithm, IndexConfig, Resolvers};
 use crate::dir::{
@@ -110,7 +111,7 @@ pub struct MatchScratch {
 /// One captured LFU hit (L9): identifies one storage entry by key, replica and generation.
 #[derive(Clone)]
 struct Hit {
-    replica: Arc<str>,
+    replica: ReplicaId,
     rep: u32,
     key: KeyBytesOwned,
     generation: u32,
@@ -954,7 +955,7 @@ impl Index {
         let clean = |x: f32| if x.is_finite() { x } else { 0.0 };
         let added = model.stats.update(|v| {
             let mut v2 = v.clone();
-            let rec = |replica: Arc<str>, last: i64, rep: i64| StatsRecord {
+            let rec = |replica: ReplicaId, last: i64, rep: i64| StatsRecord {
                 replica,
                 cache_memory_bytes: st.cache_memory_bytes,
                 hit_rate: clean(st.hit_rate),
@@ -968,14 +969,14 @@ impl Index {
                 Ok(i) => {
                     let old = &v[i];
                     v2[i] = rec(
-                        old.replica.clone(),
+                        old.replica,
                         old.last_seen_ms.max(ts_ms),
                         old.reported_ms.max(ts_ms),
                     );
                     (Some(v2), false)
                 }
                 Err(i) => {
-                    v2.insert(i, rec(replica.into(), ts_ms, ts_ms));
+                    v2.insert(i, rec(ReplicaId::intern(replica), ts_ms, ts_ms));
                     (Some(v2), true)
                 }
             }
@@ -1832,7 +1833,7 @@ impl Index {
                         let node = unsafe { &*(np as *const KeyNode) };
                         if let Some(h) = node.holder(r.rep) {
                             buf.hits.hits.push(Hit {
-                                replica: rr.name.clone(),
+                                replica: rr.name,
                                 rep: r.rep,
                                 key: own_key(node.key()),
                                 generation: h.generation(),
@@ -1862,7 +1863,7 @@ impl Index {
                     i = j;
                 }
             }
-            emit_ranked(ranked, &mut buf.scores, |rep| &reps[rep as usize].name);
+            emit_ranked(ranked, &mut buf.scores, |rep| reps[rep as usize].name);
         } else {
             if req.prefix_hash.is_empty() {
                 return;
@@ -1892,7 +1893,7 @@ impl Index {
                 });
                 if capture && h.tokens() > 0 {
                     buf.hits.hits.push(Hit {
-                        replica: rr.name.clone(),
+                        replica: rr.name,
                         rep: h.rep(),
                         key: own_key(node.key()),
                         generation: h.generation(),
@@ -1905,7 +1906,7 @@ impl Index {
                     s.score *= dp as f32;
                 }
             }
-            emit_ranked(ranked, &mut buf.scores, |rep| &reps[rep as usize].name);
+            emit_ranked(ranked, &mut buf.scores, |rep| reps[rep as usize].name);
         }
     }
 
@@ -2069,7 +2070,7 @@ impl Index {
                 rank: i as u32,
             });
         }
-        emit_ranked(ranked, out, |i| &stats[i as usize].replica);
+        emit_ranked(ranked, out, |i| stats[i as usize].replica);
         !out.is_empty()
     }
 
@@ -2120,12 +2121,12 @@ impl Index {
         }
         let scope = self.scope_ref(tenant, model, scheme)?;
         let guard = epoch::pin();
-        let mut cands: Vec<&Arc<str>> = scope
+        let mut cands: Vec<ReplicaId> = scope
             .replicas
             .load(&guard)
             .iter()
             .filter(|r| r.serving.load(Ordering::Relaxed) > 0)
-            .map(|r| &r.name)
+            .map(|r| r.name)
             .collect();
         if cands.is_empty() {
             return None;
@@ -2135,7 +2136,7 @@ impl Index {
         let mut b = [0u8; 8];
         b.copy_from_slice(&d[..8]);
         let idx = (u64::from_be_bytes(b) % cands.len() as u64) as usize;
-        Some(cands[idx].clone())
+        Some(Arc::from(cands[idx].as_str()))
     }
 
     // ----------------------------------------------------------------------------------------
@@ -2204,7 +2205,7 @@ impl Index {
                 .load(&guard)
                 .iter()
                 .map(|s| ReplicaStatsOut {
-                    replica_id: s.replica.clone(),
+                    replica_id: Arc::from(s.replica.as_str()),
                     cache_memory_bytes: s.cache_memory_bytes,
                     hit_rate: s.hit_rate,
                     pressure: s.pressure,
@@ -2219,12 +2220,12 @@ impl Index {
     pub fn snapshot(&self) -> SnapshotData {
         struct Row {
             tenant: Arc<str>,
-            replica: Arc<str>,
+            replica: ReplicaId,
             prefix_count: i64,
             last_event_ms: Option<i64>,
             stats: Option<(StatsRecord, Arc<str>)>,
         }
-        let mut rows: HashMap<(Arc<str>, Arc<str>), Row> = HashMap::new();
+        let mut rows: HashMap<(Arc<str>, ReplicaId), Row> = HashMap::new();
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
         let mut guard = epoch::pin();
         for p in parts.iter().filter(|p| !p.tenant.reserved) {
@@ -2235,10 +2236,10 @@ impl Index {
                         continue;
                     };
                     let row = rows
-                        .entry((p.tenant.name.clone(), rr.name.clone()))
+                        .entry((p.tenant.name.clone(), rr.name))
                         .or_insert_with(|| Row {
                             tenant: p.tenant.name.clone(),
-                            replica: rr.name.clone(),
+                            replica: rr.name,
                             prefix_count: 0,
                             last_event_ms: None,
                             stats: None,
@@ -2256,10 +2257,10 @@ impl Index {
         for m in models.iter().filter(|m| !m.tenant.reserved) {
             for st in m.stats.load(&guard).iter() {
                 let row = rows
-                    .entry((m.tenant.name.clone(), st.replica.clone()))
+                    .entry((m.tenant.name.clone(), st.replica))
                     .or_insert_with(|| Row {
                         tenant: m.tenant.name.clone(),
-                        replica: st.replica.clone(),
+                        replica: st.replica,
                         prefix_count: 0,
                         last_event_ms: None,
                         stats: None,
@@ -2286,7 +2287,7 @@ impl Index {
                 };
                 SnapshotReplicaRow {
                     tenant_id: r.tenant,
-                    replica_id: r.replica,
+                    replica_id: Arc::from(r.replica.as_str()),
                     stats_reported: reported,
                     cache_memory_bytes: s.map_or(0, |s| s.cache_memory_bytes),
                     hit_rate: s.map_or(0.0, |s| s.hit_rate),
@@ -2474,7 +2475,10 @@ impl Index {
         let mut v: Vec<Arc<str>> = node
             .holders()
             .iter()
-            .filter_map(|h| reps.get(h.rep() as usize).map(|r| r.name.clone()))
+            .filter_map(|h| {
+                reps.get(h.rep() as usize)
+                    .map(|r| Arc::from(r.name.as_str()))
+            })
             .collect();
         v.sort();
         v
@@ -2900,14 +2904,14 @@ fn sort_ranked(v: &mut [Ranked]) {
 
 /// Sorts `ranked` (R5) and appends the scores to `out` in that order, naming entry `rep` by
 /// `name(rep)`: each returned id is cloned once, once its place is known.
-fn emit_ranked<'n>(
+fn emit_ranked(
     ranked: &mut [Ranked],
     out: &mut Vec<ScoredReplica>,
-    name: impl Fn(u32) -> &'n Arc<str>,
+    name: impl Fn(u32) -> ReplicaId,
 ) {
     sort_ranked(ranked);
     out.extend(ranked.iter().map(|s| ScoredReplica {
-        replica_id: name(s.rep).clone(),
+        replica_id: name(s.rep),
         score: s.score,
         matched_tokens: s.matched,
         estimated_cache_hit_prob: s.fresh,

@@ -16,6 +16,7 @@ mod index;
 pub mod loom_api;
 mod pages;
 pub mod rank;
+mod replica_id;
 mod runs;
 mod sink;
 mod sync;
@@ -31,5 +32,6 @@ pub use index::{
     CapturedHits, ChainMatch, EvictionReason, Index, MatchScratch, MemoryBreakdown,
     PartitionHandle, RouteBuffer, RouteResult, SLICE, SweepOutcome,
 };
+pub use replica_id::ReplicaId;
 pub use sink::{ChangeEvent, ChangeKind, ChangeSink};
 pub use types::*;

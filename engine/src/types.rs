@@ -2,6 +2,7 @@
 //! messages); chain arrays are generic over `H: AsRef<[u8]>` so that `&[Vec<u8>]` (prost) and
 //! `&[[u8; 8]]` (benches) both work without allocation.
 
+use crate::ReplicaId;
 use std::sync::Arc;
 
 /// Wire tier values (contract §3.5).
@@ -186,8 +187,8 @@ impl Strategy {
 /// One ranked replica.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScoredReplica {
-    /// Replica id.
-    pub replica_id: Arc<str>,
+    /// Replica id (interned: copying or dropping it touches no shared counter).
+    pub replica_id: ReplicaId,
     /// Score (higher is better).
     pub score: f32,
     /// Matched tokens (0 for TENANT_HOT).
