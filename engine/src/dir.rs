@@ -344,6 +344,9 @@ impl std::ops::Deref for ReplicaList {
     }
 }
 
+/// Most replicas one scope can name: a holder stores the scope-local index in 20 bits.
+pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::table::REP_MASK as usize + 1;
+
 /// A scope (tenant, model, scheme).
 pub(crate) struct ScopeRec {
     pub(crate) tenant: Arc<str>,
@@ -369,11 +372,20 @@ impl ScopeRec {
         }
     }
 
-    /// Local index of `name`, creating it.
-    pub(crate) fn intern(&self, name: &str) -> u32 {
+    /// Local index of `name`, creating it; `None` once the scope holds [`MAX_SCOPE_REPLICAS`]
+    /// replicas (a holder stores the index in 20 bits), so a producer inventing ids cannot
+    /// crash the index: its entries for new ids are dropped instead.
+    pub(crate) fn intern(&self, name: &str) -> Option<u32> {
+        self.intern_within(name, MAX_SCOPE_REPLICAS)
+    }
+
+    fn intern_within(&self, name: &str, limit: usize) -> Option<u32> {
         let mut m = self.by_name.lock();
         if let Some(&i) = m.get(name) {
-            return i;
+            return Some(i);
+        }
+        if m.len() >= limit {
+            return None;
         }
         let name = ReplicaId::intern(name);
         let i = self.replicas.update(|v| {
@@ -381,12 +393,8 @@ impl ScopeRec {
             let i = (v2.len() - 1) as u32;
             (Some(v2), i)
         });
-        assert!(
-            i <= crate::table::REP_MASK,
-            "too many replicas in one scope"
-        );
         m.insert(name, i);
-        i
+        Some(i)
     }
 
     /// Local index of `name` if known (writer side).
@@ -526,5 +534,18 @@ mod tests {
                 assert!(!same_str(a, &b), "{a:?} vs {b:?}");
             }
         }
+    }
+
+    /// A full scope refuses new ids (no panic) and still resolves the ones it has.
+    #[test]
+    fn a_full_scope_refuses_new_replicas() {
+        let scope = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        for k in 0..4 {
+            assert_eq!(scope.intern_within(&format!("r{k}"), 4), Some(k));
+        }
+        assert_eq!(scope.intern_within("r4", 4), None);
+        assert_eq!(scope.intern_within("r2", 4), Some(2));
+        assert_eq!(scope.index_of("r4"), None);
+        assert_eq!(MAX_SCOPE_REPLICAS, 1 << 20);
     }
 }

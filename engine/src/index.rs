@@ -579,7 +579,12 @@ impl Index {
                             self.flush_pending(p, rep, &mut pend, &guard);
                         }
                         let p = self.ensure_part(t, m, update.hash_scheme, adapter);
-                        let rep = p.scope.intern(update.replica_id);
+                        let Some(rep) = p.scope.intern(update.replica_id) else {
+                            // The scope names as many replicas as a holder can (2^20): a new
+                            // id's entries are dropped, nothing stored is touched.
+                            out.refs_dropped += 1;
+                            continue;
+                        };
                         cur = Some((p, rep));
                         (p, rep)
                     }

@@ -296,6 +296,9 @@ pub struct IngestOutcome {
     pub entries_added: u64,
     /// Whether a stats record was stored.
     pub stats_stored: bool,
+    /// Prefix refs dropped because their scope already names the most replicas a holder can
+    /// index (2^20) and this update's replica is not one of them.
+    pub refs_dropped: u64,
 }
 
 /// Test/debug view of one storage entry.
