@@ -260,7 +260,7 @@ impl ModelRec {
         let v = self.stats.load(guard);
         let hint = rep.stats_hint.load(StdOrdering::Relaxed) as usize;
         if let Some(r) = v.get(hint)
-            && same_str(&r.replica, &rep.name)
+            && r.replica == rep.name
         {
             return Some(r);
         }
@@ -275,9 +275,9 @@ pub(crate) struct ScopeReplica {
     pub(crate) name: ReplicaId,
     pub(crate) serving: AtomicI64,
     /// Where this replica's record was last found in its model's stats (see
-    /// [`ModelRec::stats_for`]). Only a hint, checked by name before use, so any reader may
-    /// overwrite it and a stale or racing value only costs a search: `std` atomics even in
-    /// loom builds, as nothing is ordered by it.
+    /// [`ModelRec::stats_for`]). Only a hint, checked by id (a pointer compare) before use, so
+    /// any reader may overwrite it and a stale or racing value only costs a search: `std`
+    /// atomics even in loom builds, as nothing is ordered by it.
     stats_hint: StdAtomicU32,
 }
 

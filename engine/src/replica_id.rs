@@ -23,8 +23,24 @@ use std::sync::{Mutex, OnceLock};
 static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
 
 /// A replica id: derefs to the id's text; equality, ordering and hashing are the text's.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// (Equality compares the pointers: the interner keeps one copy per text, so two ids have the
+/// same text exactly when they are the same copy.)
+#[derive(Clone, Copy, Eq, PartialOrd, Ord)]
 pub struct ReplicaId(&'static str);
+
+impl PartialEq for ReplicaId {
+    #[inline]
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self.0, other.0)
+    }
+}
+
+impl std::hash::Hash for ReplicaId {
+    /// The text's hash (as `Borrow<str>` requires: maps keyed by ids are looked up by `&str`).
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
 
 impl ReplicaId {
     /// The interned copy of `id` (created on first use).
@@ -110,6 +126,11 @@ mod tests {
         assert!(std::ptr::eq(a.as_str(), b.as_str()), "one copy per text");
         assert_eq!(a, b);
         assert_ne!(a, c);
+        // Same address, different length: a prefix is a different id.
+        let ab = ReplicaId::intern("pod-ab");
+        let a_of_ab = ReplicaId::intern(&ab[..5]);
+        assert_ne!(a_of_ab, ab);
+        assert_eq!(a_of_ab, a);
         assert!(a < c, "ordered as text");
         assert_eq!(&*a, "pod-a");
         assert_eq!(a, "pod-a");
