@@ -1,8 +1,12 @@
 # Turns `cargo bench` (criterion) console output into a Markdown table: one row per benchmark
 # with its time estimate [lower, median, upper] and, when reported, the median throughput.
 # Used by bench/run-all.sh (section `criterion`).
-/^[A-Za-z0-9_]+\/[^ ]+$/ { name = $1; next }
-/^[A-Za-z0-9_]+\/[^ ]+ +time:/ { name = $1 }
+# A saved baseline adds a `change:` block whose own `time:`/`thrpt:` lines are percentages
+# (a multi-line block for benchmarks with a throughput): skipped until the next benchmark.
+/^[A-Za-z0-9_]+\/[^ ]+$/ { name = $1; inchange = 0; next }
+/^[A-Za-z0-9_]+\/[^ ]+ +time:/ { name = $1; inchange = 0 }
+/change:/ { inchange = 1; next }
+inchange { next }
 /time:/ {
   line = $0
   sub(/.*\[/, "", line); sub(/\].*/, "", line)
