@@ -179,42 +179,47 @@ fn bench_exact_lookup(c: &mut Criterion) {
     g.finish();
 }
 
+/// An index where `replicas` pods (ids like Kubernetes pod names: long, with a shared prefix)
+/// each hold `hashes` and report stats with hit rate 0.5 and pressure `pressure(pod)`.
+fn pod_fleet(replicas: usize, hashes: &[[u8; 8]], pressure: impl Fn(usize) -> f32) -> Index {
+    let (ix, _clock) = index(false);
+    let counts = vec![16; hashes.len()];
+    for r in 0..replicas {
+        let refs = [PrefixRef {
+            prefix_hash: &[],
+            token_count: 0,
+            block_hashes: hashes,
+            block_token_counts: &counts,
+            tier: 1,
+            adapter_id: "",
+        }];
+        let replica = format!("vllm-llama-3-70b-instruct-7d9f8c6b5d-{r:05x}");
+        ix.ingest(CacheStateUpdate {
+            replica_id: &replica,
+            model_id: "m",
+            tenant_id: "t",
+            hash_scheme: "vllm",
+            timestamp_us: 0,
+            prefixes: refs,
+            stats: Some(ReplicaStatsInput {
+                cache_memory_bytes: 1 << 30,
+                hit_rate: 0.5,
+                pressure: pressure(r),
+                t2_hit_tokens: 0,
+                t2_query_tokens: 0,
+            }),
+            adapter_id: "",
+        });
+    }
+    ix
+}
+
 /// O2 at fleet scale: an exact-path miss answered by TENANT_HOT, every replica serving the
-/// scope and reporting the same stats (so every score ties and R5 orders by id). Replica ids
-/// look like Kubernetes pod names: long, with a shared prefix.
+/// scope and reporting the same stats (so every score ties and R5 orders by id).
 fn bench_tenant_hot(c: &mut Criterion) {
     let mut g = c.benchmark_group("tenant_hot");
     for replicas in [16usize, 256, 2048] {
-        let (ix, _clock) = index(false);
-        let hashes = [key(1, 0)];
-        let counts = [16];
-        for r in 0..replicas {
-            let refs = [PrefixRef {
-                prefix_hash: &[],
-                token_count: 0,
-                block_hashes: &hashes,
-                block_token_counts: &counts,
-                tier: 1,
-                adapter_id: "",
-            }];
-            let replica = format!("vllm-llama-3-70b-instruct-7d9f8c6b5d-{r:05x}");
-            ix.ingest(CacheStateUpdate {
-                replica_id: &replica,
-                model_id: "m",
-                tenant_id: "t",
-                hash_scheme: "vllm",
-                timestamp_us: 0,
-                prefixes: refs,
-                stats: Some(ReplicaStatsInput {
-                    cache_memory_bytes: 1 << 30,
-                    hit_rate: 0.5,
-                    pressure: 0.25,
-                    t2_hit_tokens: 0,
-                    t2_query_tokens: 0,
-                }),
-                adapter_id: "",
-            });
-        }
+        let ix = pod_fleet(replicas, &[key(1, 0)], |_| 0.25);
         let miss_key = key(123_456, 0);
         let miss = LookupRequest::<[u8; 8]> {
             prefix_hash: &miss_key,
@@ -237,36 +242,9 @@ fn bench_tenant_hot(c: &mut Criterion) {
 fn bench_route_stats(c: &mut Criterion) {
     let mut g = c.benchmark_group("route_stats");
     for replicas in [8usize, 64] {
-        let (ix, _clock) = index(false);
         let hashes = chain(7, 64);
         let counts = vec![16; 64];
-        for r in 0..replicas {
-            let refs = [PrefixRef {
-                prefix_hash: &[],
-                token_count: 0,
-                block_hashes: &hashes,
-                block_token_counts: &counts,
-                tier: 1,
-                adapter_id: "",
-            }];
-            let replica = format!("vllm-llama-3-70b-instruct-7d9f8c6b5d-{r:05x}");
-            ix.ingest(CacheStateUpdate {
-                replica_id: &replica,
-                model_id: "m",
-                tenant_id: "t",
-                hash_scheme: "vllm",
-                timestamp_us: 0,
-                prefixes: refs,
-                stats: Some(ReplicaStatsInput {
-                    cache_memory_bytes: 1 << 30,
-                    hit_rate: 0.5,
-                    pressure: 0.25 + r as f32 / 1024.0,
-                    t2_hit_tokens: 0,
-                    t2_query_tokens: 0,
-                }),
-                adapter_id: "",
-            });
-        }
+        let ix = pod_fleet(replicas, &hashes, |r| 0.25 + r as f32 / 1024.0);
         let req = LookupRequest {
             block_hashes: &hashes[..],
             block_token_counts: &counts[..],
