@@ -10,6 +10,7 @@
 #
 # Sections: w1m (bench/run-w1m.sh), eviction (bin `eviction`), churn (bin `churn`, 10 minutes),
 # churn-fit (bin `churn --caps`: 3 caps × 3 minutes, RSS fitted against the cap),
+# churn-fit-mimalloc (the same under mimalloc, the server's allocator; not part of "all"),
 # rw (bin `rw`, P7), criterion (`cargo bench --bench engine`, table by criterion-table.awk), plus results/server.md, written by hand from the server benches
 # (`e2e-lookup`, `soak.sh`; bench/README.md has their commands).
 set -euo pipefail
@@ -73,8 +74,15 @@ section() {
           "cargo run --release -p inferencecache-bench --bin churn -- --caps 250000,500000,1000000 --minutes 3"
         "$TARGET/release/churn" --caps 250000,500000,1000000 --minutes 3 || true
       } >"$RES/churn-fit.tmp" && mv "$RES/churn-fit.tmp" "$RES/churn-fit.md" ;;
+    churn-fit-mimalloc)
+      (cd "$ROOT" && CARGO_TARGET_DIR="$TARGET" nice -n 10 \
+        cargo build --release --quiet -p inferencecache-bench --features mimalloc --bin churn)
+      { header "Churn at the cap under mimalloc (the server's allocator): RSS per entry" \
+          "cargo run --release -p inferencecache-bench --features mimalloc --bin churn -- --caps 250000,500000,1000000 --minutes 3"
+        "$TARGET/release/churn" --caps 250000,500000,1000000 --minutes 3 || true
+      } >"$RES/churn-fit-mimalloc.tmp" && mv "$RES/churn-fit-mimalloc.tmp" "$RES/churn-fit-mimalloc.md" ;;
     *)
-      echo "unknown section: $1 (w1m, eviction, rw, criterion, churn, churn-fit)" >&2; exit 2 ;;
+      echo "unknown section: $1 (w1m, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc)" >&2; exit 2 ;;
   esac
 }
 

@@ -27,6 +27,18 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+// The server ships mimalloc; `--features mimalloc` measures the churn under it (the default is
+// the system allocator, as for every bench).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const ALLOCATOR: &str = if cfg!(feature = "mimalloc") {
+    "mimalloc"
+} else {
+    "system malloc"
+};
+
 /// Blocks per chain: W1M's chain length, so a chain is one `ours::ingest_chain_as` update.
 const BLOCKS: usize = LEN;
 const REPLICAS: u64 = 8;
@@ -86,7 +98,7 @@ fn main() -> ExitCode {
     let rss0 = vm_rss_bytes() / 1024;
     println!(
         "churn: cap {cap}, TTL {ttl_ms} ms, sweep 1 s, ALL_CLEARED every {clear_every} chains, \
-         {minutes} min, warm-up {warmup_s} s, baseline RSS {} MiB",
+         {minutes} min, warm-up {warmup_s} s, allocator {ALLOCATOR}, baseline RSS {} MiB",
         rss0 / 1024
     );
     let replica_names: Vec<String> = (0..REPLICAS).map(|r| format!("replica-{r}")).collect();
@@ -285,7 +297,7 @@ fn per_entry_fit(caps: &[u64], minutes: u64, warmup_s: u64, ttl_ms: u64, clear: 
     };
     println!(
         "churn per-entry fit: caps {caps:?}, {minutes} min each (warm-up {warmup_s} s), one \
-         process per cap\n"
+         process per cap, allocator {ALLOCATOR}\n"
     );
     println!(
         "| cap | max VmRSS (MiB) | max memory_bytes (MiB) | tables (MiB) | live nodes (MiB) | \
