@@ -15,7 +15,7 @@ const TENANTS: [&str; 3] = ["t", "u", PROBE_TENANT];
 const MODELS: [&str; 2] = ["m", "n"];
 const SCHEMES: [&str; 3] = ["vllm", "sglang", ""];
 const ADAPTERS: [&str; 2] = ["", "a"];
-const REPLICAS: [&str; 3] = ["r0", "r1", "r2"];
+const REPLICAS: [&str; 6] = ["r0", "r1", "r2", "r3", "r4", "r5"];
 const HITS: [f32; 6] = [0.0, 0.05, 0.1, 0.5, 0.9, f32::NAN];
 const PRESSURES: [f32; 5] = [0.0, 0.3, 0.9, 1.5, f32::INFINITY];
 const T0: i64 = 1_700_000_000_000_000;
@@ -172,6 +172,29 @@ enum Op {
     Credit,
     Sweep,
     Clock(i64),
+}
+
+/// Ops where up to six replicas report stats in random order (a replica's first report inserts
+/// its record and moves the later ones) between lookups that score them on both paths: R2 must
+/// read each scored replica's own record (`ModelRec::stats_for` starts at a remembered position).
+fn stats_op_s() -> impl proptest::strategy::Strategy<Value = Op> {
+    let chain = vec![0u8, 1, 2, 3, 4];
+    let counts = vec![16; 5];
+    let shared = vec![
+        (RefSpec::Legacy(0, 64), 1, 0),
+        (RefSpec::Chain(chain.clone(), counts.clone(), None), 1, 0),
+    ];
+    // Replicas that hold only another key keep R6's dp above 0 (with every serving replica
+    // holding a key, every score is 0 whatever the pressure).
+    let other = vec![(RefSpec::Legacy(1, 64), 1, 0)];
+    prop_oneof![
+        4 => (0u8..6, 0u8..5, prop_oneof![3 => Just(shared), 1 => Just(other)]).prop_map(
+            |(r, p, refs)| Op::Ingest { r, t: 0, m: 0, s: 0, a: 0, ts: 0, refs, stats: Some((3, p)) },
+        ),
+        3 => Just(Op::Lookup { t: 0, m: 0, s: 0, a: 0, k: 0, chain: None, ttft: 0 }),
+        3 => Just(Op::Lookup { t: 0, m: 0, s: 0, a: 0, k: 0, chain: Some((chain, counts)), ttft: 0 }),
+        1 => (0i64..60_000).prop_map(Op::Clock),
+    ]
 }
 
 fn tn() -> impl proptest::strategy::Strategy<Value = u8> {
@@ -598,6 +621,12 @@ proptest! {
     /// them (`runs`), and every answer must still be the model's.
     #[test]
     fn t90_oracle_chain_runs(ops in proptest::collection::vec(run_op_s(), 1..60)) {
+        run(ops)?;
+    }
+
+    /// T90 while stats records move under the ranking's position hints.
+    #[test]
+    fn t90_oracle_stats_reports(ops in proptest::collection::vec(stats_op_s(), 1..40)) {
         run(ops)?;
     }
 
