@@ -2013,7 +2013,7 @@ impl Index {
                 return Strategy::PrefixMatch;
             }
         }
-        if !chain && self.tenant_hot(req, now_ms, &mut buf.scratch.ranked, &mut buf.scores) {
+        if !chain && self.tenant_hot(req, part, now_ms, &mut buf.scratch.ranked, &mut buf.scores) {
             return Strategy::TenantHot;
         }
         match part {
@@ -2027,9 +2027,12 @@ impl Index {
     }
 
     /// O2: TENANT_HOT candidates into `out`; true if any.
+    /// `part` is the request's partition when it exists: its (tenant, model) and scope records
+    /// are the ones the lookups by name would find (records are never removed).
     fn tenant_hot<H: AsRef<[u8]>>(
         &self,
         req: &LookupRequest<'_, H>,
+        part: Option<&Partition>,
         now_ms: i64,
         ranked: &mut Vec<Ranked>,
         out: &mut Vec<ScoredReplica>,
@@ -2038,10 +2041,13 @@ impl Index {
         if rc.tenant_hot_max_age_ms <= 0 || req.hash_scheme.is_empty() {
             return false;
         }
-        let Some(model) = self.model_ref(req.tenant_id, req.model_id) else {
-            return false;
+        let records = match part {
+            Some(p) => Some((&*p.model, &*p.scope)),
+            None => self
+                .model_ref(req.tenant_id, req.model_id)
+                .zip(self.scope_ref(req.tenant_id, req.model_id, req.hash_scheme)),
         };
-        let Some(scope) = self.scope_ref(req.tenant_id, req.model_id, req.hash_scheme) else {
+        let Some((model, scope)) = records else {
             return false;
         };
         let c = slo_c(rc, req.ttft_ms);
