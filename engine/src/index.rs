@@ -2126,7 +2126,7 @@ impl Index {
         model: &str,
         scheme: &str,
         seed: &[u8],
-    ) -> Option<Arc<str>> {
+    ) -> Option<ReplicaId> {
         if seed.is_empty() || scheme.is_empty() {
             return None;
         }
@@ -2147,7 +2147,7 @@ impl Index {
         let mut b = [0u8; 8];
         b.copy_from_slice(&d[..8]);
         let idx = (u64::from_be_bytes(b) % cands.len() as u64) as usize;
-        Some(Arc::from(cands[idx].as_str()))
+        Some(cands[idx])
     }
 
     // ----------------------------------------------------------------------------------------
