@@ -37,6 +37,16 @@ fn chain(c: u64, len: usize) -> Vec<[u8; 8]> {
 }
 
 fn ingest(ix: &Index, replica: &str, hashes: &[[u8; 8]]) {
+    ingest_with_stats(ix, replica, hashes, None);
+}
+
+/// One chain ingest (16 tokens per block) by `replica`, with its stats report if any.
+fn ingest_with_stats(
+    ix: &Index,
+    replica: &str,
+    hashes: &[[u8; 8]],
+    stats: Option<ReplicaStatsInput>,
+) {
     let counts = vec![16; hashes.len()];
     let refs = [PrefixRef {
         prefix_hash: &[],
@@ -53,7 +63,7 @@ fn ingest(ix: &Index, replica: &str, hashes: &[[u8; 8]]) {
         hash_scheme: "vllm",
         timestamp_us: 0,
         prefixes: refs,
-        stats: None,
+        stats,
         adapter_id: "",
     });
 }
@@ -183,33 +193,16 @@ fn bench_exact_lookup(c: &mut Criterion) {
 /// each hold `hashes` and report stats with hit rate 0.5 and pressure `pressure(pod)`.
 fn pod_fleet(replicas: usize, hashes: &[[u8; 8]], pressure: impl Fn(usize) -> f32) -> Index {
     let (ix, _clock) = index(false);
-    let counts = vec![16; hashes.len()];
     for r in 0..replicas {
-        let refs = [PrefixRef {
-            prefix_hash: &[],
-            token_count: 0,
-            block_hashes: hashes,
-            block_token_counts: &counts,
-            tier: 1,
-            adapter_id: "",
-        }];
+        let stats = ReplicaStatsInput {
+            cache_memory_bytes: 1 << 30,
+            hit_rate: 0.5,
+            pressure: pressure(r),
+            t2_hit_tokens: 0,
+            t2_query_tokens: 0,
+        };
         let replica = format!("vllm-llama-3-70b-instruct-7d9f8c6b5d-{r:05x}");
-        ix.ingest(CacheStateUpdate {
-            replica_id: &replica,
-            model_id: "m",
-            tenant_id: "t",
-            hash_scheme: "vllm",
-            timestamp_us: 0,
-            prefixes: refs,
-            stats: Some(ReplicaStatsInput {
-                cache_memory_bytes: 1 << 30,
-                hit_rate: 0.5,
-                pressure: pressure(r),
-                t2_hit_tokens: 0,
-                t2_query_tokens: 0,
-            }),
-            adapter_id: "",
-        });
+        ingest_with_stats(&ix, &replica, hashes, Some(stats));
     }
     ix
 }

@@ -1,6 +1,14 @@
 //! Notes on the machine a bench ran on, for the reports: CPU model, load averages, the date.
 //! Shared by the end-to-end benches (`e2e-lookup`, `soak`) so their report headers agree.
 
+/// The global allocator of this build's bench binaries: `mimalloc` with the `mimalloc` feature
+/// (each binary that honours it declares the `#[global_allocator]`), else the system's.
+pub const ALLOCATOR: &str = if cfg!(feature = "mimalloc") {
+    "mimalloc"
+} else {
+    "system"
+};
+
 /// The 1/5/15-minute load averages from `/proc/loadavg` ("?" where unavailable).
 #[must_use]
 pub fn loadavg() -> String {

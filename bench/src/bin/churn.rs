@@ -18,6 +18,7 @@
 //! measured window ≤ 1.05 × max RSS of the first half (minutes 5–10 vs 1–5 for the default
 //! 10-minute run). Exits non-zero when P8 fails.
 
+use inferencecache_bench::host::ALLOCATOR;
 use inferencecache_bench::measure::vm_rss_bytes;
 use inferencecache_bench::ours;
 use inferencecache_bench::w1m::LEN;
@@ -32,12 +33,6 @@ use std::time::{Duration, Instant};
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-const ALLOCATOR: &str = if cfg!(feature = "mimalloc") {
-    "mimalloc"
-} else {
-    "system malloc"
-};
 
 /// Blocks per chain: W1M's chain length, so a chain is one `ours::ingest_chain_as` update.
 const BLOCKS: usize = LEN;

@@ -9,6 +9,7 @@
 
 use std::process::ExitCode;
 
+use inferencecache_bench::host::ALLOCATOR;
 use inferencecache_bench::measure::{Plan, Recorder};
 use inferencecache_bench::ours;
 use inferencecache_bench::report::Aggregate;
@@ -17,12 +18,6 @@ use inferencecache_bench::w1m::{CHAINS_FULL, CHAINS_SMOKE, QUERIES, Queries, Wor
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-const ALLOCATOR: &str = if cfg!(feature = "mimalloc") {
-    "mimalloc"
-} else {
-    "system"
-};
 
 struct Args {
     chains: usize,
