@@ -35,7 +35,9 @@
 //!   unpinned, the function puts the batch on the [`Owner`]'s `freed` list (a mutex: batches
 //!   arrive from whichever thread collects garbage, often a reader inside a lookup, so the list
 //!   is linked through the batches and the function allocates nothing). The writer drains that
-//!   list into its free lists when a size class runs dry, and recycles the empty batch. Nothing
+//!   list into its free lists when a size class runs dry (after one unlocked load of a flag
+//!   kept with the list, so a growing shard does not lock per node), and recycles the empty
+//!   batch. Nothing
 //!   is reused before its epoch has passed, so a pinned reader never sees a node change under it
 //!   (the same argument as for freeing, `table.rs` invariant 4); handing a node to the epoch
 //!   later than its unlink only delays its reuse.
@@ -48,7 +50,7 @@
 //! pair already orders it, and modelling it would only multiply loom's interleavings.
 
 use crate::pages;
-use crate::sync::{Mutex, Ordering};
+use crate::sync::{AtomicBool, Mutex, Ordering};
 use crossbeam_epoch::Guard;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -135,6 +137,31 @@ pub(crate) struct Owner {
     /// (It runs on whichever thread collects garbage, often a reader inside a lookup, which
     /// must stay allocation-free: T93.)
     freed: Mutex<Freed>,
+    /// Whether `freed` may hold a batch: set with each push and cleared with each take, both
+    /// under its mutex. The writer reads it without the lock on every free-list miss (every
+    /// node a growing shard carves fresh), so that the common "nothing came back" costs one
+    /// load instead of a lock and unlock (~10% of an insert of fresh chains). A stale `false`
+    /// only leaves a returned batch for the next miss.
+    has_freed: AtomicBool,
+}
+
+impl Owner {
+    /// Puts a batch whose epoch has passed on the `freed` list.
+    fn give(&self, b: Box<Batch>) {
+        let mut f = self.freed.lock();
+        f.push(b);
+        self.has_freed.store(true, Ordering::Relaxed);
+    }
+
+    /// Takes the whole `freed` list (follow `next`), if anything may be on it.
+    fn take_freed(&self) -> Option<Box<Batch>> {
+        if !self.has_freed.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut f = self.freed.lock();
+        self.has_freed.store(false, Ordering::Relaxed);
+        f.take()
+    }
 }
 
 /// The owner's list of returned batches (see [`Owner`]).
@@ -174,7 +201,7 @@ impl Drop for Freed {
 impl Owner {
     /// Takes back a node as if its epoch had passed (a one-node batch on the `freed` list).
     fn release(&self, idx: u32, units: u32) {
-        self.freed.lock().push(Box::new(Batch {
+        self.give(Box::new(Batch {
             items: vec![Retired { idx, units }],
             owner: None,
             next: None,
@@ -208,6 +235,7 @@ impl Arena {
                 // Chunk id 0 stays unused: index 0 is "no node".
                 chunks: Mutex::new(vec![(0, 0)]),
                 freed: Mutex::new(Freed::default()),
+                has_freed: AtomicBool::new(false),
             }),
         }
     }
@@ -256,7 +284,7 @@ impl Arena {
                     crate::loom_api::destroyed(crate::loom_api::Kind::Node, r.addr);
                 }
                 if let Some(owner) = b.owner.take() {
-                    owner.freed.lock().push(b);
+                    owner.give(b);
                 }
             })
         };
@@ -388,7 +416,7 @@ impl ArenaState {
     /// Moves the frees whose epoch has passed into the free lists (single-node chunks go back
     /// to the system allocator).
     fn take_back(&mut self, a: &Arena) {
-        let mut next = a.owner.freed.lock().take();
+        let mut next = a.owner.take_freed();
         while let Some(mut b) = next {
             next = b.next.take();
             for r in b.items.drain(..) {
@@ -628,7 +656,7 @@ mod tests {
             in_flight.push(b);
         }
         for b in in_flight {
-            a.owner.freed.lock().push(b);
+            a.owner.give(b);
         }
         // With no spare left, the next batches are the returned ones, and their nodes are
         // back in the free lists (no free-list miss needed to take them back).

@@ -636,16 +636,10 @@ impl Index {
                 } else if chain {
                     let mut sum: i32 = 0;
                     let bh = r.block_hashes;
+                    let probe = |j: usize| Probe::new(bh[j].as_ref());
+                    let mut ahead = Lookahead::start(&part.table, bh.len(), probe, &guard);
                     for (j, (h, c)) in bh.iter().zip(r.block_token_counts).enumerate() {
-                        // Latency hiding: warm the home groups (and candidate nodes) of the
-                        // next blocks; hints only, the upsert re-probes under the shard lock.
-                        if j + PREFETCH < bh.len() {
-                            part.table
-                                .prefetch_probe(Probe::new(bh[j + PREFETCH].as_ref()), &guard);
-                        }
-                        if j + 2 < bh.len() {
-                            part.table.candidate(Probe::new(bh[j + 2].as_ref()), &guard);
-                        }
+                        ahead.step(&part.table, j, bh.len(), probe, &guard);
                         sum = sum.wrapping_add(*c);
                         let run = plan.as_ref().and_then(|pl| pl.word(j));
                         let node = up(h.as_ref(), sum, run, &mut pend, &mut out);
@@ -736,24 +730,16 @@ impl Index {
             order[pos[s] as usize] = (j as u32, sum);
             pos[s] += 1;
         }
+        let probe = |k: usize| Probe::new(hashes[order[k].0 as usize].as_ref());
+        let mut ahead = Lookahead::start(&part.table, n, probe, guard);
         for s in 0..SHARDS {
             let (a, b) = (per[s] as usize, per[s + 1] as usize);
             if a == b {
                 continue;
             }
             let mut w = part.table.writer(s);
-            for k in a..b {
-                if k + PREFETCH < n {
-                    part.table.prefetch_probe(
-                        Probe::new(hashes[order[k + PREFETCH].0 as usize].as_ref()),
-                        guard,
-                    );
-                }
-                if k + 2 < n {
-                    part.table
-                        .candidate(Probe::new(hashes[order[k + 2].0 as usize].as_ref()), guard);
-                }
-                let (j, tokens) = order[k];
+            for (k, &(j, tokens)) in order.iter().enumerate().take(b).skip(a) {
+                ahead.step(&part.table, k, n, probe, guard);
                 let j = j as usize;
                 let p = Probe::new(hashes[j].as_ref());
                 let run = plan.as_ref().and_then(|pl| pl.word(j));
@@ -1193,16 +1179,11 @@ impl Index {
             };
             let guard = epoch::pin();
             let mut pend = Pending::default();
+            let n = prefix_hashes.len();
+            let probe = |j: usize| Probe::new(prefix_hashes[j].as_ref());
+            let mut ahead = Lookahead::start(&p.table, n, probe, &guard);
             for (j, key) in prefix_hashes.iter().enumerate() {
-                // Latency hiding, as in `ingest`.
-                if j + PREFETCH < prefix_hashes.len() {
-                    p.table
-                        .prefetch_probe(Probe::new(prefix_hashes[j + PREFETCH].as_ref()), &guard);
-                }
-                if j + 2 < prefix_hashes.len() {
-                    p.table
-                        .candidate(Probe::new(prefix_hashes[j + 2].as_ref()), &guard);
-                }
+                ahead.step(&p.table, j, n, probe, &guard);
                 let key = key.as_ref();
                 if key.is_empty() {
                     continue;
@@ -2834,6 +2815,65 @@ const PREFETCH: usize = 8;
 /// Chain walk: candidates (home group read, node prefetched) are taken this many blocks ahead
 /// (≤ 7: ring of 8).
 const AHEAD: usize = 4;
+
+/// Writers' look-ahead (see [`Lookahead`]): candidates are read this many keys ahead...
+const CAND_AHEAD: usize = 4;
+/// ... and their run keys prefetched this many keys ahead.
+const KEY_AHEAD: usize = 2;
+
+/// Latency hiding for a writer's sequence of single-key probes (chain ingest, batch removal):
+/// each key's probe reads up to four dependent lines (summary and home group, node, and the
+/// key in its chain run for a run node), so they are fetched in stages ahead of the write: the
+/// summary word and home group [`PREFETCH`] keys ahead, the candidate node (the group is read,
+/// the node prefetched) [`CAND_AHEAD`] keys ahead, its run key [`KEY_AHEAD`] keys ahead. Hints
+/// only: every write probes again under its shard lock.
+struct Lookahead {
+    ring: [Cand; 8],
+}
+
+impl Lookahead {
+    /// Issues the stages of the first keys of a sequence of `n` (`probe(k)` is key `k`'s).
+    #[inline]
+    fn start<'k>(
+        t: &KeyTable,
+        n: usize,
+        probe: impl Fn(usize) -> Probe<'k>,
+        guard: &Guard,
+    ) -> Self {
+        for k in 0..n.min(PREFETCH) {
+            t.prefetch_probe(probe(k), guard);
+        }
+        let mut ring = [Cand::Probe; 8];
+        for (k, c) in ring.iter_mut().enumerate().take(n.min(CAND_AHEAD)) {
+            *c = t.candidate(probe(k), guard);
+        }
+        for &c in ring.iter().take(n.min(KEY_AHEAD)) {
+            KeyTable::prefetch_key(c);
+        }
+        Self { ring }
+    }
+
+    /// Advances the stages before key `k` is written.
+    #[inline]
+    fn step<'k>(
+        &mut self,
+        t: &KeyTable,
+        k: usize,
+        n: usize,
+        probe: impl Fn(usize) -> Probe<'k>,
+        guard: &Guard,
+    ) {
+        if k + PREFETCH < n {
+            t.prefetch_probe(probe(k + PREFETCH), guard);
+        }
+        if k + CAND_AHEAD < n {
+            self.ring[(k + CAND_AHEAD) & 7] = t.candidate(probe(k + CAND_AHEAD), guard);
+        }
+        if k + KEY_AHEAD < n {
+            KeyTable::prefetch_key(self.ring[(k + KEY_AHEAD) & 7]);
+        }
+    }
+}
 
 /// Chain walk: probes kept ahead of the block being resolved (a power of two > PREFETCH).
 const PROBES: usize = 16;

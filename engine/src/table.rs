@@ -1506,6 +1506,23 @@ impl KeyTable {
         }
     }
 
+    /// Third look-ahead stage, once a candidate's node has had time to arrive: when the node
+    /// is a run node, prefetches the line of its key in the run, which the probe's key compare
+    /// reads (a fourth dependent line per block otherwise: summary and group, node, run key).
+    #[inline]
+    pub(crate) fn prefetch_key(c: Cand) {
+        if let Cand::Node(n) = c {
+            // SAFETY: `n` was read (Acquire) from a lane under a guard the caller still holds
+            // (every look-ahead runs inside one pinned section); a node is retired through the
+            // epoch, so its memory stays valid, and a stale node only costs a useless prefetch.
+            if let Some((r, o)) = unsafe { (*n).run() } {
+                // SAFETY: a node naming a run keeps it alive while the node is reachable under
+                // the guard (`runs`, "Reclamation"); `o` is the node's own offset (< len).
+                prefetch(unsafe { (*r).key_bytes(o) });
+            }
+        }
+    }
+
     /// Second stage: the node of `p` given its [`Cand`] (a full probe when the candidate was
     /// not conclusive or was a fingerprint false positive).
     #[inline]
