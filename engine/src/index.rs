@@ -2714,14 +2714,28 @@ fn walk_skip<H: AsRef<[u8]>>(node: &KeyNode, hashes: &[H], i: usize, n: usize) -
     // freed (if at all) only after that guard is dropped (`runs`, "Reclamation").
     let r = unsafe { &*r };
     let max = (r.stretch_end(o) - o - 1).min(n - i - 1);
+    let req = &hashes[i + 1..i + 1 + max];
+    // Byte-wise equality as native words (no byte swaps), four keys per branch: the compares of
+    // a long stretch (W1M Q100: 15 + 15 + 31) are independent, only their combined verdict is
+    // tested.
+    let word = |h: &H| <[u8; 8]>::try_from(h.as_ref()).ok().map(u64::from_ne_bytes);
+    let at = |m: usize| u64::from_ne_bytes(*r.key_bytes(o + 1 + m));
     let mut m = 0;
-    while m < max {
-        let Ok(k) = <[u8; 8]>::try_from(hashes[i + 1 + m].as_ref()) else {
-            break;
-        };
-        if u64::from_be_bytes(k) != r.key(o + 1 + m) {
+    while m + 4 <= max {
+        let mut diff = 0u64;
+        let mut long = false;
+        for (t, h) in req[m..m + 4].iter().enumerate() {
+            match word(h) {
+                Some(w) => diff |= w ^ at(m + t),
+                None => long = true,
+            }
+        }
+        if diff != 0 || long {
             break;
         }
+        m += 4;
+    }
+    while m < max && word(&req[m]) == Some(at(m)) {
         m += 1;
     }
     (m, m > 0 && o + 1 + m == r.len())
