@@ -585,6 +585,34 @@ mod tests {
         assert_eq!(i4, i2 + 3, "other sizes keep carving");
     }
 
+    /// The writer looks at the freed list only when its flag says something came back: a
+    /// batch returned after a take-back (which cleared the flag) is still found, and the flag
+    /// follows the list.
+    #[test]
+    fn batches_returned_after_a_take_back_are_still_found() {
+        let a = Arena::new();
+        let mut st = ArenaState::new();
+        let guard = epoch::pin();
+        let (i1, _) = st.alloc(&a, 3, &guard);
+        let (i2, _) = st.alloc(&a, 3, &guard);
+        assert!(
+            !a.owner.has_freed.load(Ordering::Relaxed),
+            "nothing returned yet"
+        );
+        a.owner.release(i1, 3);
+        assert!(a.owner.has_freed.load(Ordering::Relaxed));
+        assert_eq!(st.alloc(&a, 3, &guard).0, i1, "taken back and reused");
+        assert!(
+            !a.owner.has_freed.load(Ordering::Relaxed),
+            "the take-back cleared it"
+        );
+        assert!(a.owner.freed.lock().is_empty());
+        a.owner.release(i2, 3);
+        assert_eq!(st.alloc(&a, 3, &guard).0, i2, "a later return is found too");
+        let (i3, _) = st.alloc(&a, 3, &guard);
+        assert!(i3 != i1 && i3 != i2, "nothing else came back: carved fresh");
+    }
+
     #[test]
     fn larger_free_nodes_are_split_with_a_usable_remainder() {
         let a = Arena::new();
