@@ -772,6 +772,8 @@ impl Index {
             return None;
         }
         let t = &part.table;
+        // The runs the epoch has retired since (their memory back before more is taken).
+        t.reaper().free_all();
         let keys = hashes[..b]
             .iter()
             .map(|h| <[u8; 8]>::try_from(h.as_ref()).unwrap_or_default());
@@ -2691,7 +2693,8 @@ impl RunPlan {
             _ => true,
         };
         // SAFETY: this ingest created the run and has published its last node.
-        let freed = unsafe { ChainRun::seal(self.run, published, stop, guard) };
+        let freed =
+            unsafe { ChainRun::seal(self.run, published, stop, part.table.reaper(), guard) };
         if freed != 0 {
             part.table.add_run_bytes(-(freed as i64));
         }
@@ -3321,7 +3324,7 @@ mod tests {
                 assert_eq!(r.key(), key);
             }
             // SAFETY: our own run, no node names it (the boxed nodes hold no reference).
-            assert!(unsafe { ChainRun::seal(run, 0, |_| false, &guard) } > 0);
+            assert!(unsafe { ChainRun::seal(run, 0, |_| false, &Default::default(), &guard) } > 0);
         }
     }
 }
@@ -3455,5 +3458,12 @@ impl Index {
     pub fn loom_serving_n(&self, tenant: &str, model: &str, scheme: &str) -> i64 {
         self.scope_ref(tenant, model, scheme)
             .map_or(0, |s| s.serving_n.load(Ordering::Relaxed))
+    }
+
+    /// Frees the chain runs the epoch has handed to every partition's reaper (what a writer
+    /// does before it builds its next run); returns how many.
+    pub fn loom_reap(&self) -> usize {
+        let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
+        parts.iter().map(|p| p.table.reaper().free_all()).sum()
     }
 }

@@ -201,3 +201,10 @@ const COLLECT_ROUNDS: usize = 16;
 pub fn shard_of(key: &[u8]) -> usize {
     crate::table::KeyTable::shard_of(crate::table::Probe::new(key))
 }
+
+/// Model m11: the chain-run reaper's lock-free stack on its own (see `runs::Reaper`): two
+/// threads push retired runs while the calling thread frees the stack; every run is freed
+/// exactly once (the ledger checks it).
+pub fn reaper_push_vs_free_all() {
+    crate::runs::loom_reaper_push_vs_free_all();
+}

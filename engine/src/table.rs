@@ -88,7 +88,7 @@
 use crate::arena::{Arena, ArenaState, BATCH_CAPACITY, Batch, units_for};
 use crate::index::MemoryBreakdown;
 use crate::pages::{PageArray, heap_chunk as chunk};
-use crate::runs::ChainRun;
+use crate::runs::{ChainRun, Reaper};
 use crate::sync::{
     AtomicI64, AtomicPtr, AtomicU16, AtomicU64, Mutex, MutexGuard, Ordering, thread_local,
 };
@@ -1306,6 +1306,8 @@ pub(crate) struct KeyTable {
     bytes: AtomicI64,
     /// Bytes of the chain runs whose nodes live in this table (also in `bytes`); Relaxed.
     run_bytes: AtomicI64,
+    /// Where the epoch leaves this table's retired chain runs for its writers to free.
+    reaper: Arc<Reaper>,
 }
 
 /// Result of [`KeyTable::candidate`].
@@ -1388,6 +1390,7 @@ impl KeyTable {
             shards,
             bytes: AtomicI64::new(0),
             run_bytes: AtomicI64::new(0),
+            reaper: Arc::default(),
         };
         let per = ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false).bytes()
             + std::mem::size_of::<CachePadded<Shard>>();
@@ -1398,6 +1401,11 @@ impl KeyTable {
     #[inline]
     pub(crate) fn add_bytes(&self, b: i64) {
         self.bytes.fetch_add(b, Ordering::Relaxed);
+    }
+
+    /// The reaper of this table's retired chain runs.
+    pub(crate) fn reaper(&self) -> &Arc<Reaper> {
+        &self.reaper
     }
 
     /// Accounts a chain run created for this table's nodes (or, negative, freed).
@@ -1580,8 +1588,10 @@ impl KeyTable {
         p.shard()
     }
 
-    /// Locks shard `i`.
+    /// Locks shard `i`. First frees the chain runs the epoch has retired since the last writer
+    /// (outside the lock; one load when there are none), so removals alone bring memory back.
     pub(crate) fn writer(&self, i: usize) -> ShardWriter<'_> {
+        self.reaper.free_all();
         let shard = &self.shards[i];
         ShardWriter {
             shard,
@@ -1877,7 +1887,7 @@ impl ShardWriter<'_> {
     fn release_run(&self, run: Option<(*const ChainRun, usize)>, guard: &Guard) {
         if let Some((r, _)) = run {
             // SAFETY: the node owned this reference and is unlinked now.
-            let freed = unsafe { ChainRun::release(r, guard) };
+            let freed = unsafe { ChainRun::release(r, &self.table.reaper, guard) };
             if freed != 0 {
                 self.table.add_run_bytes(-(freed as i64));
             }
