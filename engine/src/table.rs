@@ -2156,7 +2156,8 @@ impl ShardWriter<'_> {
                     g = new.step(g);
                 }
                 debug_assert!(wide || n <= NARROW_MASK, "narrow table sized for its arena");
-                new.set(g, usize::from(fill[g]), fingerprint(h), n, Ordering::Relaxed);
+                let lane = usize::from(fill[g]);
+                new.set(g, lane, fingerprint(h), n, Ordering::Relaxed);
                 fill[g] += 1;
             }
         }
