@@ -426,7 +426,11 @@ impl Reaper {
         if self.head.load(Ordering::Relaxed).is_null() {
             return 0;
         }
-        // Acquire: pairs with each push's Release (the links and the runs' contents).
+        // Acquire: synchronizes with every push whose run is on the stack. Each push's
+        // compare-and-swap is a Release that heads a release sequence, and the later pushes'
+        // compare-and-swaps (read-modify-writes) continue it, so the value this swap reads
+        // carries all of them: their links, and through each deferred function the epoch's
+        // guarantee that every reader's last access to its run happened before it.
         let mut p = self.head.swap(std::ptr::null_mut(), Ordering::Acquire);
         let mut n = 0;
         while !p.is_null() {
