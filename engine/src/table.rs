@@ -2091,8 +2091,6 @@ impl ShardWriter<'_> {
             wide,
         );
         let arena = &old.arena;
-        let new_lanes = new.lanes();
-        let mut fill = vec![0u8; new.groups.len()];
         for gi in 0..old.groups.len() {
             // Each move reads the node's digest: prefetch the nodes of a group 4 ahead, and the
             // run keys (a run node's key lives in its run) of the group 2 ahead, whose nodes
@@ -2149,16 +2147,17 @@ impl ShardWriter<'_> {
                     None => n,
                 };
                 new.mark(h);
-                // The new table only gains keys here, so a group's lanes fill in order and its
-                // first free lane is its fill count: no read of the group's words.
                 let mut g = new.home(h);
-                while usize::from(fill[g]) == new_lanes {
+                loop {
+                    let e = zero_bytes(new.read(g, Ordering::Relaxed).tags);
+                    if e != 0 {
+                        let lane = (e.trailing_zeros() / 8) as usize;
+                        debug_assert!(wide || n <= NARROW_MASK, "narrow table sized for its arena");
+                        new.set(g, lane, fingerprint(h), n, Ordering::Relaxed);
+                        break;
+                    }
                     g = new.step(g);
                 }
-                debug_assert!(wide || n <= NARROW_MASK, "narrow table sized for its arena");
-                let lane = usize::from(fill[g]);
-                new.set(g, lane, fingerprint(h), n, Ordering::Relaxed);
-                fill[g] += 1;
             }
         }
         let mut delta = new.bytes() as i64 - old.bytes() as i64;
