@@ -772,8 +772,6 @@ impl Index {
             return None;
         }
         let t = &part.table;
-        // The runs the epoch has retired since (their memory back before more is taken).
-        t.reaper().free_all();
         let keys = hashes[..b]
             .iter()
             .map(|h| <[u8; 8]>::try_from(h.as_ref()).unwrap_or_default());
@@ -3461,7 +3459,7 @@ impl Index {
     }
 
     /// Frees the chain runs the epoch has handed to every partition's reaper (what a writer
-    /// does before it builds its next run); returns how many.
+    /// does when it takes a shard lock); returns how many.
     pub fn loom_reap(&self) -> usize {
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
         parts.iter().map(|p| p.table.reaper().free_all()).sum()

@@ -63,9 +63,8 @@
 //! The epoch does not free a retired run itself: its deferred function, which runs on whatever
 //! thread collects the garbage (often a reader inside a lookup), only pushes the run onto its
 //! table's [`Reaper`], a lock-free stack, and the table's writers free what is there (each
-//! time one takes a shard's lock, before it builds a run, and when the last reference to the
-//! reaper goes). Freeing a run
-//! that another thread allocated took ~630 ns on the collecting reader (glibc takes the
+//! time one takes a shard's lock, and when the last reference to the reaper goes). Freeing a
+//! run that another thread allocated took ~630 ns on the collecting reader (glibc takes the
 //! allocating thread's arena lock once the reader's cache of free chunks is full): with one
 //! writer at 1 M blocks/s, 0.5% of a reader's lookups paid it, which is P7's p99.
 
