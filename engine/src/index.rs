@@ -39,8 +39,10 @@ use std::collections::HashMap;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Weak};
 
+mod dump;
 #[path = "eviction.rs"]
 pub(crate) mod eviction;
+pub use dump::{DumpPartition, DumpedEntry, DumpedStats, LoadEntry, LoadOutcome, LoadTarget};
 use eviction::RecentEntry;
 
 /// Eviction reason for `index_evictions_total`.

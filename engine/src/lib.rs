@@ -5,6 +5,7 @@
 //! Rule IDs (K, S, E, L, R, O, V, G, N, C, P) refer to the product spec `index.md`; the design,
 //! memory layout and memory-ordering argument are in `docs/engine.md`.
 
+pub mod checkpoint;
 pub mod fingerprint;
 
 mod arena;
@@ -29,8 +30,9 @@ pub use config::{
     DEFAULT_TTL_MS, DefaultResolvers, IndexConfig, PROBE_TENANT, RankerConfig, Resolvers,
 };
 pub use index::{
-    CapturedHits, ChainMatch, EvictionReason, Index, MatchScratch, MemoryBreakdown,
-    PartitionHandle, RouteBuffer, RouteResult, SLICE, SweepOutcome,
+    CapturedHits, ChainMatch, DumpPartition, DumpedEntry, DumpedStats, EvictionReason, Index,
+    LoadEntry, LoadOutcome, LoadTarget, MatchScratch, MemoryBreakdown, PartitionHandle,
+    RouteBuffer, RouteResult, SLICE, SweepOutcome,
 };
 pub use replica_id::ReplicaId;
 pub use sink::{ChangeEvent, ChangeKind, ChangeSink};

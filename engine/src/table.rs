@@ -1130,6 +1130,23 @@ impl LfuCell {
         bump(&st.lanes[lane_index() & (st.lanes.len() - 1)])
     }
 
+    /// Adds `n` restored accesses (a checkpoint load) to the base, saturating; returns how much
+    /// the key sum gains (`min(count, thr)` after minus before). Refused (0) once DEAD.
+    pub(crate) fn restore(&self, n: u64, thr: u64) -> i64 {
+        let mut gained = 0i64;
+        let _ = self
+            .access
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |x| {
+                if x & DEAD != 0 {
+                    return None;
+                }
+                let new = x.saturating_add(n).min(COUNT_MAX);
+                gained = new.min(thr) as i64 - x.min(thr) as i64;
+                Some(new)
+            });
+        gained
+    }
+
     /// The access count: base plus stripes, clamped to `u32::MAX`.
     pub(crate) fn count(&self) -> u64 {
         let mut n = self.access.load(Ordering::Acquire) & !DEAD;
@@ -1604,16 +1621,26 @@ impl KeyTable {
     /// concurrent rebuild; exact when writes quiesce).
     pub(crate) fn for_each_node<'g>(&self, guard: &'g Guard, mut f: impl FnMut(&'g KeyNode)) {
         for s in 0..SHARDS {
-            let t = self.table_of(s, guard);
-            let arena = &t.arena;
-            for g in 0..t.groups.len() {
-                let grp = t.read(g, Ordering::Acquire);
-                for l in 0..t.lanes() {
-                    let i = grp.idx(l);
-                    if i != 0 {
-                        // SAFETY: as in `find`.
-                        f(unsafe { &*(arena.node(i) as *const KeyNode) });
-                    }
+            self.for_each_node_in(s, guard, &mut f);
+        }
+    }
+
+    /// [`KeyTable::for_each_node`] over shard `s` alone (a checkpoint dumps shards in parallel).
+    pub(crate) fn for_each_node_in<'g>(
+        &self,
+        s: usize,
+        guard: &'g Guard,
+        mut f: impl FnMut(&'g KeyNode),
+    ) {
+        let t = self.table_of(s, guard);
+        let arena = &t.arena;
+        for g in 0..t.groups.len() {
+            let grp = t.read(g, Ordering::Acquire);
+            for l in 0..t.lanes() {
+                let i = grp.idx(l);
+                if i != 0 {
+                    // SAFETY: as in `find`.
+                    f(unsafe { &*(arena.node(i) as *const KeyNode) });
                 }
             }
         }
