@@ -103,6 +103,13 @@ pub struct Cli {
     /// (0 = no limit).
     #[arg(long, default_value_t = crate::limits::DEFAULT_PRODUCER_MAX_BLOCKS_PER_SEC)]
     pub producer_max_blocks_per_sec: u64,
+    /// Directory for warm-restart checkpoints (off when unset: a pure in-memory index).
+    #[arg(long)]
+    pub state_dir: Option<String>,
+    /// Time between periodic checkpoints into --state-dir (≤ 0 → 60s; one is also written at
+    /// shutdown).
+    #[arg(long, default_value = "60s")]
+    pub checkpoint_interval: String,
 }
 
 /// Long flags of this command line that take no value.
@@ -146,6 +153,8 @@ pub struct Settings {
     pub config_file: Option<(std::path::PathBuf, crate::config_file::ConfigFile)>,
     /// Memory and rate limits (`docs/robustness.md`).
     pub limits: crate::limits::Limits,
+    /// Warm-restart checkpoints (`--state-dir`), if configured.
+    pub state: Option<crate::checkpoint::StateSettings>,
 }
 
 impl Settings {
@@ -173,6 +182,18 @@ impl Settings {
         let sweep_interval =
             parse_duration(&cli.sweep_interval).context("invalid --sweep-interval")?;
         let auth = validate_auth(cli)?;
+        let checkpoint_interval = positive_or(
+            parse_duration(&cli.checkpoint_interval).context("invalid --checkpoint-interval")?,
+            Duration::from_secs(60),
+        );
+        let state = match cli.state_dir.as_deref() {
+            Some("") => bail!("--state-dir must not be empty"),
+            Some(dir) => Some(crate::checkpoint::StateSettings {
+                dir: dir.into(),
+                interval: checkpoint_interval,
+            }),
+            None => None,
+        };
         if cli.max_message_bytes == 0 {
             bail!("--max-message-bytes must be at least 1");
         }
@@ -235,6 +256,7 @@ impl Settings {
                 max_message_bytes: cli.max_message_bytes,
                 producer_max_blocks_per_sec: cli.producer_max_blocks_per_sec,
             },
+            state,
         })
     }
 }
@@ -328,6 +350,12 @@ fn apply_file(cli: &mut Cli, matches: &clap::ArgMatches, file: &crate::config_fi
         "producer_max_blocks_per_sec",
         producer_max_blocks_per_sec,
         file.limits.producer_max_blocks_per_sec
+    );
+    take!("state_dir", state_dir, file.state.dir.clone().map(Some));
+    take!(
+        "checkpoint_interval",
+        checkpoint_interval,
+        file.state.checkpoint_interval.clone()
     );
     take!(
         "tls_cert_file",

@@ -38,6 +38,8 @@ pub struct ConfigFile {
     #[serde(default)]
     pub limits: LimitsSection,
     #[serde(default)]
+    pub state: StateSection,
+    #[serde(default)]
     pub policy: PolicySection,
     #[serde(default)]
     pub tenants: Vec<TenantToml>,
@@ -73,6 +75,14 @@ pub struct IndexSection {
 pub struct StreamsSection {
     pub buffer_events: Option<i64>,
     pub max_subscribers: Option<i64>,
+}
+
+/// `[state]`: warm-restart checkpoints (same names as the flags).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StateSection {
+    pub dir: Option<String>,
+    pub checkpoint_interval: Option<String>,
 }
 
 /// `[limits]`: the memory and rate limits (same names as the flags; `docs/robustness.md`).
@@ -177,6 +187,7 @@ impl ConfigFile {
         for (key, value) in [
             ("index.ttl", &self.index.ttl),
             ("index.sweep_interval", &self.index.sweep_interval),
+            ("state.checkpoint_interval", &self.state.checkpoint_interval),
         ] {
             if let Some(v) = value {
                 parse_duration(v).with_context(|| format!("invalid {key}"))?;

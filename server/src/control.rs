@@ -77,6 +77,7 @@ pub fn control_router(state: ControlState) -> Router {
         .route("/snapshot", any(snapshot))
         .route("/policy", any(policy))
         .route("/probe", any(probe))
+        .route("/checkpoint", any(checkpoint))
         .fallback(not_found)
         .with_state(state)
 }
@@ -241,6 +242,17 @@ async fn snapshot(State(s): State<ControlState>, req: Request) -> Response {
     json(snapshot_json(&s.app.index().snapshot()))
 }
 
+/// `GET /checkpoint`: the last checkpoint written and the startup restore (controller audience).
+async fn checkpoint(State(s): State<ControlState>, req: Request) -> Response {
+    if let Err((status, body)) = s.auth.check_control(AuthRoute::Snapshot, req.headers()) {
+        return text(status, body);
+    }
+    if req.method() != Method::GET {
+        return method_not_allowed("GET");
+    }
+    json(s.app.checkpoint_status().to_json())
+}
+
 async fn policy(State(s): State<ControlState>, req: Request) -> Response {
     if let Err((status, body)) = s.auth.check_control(AuthRoute::Policy, req.headers()) {
         return text(status, body);
@@ -265,7 +277,9 @@ async fn policy(State(s): State<ControlState>, req: Request) -> Response {
     };
     match decode_push(&body) {
         Ok(layer) => {
-            s.app.policies().replace_pushed(layer);
+            // A push during a warm restart wins over the checkpoint's layer.
+            s.app.wait_restored().await;
+            s.app.push_policy(&body, layer);
             StatusCode::NO_CONTENT.into_response()
         }
         Err(e) => text_owned(StatusCode::BAD_REQUEST, format!("{e}\n")),

@@ -29,7 +29,8 @@ async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
 }
 
 async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
-    let families = state.metrics().gather(state.index());
+    let mut families = state.metrics().gather(state.index());
+    families.extend(state.checkpoint_status().families());
     (
         [(
             axum::http::header::CONTENT_TYPE,

@@ -5,6 +5,7 @@
 //! metrics and process lifecycle.
 
 pub mod auth;
+pub mod checkpoint;
 pub mod config;
 pub mod config_file;
 pub mod control;
@@ -73,6 +74,7 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         snapshot_addr = %settings.snapshot_addr,
         max_entries = settings.max_entries,
         ttl = ?settings.ttl,
+        state_dir = ?settings.state.as_ref().map(|s| s.dir.display().to_string()),
         "startup"
     );
     let grpc = match TcpListener::bind(settings.grpc_addr).await {
@@ -136,6 +138,20 @@ pub async fn run(cli: config::Cli) -> ExitCode {
     let auth = std::sync::Arc::new(auth::Auth::new(token_stores, state.metrics().clone()));
     // D3: producer RPCs check the producer token when one is configured.
     state.set_auth(auth.clone());
+    // Warm restart: the state is *restoring* before any listener serves; the restore runs
+    // while they do (lookups fail open, producers wait), then periodic checkpoints start.
+    let checkpointer = settings
+        .state
+        .clone()
+        .map(|s| checkpoint::Checkpointer::new(s, state.clone()));
+    if let Some(c) = &checkpointer {
+        state.begin_restore();
+        let c = c.clone();
+        tokio::spawn(async move {
+            c.restore().await;
+            c.spawn_periodic();
+        });
+    }
     let mut control =
         control::ControlServer::spawn(control::ControlState::new(state.clone(), auth), snapshot);
     let control_failed = control.failure();
@@ -147,6 +163,10 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         }
     };
     let served = serve(state, grpc, http, shutdown).await;
+    // The last checkpoint holds everything producers sent before the drain ended.
+    if let Some(c) = &checkpointer {
+        c.write_now().await;
+    }
     let control_result = control.stop().await;
     match served.and(control_result) {
         Ok(()) => {

@@ -85,7 +85,10 @@ pub async fn handle(
 ) -> pb::LookupRouteResponse {
     // Step 1: every response reports the time since `start`.
     let start = Instant::now();
-    let (answer, echo) = if might_tokenize(req) && req.tenant_id != PROBE_TENANT {
+    let (answer, echo) = if state.restoring() {
+        // A warm restart is loading its checkpoint: fail open until the index is whole.
+        (Answer::envelope(reason::NO_HINT), Vec::new())
+    } else if might_tokenize(req) && req.tenant_id != PROBE_TENANT {
         route_tokenizing(state, metadata, req, start).await
     } else {
         (route(state, metadata, req, start), Vec::new())

@@ -531,8 +531,15 @@ impl Family {
         }
     }
 
-    fn gauge(name: &str, help: &'static str, value: f64) -> Self {
+    pub(crate) fn gauge(name: &str, help: &'static str, value: f64) -> Self {
         let mut f = Self::new(name, "gauge", help);
+        f.push(name, Vec::new(), value);
+        f
+    }
+
+    /// A counter family with one unlabelled sample (`name` ends in `_total`).
+    pub(crate) fn counter(name: &str, help: &'static str, value: f64) -> Self {
+        let mut f = Self::new(name, "counter", help);
         f.push(name, Vec::new(), value);
         f
     }

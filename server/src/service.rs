@@ -93,6 +93,13 @@ struct Shared {
     auth: std::sync::OnceLock<Arc<crate::auth::Auth>>,
     block_size: usize,
     ready: AtomicBool,
+    /// True while a warm restart loads its checkpoint (see `checkpoint.rs`).
+    restoring: tokio::sync::watch::Sender<bool>,
+    /// Readiness as health and `/readyz` report it: started and not restoring.
+    readiness: tokio::sync::watch::Sender<bool>,
+    /// The body of the last accepted `/policy` push (kept in checkpoints).
+    pushed_policy: parking_lot::Mutex<Option<Arc<[u8]>>>,
+    checkpoint_status: Arc<crate::checkpoint::Status>,
     limits: Limits,
     producer_limiter: ProducerLimiter,
 }
@@ -144,6 +151,10 @@ impl AppState {
                 )),
                 block_size: options.block_size.max(1),
                 ready: AtomicBool::new(false),
+                restoring: tokio::sync::watch::Sender::new(false),
+                readiness: tokio::sync::watch::Sender::new(false),
+                pushed_policy: parking_lot::Mutex::new(None),
+                checkpoint_status: Arc::default(),
                 limits: options.limits,
                 producer_limiter: ProducerLimiter::new(options.limits.producer_max_blocks_per_sec),
             }),
@@ -155,6 +166,7 @@ impl AppState {
         self.inner.index.start();
         self.inner.ready.store(true, Ordering::Release);
         self.inner.metrics.server_up.store(1, Ordering::Relaxed);
+        self.publish_readiness();
     }
 
     /// Stops the index (`/readyz` turns 503).
@@ -162,6 +174,72 @@ impl AppState {
         self.inner.ready.store(false, Ordering::Release);
         self.inner.index.stop();
         self.inner.metrics.server_up.store(0, Ordering::Relaxed);
+        self.publish_readiness();
+    }
+
+    fn publish_readiness(&self) {
+        let ready = self.ready();
+        self.inner.readiness.send_if_modified(|r| {
+            let changed = *r != ready;
+            *r = ready;
+            changed
+        });
+    }
+
+    /// Readiness changes (health follows it).
+    pub fn readiness(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.inner.readiness.subscribe()
+    }
+
+    /// Enters the warm-restart *restoring* state (before the listeners serve).
+    pub fn begin_restore(&self) {
+        self.inner.restoring.send_replace(true);
+        self.publish_readiness();
+    }
+
+    /// Leaves the *restoring* state: waiting producers go on, readiness may turn true.
+    pub fn end_restore(&self) {
+        self.inner.restoring.send_replace(false);
+        self.publish_readiness();
+    }
+
+    /// Whether a warm restart is loading its checkpoint.
+    pub fn restoring(&self) -> bool {
+        *self.inner.restoring.borrow()
+    }
+
+    /// Waits until no restore is running (at once when none is).
+    pub async fn wait_restored(&self) {
+        if !self.restoring() {
+            return;
+        }
+        let mut rx = self.inner.restoring.subscribe();
+        let _ = rx.wait_for(|restoring| !*restoring).await;
+    }
+
+    /// Checkpoint state for `/checkpoint` and the metrics.
+    pub fn checkpoint_status(&self) -> &Arc<crate::checkpoint::Status> {
+        &self.inner.checkpoint_status
+    }
+
+    /// Applies an accepted `/policy` push and keeps its body for checkpoints.
+    pub fn push_policy(&self, body: &[u8], layer: crate::policy::Layer) {
+        *self.inner.pushed_policy.lock() = Some(Arc::from(body));
+        self.inner.policies.replace_pushed(layer);
+    }
+
+    /// The last accepted `/policy` push body.
+    pub fn pushed_policy_body(&self) -> Option<Arc<[u8]>> {
+        self.inner.pushed_policy.lock().clone()
+    }
+
+    /// Re-applies a push body stored in a checkpoint (an undecodable one is logged and
+    /// skipped: the checkpoint's index is still restored).
+    pub fn restore_pushed_policy(&self, body: &[u8]) {
+        match crate::policy::decode_push(body) {
+            Ok(layer) => self.push_policy(body, layer),
+            Err(err) => tracing::error!(err = %err, "checkpoint_policy_refused"),
+        }
     }
 
     pub fn index(&self) -> &Arc<Index> {
@@ -230,6 +308,8 @@ impl AppState {
         else {
             return;
         };
+        // A warm restart's entries are older than anything a producer sends now.
+        self.wait_restored().await;
         self.inner
             .producer_limiter
             .acquire(peer, cost, counters)
@@ -245,13 +325,14 @@ impl AppState {
             .await;
     }
 
-    /// Whether the index is started (drives `/readyz`).
+    /// Whether the index is started and not restoring (drives `/readyz` and gRPC health).
     pub fn ready(&self) -> bool {
-        self.inner.ready.load(Ordering::Acquire)
+        self.inner.ready.load(Ordering::Acquire) && !self.restoring()
     }
 
     pub fn set_ready(&self, ready: bool) {
         self.inner.ready.store(ready, Ordering::Release);
+        self.publish_readiness();
     }
 }
 
@@ -370,6 +451,8 @@ impl InferenceCache for CacheService {
         // §8.3: the reserved tenant is acknowledged and dropped.
         if event.tenant_id != PROBE_TENANT {
             self.state.charge_event(peer).await;
+            // A removal applied before a warm restart's load would be undone by it.
+            self.state.wait_restored().await;
             self.state.metrics().observe_event(event.r#type);
             self.state.index().apply_event(CacheEventInput {
                 event_type: event.r#type,
@@ -465,6 +548,21 @@ fn size_refusal_is_resource_exhausted<B>(
     response
 }
 
+async fn set_health(reporter: &tonic_health::server::HealthReporter, serving: bool) {
+    let status = if serving {
+        tonic_health::ServingStatus::Serving
+    } else {
+        tonic_health::ServingStatus::NotServing
+    };
+    reporter.set_service_status("", status).await;
+    reporter
+        .set_service_status(
+            <InferenceCacheServer<CacheService> as tonic::server::NamedService>::NAME,
+            status,
+        )
+        .await;
+}
+
 /// Serves gRPC (the service, `grpc.health.v1.Health`, reflection v1 and v1alpha) until `stop`.
 pub async fn serve_grpc(
     state: AppState,
@@ -472,10 +570,18 @@ pub async fn serve_grpc(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    // Service "" reports SERVING from construction (server.md §5); so does ours by name.
-    health_reporter
-        .set_serving::<InferenceCacheServer<CacheService>>()
-        .await;
+    // Service "" and ours by name report SERVING while the state is ready (server.md §5): from
+    // construction, except while a warm restart loads its checkpoint.
+    let mut readiness = state.readiness();
+    let follow = health_reporter.clone();
+    let initially = state.ready() || !state.restoring();
+    set_health(&follow, initially).await;
+    tokio::spawn(async move {
+        while readiness.changed().await.is_ok() {
+            let ready = *readiness.borrow_and_update();
+            set_health(&follow, ready).await;
+        }
+    });
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(inferencecache_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)

@@ -14,7 +14,9 @@
 //! | [`policy_body`] | `/policy` JSON | server.md §6.4 |
 //! | [`probe_body`] | `/probe` JSON | server.md §12.4 |
 //! | [`sidecar_event`] | msgpack event batch | sidecar.md §4–§5 |
+//! | [`checkpoint_file`] | a warm-restart checkpoint file | `engine::checkpoint::format` |
 
+mod checkpoint;
 mod engine_ops;
 mod fixture;
 mod ingest;
@@ -24,6 +26,7 @@ mod probe;
 pub mod seeds;
 mod sidecar;
 
+pub use checkpoint::{checkpoint_file, sample as checkpoint_sample};
 pub use engine_ops::engine_ops;
 pub use ingest::{cache_event, cache_state_update};
 pub use lookup::lookup_route;
@@ -35,7 +38,7 @@ pub use sidecar::sidecar_event;
 pub type Target = fn(&[u8]);
 
 /// Every target by the name of its `fuzz/fuzz_targets/<name>.rs` and corpus directory.
-pub const TARGETS: [(&str, Target); 7] = [
+pub const TARGETS: [(&str, Target); 8] = [
     ("lookup_route", lookup_route),
     ("cache_state_update", cache_state_update),
     ("cache_event", cache_event),
@@ -43,4 +46,5 @@ pub const TARGETS: [(&str, Target); 7] = [
     ("policy_body", policy_body),
     ("probe_body", probe_body),
     ("sidecar_event", sidecar_event),
+    ("checkpoint_file", checkpoint_file),
 ];

@@ -15,6 +15,7 @@ pub fn all() -> Vec<(&'static str, Vec<Vec<u8>>)> {
         ("cache_event", cache_event()),
         ("engine_ops", engine_ops()),
         ("policy_body", policy_body()),
+        ("checkpoint_file", checkpoint_file()),
         ("probe_body", probe_body()),
         ("sidecar_event", sidecar_event()),
     ]
@@ -286,4 +287,14 @@ fn sidecar_event() -> Vec<Vec<u8>> {
         batch(Value::from(7), vec![removed, cleared]),
         batch(Value::F32(1.5), vec![]),
     ]
+}
+
+fn checkpoint_file() -> Vec<Vec<u8>> {
+    // The valid sample, then a cut and a flip in its middle and an empty file: the fuzzer grows
+    // the rest from the valid framing.
+    let good = crate::checkpoint_sample();
+    let mut flipped = good.clone();
+    let mid = flipped.len() / 2;
+    flipped[mid] ^= 0x20;
+    vec![good.clone(), good[..mid].to_vec(), flipped, Vec::new()]
 }
