@@ -101,6 +101,11 @@ fn sidecar_event_corpus() {
     replay("sidecar_event");
 }
 
+#[test]
+fn checkpoint_file_corpus() {
+    replay("checkpoint_file");
+}
+
 /// Every target has a test above and a cargo-fuzz target file.
 #[test]
 fn every_target_is_wired() {
