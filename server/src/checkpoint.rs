@@ -193,6 +193,9 @@ pub struct Checkpointer {
     state: AppState,
     /// One write at a time (a periodic tick and the shutdown write never overlap).
     writing: tokio::sync::Mutex<()>,
+    /// Workers of periodic checkpoints: half the cores, so lookups and ingest keep the rest
+    /// while a checkpoint encodes (the shutdown write, after the drain, uses every core).
+    background: Option<Arc<rayon::ThreadPool>>,
 }
 
 impl Checkpointer {
@@ -204,10 +207,19 @@ impl Checkpointer {
             s.state_dir = Some(settings.dir.display().to_string());
             s.interval_seconds = settings.interval.as_secs_f64();
         }
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let background = rayon::ThreadPoolBuilder::new()
+            .num_threads((cores / 2).max(1))
+            .thread_name(|i| format!("checkpoint-{i}"))
+            .build()
+            .map_err(|err| error!(err = %err, "checkpoint_pool_failed"))
+            .ok()
+            .map(Arc::new);
         Arc::new(Self {
             settings,
             state,
             writing: tokio::sync::Mutex::new(()),
+            background,
         })
     }
 
@@ -276,8 +288,13 @@ impl Checkpointer {
         self.state.end_restore();
     }
 
-    /// Writes one checkpoint now (on a blocking thread). Never before the restore finished.
+    /// Writes one checkpoint now on every core (the shutdown write). Never before the restore
+    /// finished.
     pub async fn write_now(&self) -> Option<WriteStatus> {
+        self.write(None).await
+    }
+
+    async fn write(&self, pool: Option<Arc<rayon::ThreadPool>>) -> Option<WriteStatus> {
         if self.state.restoring() {
             return None;
         }
@@ -296,7 +313,10 @@ impl Checkpointer {
                 stream_seq: 0,
                 blobs,
             };
-            files::write_to_dir(&index, &dir, &opts)
+            match pool {
+                Some(pool) => pool.install(|| files::write_to_dir(&index, &dir, &opts)),
+                None => files::write_to_dir(&index, &dir, &opts),
+            }
         })
         .await;
         let mut w = WriteStatus {
@@ -343,7 +363,7 @@ impl Checkpointer {
             tick.tick().await;
             loop {
                 tick.tick().await;
-                me.write_now().await;
+                me.write(me.background.clone()).await;
             }
         });
     }
