@@ -708,6 +708,59 @@ mod tests {
     }
 
     #[test]
+    fn state_settings_come_from_flags_then_the_file_and_are_off_by_default() {
+        let cli = Cli::try_parse_from(["bin"]).unwrap();
+        assert!(
+            Settings::from_cli(&cli).unwrap().state.is_none(),
+            "off by default"
+        );
+        let dir = std::env::temp_dir().join(format!("ic-config-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("c.toml");
+        std::fs::write(
+            &file,
+            "[state]\ndir = \"/from/file\"\ncheckpoint_interval = \"5m\"\n",
+        )
+        .unwrap();
+        let from_file = ["bin", "--config", file.to_str().unwrap()];
+        let cli = parse_command_line(normalize_args(from_file.map(OsString::from))).unwrap();
+        let state = Settings::from_cli(&cli).unwrap().state.unwrap();
+        assert_eq!(state.dir, std::path::PathBuf::from("/from/file"));
+        assert_eq!(state.interval, Duration::from_secs(300));
+        let flag_wins = [
+            "bin",
+            "--config",
+            file.to_str().unwrap(),
+            "--state-dir",
+            "/from/flag",
+        ];
+        let cli = parse_command_line(normalize_args(flag_wins.map(OsString::from))).unwrap();
+        let state = Settings::from_cli(&cli).unwrap().state.unwrap();
+        assert_eq!(state.dir, std::path::PathBuf::from("/from/flag"));
+        assert_eq!(
+            state.interval,
+            Duration::from_secs(300),
+            "the file's interval"
+        );
+        let cli = Cli::try_parse_from(["bin", "--state-dir", "/d", "--checkpoint-interval", "0"])
+            .unwrap();
+        let state = Settings::from_cli(&cli).unwrap().state.unwrap();
+        assert_eq!(
+            state.interval,
+            Duration::from_secs(60),
+            "<= 0 means the default"
+        );
+        let cli = Cli::try_parse_from(["bin", "--state-dir", ""]).unwrap();
+        assert!(
+            Settings::from_cli(&cli).is_err(),
+            "an empty directory is an error"
+        );
+        let cli = Cli::try_parse_from(["bin", "--checkpoint-interval", "soon"]).unwrap();
+        assert!(Settings::from_cli(&cli).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn bad_log_settings_are_rejected() {
         let cli = Cli::try_parse_from(["bin", "--log-format", "yaml"]).unwrap();
         assert!(Settings::from_cli(&cli).is_err());
