@@ -8,6 +8,7 @@ use common::*;
 use inferencecache_engine::checkpoint::{files, format::FormatError, read, write};
 use inferencecache_engine::*;
 use std::io::Cursor;
+use std::sync::Arc;
 
 type Row = (String, String, String, String, Vec<u8>, String, DumpedEntry);
 
@@ -310,4 +311,78 @@ fn reserved_tenants_are_never_checkpointed() {
     read::restore(&e2.ix, Cursor::new(&bytes)).unwrap();
     assert_eq!(e2.ix.reserved_storage_entries(), 0);
     assert_eq!(e2.ix.storage_entries(), 1);
+}
+
+#[test]
+fn a_checkpoint_taken_during_ingest_and_removals_holds_only_held_entries() {
+    // Keys 0..2000 are stable; a writer thread stores and evicts keys 10_000.. meanwhile. The
+    // checkpoint must hold every stable entry exactly, and nothing the writer never stored.
+    let e = env();
+    for i in 0..2000 {
+        e.put("stable", &h(i), 16);
+    }
+    let ix = e.ix.clone();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (ix, stop) = (ix.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let key = h(10_000 + n % 5_000);
+                let refs = [PrefixRef {
+                    prefix_hash: key.as_slice(),
+                    token_count: 16,
+                    block_hashes: &[] as &[Vec<u8>],
+                    block_token_counts: &[],
+                    tier: 1,
+                    adapter_id: "",
+                }];
+                ix.ingest(CacheStateUpdate {
+                    replica_id: "churn",
+                    model_id: "m",
+                    tenant_id: "t",
+                    hash_scheme: "vllm",
+                    timestamp_us: 0,
+                    prefixes: refs.iter().copied(),
+                    stats: None,
+                    adapter_id: "",
+                });
+                if n % 3 == 0 {
+                    ix.evict_prefixes("t", "m", "churn", "", &[key.as_slice()], 0);
+                }
+                n += 1;
+            }
+        })
+    };
+    let mut checkpoints = Vec::new();
+    for _ in 0..8 {
+        checkpoints.push(checkpoint_bytes(&ix, vec![]).0);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    for bytes in checkpoints {
+        let e2 = env();
+        e2.clock.set_us(e.now());
+        read::restore(&e2.ix, Cursor::new(&bytes)).unwrap();
+        let rows = rows(&e2.ix);
+        let stable: Vec<_> = rows.iter().filter(|r| r.5 == "stable").collect();
+        assert_eq!(
+            stable.len(),
+            2000,
+            "every entry untouched during the dump is in it"
+        );
+        for r in &rows {
+            let k = u64::from_be_bytes(r.4.clone().try_into().unwrap()) - 0xC0FF_EE00_0000_0000;
+            match r.5.as_str() {
+                "stable" => assert!(k < 2000),
+                "churn" => assert!((10_000..15_000).contains(&k), "never stored: {k}"),
+                other => panic!("unknown replica {other}"),
+            }
+        }
+        assert_eq!(
+            e2.ix.storage_entries() as usize,
+            rows.len(),
+            "counters agree"
+        );
+    }
 }
