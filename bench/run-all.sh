@@ -11,6 +11,7 @@
 # Sections: w1m (bench/run-w1m.sh), eviction (bin `eviction`), churn (bin `churn`, 10 minutes),
 # churn-fit (bin `churn --caps`: 3 caps × 3 minutes, RSS fitted against the cap),
 # churn-fit-mimalloc (the same under mimalloc, the server's allocator; not part of "all"),
+# checkpoint (bin `checkpoint`: warm-restart write, restore and lookups during a checkpoint),
 # rw (bin `rw`, P7), criterion (`cargo bench --bench engine`, table by criterion-table.awk), plus results/server.md, written by hand from the server benches
 # (`e2e-lookup`, `soak.sh`; bench/README.md has their commands).
 set -euo pipefail
@@ -81,8 +82,17 @@ section() {
           "cargo run --release -p inferencecache-bench --features mimalloc --bin churn -- --caps 250000,500000,1000000 --minutes 3"
         "$TARGET/release/churn" --caps 250000,500000,1000000 --minutes 3 || true
       } >"$RES/churn-fit-mimalloc.tmp" && mv "$RES/churn-fit-mimalloc.tmp" "$RES/churn-fit-mimalloc.md" ;;
+    checkpoint)
+      (cd "$ROOT" && CARGO_TARGET_DIR="$TARGET" nice -n 10 \
+        cargo build --release --quiet -p inferencecache-bench --features mimalloc --bin checkpoint)
+      { header "Warm restart: checkpoint and restore of 10,485,760 entries (W1M generator, 163,840 chains)" \
+          "cargo run --release -p inferencecache-bench --features mimalloc --bin checkpoint -- --chains 163840"
+        echo '```text'
+        "$TARGET/release/checkpoint" --chains 163840 || true
+        echo '```'
+      } >"$RES/checkpoint.tmp" && mv "$RES/checkpoint.tmp" "$RES/checkpoint.md" ;;
     *)
-      echo "unknown section: $1 (w1m, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc)" >&2; exit 2 ;;
+      echo "unknown section: $1 (w1m, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc, checkpoint)" >&2; exit 2 ;;
   esac
 }
 

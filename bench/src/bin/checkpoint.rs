@@ -79,7 +79,9 @@ fn lookups(ix: &Index, w: &Workload, seconds: u64, stop: &AtomicBool) -> Vec<u64
     let mut out = Vec::with_capacity(4_000_000);
     let mut rng = inferencecache_bench::w1m::Xorshift64(42);
     let deadline = Instant::now() + Duration::from_secs(seconds);
-    let keys: Vec<_> = (0..w.chains.min(4096)).map(|c| wire(&w.seq[c * (w.chains / 4096).max(1) % w.chains])).collect();
+    let keys: Vec<_> = (0..w.chains.min(4096))
+        .map(|c| wire(&w.seq[c * (w.chains / 4096).max(1) % w.chains]))
+        .collect();
     while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
         for _ in 0..256 {
             let k = &keys[(rng.next() % keys.len() as u64) as usize];
@@ -99,10 +101,9 @@ fn lookups(ix: &Index, w: &Workload, seconds: u64, stop: &AtomicBool) -> Vec<u64
 
 fn main() {
     let args = Args::parse();
-    let dir = args
-        .dir
-        .clone()
-        .unwrap_or_else(|| std::env::temp_dir().join(format!("ic-ckpt-bench-{}", std::process::id())));
+    let dir = args.dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("ic-ckpt-bench-{}", std::process::id()))
+    });
     if args.restore_only {
         restore_only(&dir);
         return;

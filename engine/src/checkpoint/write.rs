@@ -1,7 +1,8 @@
 //! Writing a checkpoint: partitions are dumped shard by shard, each (partition, shard) encoded
-//! on a rayon worker into sections of about [`TARGET_PAYLOAD`] bytes, and the encoded
-//! sections are written in a fixed order (partition, then shard), a small window at a time so
-//! that the writer holds only a few shards' encodings at once.
+//! on a rayon worker into sections of about [`TARGET_PAYLOAD`] bytes. Work goes in windows of
+//! a few shards, so the writer holds only those shards' encodings at once, and each window's
+//! sections are written interleaved across its shards (so a restore loading consecutive
+//! sections in parallel works on different shard locks).
 
 use super::format::{
     Header, SectionKind, TARGET_PAYLOAD, encode_header, frame_section, put_bytes, put_ivarint,
@@ -106,15 +107,22 @@ pub fn write_checkpoint(
         .flat_map(|p| (0..DumpPartition::SHARDS).map(move |s| (p, s)))
         .collect();
     for chunk in items.chunks(window()) {
-        let encoded: Vec<(Vec<u8>, u64, u64)> = chunk
+        let encoded: Vec<(Vec<Vec<u8>>, u64)> = chunk
             .par_iter()
             .map(|&(p, s)| encode_shard(&parts[p], p as u64, s))
             .collect();
-        for (bytes, n_sections, n_entries) in encoded {
-            w.write_all(&bytes)?;
-            sections += n_sections;
-            report.entries += n_entries;
+        // Sections of the window's shards are interleaved, so the restore's parallel window
+        // loads several shards at once instead of queueing on one shard's lock.
+        let most = encoded.iter().map(|(s, _)| s.len()).max().unwrap_or(0);
+        for i in 0..most {
+            for (framed, _) in &encoded {
+                if let Some(section) = framed.get(i) {
+                    w.write_all(section)?;
+                    sections += 1;
+                }
+            }
         }
+        report.entries += encoded.iter().map(|(_, n)| n).sum::<u64>();
     }
     let (stats_sections, stats) = encode_stats(index, &mut w)?;
     sections += stats_sections;
@@ -155,20 +163,23 @@ fn encode_entry(g: &mut Group, key: &[u8], e: &DumpedEntry) {
     g.count += 1;
 }
 
-/// Encodes one (partition, shard) into framed Entries sections: `(bytes, sections, entries)`.
-fn encode_shard(part: &DumpPartition, part_no: u64, shard: usize) -> (Vec<u8>, u64, u64) {
+/// Encodes one (partition, shard) into framed Entries sections: `(sections, entries)`.
+fn encode_shard(part: &DumpPartition, part_no: u64, shard: usize) -> (Vec<Vec<u8>>, u64) {
     let mut groups: HashMap<ReplicaId, Group> = HashMap::new();
-    let mut out = Vec::new();
-    let mut sections = 0u64;
+    let mut out: Vec<Vec<u8>> = Vec::new();
     let mut entries = 0u64;
-    let flush = |out: &mut Vec<u8>, replica: &str, g: &mut Group, sections: &mut u64| {
+    let frame = |out: &mut Vec<Vec<u8>>, payload: &[u8]| {
+        let mut framed = Vec::with_capacity(payload.len() + 16);
+        frame_section(&mut framed, SectionKind::Entries, payload);
+        out.push(framed);
+    };
+    let flush = |out: &mut Vec<Vec<u8>>, replica: &str, g: &mut Group| {
         let mut payload = Vec::with_capacity(g.body.len() + replica.len() + 16);
         put_uvarint(&mut payload, part_no);
         put_bytes(&mut payload, replica.as_bytes());
         put_uvarint(&mut payload, g.count);
         payload.extend_from_slice(&g.body);
-        frame_section(out, SectionKind::Entries, &payload);
-        *sections += 1;
+        frame(out, &payload);
         g.body.clear();
         g.count = 0;
         g.prev_ms = 0;
@@ -187,7 +198,7 @@ fn encode_shard(part: &DumpPartition, part_no: u64, shard: usize) -> (Vec<u8>, u
         encode_entry(g, key, &e);
         entries += 1;
         if g.body.len() >= TARGET_PAYLOAD {
-            flush(&mut out, &replica, g, &mut sections);
+            flush(&mut out, &replica, g);
         }
     });
     // Small remainders share sections: groups are packed until a section reaches the target.
@@ -203,16 +214,14 @@ fn encode_shard(part: &DumpPartition, part_no: u64, shard: usize) -> (Vec<u8>, u
         put_uvarint(&mut payload, g.count);
         payload.extend_from_slice(&g.body);
         if payload.len() >= TARGET_PAYLOAD {
-            frame_section(&mut out, SectionKind::Entries, &payload);
-            sections += 1;
+            frame(&mut out, &payload);
             payload.clear();
         }
     }
     if !payload.is_empty() {
-        frame_section(&mut out, SectionKind::Entries, &payload);
-        sections += 1;
+        frame(&mut out, &payload);
     }
-    (out, sections, entries)
+    (out, entries)
 }
 
 fn encode_stats(index: &Index, w: &mut impl Write) -> io::Result<(u64, u64)> {
