@@ -2069,6 +2069,21 @@ impl ShardWriter<'_> {
     /// 1/3 of a time in all) or the shard is empty, the live nodes are also copied into a fresh
     /// arena and the old one goes with the old table, through the epoch.
     fn rebuild(&mut self, guard: &Guard, compact: Compact) {
+        self.rebuild_for(guard, compact, 0);
+    }
+
+    /// Sizes the table for `keys` live keys (at load 1/2) unless it already has that room: a
+    /// checkpoint load presizes each shard, because it inserts keys in the order of another
+    /// table, i.e. by ascending home position, which in a smaller table would all crowd into
+    /// its first groups and probe past each other (quadratic) until the table grew.
+    pub(crate) fn reserve(&mut self, keys: usize, guard: &Guard) {
+        if keys.saturating_mul(2) > self.current(guard).slots() {
+            self.rebuild_for(guard, Compact::Never, keys);
+        }
+    }
+
+    /// [`ShardWriter::rebuild`], sized for at least `min_keys` live keys.
+    fn rebuild_for(&mut self, guard: &Guard, compact: Compact, min_keys: usize) {
         // Retirements belong to the current arena, which a compaction replaces.
         self.flush_retired(guard);
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
@@ -2080,8 +2095,8 @@ impl ShardWriter<'_> {
         // ~2.4 times in all). Otherwise the rebuild mostly drops tombstones (steady churn at the
         // cap) or shrinks: load 2/3, so a table of constant size holds 1.5 slots per key, not
         // 2, and is rebuilt again after a fifth of its slots have turned into tombstones.
-        let live = self.st.live + 1;
-        let growing = live * 4 > self.st.live_at_rebuild * 5;
+        let live = (self.st.live + 1).max(min_keys);
+        let growing = min_keys > 0 || live * 4 > self.st.live_at_rebuild * 5;
         self.st.live_at_rebuild = live;
         let slots = if growing { live * 2 } else { live * 3 / 2 };
         let live_bytes = (self.st.node_units * crate::arena::UNIT) as i64;

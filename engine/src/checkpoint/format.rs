@@ -50,6 +50,9 @@ pub enum SectionKind {
     Stats = 3,
     /// An opaque named blob the embedding server stores with the index (e.g. its policy layer).
     Blob = 4,
+    /// How many entries the sections of one (partition, shard) that follow hold (a hint the
+    /// restore presizes the shard with).
+    ShardSize = 5,
     /// The last section: counts of what came before.
     End = 255,
 }
@@ -61,6 +64,7 @@ impl SectionKind {
             2 => Self::Entries,
             3 => Self::Stats,
             4 => Self::Blob,
+            5 => Self::ShardSize,
             255 => Self::End,
             _ => return None,
         })

@@ -26,6 +26,9 @@
 //!              | t2_hit_tokens ivarint | t2_query_tokens ivarint | last_seen ivarint
 //!              | reported ivarint
 //! Blob      := name str | bytes
+//! ShardSize := partition uvarint | shard uvarint | entries uvarint
+//!              (written before the sections of that (partition, shard); the restore presizes
+//!              the shard's table with it, bounded by the file's checked entry count)
 //! ```
 //!
 //! An 8-byte key with a delta of 0 and a small token count costs 12–14 bytes; the header and

@@ -165,6 +165,21 @@ fn decode_stats(s: &Section) -> Result<DecodedStats<'_>, FormatError> {
     })
 }
 
+/// A ShardSize hint: `(partition, shard, entries)`.
+fn decode_shard_size(s: &Section) -> Result<(u64, u64, u64), FormatError> {
+    let e = bad(s.index);
+    let mut c = Cursor::new(&s.payload);
+    let hint = (
+        c.uvarint().map_err(&e)?,
+        c.uvarint().map_err(&e)?,
+        c.uvarint().map_err(&e)?,
+    );
+    if !c.is_empty() {
+        return Err(e("bytes after the shard size"));
+    }
+    Ok(hint)
+}
+
 fn decode_blob(s: &Section) -> Result<(String, Vec<u8>), FormatError> {
     let e = bad(s.index);
     let mut c = Cursor::new(&s.payload);
@@ -216,6 +231,14 @@ pub fn check(mut r: impl Read) -> Result<RestoreReport, FormatError> {
             }
             SectionKind::Stats => report.stats += decode_stats(&s)?.records.len() as u64,
             SectionKind::Blob => report.blobs.push(decode_blob(&s)?),
+            SectionKind::ShardSize => {
+                let (part, _, _) = decode_shard_size(&s)?;
+                if part >= report.partitions {
+                    return Err(bad(s.index)(
+                        "a shard size names a partition not defined before it",
+                    ));
+                }
+            }
             SectionKind::End => {}
         }
     }
@@ -300,6 +323,21 @@ pub fn restore<R: Read + Seek>(index: &Index, mut r: R) -> Result<RestoreReport,
                     if index.load_stats(d.tenant, d.model, replica, stats, *last, *reported) {
                         report.stats_loaded += 1;
                     }
+                }
+            }
+            SectionKind::ShardSize => {
+                apply_window(&mut window, &parts, &mut report)?;
+                let (part, shard, entries) = decode_shard_size(&s)?;
+                let names = parts
+                    .get(part as usize)
+                    .ok_or_else(|| bad(s.index)("a shard size names an undefined partition"))?;
+                // A hint never sizes a table beyond what the checked file really holds.
+                let keys = entries.min(checked.entries) as usize;
+                if let (Ok(shard), Some(target)) = (
+                    usize::try_from(shard),
+                    index.load_target(&names.tenant, &names.model, &names.scheme, &names.adapter),
+                ) {
+                    index.reserve_shard(&target, shard, keys);
                 }
             }
             SectionKind::Blob | SectionKind::End => {}

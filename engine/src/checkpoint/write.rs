@@ -111,6 +111,18 @@ pub fn write_checkpoint(
             .par_iter()
             .map(|&(p, s)| encode_shard(&parts[p], p as u64, s))
             .collect();
+        for (&(p, s), (_, n)) in chunk.iter().zip(&encoded) {
+            if *n > 0 {
+                let mut hint = Vec::with_capacity(12);
+                put_uvarint(&mut hint, p as u64);
+                put_uvarint(&mut hint, s as u64);
+                put_uvarint(&mut hint, *n);
+                buf.clear();
+                frame_section(&mut buf, SectionKind::ShardSize, &hint);
+                w.write_all(&buf)?;
+                sections += 1;
+            }
+        }
         // Sections of the window's shards are interleaved, so the restore's parallel window
         // loads several shards at once instead of queueing on one shard's lock.
         let most = encoded.iter().map(|(s, _)| s.len()).max().unwrap_or(0);

@@ -219,6 +219,15 @@ impl Index {
         })
     }
 
+    /// Presizes shard `shard` of `target` for `keys` keys (a checkpoint's size hint, see
+    /// `ShardWriter::reserve`). Shards out of range are ignored; the caller bounds `keys`.
+    pub fn reserve_shard(&self, target: &LoadTarget<'_>, shard: usize, keys: usize) {
+        if shard < SHARDS {
+            let guard = epoch::pin();
+            target.part.table.writer(shard).reserve(keys, &guard);
+        }
+    }
+
     /// Loads `entries` of `replica` into `target` (see the module docs).
     pub fn load_entries(
         &self,
