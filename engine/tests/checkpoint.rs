@@ -17,7 +17,7 @@ fn rows(ix: &Index) -> Vec<Row> {
     let mut out = Vec::new();
     for p in ix.dump_partitions() {
         for s in 0..DumpPartition::SHARDS {
-            p.for_each_entry(s, |key, replica, e| {
+            p.for_each_entry(s, |key, _, replica, e| {
                 out.push((
                     p.tenant().to_owned(),
                     p.model().to_owned(),
@@ -347,7 +347,7 @@ fn a_checkpoint_taken_during_ingest_and_removals_holds_only_held_entries() {
                     stats: None,
                     adapter_id: "",
                 });
-                if n % 3 == 0 {
+                if n.is_multiple_of(3) {
                     ix.evict_prefixes("t", "m", "churn", "", &[key.as_slice()], 0);
                 }
                 n += 1;

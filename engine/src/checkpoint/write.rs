@@ -11,7 +11,6 @@ use super::format::{
 use super::{FLAG_KEY8, FLAG_LFU, FLAG_TIER};
 use crate::{DumpPartition, DumpedEntry, Index, ReplicaId};
 use rayon::prelude::*;
-use std::collections::HashMap;
 use std::io::{self, Write};
 use std::time::{Duration, Instant};
 
@@ -177,7 +176,8 @@ fn encode_entry(g: &mut Group, key: &[u8], e: &DumpedEntry) {
 
 /// Encodes one (partition, shard) into framed Entries sections: `(sections, entries)`.
 fn encode_shard(part: &DumpPartition, part_no: u64, shard: usize) -> (Vec<Vec<u8>>, u64) {
-    let mut groups: HashMap<ReplicaId, Group> = HashMap::new();
+    // By the replica's dense slot number in the scope.
+    let mut groups: Vec<Option<(ReplicaId, Group)>> = Vec::new();
     let mut out: Vec<Vec<u8>> = Vec::new();
     let mut entries = 0u64;
     let frame = |out: &mut Vec<Vec<u8>>, payload: &[u8]| {
@@ -196,16 +196,23 @@ fn encode_shard(part: &DumpPartition, part_no: u64, shard: usize) -> (Vec<Vec<u8
         g.count = 0;
         g.prev_ms = 0;
     };
-    // Replicas of an exported key are rare enough per shard that a map lookup per entry is
-    // noise next to the node walk.
-    part.for_each_entry(shard, |key, replica, e| {
+    part.for_each_entry(shard, |key, slot, replica, e| {
         if key.len() > super::MAX_KEY {
             return;
         }
-        let g = groups.entry(replica).or_insert_with(|| Group {
-            body: Vec::new(),
-            count: 0,
-            prev_ms: 0,
+        let slot = slot as usize;
+        if groups.len() <= slot {
+            groups.resize_with(slot + 1, || None);
+        }
+        let (_, g) = groups[slot].get_or_insert_with(|| {
+            (
+                replica,
+                Group {
+                    body: Vec::new(),
+                    count: 0,
+                    prev_ms: 0,
+                },
+            )
         });
         encode_entry(g, key, &e);
         entries += 1;
@@ -214,8 +221,11 @@ fn encode_shard(part: &DumpPartition, part_no: u64, shard: usize) -> (Vec<Vec<u8
         }
     });
     // Small remainders share sections: groups are packed until a section reaches the target.
-    let mut rest: Vec<(ReplicaId, Group)> =
-        groups.into_iter().filter(|(_, g)| g.count > 0).collect();
+    let mut rest: Vec<(ReplicaId, Group)> = groups
+        .into_iter()
+        .flatten()
+        .filter(|(_, g)| g.count > 0)
+        .collect();
     rest.sort_by_key(|(replica, _)| *replica);
     let mut payload = Vec::new();
     for (replica, g) in rest {

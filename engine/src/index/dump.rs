@@ -84,9 +84,15 @@ impl DumpPartition {
     /// Number of shards ([`DumpPartition::for_each_entry`] takes `0..SHARDS`).
     pub const SHARDS: usize = SHARDS;
 
-    /// Calls `f(key, replica, entry)` for every entry of shard `shard` (lock-free; see the
-    /// module docs for the cut it takes). Shards out of range report nothing.
-    pub fn for_each_entry(&self, shard: usize, mut f: impl FnMut(&[u8], ReplicaId, DumpedEntry)) {
+    /// Calls `f(key, slot, replica, entry)` for every entry of shard `shard` (lock-free; see
+    /// the module docs for the cut it takes). `slot` is the replica's small dense number in
+    /// this partition's scope (stable for the walk), so callers can group by it without
+    /// hashing names. Shards out of range report nothing.
+    pub fn for_each_entry(
+        &self,
+        shard: usize,
+        mut f: impl FnMut(&[u8], u32, ReplicaId, DumpedEntry),
+    ) {
         if shard >= SHARDS {
             return;
         }
@@ -111,6 +117,7 @@ impl DumpPartition {
                     .map_or(0, |c| c.count());
                 f(
                     key,
+                    h.rep(),
                     replica.name,
                     DumpedEntry {
                         tokens: h.tokens(),
