@@ -54,6 +54,21 @@ fn invalid_configuration_exits_2() {
         2
     );
     assert_eq!(
+        exit_code(&["--replica-id", "r", "--model-id", "m", "--block-size", "0"]),
+        2
+    );
+    assert_eq!(
+        exit_code(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--log-format",
+            "xml"
+        ]),
+        2
+    );
+    assert_eq!(
         exit_code(&[
             "--replica-id",
             "r",
@@ -104,6 +119,21 @@ fn unbuildable_client_exits_1() {
 }
 
 #[test]
+fn unusable_metrics_address_exits_1() {
+    assert_eq!(
+        exit_code(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--metrics-bind-address",
+            "256.0.0.1:1"
+        ]),
+        1
+    );
+}
+
+#[test]
 fn fake_engine_rejects_invalid_sizes() {
     let code = |args: &[&str]| exit_code_of(FAKE_ENGINE, args);
     assert_eq!(code(&["--block-size", "0"]), 2);
@@ -146,6 +176,8 @@ fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
             "20ms",
             "--stats-interval",
             "200ms",
+            "--metrics-bind-address",
+            "127.0.0.1:0",
             "--engine-metrics-url",
             &format!("http://127.0.0.1:{dead_grpc}/metrics"),
         ])
