@@ -5,6 +5,7 @@ use crate::client::{GrpcSink, TokenSource, build_channel};
 use crate::config::Settings;
 use crate::metrics::{Deriver, Profile, ScraperConfig};
 use crate::reporter::{Identity, Reporter, ReporterConfig};
+use crate::scrape_client::MetricsClient;
 use crate::stats::{Staleness, StatsReporter};
 use crate::subscriber::{self, CHANNEL_CAPACITY, SubscriberConfig};
 use crate::telemetry::Telemetry;
@@ -24,6 +25,17 @@ pub fn build_sink(s: &Settings) -> anyhow::Result<GrpcSink> {
     Ok(GrpcSink::new(channel, token))
 }
 
+/// Builds the engine metrics client (the caller exits 1 on error).
+pub fn build_metrics_client(s: &Settings) -> anyhow::Result<MetricsClient> {
+    let Some(path) = &s.engine_metrics_ca_file else {
+        return Ok(MetricsClient::new());
+    };
+    let pem = std::fs::read(path)
+        .map_err(|e| anyhow::anyhow!("reading --engine-metrics-ca-file {}: {e}", path.display()))?;
+    MetricsClient::with_extra_ca(&pem)
+        .map_err(|e| anyhow::anyhow!("--engine-metrics-ca-file {}: {e}", path.display()))
+}
+
 /// Binds the metrics listener, when configured (the caller exits 1 on error).
 pub async fn bind_metrics(s: &Settings) -> anyhow::Result<Option<tokio::net::TcpListener>> {
     let Some(addr) = &s.metrics_bind_address else {
@@ -39,6 +51,7 @@ pub async fn bind_metrics(s: &Settings) -> anyhow::Result<Option<tokio::net::Tcp
 pub async fn run(
     s: Settings,
     sink: GrpcSink,
+    metrics_client: MetricsClient,
     metrics_listener: Option<tokio::net::TcpListener>,
     cancel: CancellationToken,
 ) {
@@ -106,6 +119,7 @@ pub async fn run(
     let stats = StatsReporter {
         identity,
         url: s.engine_metrics_url.clone(),
+        client: metrics_client,
         interval: s.stats_interval,
         deriver: Deriver::new(ScraperConfig {
             profile: s.profile,

@@ -61,6 +61,9 @@ pub struct Cli {
     /// Engine Prometheus endpoint.
     #[arg(long, default_value = "http://127.0.0.1:8000/metrics")]
     pub engine_metrics_url: String,
+    /// PEM CA bundle trusted (besides the system's) for an https --engine-metrics-url.
+    #[arg(long)]
+    pub engine_metrics_ca_file: Option<PathBuf>,
     /// Stats period (≤ 0 → 10s).
     #[arg(long, default_value = "10s", allow_hyphen_values = true)]
     pub stats_interval: String,
@@ -148,6 +151,7 @@ pub struct Settings {
     pub hash_scheme: String,
     pub window: Duration,
     pub engine_metrics_url: String,
+    pub engine_metrics_ca_file: Option<PathBuf>,
     pub stats_interval: Duration,
     pub capacity_bytes: i64,
     pub ceiling: i64,
@@ -210,6 +214,7 @@ impl Settings {
             hash_scheme: cli.hash_scheme,
             window,
             engine_metrics_url: cli.engine_metrics_url,
+            engine_metrics_ca_file: cli.engine_metrics_ca_file,
             stats_interval,
             capacity_bytes: cli.engine_cache_size_bytes,
             ceiling: cli.max_concurrency_ceiling,

@@ -5,7 +5,7 @@
 //! Modules follow the pipeline: [`subscriber`] (ZMQ, with [`sequence`] tracking and the
 //! engine's [`replay`] socket) → [`wire`] (msgpack) → [`reporter`] (positional hashing via
 //! [`positional`], tiers via [`tier`], adapters via [`lora`]) → [`client`] (gRPC), and
-//! [`metrics`] + [`stats`] for the stats path. [`telemetry`] counts, [`exporter`] serves the
+//! [`metrics`] + [`stats`] (through [`scrape_client`]) for the stats path. [`telemetry`] counts, [`exporter`] serves the
 //! counters, [`logging`] formats logs. [`fake_engine`] is the test publisher.
 
 pub mod app;
@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod positional;
 pub mod replay;
 pub mod reporter;
+pub mod scrape_client;
 pub mod sequence;
 pub mod stats;
 pub mod subscriber;

@@ -38,6 +38,13 @@ fn main() {
                 std::process::exit(1);
             }
         };
+        let metrics_client = match app::build_metrics_client(&settings) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(err = %e, "cannot build the engine metrics client");
+                std::process::exit(1);
+            }
+        };
         let metrics_listener = match app::bind_metrics(&settings).await {
             Ok(l) => l,
             Err(e) => {
@@ -51,6 +58,6 @@ fn main() {
             app::shutdown_signal().await;
             signal_cancel.cancel();
         });
-        app::run(settings, sink, metrics_listener, cancel).await;
+        app::run(settings, sink, metrics_client, metrics_listener, cancel).await;
     });
 }
