@@ -220,6 +220,8 @@ fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
     assert_eq!(status.code(), Some(0));
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("sidecar stopped"), "{text}");
+    // No --tenant-id: entries would be unreachable, and the sidecar says so.
+    assert_eq!(text.matches("\"empty_tenant\"").count(), 1, "{text}");
     // Exactly one stale ERROR however many failures followed.
     assert_eq!(text.matches("load_signal_stale").count(), 1, "{text}");
     let _ = engine.kill();

@@ -784,14 +784,33 @@ async fn replay_buffer_exceeded(engine: Engine, server: &Server, sources: &Path)
     let d = root("d", span(4000, 16), 16);
     rig.apply(&[store(&a01), store(&a23)]).await; // 0: delivered
     rig.expect("first", &[want(&a23, 64)], 4).await;
-    rig.apply(&[store(&b)]).await; // 1: dropped, aged out of the buffer
+    // Chain e starts before the buffer window and continues inside it.
+    let e01 = root("e01", span(10_000, 32), 16);
+    let e23 = child(&e01, "e23", span(10_032, 32));
+    rig.apply(&[store(&b), store(&e01)]).await; // 1: dropped, aged out of the buffer
     rig.apply(&[remove(&a23), remove(&a01)]).await; // 2: dropped, aged out
     rig.apply(&[remove(&b)]).await; // 3: dropped, still buffered
-    rig.apply(&[store(&c)]).await; // 4: dropped, still buffered
+    rig.apply(&[store(&c), store(&e23)]).await; // 4: dropped, still buffered
     rig.apply(&[store(&d)]).await; // 5: delivered, reveals the gap
+    // The engine holds c, d and e01+e23. After the resync the sidecar knows c and d; e23's
+    // parent is older than the buffer, so chain e is a miss — and e23's tokens alone must not
+    // match as if they started a prompt.
+    let e23_alone = Want {
+        tokens: e23.own.clone(),
+        adapter: "",
+        matched: 0,
+        tier: None,
+    };
     rig.expect(
         "after resync",
-        &[want(&a23, 0), want(&b, 0), want(&c, 32), want(&d, 16)],
+        &[
+            want(&a23, 0),
+            want(&b, 0),
+            want(&c, 32),
+            want(&d, 16),
+            want(&e23, 0),
+            e23_alone,
+        ],
         3,
     )
     .await;
@@ -818,6 +837,13 @@ async fn replay_buffer_exceeded(engine: Engine, server: &Server, sources: &Path)
     assert_eq!(
         m.get("inferencecache_sidecar_duplicate_batches_total", &[]),
         1.0
+    );
+    assert_eq!(
+        m.get(
+            "inferencecache_sidecar_skipped_blocks_total",
+            &[("reason", "unknown_parent")]
+        ),
+        2.0
     );
     rig.finish().await;
 }
