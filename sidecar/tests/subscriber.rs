@@ -137,6 +137,59 @@ async fn dial_retry_resync_on_every_connect_sequence_checks_and_cancel() {
     assert!(rx.recv().await.is_none());
 }
 
+/// Log lines captured from every thread of this test binary.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silence_after_subscribing_is_warned_with_endpoint_and_topic() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let _ = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::WARN)
+        .try_init();
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let mut publ = PubSocket::new();
+    publ.bind(&endpoint).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(256);
+    let mut cfg = SubscriberConfig::new(endpoint.clone(), "quiet-topic");
+    cfg.silence_warning = Duration::from_millis(200);
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run(cfg, tx, cancel.clone()));
+    assert_eq!(next(&mut rx).await, Input::Resync(ResyncReason::Startup));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = String::from_utf8_lossy(&captured.0.lock().unwrap()).to_string();
+        if text.contains("no_events") {
+            break text;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no warning: {text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let line = text.lines().find(|l| l.contains("no_events")).unwrap();
+    assert!(
+        line.contains(&endpoint) && line.contains("quiet-topic"),
+        "{line}"
+    );
+    // Once per subscription.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let text = String::from_utf8_lossy(&captured.0.lock().unwrap()).to_string();
+    assert_eq!(text.matches("no_events").count(), 1, "{text}");
+    cancel.cancel();
+    task.await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undecodable_batches_are_counted_and_skipped() {
     let port = free_port();
