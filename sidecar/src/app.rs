@@ -5,8 +5,10 @@ use crate::client::{GrpcSink, TokenSource, build_channel};
 use crate::config::Settings;
 use crate::metrics::{Deriver, Profile, ScraperConfig};
 use crate::reporter::{Identity, Reporter, ReporterConfig};
+use crate::scrape_client::MetricsClient;
 use crate::stats::{Staleness, StatsReporter};
-use crate::subscriber::{self, CHANNEL_CAPACITY, SubscriberStats};
+use crate::subscriber::{self, CHANNEL_CAPACITY, SubscriberConfig};
+use crate::telemetry::Telemetry;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -23,10 +25,59 @@ pub fn build_sink(s: &Settings) -> anyhow::Result<GrpcSink> {
     Ok(GrpcSink::new(channel, token))
 }
 
+/// Builds the engine metrics client (the caller exits 1 on error).
+pub fn build_metrics_client(s: &Settings) -> anyhow::Result<MetricsClient> {
+    let Some(path) = &s.engine_metrics_ca_file else {
+        return Ok(MetricsClient::new());
+    };
+    let pem = std::fs::read(path)
+        .map_err(|e| anyhow::anyhow!("reading --engine-metrics-ca-file {}: {e}", path.display()))?;
+    MetricsClient::with_extra_ca(&pem)
+        .map_err(|e| anyhow::anyhow!("--engine-metrics-ca-file {}: {e}", path.display()))
+}
+
+/// Binds the metrics listener, when configured (the caller exits 1 on error).
+pub async fn bind_metrics(s: &Settings) -> anyhow::Result<Option<tokio::net::TcpListener>> {
+    let Some(addr) = &s.metrics_bind_address else {
+        return Ok(None);
+    };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding --metrics-bind-address {addr}: {e}"))?;
+    Ok(Some(listener))
+}
+
 /// Runs the sidecar until `cancel` fires, then drains.
-pub async fn run(s: Settings, sink: GrpcSink, cancel: CancellationToken) {
+pub async fn run(
+    s: Settings,
+    sink: GrpcSink,
+    metrics_client: MetricsClient,
+    metrics_listener: Option<tokio::net::TcpListener>,
+    cancel: CancellationToken,
+) {
     if s.profile == Profile::Vllm && s.hash_scheme != "vllm" {
         warn!(hash_scheme = %s.hash_scheme, "unknown hash scheme; using the vLLM metrics profile");
+    }
+    if s.tenant_id.is_empty() {
+        // T50: lookups never reach tenant "".
+        warn!(
+            event = "empty_tenant",
+            "--tenant-id is empty: entries land under tenant \"\", which no lookup reaches; \
+             set it to the tenant gateways send (typically the pod namespace)"
+        );
+    }
+    let telemetry = Arc::new(Telemetry::default());
+    if let Some(listener) = metrics_listener {
+        let address = listener
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        info!(metrics_address = %address, "serving /healthz and /metrics");
+        tokio::spawn(crate::exporter::serve(
+            listener,
+            Arc::clone(&telemetry),
+            cancel.child_token(),
+        ));
     }
     let identity = Identity {
         replica_id: s.replica_id.clone(),
@@ -37,6 +88,8 @@ pub async fn run(s: Settings, sink: GrpcSink, cancel: CancellationToken) {
     info!(
         engine_endpoint = %s.engine_endpoint,
         topic = %s.topic,
+        replay_endpoint = %s.replay_endpoint.as_deref().unwrap_or(""),
+        block_size = s.block_size,
         server = %s.server,
         replica_id = %s.replica_id,
         model_id = %s.model_id,
@@ -51,22 +104,22 @@ pub async fn run(s: Settings, sink: GrpcSink, cancel: CancellationToken) {
 
     let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
     let sub_cancel = cancel.child_token();
-    let sub = tokio::spawn(subscriber::run(
-        s.engine_endpoint.clone(),
-        s.topic.clone(),
-        tx,
-        Arc::new(SubscriberStats::default()),
-        sub_cancel,
-    ));
+    let mut scfg = SubscriberConfig::new(s.engine_endpoint.clone(), s.topic.clone());
+    scfg.replay_endpoint = s.replay_endpoint.clone();
+    scfg.telemetry = Arc::clone(&telemetry);
+    let sub = tokio::spawn(subscriber::run(scfg, tx, sub_cancel));
     let mut rcfg = ReporterConfig::new(identity.clone());
     rcfg.window = s.window;
     rcfg.l2_mode = s.l2_mode;
     rcfg.adapters = s.adapters.clone();
+    rcfg.block_size = s.block_size;
+    rcfg.telemetry = telemetry;
     let reporter = tokio::spawn(Reporter::new(rcfg, sink.clone()).run(rx));
 
     let stats = StatsReporter {
         identity,
         url: s.engine_metrics_url.clone(),
+        client: metrics_client,
         interval: s.stats_interval,
         deriver: Deriver::new(ScraperConfig {
             profile: s.profile,
@@ -116,16 +169,4 @@ pub async fn shutdown_signal() {
     {
         let _ = tokio::signal::ctrl_c().await;
     }
-}
-
-/// JSON logs at INFO and above on stderr (`RUST_LOG` may override the level).
-pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_current_span(false)
-        .try_init();
 }

@@ -20,9 +20,26 @@ pub struct Cli {
     /// Engine ZMQ PUB endpoint; the SUB socket connects to it.
     #[arg(long, default_value = "tcp://127.0.0.1:5557")]
     pub engine_endpoint: String,
-    /// Subscription prefix ("" = everything).
-    #[arg(long, default_value = "kv-events")]
+    /// Subscription prefix ("" = everything; vLLM's and SGLang's default topic is "").
+    #[arg(long, default_value = "")]
     pub topic: String,
+    /// Engine replay ROUTER endpoint (the engines' `replay_endpoint`); fills sequence gaps and
+    /// rebuilds the index after a (re)connect. Empty = none.
+    #[arg(long, default_value = "")]
+    pub engine_replay_endpoint: String,
+    /// Tokens per index block: the server's --engine-block-size. Engine pages of another size
+    /// are re-chunked.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Address of the sidecar's own /healthz and /metrics listener ("" = off).
+    #[arg(long, default_value = "127.0.0.1:9091")]
+    pub metrics_bind_address: String,
+    /// Log level: debug, info, warn, error.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+    /// Log format: json or text.
+    #[arg(long, default_value = "json")]
+    pub log_format: String,
     /// Server gRPC address.
     #[arg(long, default_value = "127.0.0.1:9090")]
     pub server: String,
@@ -44,6 +61,9 @@ pub struct Cli {
     /// Engine Prometheus endpoint.
     #[arg(long, default_value = "http://127.0.0.1:8000/metrics")]
     pub engine_metrics_url: String,
+    /// PEM CA bundle trusted (besides the system's) for an https --engine-metrics-url.
+    #[arg(long)]
+    pub engine_metrics_ca_file: Option<PathBuf>,
     /// Stats period (≤ 0 → 10s).
     #[arg(long, default_value = "10s", allow_hyphen_values = true)]
     pub stats_interval: String,
@@ -119,6 +139,11 @@ pub fn duration_or_default(s: &str, default: Duration) -> Result<Duration, Strin
 pub struct Settings {
     pub engine_endpoint: String,
     pub topic: String,
+    pub replay_endpoint: Option<String>,
+    pub block_size: usize,
+    pub metrics_bind_address: Option<String>,
+    pub log_level: tracing::Level,
+    pub log_format: crate::logging::LogFormat,
     pub server: String,
     pub replica_id: String,
     pub model_id: String,
@@ -126,6 +151,7 @@ pub struct Settings {
     pub hash_scheme: String,
     pub window: Duration,
     pub engine_metrics_url: String,
+    pub engine_metrics_ca_file: Option<PathBuf>,
     pub stats_interval: Duration,
     pub capacity_bytes: i64,
     pub ceiling: i64,
@@ -158,6 +184,15 @@ impl Settings {
             CacheTierSel::parse(&cli.cache_tier).map_err(|e| format!("--cache-tier: {e}"))?;
         let adapters = AdapterMap::parse(&cli.lora_adapter_names)
             .map_err(|e| format!("--lora-adapter-names: {e}"))?;
+        if cli.block_size == 0 || cli.block_size > i32::MAX as usize {
+            return Err("--block-size must be between 1 and 2^31-1".into());
+        }
+        let log_level = crate::logging::parse_level(&cli.log_level)?;
+        let log_format = crate::logging::parse_format(&cli.log_format)?;
+        let non_empty = |s: String| {
+            let t = s.trim().to_string();
+            (!t.is_empty()).then_some(t)
+        };
         if cli.server_tls_cert_file.is_some() != cli.server_tls_key_file.is_some() {
             return Err(
                 "--server-tls-cert-file and --server-tls-key-file must be given together".into(),
@@ -166,6 +201,11 @@ impl Settings {
         Ok(Self {
             engine_endpoint: cli.engine_endpoint,
             topic: cli.topic,
+            replay_endpoint: non_empty(cli.engine_replay_endpoint),
+            block_size: cli.block_size,
+            metrics_bind_address: non_empty(cli.metrics_bind_address),
+            log_level,
+            log_format,
             server: cli.server,
             replica_id: cli.replica_id,
             model_id: cli.model_id,
@@ -174,6 +214,7 @@ impl Settings {
             hash_scheme: cli.hash_scheme,
             window,
             engine_metrics_url: cli.engine_metrics_url,
+            engine_metrics_ca_file: cli.engine_metrics_ca_file,
             stats_interval,
             capacity_bytes: cli.engine_cache_size_bytes,
             ceiling: cli.max_concurrency_ceiling,
@@ -223,7 +264,11 @@ mod tests {
     fn defaults_and_forms() {
         let s = parse(&["--replica-id", "r", "--model-id=m"]).unwrap();
         assert_eq!(s.engine_endpoint, "tcp://127.0.0.1:5557");
-        assert_eq!(s.topic, "kv-events");
+        assert_eq!(s.topic, "");
+        assert_eq!(s.block_size, 16);
+        assert_eq!(s.replay_endpoint, None);
+        assert_eq!(s.metrics_bind_address.as_deref(), Some("127.0.0.1:9091"));
+        assert_eq!(s.log_level, tracing::Level::INFO);
         assert_eq!(s.server, "127.0.0.1:9090");
         assert_eq!(s.window, Duration::from_millis(100));
         assert_eq!(s.stats_interval, Duration::from_secs(10));
@@ -241,16 +286,25 @@ mod tests {
             "--window",
             "0",
             "--topic",
-            "",
+            "kv-events",
             "--lora-adapter-names",
             "1=a",
+            "--engine-replay-endpoint",
+            "tcp://127.0.0.1:5558",
+            "--block-size",
+            "1",
+            "--metrics-bind-address",
+            "",
         ])
         .unwrap();
         assert!(s.l2_mode);
         assert_eq!(s.profile, Profile::Sglang);
         assert_eq!(s.window, Duration::from_millis(100));
-        assert_eq!(s.topic, "");
+        assert_eq!(s.topic, "kv-events");
         assert_eq!(s.adapters.resolve(Some(1)), Some("a"));
+        assert_eq!(s.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:5558"));
+        assert_eq!(s.block_size, 1);
+        assert_eq!(s.metrics_bind_address, None);
         let s = parse(&[
             "--replica-id",
             "r",
@@ -290,6 +344,8 @@ mod tests {
             .is_err()
         );
         assert!(parse(&["--replica-id", "r", "--model-id", "m", "--window", "fast"]).is_err());
+        assert!(parse(&["--replica-id", "r", "--model-id", "m", "--block-size", "0"]).is_err());
+        assert!(parse(&["--replica-id", "r", "--model-id", "m", "--log-level", "x"]).is_err());
         assert!(
             parse(&[
                 "--replica-id",

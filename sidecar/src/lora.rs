@@ -46,6 +46,20 @@ impl AdapterMap {
         self.names.is_empty()
     }
 
+    /// The adapter partition of an event that also carries the engine's public adapter name
+    /// (`lora_name`): a mapped id wins, then the engine's name, then the id-only rule of
+    /// [`AdapterMap::resolve`].
+    pub fn resolve_named<'a>(
+        &'a self,
+        lora_id: Option<i64>,
+        lora_name: Option<&'a str>,
+    ) -> Option<&'a str> {
+        let mapped = lora_id.and_then(|id| self.names.get(&id).map(String::as_str));
+        mapped
+            .or(lora_name.filter(|n| !n.is_empty()))
+            .or_else(|| self.resolve(lora_id))
+    }
+
     /// The adapter partition of an event: none → `""` (base), mapped → its name, unmapped →
     /// `None` (fail closed: the event must be dropped).
     pub fn resolve(&self, lora_id: Option<i64>) -> Option<&str> {
@@ -69,6 +83,17 @@ mod tests {
         assert_eq!(m.resolve(Some(2)), Some("chat"));
         assert_eq!(m.resolve(Some(3)), None);
         assert!(AdapterMap::parse("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn engine_names_fill_unmapped_ids() {
+        let m = AdapterMap::parse("1=sql-lora").unwrap();
+        assert_eq!(m.resolve_named(Some(1), Some("other")), Some("sql-lora"));
+        assert_eq!(m.resolve_named(Some(2), Some("chat")), Some("chat"));
+        assert_eq!(m.resolve_named(None, Some("chat")), Some("chat"));
+        assert_eq!(m.resolve_named(None, None), Some(""));
+        assert_eq!(m.resolve_named(Some(2), None), None);
+        assert_eq!(m.resolve_named(Some(2), Some("")), None);
     }
 
     #[test]

@@ -1,23 +1,47 @@
 //! The event-path reporter (spec `sidecar.md` §6): decoded batches → `ReportCacheState` updates
-//! and `PublishEvent` calls, with add-batching, store-before-evict ordering, L2 mode and LoRA
-//! partitioning.
+//! and `PublishEvent` calls, with add-batching, store-before-evict ordering, tiers from media,
+//! L2 mode and LoRA partitioning.
+//!
+//! The reporter applies its input strictly in order; the subscriber guarantees that order
+//! matches the engine's sequence numbers and inserts a [`Input::Resync`] wherever it cannot,
+//! which clears this replica (and only it) on the server before anything after it is applied.
 
 use crate::client::Sink;
 use crate::lora::AdapterMap;
 use crate::positional::{Entry, ReverseMap};
+use crate::telemetry::{ResyncReason, Telemetry};
+use crate::tier::Tier;
 use crate::wire::{BlockStored, Event, EventBatch};
 use inferencecache_proto::v1alpha1::{
     CacheEvent, CacheStateUpdate, CacheTier, PrefixEntry, cache_event,
 };
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
+
+/// What the subscriber hands the reporter, in engine order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    /// A batch to apply.
+    Batch(EventBatch),
+    /// Forget everything about this replica: what came before is not known to be complete.
+    Resync(ResyncReason),
+}
+
+impl From<EventBatch> for Input {
+    fn from(batch: EventBatch) -> Self {
+        Input::Batch(batch)
+    }
+}
 
 /// Default add-batching window.
 pub const DEFAULT_WINDOW: Duration = Duration::from_millis(100);
 /// Pending entries that force an immediate flush.
 pub const FLUSH_THRESHOLD: usize = 4096;
+/// Default tokens per index block (the server's default `--engine-block-size`).
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
 /// Identity stamped on every update and event.
 #[derive(Debug, Clone, Default)]
@@ -40,6 +64,10 @@ pub struct ReporterConfig {
     pub l2_mode: bool,
     /// LoRA id → adapter mapping.
     pub adapters: AdapterMap,
+    /// Tokens per index block (the server's `--engine-block-size`).
+    pub block_size: usize,
+    /// Shared counters.
+    pub telemetry: Arc<Telemetry>,
 }
 
 impl ReporterConfig {
@@ -51,6 +79,8 @@ impl ReporterConfig {
             flush_threshold: FLUSH_THRESHOLD,
             l2_mode: false,
             adapters: AdapterMap::default(),
+            block_size: DEFAULT_BLOCK_SIZE,
+            telemetry: Arc::default(),
         }
     }
 }
@@ -64,6 +94,7 @@ pub struct ReporterCounters {
     pub events_failed: u64,
     pub dropped_unmapped_lora: u64,
     pub no_index_entries: u64,
+    pub resyncs: u64,
 }
 
 /// Converts engine float seconds into µs (`ts ≤ 0 → 0`, else truncated).
@@ -83,6 +114,7 @@ pub struct Reporter<S: Sink> {
     pending: Vec<PrefixEntry>,
     pending_ts_us: i64,
     warned_lora: HashSet<i64>,
+    warned_media: HashSet<String>,
     counters: ReporterCounters,
 }
 
@@ -97,16 +129,22 @@ fn prefix_entry(e: Entry, tier: CacheTier) -> PrefixEntry {
     }
 }
 
+fn tiered_entry(e: Entry) -> PrefixEntry {
+    let tier = e.tier.wire();
+    prefix_entry(e, tier)
+}
+
 impl<S: Sink> Reporter<S> {
     /// A reporter with an empty reverse map.
     pub fn new(cfg: ReporterConfig, sink: S) -> Self {
         Self {
+            map: ReverseMap::new(cfg.block_size),
             cfg,
             sink,
-            map: ReverseMap::new(),
             pending: Vec::new(),
             pending_ts_us: 0,
             warned_lora: HashSet::new(),
+            warned_media: HashSet::new(),
             counters: ReporterCounters::default(),
         }
     }
@@ -131,21 +169,62 @@ impl<S: Sink> Reporter<S> {
         &self.sink
     }
 
+    /// Processes one input.
+    pub async fn handle(&mut self, input: &Input) {
+        match input {
+            Input::Batch(batch) => self.handle_batch(batch).await,
+            Input::Resync(reason) => self.resync(*reason).await,
+        }
+    }
+
     /// Processes one batch, event by event.
     pub async fn handle_batch(&mut self, batch: &EventBatch) {
         let ts_us = ts_to_us(batch.ts);
+        let telemetry = Arc::clone(&self.cfg.telemetry);
         for ev in &batch.events {
             match ev {
-                Event::BlockStored(bs) => self.on_stored(bs, ts_us).await,
-                Event::BlockRemoved { block_hashes } => self.on_removed(block_hashes, ts_us).await,
-                Event::AllBlocksCleared => self.on_cleared(ts_us).await,
+                Event::BlockStored(bs) => {
+                    Telemetry::inc(&telemetry.events_stored);
+                    self.on_stored(bs, ts_us).await
+                }
+                Event::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } => {
+                    Telemetry::inc(&telemetry.events_removed);
+                    self.on_removed(block_hashes, medium.as_deref(), ts_us)
+                        .await
+                }
+                Event::AllBlocksCleared => {
+                    Telemetry::inc(&telemetry.events_cleared);
+                    self.on_cleared(ts_us).await
+                }
             }
         }
     }
 
+    /// Drops everything known about this replica and clears it on the server.
+    pub async fn resync(&mut self, reason: ResyncReason) {
+        self.counters.resyncs += 1;
+        self.cfg.telemetry.resync(reason);
+        info!(
+            event = "resync",
+            reason = reason.as_str(),
+            known_pages = self.map.len(),
+            "clearing this replica's entries; rebuilding from the engine's events"
+        );
+        self.on_cleared(0).await;
+    }
+
     async fn on_stored(&mut self, ev: &BlockStored, ts_us: i64) {
-        let Some(adapter) = self.cfg.adapters.resolve(ev.lora_id).map(str::to_string) else {
+        let resolved = self
+            .cfg
+            .adapters
+            .resolve_named(ev.lora_id, ev.lora_name.as_deref())
+            .map(str::to_string);
+        let Some(adapter) = resolved else {
             self.counters.dropped_unmapped_lora += 1;
+            Telemetry::inc(&self.cfg.telemetry.unmapped_lora);
             let id = ev.lora_id.unwrap_or_default();
             if self.warned_lora.insert(id) {
                 warn!(
@@ -156,22 +235,38 @@ impl<S: Sink> Reporter<S> {
             }
             return;
         };
-        let entries = self.map.store(ev, &adapter);
-        if entries.is_empty() {
-            if !ev.block_hashes.is_empty() {
-                self.counters.no_index_entries += 1;
+        let stored = self.map.store(ev, &adapter);
+        let telemetry = &self.cfg.telemetry;
+        Telemetry::add(&telemetry.orphan_blocks, stored.orphan_pages as u64);
+        Telemetry::add(&telemetry.keyed_blocks, stored.keyed_pages as u64);
+        if stored.unknown_medium {
+            Telemetry::inc(&telemetry.unknown_medium);
+            let medium = ev.medium.clone().unwrap_or_default();
+            if self.warned_media.insert(medium.clone()) {
                 warn!(
-                    event = "no_index_entries",
-                    blocks = ev.block_hashes.len(),
-                    tokens = ev.token_ids.len(),
-                    block_size = ev.block_size,
-                    "BlockStored produced no index entries (missing or mismatched token_ids)"
+                    event = "unknown_medium",
+                    medium = %medium,
+                    "BlockStored with a medium outside the tier table; reported as T3"
                 );
             }
+        }
+        if stored.mismatched {
+            self.counters.no_index_entries += 1;
+            Telemetry::inc(&telemetry.no_index_entries);
+            warn!(
+                event = "no_index_entries",
+                blocks = ev.block_hashes.len(),
+                tokens = ev.token_ids.len(),
+                block_size = ev.block_size,
+                "BlockStored produced no index entries (missing or mismatched token_ids)"
+            );
+            return;
+        }
+        if stored.entries.is_empty() {
             return;
         }
         self.pending
-            .extend(entries.into_iter().map(|e| prefix_entry(e, CacheTier::T1)));
+            .extend(stored.entries.into_iter().map(tiered_entry));
         if ts_us > 0 {
             self.pending_ts_us = ts_us;
         }
@@ -180,22 +275,34 @@ impl<S: Sink> Reporter<S> {
         }
     }
 
-    async fn on_removed(&mut self, hashes: &[Vec<u8>], ts_us: i64) {
-        let forgotten = self.map.remove(hashes);
-        if self.cfg.l2_mode {
-            if forgotten.is_empty() {
-                return;
-            }
+    async fn on_removed(&mut self, hashes: &[Vec<u8>], medium: Option<&str>, ts_us: i64) {
+        // L2 mode: the engine offloads what it removes, so the chain after a page stays usable.
+        let removed = self.map.remove(hashes, medium, !self.cfg.l2_mode);
+        if !removed.retiered.is_empty() || (self.cfg.l2_mode && !removed.evicted.is_empty()) {
+            // Stamped with the removal and never merged into the pending buffer, so a later
+            // store cannot refresh a downgrade.
             self.flush().await;
-            let prefixes = forgotten
-                .into_iter()
-                .map(|e| prefix_entry(e, CacheTier::T2))
-                .collect();
+            let mut prefixes: Vec<PrefixEntry> =
+                removed.retiered.into_iter().map(tiered_entry).collect();
+            if self.cfg.l2_mode {
+                prefixes.extend(
+                    removed
+                        .evicted
+                        .iter()
+                        .cloned()
+                        .map(|e| Entry {
+                            tier: Tier::Cpu,
+                            ..e
+                        })
+                        .map(tiered_entry),
+                );
+            }
             let update = self.update(ts_us, prefixes);
             self.send_update(update).await;
-        } else {
+        }
+        if !self.cfg.l2_mode {
             self.flush().await;
-            for e in forgotten {
+            for e in removed.evicted {
                 let ev = CacheEvent {
                     r#type: cache_event::Type::PrefixEvicted as i32,
                     replica_id: self.cfg.identity.replica_id.clone(),
@@ -255,9 +362,13 @@ impl<S: Sink> Reporter<S> {
     async fn send_update(&mut self, update: CacheStateUpdate) {
         let n = update.prefixes.len();
         match self.sink.report(update).await {
-            Ok(_) => self.counters.updates_sent += 1,
+            Ok(_) => {
+                self.counters.updates_sent += 1;
+                Telemetry::inc(&self.cfg.telemetry.updates_sent);
+            }
             Err(status) => {
                 self.counters.updates_failed += 1;
+                Telemetry::inc(&self.cfg.telemetry.report_errors);
                 warn!(
                     code = ?status.code(),
                     err = %status.message(),
@@ -271,9 +382,18 @@ impl<S: Sink> Reporter<S> {
     async fn send_event(&mut self, ev: CacheEvent) {
         let ty = ev.r#type;
         match self.sink.publish(ev).await {
-            Ok(_) => self.counters.events_sent += 1,
+            Ok(_) => {
+                self.counters.events_sent += 1;
+                let telemetry = &self.cfg.telemetry;
+                if ty == cache_event::Type::AllCleared as i32 {
+                    Telemetry::inc(&telemetry.clears_sent);
+                } else {
+                    Telemetry::inc(&telemetry.evictions_sent);
+                }
+            }
             Err(status) => {
                 self.counters.events_failed += 1;
+                Telemetry::inc(&self.cfg.telemetry.publish_errors);
                 warn!(
                     code = ?status.code(),
                     err = %status.message(),
@@ -286,7 +406,7 @@ impl<S: Sink> Reporter<S> {
 
     /// Runs until `rx` closes: batches are handled as they come, pending adds are flushed on
     /// every window tick, and a final flush happens when the input closes.
-    pub async fn run(mut self, mut rx: mpsc::Receiver<EventBatch>) -> Self {
+    pub async fn run(mut self, mut rx: mpsc::Receiver<Input>) -> Self {
         let window = if self.cfg.window.is_zero() {
             DEFAULT_WINDOW
         } else {
@@ -298,7 +418,7 @@ impl<S: Sink> Reporter<S> {
             // Unbiased: a steady stream of batches cannot starve the window tick.
             tokio::select! {
                 msg = rx.recv() => match msg {
-                    Some(batch) => self.handle_batch(&batch).await,
+                    Some(input) => self.handle(&input).await,
                     None => break,
                 },
                 _ = ticker.tick() => self.flush().await,

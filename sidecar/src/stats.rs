@@ -2,122 +2,16 @@
 //! `ReplicaStats`, send stats-only updates on an interval, and log staleness transitions.
 
 use crate::client::Sink;
-use crate::metrics::{Deriver, ScrapeError, parse_exposition};
+use crate::metrics::{Deriver, parse_exposition};
 use crate::reporter::Identity;
+use crate::scrape_client::MetricsClient;
 use inferencecache_proto::v1alpha1::CacheStateUpdate;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-/// Scrape timeout.
-pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Consecutive non-deliveries that make the load signal stale.
 pub const STALE_THRESHOLD: u32 = 3;
-
-/// Plain HTTP/1.1 GET of an `http://host[:port]/path` URL; returns the body of a 200 response.
-pub async fn http_get(url: &str) -> Result<String, ScrapeError> {
-    match tokio::time::timeout(SCRAPE_TIMEOUT, http_get_inner(url)).await {
-        Ok(r) => r,
-        Err(_) => Err(ScrapeError(format!("GET {url}: timed out"))),
-    }
-}
-
-async fn http_get_inner(url: &str) -> Result<String, ScrapeError> {
-    let e = |m: String| ScrapeError(format!("GET {url}: {m}"));
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| e("only http:// URLs are supported".into()))?;
-    let (authority, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/"),
-    };
-    let addr = if authority
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
-        && !authority.ends_with(']')
-    {
-        authority.to_string()
-    } else {
-        format!("{authority}:80")
-    };
-    let mut stream = TcpStream::connect(&addr)
-        .await
-        .map_err(|err| e(err.to_string()))?;
-    let req = format!(
-        "GET {path} HTTP/1.1\r\nHost: {authority}\r\nAccept: text/plain\r\nUser-Agent: inferencecache-sidecar\r\nConnection: close\r\n\r\n"
-    );
-    stream
-        .write_all(req.as_bytes())
-        .await
-        .map_err(|err| e(err.to_string()))?;
-    let mut buf = Vec::new();
-    stream
-        .read_to_end(&mut buf)
-        .await
-        .map_err(|err| e(err.to_string()))?;
-    parse_http_response(&buf).map_err(e)
-}
-
-/// Parses a complete HTTP/1.1 response (Content-Length, chunked or read-to-close body).
-pub fn parse_http_response(buf: &[u8]) -> Result<String, String> {
-    let head_end = buf
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or("truncated response head")?;
-    let head = std::str::from_utf8(&buf[..head_end]).map_err(|_| "non-UTF-8 response head")?;
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or_default();
-    let code: u16 = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| format!("bad status line {status_line:?}"))?;
-    if code != 200 {
-        return Err(format!("status {code}"));
-    }
-    let mut chunked = false;
-    let mut length: Option<usize> = None;
-    for l in lines {
-        if let Some((k, v)) = l.split_once(':') {
-            let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
-            if k == "transfer-encoding" && v.to_ascii_lowercase().contains("chunked") {
-                chunked = true;
-            } else if k == "content-length" {
-                length = v.parse().ok();
-            }
-        }
-    }
-    let body = &buf[head_end + 4..];
-    let body = if chunked {
-        dechunk(body)?
-    } else if let Some(n) = length {
-        body.get(..n).ok_or("truncated body")?.to_vec()
-    } else {
-        body.to_vec()
-    };
-    String::from_utf8(body).map_err(|_| "non-UTF-8 body".to_string())
-}
-
-fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    loop {
-        let eol = b
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or("truncated chunk size")?;
-        let size_str = std::str::from_utf8(&b[..eol]).map_err(|_| "bad chunk size")?;
-        let size_str = size_str.split(';').next().unwrap_or("").trim();
-        let size = usize::from_str_radix(size_str, 16).map_err(|_| "bad chunk size")?;
-        b = &b[eol + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        out.extend_from_slice(b.get(..size).ok_or("truncated chunk")?);
-        b = b.get(size + 2..).ok_or("truncated chunk")?;
-    }
-}
 
 /// What the staleness state machine wants logged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,6 +123,7 @@ pub fn now_us() -> i64 {
 pub struct StatsReporter<S: Sink> {
     pub identity: Identity,
     pub url: String,
+    pub client: MetricsClient,
     pub interval: Duration,
     pub deriver: Deriver,
     pub sink: S,
@@ -238,7 +133,11 @@ pub struct StatsReporter<S: Sink> {
 impl<S: Sink> StatsReporter<S> {
     /// One scrape + delivery attempt; returns the error text on non-delivery.
     pub async fn tick(&mut self) -> Result<(), String> {
-        let body = http_get(&self.url).await.map_err(|e| e.to_string())?;
+        let body = self
+            .client
+            .get(&self.url)
+            .await
+            .map_err(|e| e.to_string())?;
         let stats = self
             .deriver
             .derive(&parse_exposition(&body))
@@ -301,27 +200,6 @@ impl<S: Sink> StatsReporter<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn http_parsing() {
-        assert_eq!(
-            parse_http_response(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabcdef").unwrap(),
-            "abc"
-        );
-        assert_eq!(
-            parse_http_response(
-                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n"
-            )
-            .unwrap(),
-            "abcde"
-        );
-        assert_eq!(
-            parse_http_response(b"HTTP/1.0 200 OK\r\n\r\nall").unwrap(),
-            "all"
-        );
-        assert!(parse_http_response(b"HTTP/1.1 404 Not Found\r\n\r\n").is_err());
-        assert!(parse_http_response(b"HTTP/1.1 200").is_err());
-    }
 
     #[test]
     fn staleness_machine() {

@@ -1,8 +1,9 @@
-//! msgpack decoding of engine KV-event batches (spec `sidecar.md` §4).
+//! msgpack decoding of engine KV-event messages (spec `sidecar.md` §3–§4).
 //!
-//! `EventBatch = [ts, events, …]`. Each event is either a map with a `"type"` key (newer vLLM) or
-//! an array whose element 0 is the tag (SGLang, older vLLM). Unknown tags are skipped; a malformed
-//! event with a known tag rejects the whole batch.
+//! A ZMQ message is `[topic, seq (u64 big-endian), payload]`; [`split_message`] takes the frames
+//! apart. The payload is `EventBatch = [ts, events, data_parallel_rank?, …]`. Each event is
+//! either a map with a `"type"` key (vLLM, SGLang) or an array whose element 0 is the tag (older
+//! engines). Unknown tags are skipped; a malformed event with a known tag rejects the whole batch.
 
 use rmpv::Value;
 use std::fmt;
@@ -21,18 +22,25 @@ pub struct EventBatch {
     pub ts: f64,
     /// Events with a known tag, in wire order.
     pub events: Vec<Event>,
+    /// The batch's trailing data-parallel rank (vLLM `data_parallel_rank`, SGLang
+    /// `attn_dp_rank`), when present and an integer.
+    pub data_parallel_rank: Option<i64>,
 }
 
 /// A decoded engine event.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     BlockStored(BlockStored),
-    BlockRemoved { block_hashes: Vec<Vec<u8>> },
+    BlockRemoved {
+        block_hashes: Vec<Vec<u8>>,
+        /// Storage medium of the removed copy; `None` = every copy.
+        medium: Option<String>,
+    },
     AllBlocksCleared,
 }
 
 /// `BlockStored` fields, normalized.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct BlockStored {
     /// Engine block hashes, normalized to bytes (integers → 8 bytes big-endian).
     pub block_hashes: Vec<Vec<u8>>,
@@ -44,6 +52,46 @@ pub struct BlockStored {
     pub block_size: i64,
     /// Engine LoRA id, if any.
     pub lora_id: Option<i64>,
+    /// Storage medium (`GPU`, `CPU`, `CPU_PINNED`, `DISK`, …); `None` = unspecified.
+    pub medium: Option<String>,
+    /// Public LoRA adapter name (vLLM and SGLang `lora_name`).
+    pub lora_name: Option<String>,
+    /// Index of the first block whose hash depends on more than its tokens and LoRA: vLLM
+    /// `extra_keys` (multimodal identifiers, cache salt, prompt embeddings). `None` = no block.
+    pub first_keyed_block: Option<usize>,
+    /// SGLang `cache_salt`: every block of the event is namespaced by it.
+    pub cache_salt: Option<String>,
+}
+
+/// One ZMQ message taken apart: `[topic, seq, payload]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frames<'a> {
+    /// The topic frame (empty when the message has a single frame).
+    pub topic: &'a [u8],
+    /// The sequence number, when the frame before the payload is 8 bytes.
+    pub seq: Option<u64>,
+    /// The last frame.
+    pub payload: &'a [u8],
+}
+
+/// Splits a multipart message: the payload is the last frame, the sequence the 8-byte frame
+/// before it when there are at least three frames, the topic the first frame. `None` for an
+/// empty message.
+pub fn split_message<'a>(frames: &[&'a [u8]]) -> Option<Frames<'a>> {
+    let (&payload, rest) = frames.split_last()?;
+    let seq = match rest.last() {
+        Some(f) if rest.len() >= 2 && f.len() == 8 => {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(f);
+            Some(u64::from_be_bytes(b))
+        }
+        _ => None,
+    };
+    Some(Frames {
+        topic: rest.first().copied().unwrap_or_default(),
+        seq,
+        payload,
+    })
 }
 
 /// Why a batch could not be decoded.
@@ -100,7 +148,12 @@ pub fn decode_batch_value(value: &Value) -> Result<EventBatch, DecodeError> {
             events.push(ev);
         }
     }
-    Ok(EventBatch { ts, events })
+    let data_parallel_rank = items.get(2).and_then(Value::as_i64);
+    Ok(EventBatch {
+        ts,
+        events,
+        data_parallel_rank,
+    })
 }
 
 /// Decodes one event; `Ok(None)` for an unknown tag.
@@ -136,12 +189,19 @@ fn decode_map_event(kv: &[(Value, Value)]) -> Result<Option<Event>, DecodeError>
             let Some(bs) = map_get(kv, "block_size") else {
                 return err("BlockStored without block_size");
             };
+            let lora_name = optional_str(map_get(kv, "lora_name"), "lora_name")?;
+            let first_keyed_block =
+                first_keyed_block(map_get(kv, "extra_keys"), lora_name.as_deref())?;
             Ok(Some(Event::BlockStored(BlockStored {
                 block_hashes: hash_list(hashes)?,
                 parent_block_hash: optional_hash(map_get(kv, "parent_block_hash"))?,
                 token_ids: token_list(tokens)?,
                 block_size: block_size(bs)?,
                 lora_id: lora_id(map_get(kv, "lora_id"))?,
+                medium: optional_str(map_get(kv, "medium"), "medium")?,
+                lora_name,
+                first_keyed_block,
+                cache_salt: optional_str(map_get(kv, "cache_salt"), "cache_salt")?,
             })))
         }
         TAG_BLOCK_REMOVED => {
@@ -150,6 +210,7 @@ fn decode_map_event(kv: &[(Value, Value)]) -> Result<Option<Event>, DecodeError>
             };
             Ok(Some(Event::BlockRemoved {
                 block_hashes: hash_list(hashes)?,
+                medium: optional_str(map_get(kv, "medium"), "medium")?,
             }))
         }
         TAG_ALL_CLEARED => Ok(Some(Event::AllBlocksCleared)),
@@ -172,12 +233,15 @@ fn decode_tuple_event(items: &[Value]) -> Result<Option<Event>, DecodeError> {
                     items.len()
                 ));
             }
+            // Older array-form engines put `medium` after `lora_id`; later positions vary.
             Ok(Some(Event::BlockStored(BlockStored {
                 block_hashes: hash_list(&items[1])?,
                 parent_block_hash: optional_hash(Some(&items[2]))?,
                 token_ids: token_list(&items[3])?,
                 block_size: block_size(&items[4])?,
                 lora_id: lora_id(items.get(5))?,
+                medium: lenient_str(items.get(6)),
+                ..BlockStored::default()
             })))
         }
         TAG_BLOCK_REMOVED => {
@@ -186,6 +250,7 @@ fn decode_tuple_event(items: &[Value]) -> Result<Option<Event>, DecodeError> {
             }
             Ok(Some(Event::BlockRemoved {
                 block_hashes: hash_list(&items[1])?,
+                medium: lenient_str(items.get(2)),
             }))
         }
         TAG_ALL_CLEARED => Ok(Some(Event::AllBlocksCleared)),
@@ -258,6 +323,56 @@ fn lora_id(v: Option<&Value>) -> Result<Option<i64>, DecodeError> {
         },
         Some(other) => err(format!("lora_id has type {}", type_name(other))),
     }
+}
+
+/// A string field that may be absent or nil; any other type is an error.
+fn optional_str(v: Option<&Value>, what: &str) -> Result<Option<String>, DecodeError> {
+    match v {
+        None | Some(Value::Nil) => Ok(None),
+        Some(Value::String(s)) => match s.as_str() {
+            Some(text) => Ok(Some(text.to_string())),
+            None => err(format!("{what} is not valid UTF-8")),
+        },
+        Some(other) => err(format!("{what} has type {}", type_name(other))),
+    }
+}
+
+/// A positional string whose meaning depends on the engine version: a string, or nothing.
+fn lenient_str(v: Option<&Value>) -> Option<String> {
+    v.and_then(Value::as_str).map(str::to_string)
+}
+
+/// The first block of vLLM's per-block `extra_keys` that carries more than the LoRA name.
+///
+/// Each entry is nil (the hash is tokens only) or an array starting with the LoRA name when the
+/// event has a `lora_name`, then multimodal `(identifier, offset)` pairs, the cache salt and
+/// prompt-embedding digests. The LoRA name is already the adapter partition, so only the rest
+/// makes a block unmatchable by a token-only lookup.
+fn first_keyed_block(
+    v: Option<&Value>,
+    lora_name: Option<&str>,
+) -> Result<Option<usize>, DecodeError> {
+    let items = match v {
+        None | Some(Value::Nil) => return Ok(None),
+        Some(Value::Array(items)) => items,
+        Some(other) => return err(format!("extra_keys has type {}", type_name(other))),
+    };
+    for (i, item) in items.iter().enumerate() {
+        let keyed = match item {
+            Value::Nil => false,
+            Value::Array(keys) => {
+                let skip = usize::from(
+                    lora_name.is_some() && keys.first().and_then(Value::as_str) == lora_name,
+                );
+                keys.len() > skip
+            }
+            other => return err(format!("extra_keys[{i}] has type {}", type_name(other))),
+        };
+        if keyed {
+            return Ok(Some(i));
+        }
+    }
+    Ok(None)
 }
 
 fn type_name(v: &Value) -> &'static str {

@@ -54,6 +54,21 @@ fn invalid_configuration_exits_2() {
         2
     );
     assert_eq!(
+        exit_code(&["--replica-id", "r", "--model-id", "m", "--block-size", "0"]),
+        2
+    );
+    assert_eq!(
+        exit_code(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--log-format",
+            "xml"
+        ]),
+        2
+    );
+    assert_eq!(
         exit_code(&[
             "--replica-id",
             "r",
@@ -104,6 +119,21 @@ fn unbuildable_client_exits_1() {
 }
 
 #[test]
+fn unusable_metrics_address_exits_1() {
+    assert_eq!(
+        exit_code(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--metrics-bind-address",
+            "256.0.0.1:1"
+        ]),
+        1
+    );
+}
+
+#[test]
 fn fake_engine_rejects_invalid_sizes() {
     let code = |args: &[&str]| exit_code_of(FAKE_ENGINE, args);
     assert_eq!(code(&["--block-size", "0"]), 2);
@@ -146,6 +176,8 @@ fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
             "20ms",
             "--stats-interval",
             "200ms",
+            "--metrics-bind-address",
+            "127.0.0.1:0",
             "--engine-metrics-url",
             &format!("http://127.0.0.1:{dead_grpc}/metrics"),
         ])
@@ -188,6 +220,8 @@ fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
     assert_eq!(status.code(), Some(0));
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("sidecar stopped"), "{text}");
+    // No --tenant-id: entries would be unreachable, and the sidecar says so.
+    assert_eq!(text.matches("\"empty_tenant\"").count(), 1, "{text}");
     // Exactly one stale ERROR however many failures followed.
     assert_eq!(text.matches("load_signal_stale").count(), 1, "{text}");
     let _ = engine.kill();

@@ -1,9 +1,9 @@
 //! msgpack wire forms (spec `sidecar.md` §4): SC01, SC02 and every malformed case.
 
-use inferencecache_sidecar::subscriber::{Handled, SubscriberStats, handle_message};
-use inferencecache_sidecar::wire::{BlockStored, Event, decode_batch, encode};
+use inferencecache_sidecar::wire::{
+    BlockStored, Event, Frames, decode_batch, encode, split_message,
+};
 use rmpv::Value;
-use std::sync::atomic::Ordering;
 
 fn s(x: &str) -> Value {
     Value::from(x)
@@ -84,14 +84,18 @@ fn sc01_map_form_vllm_batch() {
             token_ids: vec![1, 2, 3, 4],
             block_size: 2,
             lora_id: Some(3),
+            medium: Some("GPU".into()),
+            ..BlockStored::default()
         })
     );
     assert_eq!(
         b.events[1],
         Event::BlockRemoved {
-            block_hashes: vec![0xE001u64.to_be_bytes().to_vec()]
+            block_hashes: vec![0xE001u64.to_be_bytes().to_vec()],
+            medium: Some("GPU".into()),
         }
     );
+    assert_eq!(b.data_parallel_rank, Some(0));
     assert_eq!(b.events[2], Event::AllBlocksCleared);
 }
 
@@ -131,12 +135,16 @@ fn sc01_tuple_form_with_extras_trailing_elements_and_unknown_event() {
     assert_eq!(st.token_ids, vec![5, 6, 7, 8, 9, 10, 11]);
     assert_eq!(st.block_size, 2);
     assert_eq!(st.lora_id, Some(7));
+    // Positional forms: a string after lora_id is read as the medium.
+    assert_eq!(st.medium.as_deref(), Some("extra-field"));
     assert_eq!(
         b.events[1],
         Event::BlockRemoved {
-            block_hashes: vec![vec![0xFF; 8]]
+            block_hashes: vec![vec![0xFF; 8]],
+            medium: Some("medium".into()),
         }
     );
+    assert_eq!(b.data_parallel_rank, Some(1));
     assert_eq!(b.events[2], Event::AllBlocksCleared);
 }
 
@@ -398,32 +406,93 @@ fn malformed_batch_envelopes() {
 }
 
 #[test]
-fn subscriber_skips_bad_batches_and_keeps_going() {
-    use bytes::Bytes;
-    use zeromq::ZmqMessage;
-    let stats = SubscriberStats::default();
-    let mk = |payload: Vec<u8>| {
-        ZmqMessage::try_from(vec![
-            Bytes::from_static(b"kv-events"),
-            Bytes::copy_from_slice(&7u64.to_be_bytes()),
-            Bytes::from(payload),
-        ])
-        .unwrap()
+fn message_frames_give_topic_sequence_and_payload() {
+    let seq = 7u64.to_be_bytes();
+    let three: [&[u8]; 3] = [b"kv-events", &seq, b"payload"];
+    assert_eq!(
+        split_message(&three),
+        Some(Frames {
+            topic: b"kv-events",
+            seq: Some(7),
+            payload: b"payload"
+        })
+    );
+    // vLLM and SGLang default to the empty topic.
+    let empty_topic: [&[u8]; 3] = [b"", &seq, b"p"];
+    assert_eq!(split_message(&empty_topic).unwrap().seq, Some(7));
+    // Without a sequence frame the message is unnumbered; the payload is the last frame.
+    let two: [&[u8]; 2] = [b"kv-events", b"p"];
+    assert_eq!(
+        split_message(&two),
+        Some(Frames {
+            topic: b"kv-events",
+            seq: None,
+            payload: b"p"
+        })
+    );
+    let one: [&[u8]; 1] = [b"p"];
+    assert_eq!(split_message(&one).unwrap().payload, b"p");
+    assert_eq!(split_message(&[]), None);
+    // A non-8-byte middle frame is not a sequence.
+    let odd: [&[u8]; 3] = [b"t", b"abc", b"p"];
+    assert_eq!(split_message(&odd).unwrap().seq, None);
+}
+
+#[test]
+fn vllm_extra_keys_beyond_the_lora_name_mark_the_first_keyed_block() {
+    let stored = |extra: Value, lora_name: Value| {
+        let mut kv = good_stored_map();
+        kv.push(("extra_keys", extra));
+        kv.push(("lora_name", lora_name));
+        let b = decode_batch(&batch(vec![map(kv)])).unwrap();
+        let Event::BlockStored(st) = &b.events[0] else {
+            panic!("not stored")
+        };
+        st.clone()
     };
-    assert!(matches!(
-        handle_message(&mk(vec![0xc1]), &stats),
-        Handled::Skip
-    ));
-    assert!(matches!(handle_message(&mk(vec![]), &stats), Handled::Skip));
-    let good = batch(vec![map(good_stored_map())]);
-    assert!(matches!(
-        handle_message(&mk(good.clone()), &stats),
-        Handled::Batch(_)
-    ));
-    // Single-frame messages work too: the decoder uses the last frame.
-    let single = ZmqMessage::from(good);
-    assert!(matches!(handle_message(&single, &stats), Handled::Batch(_)));
-    assert_eq!(stats.undecodable.load(Ordering::Relaxed), 1);
-    assert_eq!(stats.empty.load(Ordering::Relaxed), 1);
-    assert_eq!(stats.batches.load(Ordering::Relaxed), 2);
+    // Only the LoRA name: a token-only block of that adapter.
+    let st = stored(
+        arr(vec![arr(vec![s("sql")]), arr(vec![s("sql")])]),
+        s("sql"),
+    );
+    assert_eq!(st.first_keyed_block, None);
+    assert_eq!(st.lora_name.as_deref(), Some("sql"));
+    // A multimodal identifier in block 1.
+    let st = stored(
+        arr(vec![
+            Value::Nil,
+            arr(vec![arr(vec![s("img-hash"), Value::from(0)])]),
+        ]),
+        Value::Nil,
+    );
+    assert_eq!(st.first_keyed_block, Some(1));
+    // LoRA name plus a salt in block 0.
+    let st = stored(
+        arr(vec![arr(vec![s("sql"), s("salt")]), Value::Nil]),
+        s("sql"),
+    );
+    assert_eq!(st.first_keyed_block, Some(0));
+    assert_eq!(stored(Value::Nil, Value::Nil).first_keyed_block, None);
+    // Malformed: not an array, or an element that is neither nil nor an array.
+    for bad in [s("x"), arr(vec![Value::from(3)])] {
+        let mut kv = good_stored_map();
+        kv.push(("extra_keys", bad));
+        assert!(decode_batch(&batch(vec![map(kv)])).is_err());
+    }
+    // SGLang's cache_salt and a non-string medium.
+    let mut kv = good_stored_map();
+    kv.push(("cache_salt", s("s1")));
+    let b = decode_batch(&batch(vec![map(kv)])).unwrap();
+    let Event::BlockStored(st) = &b.events[0] else {
+        panic!("not stored")
+    };
+    assert_eq!(st.cache_salt.as_deref(), Some("s1"));
+    assert!(
+        decode_batch(&batch(vec![with(
+            good_stored_map(),
+            "medium",
+            Some(Value::from(1))
+        )]))
+        .is_err()
+    );
 }

@@ -1,22 +1,20 @@
 //! End to end (spec `sidecar.md` SC13–SC15): the real server binary, the sidecar binary and the
 //! fake engine binary on free loopback ports.
 //!
-//! The server binary is looked up in `$CARGO_TARGET_DIR/<profile>/` and then in
-//! `<workspace>/target/<profile>/`. When it is missing the tests print a notice and pass, unless
-//! `CI` is set: then they build it first with `cargo build -p inferencecache-server`.
+//! The server binary comes from [`common::server_process`].
 
 mod common;
 
-use common::{free_port, temp_dir};
+use common::server_process::{server_binary, start_server};
+use common::temp_dir;
 use inferencecache_engine::fingerprint::{chain, to_wire};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_sidecar::fake_engine::{Plan, hex};
 use inferencecache_sidecar::wire::encode;
 use rmpv::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
-use std::sync::OnceLock;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -25,124 +23,6 @@ use tonic::transport::Channel;
 const BS: usize = 128;
 const SIDECAR: &str = env!("CARGO_BIN_EXE_inferencecache-sidecar");
 const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_inferencecache-fake-engine");
-
-fn profile_dir() -> &'static str {
-    if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    }
-}
-
-fn candidates() -> Vec<PathBuf> {
-    let mut v = Vec::new();
-    if let Some(t) = std::env::var_os("CARGO_TARGET_DIR") {
-        v.push(
-            PathBuf::from(t)
-                .join(profile_dir())
-                .join("inferencecache-server"),
-        );
-    }
-    v.push(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../target")
-            .join(profile_dir())
-            .join("inferencecache-server"),
-    );
-    v
-}
-
-/// The server binary, building it under CI when missing; `None` → skip.
-fn server_binary() -> Option<PathBuf> {
-    static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Some(p) = candidates().into_iter().find(|p| p.is_file()) {
-            return Some(p);
-        }
-        if std::env::var_os("CI").is_none() {
-            eprintln!(
-                "NOTICE: inferencecache-server binary not found in {:?}; skipping end-to-end test \
-                 (build it with `cargo build -p inferencecache-server`, or set CI=1 to build it here)",
-                candidates()
-            );
-            return None;
-        }
-        let mut cmd = std::process::Command::new(env!("CARGO"));
-        cmd.args(["build", "-p", "inferencecache-server"])
-            .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
-        if profile_dir() == "release" {
-            cmd.arg("--release");
-        }
-        let status = cmd.status().expect("run cargo build");
-        assert!(status.success(), "cargo build -p inferencecache-server failed");
-        let found = candidates().into_iter().find(|p| p.is_file());
-        assert!(found.is_some(), "server binary still missing after build");
-        found
-    })
-    .clone()
-}
-
-struct Server {
-    _child: Child,
-    grpc: u16,
-}
-
-/// Starts the server; `None` when it exits before serving (e.g. an unsupported flag).
-async fn start_server(bin: &Path, extra: &[&str], log: &Path) -> Option<Server> {
-    let tls = extra.contains(&"--tls-cert-file");
-    let (p, q, r) = (free_port(), free_port(), free_port());
-    let mut child = Command::new(bin)
-        .args([
-            "--grpc-bind-address",
-            &format!("127.0.0.1:{p}"),
-            "--http-bind-address",
-            &format!("127.0.0.1:{q}"),
-            "--snapshot-bind-address",
-            &format!("127.0.0.1:{r}"),
-            "--engine-block-size",
-            &BS.to_string(),
-        ])
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn server");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            eprintln!(
-                "NOTICE: server exited early ({status}): {}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-            return None;
-        }
-        let ready = if tls {
-            tokio::net::TcpStream::connect(("127.0.0.1", p))
-                .await
-                .is_ok()
-        } else {
-            match InferenceCacheClient::connect(format!("http://127.0.0.1:{p}")).await {
-                Ok(mut c) => c
-                    .get_cache_state(pb::GetCacheStateRequest::default())
-                    .await
-                    .is_ok(),
-                Err(_) => false,
-            }
-        };
-        if ready {
-            return Some(Server {
-                _child: child,
-                grpc: p,
-            });
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "server did not come up"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// Starts the fake engine; returns the child, its bound endpoint and its EXPECT lines.
 async fn start_fake_engine(args: &[&str]) -> (Child, String, Vec<String>) {
@@ -207,6 +87,10 @@ fn start_sidecar(endpoint: &str, grpc: u16, model: &str, extra: &[&str], log: &P
             "http://127.0.0.1:1/metrics",
             "--stats-interval",
             "1h",
+            "--block-size",
+            &BS.to_string(),
+            "--metrics-bind-address",
+            "127.0.0.1:0",
         ])
         .args(extra)
         .stdout(Stdio::null())
@@ -354,7 +238,7 @@ async fn check_sc13(mut c: InferenceCacheClient<Channel>, model: &str, expect: &
 async fn sc13_fake_engine_sidecar_server_prefix_match() {
     let Some(bin) = server_binary() else { return };
     let dir = temp_dir("sc13");
-    let server = start_server(&bin, &[], &dir.join("server.log"))
+    let server = start_server(&bin, BS, &[], &dir.join("server.log"))
         .await
         .expect("server starts");
     let (_engine, endpoint, expect) =
@@ -381,7 +265,7 @@ async fn sc14_omitted_token_ids_and_truncated_event_index_nothing() {
     use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
     let Some(bin) = server_binary() else { return };
     let dir = temp_dir("sc14");
-    let server = start_server(&bin, &[], &dir.join("server.log"))
+    let server = start_server(&bin, BS, &[], &dir.join("server.log"))
         .await
         .expect("server starts");
     // The fake engine binary's own --omit-token-ids output.
@@ -454,6 +338,7 @@ async fn sc15_producer_token_required() {
     std::fs::write(&token_file, "# producers\nsidecar-token-1\n").unwrap();
     let Some(server) = start_server(
         &bin,
+        BS,
         &["--producer-token-file", token_file.to_str().unwrap()],
         &dir.join("server.log"),
     )
@@ -533,6 +418,7 @@ async fn sc15_mutual_tls_end_to_end() {
     );
     let Some(server) = start_server(
         &bin,
+        BS,
         &[
             "--tls-cert-file",
             &sc,

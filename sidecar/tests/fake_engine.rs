@@ -34,7 +34,7 @@ fn batch_is_one_chained_tuple_batch_matching_expect() {
     let batch = decode_batch(&plan.payload()).unwrap();
     assert_eq!(batch.ts, 0.0);
     assert_eq!(batch.events.len(), 2);
-    let mut m = ReverseMap::new();
+    let mut m = ReverseMap::new(8);
     let mut got = Vec::new();
     for (i, ev) in batch.events.iter().enumerate() {
         let Event::BlockStored(st) = ev else { panic!() };
@@ -51,6 +51,7 @@ fn batch_is_one_chained_tuple_batch_matching_expect() {
         }
         got.extend(
             m.store(st, "")
+                .entries
                 .into_iter()
                 .map(|e| (e.prefix_hash, e.token_count)),
         );
@@ -71,7 +72,9 @@ fn omit_token_ids_sends_nil_and_expects_nothing() {
         panic!()
     };
     assert!(st.token_ids.is_empty());
-    assert!(ReverseMap::new().store(st, "").is_empty());
+    let stored = ReverseMap::new(8).store(st, "");
+    assert!(stored.entries.is_empty());
+    assert!(stored.mismatched);
     assert!(plan.expected().is_empty());
     assert!(plan.expect_lines()[0].starts_with("EXPECT no index entries"));
 }

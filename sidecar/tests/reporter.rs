@@ -40,17 +40,39 @@ fn store(first: usize, count: usize, lora: Option<i64>) -> Event {
         token_ids: t[first * BS..(first + count) * BS].to_vec(),
         block_size: BS as i64,
         lora_id: lora,
+        ..BlockStored::default()
     })
+}
+
+/// BlockStored for global block `i` of [`tokens`] as a chain root (no parent).
+fn root_store(i: usize, lora: Option<i64>) -> Event {
+    let Event::BlockStored(mut ev) = store(i, 1, lora) else {
+        unreachable!()
+    };
+    ev.parent_block_hash = None;
+    Event::BlockStored(ev)
 }
 
 fn remove(blocks: &[u64]) -> Event {
     Event::BlockRemoved {
         block_hashes: blocks.iter().map(|b| eh(*b)).collect(),
+        medium: None,
     }
 }
 
+/// Reporter defaults with this file's block size.
+fn config() -> ReporterConfig {
+    let mut cfg = ReporterConfig::new(ident());
+    cfg.block_size = BS;
+    cfg
+}
+
 fn batch(ts: f64, events: Vec<Event>) -> EventBatch {
-    EventBatch { ts, events }
+    EventBatch {
+        ts,
+        events,
+        data_parallel_rank: None,
+    }
 }
 
 fn wire(i: usize) -> Vec<u8> {
@@ -74,7 +96,7 @@ fn kinds(calls: &[Call]) -> Vec<String> {
 #[tokio::test]
 async fn sc04_store_is_sent_before_its_eviction() {
     let (rec, addr) = start_fake_server(Mode::Ok).await;
-    let mut r = Reporter::new(ReporterConfig::new(ident()), sink_to(addr, None));
+    let mut r = Reporter::new(config(), sink_to(addr, None));
     // Store and remove within one window: no tick in between.
     r.handle_batch(&batch(2.0, vec![store(0, 2, None)])).await;
     assert_eq!(r.pending_len(), 2);
@@ -105,7 +127,7 @@ async fn sc04_store_is_sent_before_its_eviction() {
 #[tokio::test]
 async fn sc04_store_remove_clear_gives_two_evictions_and_one_all_cleared() {
     let (rec, addr) = start_fake_server(Mode::Ok).await;
-    let mut r = Reporter::new(ReporterConfig::new(ident()), sink_to(addr, None));
+    let mut r = Reporter::new(config(), sink_to(addr, None));
     r.handle_batch(&batch(
         0.0,
         vec![
@@ -131,7 +153,7 @@ async fn sc04_store_remove_clear_gives_two_evictions_and_one_all_cleared() {
 #[tokio::test]
 async fn sc05_l2_mode_rereports_as_t2_with_the_removal_timestamp() {
     let (rec, addr) = start_fake_server(Mode::Ok).await;
-    let mut cfg = ReporterConfig::new(ident());
+    let mut cfg = config();
     cfg.l2_mode = true;
     let mut r = Reporter::new(cfg, sink_to(addr, None));
     r.handle_batch(&batch(10.0, vec![store(0, 1, None)])).await;
@@ -169,7 +191,7 @@ async fn sc05_l2_mode_rereports_as_t2_with_the_removal_timestamp() {
 #[tokio::test]
 async fn sc05_l2_store_then_remove_in_one_window_orders_t1_before_t2() {
     let (rec, addr) = start_fake_server(Mode::Ok).await;
-    let mut cfg = ReporterConfig::new(ident());
+    let mut cfg = config();
     cfg.l2_mode = true;
     let mut r = Reporter::new(cfg, sink_to(addr, None));
     r.handle_batch(&batch(5.0, vec![store(0, 2, None), remove(&[0, 1])]))
@@ -194,7 +216,7 @@ async fn sc05_l2_store_then_remove_in_one_window_orders_t1_before_t2() {
 async fn sc06_store_then_clear_reports_nothing_and_publishes_all_cleared() {
     for l2 in [false, true] {
         let (rec, addr) = start_fake_server(Mode::Ok).await;
-        let mut cfg = ReporterConfig::new(ident());
+        let mut cfg = config();
         cfg.l2_mode = l2;
         let mut r = Reporter::new(cfg, sink_to(addr, None));
         r.handle_batch(&batch(
@@ -212,7 +234,7 @@ async fn sc06_store_then_clear_reports_nothing_and_publishes_all_cleared() {
 #[tokio::test]
 async fn sc07_lora_mapping_partitions_and_fails_closed() {
     let (rec, addr) = start_fake_server(Mode::Ok).await;
-    let mut cfg = ReporterConfig::new(ident());
+    let mut cfg = config();
     cfg.adapters = AdapterMap::parse("1=sql-lora").unwrap();
     let mut r = Reporter::new(cfg, sink_to(addr, None));
     r.handle_batch(&batch(
@@ -221,7 +243,8 @@ async fn sc07_lora_mapping_partitions_and_fails_closed() {
             store(0, 1, Some(1)),
             store(1, 1, Some(2)), // unmapped → dropped
             store(2, 1, Some(2)), // same id again (WARN once)
-            store(3, 1, None),
+            store(3, 1, None),    // its parent was dropped: an orphan, skipped
+            root_store(4, None),
         ],
     ))
     .await;
@@ -236,6 +259,11 @@ async fn sc07_lora_mapping_partitions_and_fails_closed() {
         .collect();
     assert_eq!(adapters, vec!["sql-lora", ""]);
     assert_eq!(r.counters().dropped_unmapped_lora, 2);
+    assert_eq!(
+        r.reverse_map().len(),
+        2,
+        "the orphan under a dropped block is not indexed"
+    );
     // Removing the lora-1 block evicts only under sql-lora; the dropped blocks are unknown.
     r.handle_batch(&batch(2.0, vec![remove(&[0, 1, 2])])).await;
     let evs = rec.events();
@@ -247,16 +275,20 @@ async fn sc07_lora_mapping_partitions_and_fails_closed() {
 #[tokio::test]
 async fn sc08_failing_server_reporter_keeps_running_and_drains() {
     let (rec, addr) = start_fake_server(Mode::Fail).await;
-    let mut cfg = ReporterConfig::new(ident());
+    let mut cfg = config();
     cfg.window = Duration::from_millis(20);
     let (tx, rx) = tokio::sync::mpsc::channel(256);
     let task = tokio::spawn(Reporter::new(cfg, sink_to(addr, None)).run(rx));
-    tx.send(batch(1.0, vec![store(0, 2, None)])).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    tx.send(batch(2.0, vec![remove(&[0]), Event::AllBlocksCleared]))
+    tx.send(batch(1.0, vec![store(0, 2, None)]).into())
         .await
         .unwrap();
-    tx.send(batch(3.0, vec![store(0, 1, None)])).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    tx.send(batch(2.0, vec![remove(&[0]), Event::AllBlocksCleared]).into())
+        .await
+        .unwrap();
+    tx.send(batch(3.0, vec![store(0, 1, None)]).into())
+        .await
+        .unwrap();
     drop(tx);
     let r = tokio::time::timeout(Duration::from_secs(10), task)
         .await
@@ -264,7 +296,8 @@ async fn sc08_failing_server_reporter_keeps_running_and_drains() {
         .unwrap();
     let c = r.counters();
     assert!(c.updates_failed >= 2, "{c:?}");
-    assert_eq!(c.events_failed, 2);
+    // Removing block 0 evicts block 1 after it too, then the clear: 3 failed events.
+    assert_eq!(c.events_failed, 3);
     assert_eq!(c.updates_sent, 0);
     assert!(!rec.calls().is_empty(), "the server saw the attempts");
 }
@@ -272,12 +305,16 @@ async fn sc08_failing_server_reporter_keeps_running_and_drains() {
 #[tokio::test]
 async fn window_tick_flushes_and_close_final_flushes() {
     let (rec, addr) = start_fake_server(Mode::Ok).await;
-    let mut cfg = ReporterConfig::new(ident());
+    let mut cfg = config();
     cfg.window = Duration::from_millis(50);
     let (tx, rx) = tokio::sync::mpsc::channel(256);
     let task = tokio::spawn(Reporter::new(cfg, sink_to(addr, None)).run(rx));
-    tx.send(batch(1.0, vec![store(0, 1, None)])).await.unwrap();
-    tx.send(batch(1.5, vec![store(1, 1, None)])).await.unwrap();
+    tx.send(batch(1.0, vec![store(0, 1, None)]).into())
+        .await
+        .unwrap();
+    tx.send(batch(1.5, vec![store(1, 1, None)]).into())
+        .await
+        .unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while rec.updates().is_empty() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -287,7 +324,9 @@ async fn window_tick_flushes_and_close_final_flushes() {
     assert_eq!(ups[0].prefixes.len(), 2);
     assert_eq!(ups[0].timestamp_us, 1_500_000, "latest batch ts wins");
     // Pending at close is flushed.
-    tx.send(batch(0.0, vec![store(2, 1, None)])).await.unwrap();
+    tx.send(batch(0.0, vec![store(2, 1, None)]).into())
+        .await
+        .unwrap();
     drop(tx);
     task.await.unwrap();
     let ups = rec.updates();
@@ -298,7 +337,7 @@ async fn window_tick_flushes_and_close_final_flushes() {
 #[tokio::test]
 async fn pending_limit_forces_an_immediate_flush() {
     let (rec, addr) = start_fake_server(Mode::Ok).await;
-    let mut cfg = ReporterConfig::new(ident());
+    let mut cfg = config();
     cfg.flush_threshold = 3;
     let mut r = Reporter::new(cfg, sink_to(addr, None));
     r.handle_batch(&batch(1.0, vec![store(0, 2, None)])).await;
@@ -311,7 +350,9 @@ async fn pending_limit_forces_an_immediate_flush() {
 #[tokio::test]
 async fn default_pending_limit_is_4096() {
     let (rec, addr) = start_fake_server(Mode::Ok).await;
-    let mut r = Reporter::new(ReporterConfig::new(ident()), sink_to(addr, None));
+    let mut cfg = config();
+    cfg.block_size = 1;
+    let mut r = Reporter::new(cfg, sink_to(addr, None));
     let bs = 1usize;
     let n = 4096usize;
     let ev = Event::BlockStored(BlockStored {
@@ -319,7 +360,7 @@ async fn default_pending_limit_is_4096() {
         parent_block_hash: None,
         token_ids: (0..n as u32).collect(),
         block_size: bs as i64,
-        lora_id: None,
+        ..BlockStored::default()
     });
     r.handle_batch(&batch(1.0, vec![ev])).await;
     assert_eq!(rec.updates().len(), 1);
@@ -329,7 +370,7 @@ async fn default_pending_limit_is_4096() {
 #[tokio::test]
 async fn missing_token_ids_produce_no_entries() {
     let (rec, addr) = start_fake_server(Mode::Ok).await;
-    let mut r = Reporter::new(ReporterConfig::new(ident()), sink_to(addr, None));
+    let mut r = Reporter::new(config(), sink_to(addr, None));
     let Event::BlockStored(mut st) = store(0, 2, None) else {
         unreachable!()
     };
@@ -348,7 +389,7 @@ async fn producer_token_is_sent_and_reloaded() {
     let path = dir.join("producer.token");
     std::fs::write(&path, "# producer token\n\n  s3cret  \nsecond\n").unwrap();
     let token = TokenSource::new(&path).unwrap();
-    let mut r = Reporter::new(ReporterConfig::new(ident()), sink_to(addr, Some(token)));
+    let mut r = Reporter::new(config(), sink_to(addr, Some(token)));
     r.handle_batch(&batch(1.0, vec![store(0, 1, None), remove(&[0])]))
         .await;
     std::fs::write(&path, "rotated-token-value\n").unwrap();

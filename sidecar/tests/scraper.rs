@@ -7,7 +7,8 @@ use inferencecache_sidecar::metrics::{
     CacheTierSel, Deriver, Profile, ScraperConfig, parse_exposition,
 };
 use inferencecache_sidecar::reporter::Identity;
-use inferencecache_sidecar::stats::{StaleLog, Staleness, StatsReporter, http_get};
+use inferencecache_sidecar::scrape_client::{MAX_RESPONSE_BYTES, MetricsClient};
+use inferencecache_sidecar::stats::{StaleLog, Staleness, StatsReporter};
 use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -207,44 +208,117 @@ fn sc11_scrape_errors_leave_the_baseline_untouched() {
 
 /// A tiny HTTP server answering each GET with the current (status, body).
 async fn metrics_server(state: Arc<Mutex<(u16, String)>>) -> String {
+    serve(state, None).await
+}
+
+/// The same over TLS with a certificate for 127.0.0.1 from `ca`.
+async fn https_metrics_server(
+    state: Arc<Mutex<(u16, String)>>,
+    ca: &inferencecache_test_ca::Ca,
+) -> String {
+    use rustls_pki_types::pem::PemObject;
+    let (cert, key) = ca.leaf();
+    let certs = rustls_pki_types::CertificateDer::pem_slice_iter(cert.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    let url = serve(
+        state,
+        Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))),
+    )
+    .await;
+    url.replacen("http://", "https://", 1)
+}
+
+async fn serve(state: Arc<Mutex<(u16, String)>>, tls: Option<tokio_rustls::TlsAcceptor>) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move {
         loop {
-            let Ok((mut sock, _)) = l.accept().await else {
+            let Ok((sock, _)) = l.accept().await else {
                 return;
             };
             let state = state.clone();
+            let tls = tls.clone();
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                let mut got = Vec::new();
-                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match sock.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                match tls {
+                    Some(acceptor) => {
+                        if let Ok(stream) = acceptor.accept(sock).await {
+                            answer(stream, state).await;
+                        }
                     }
+                    None => answer(sock, state).await,
                 }
-                let (code, body) = state.lock().unwrap().clone();
-                let resp = format!(
-                    "HTTP/1.1 {code} X\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = sock.write_all(resp.as_bytes()).await;
             });
         }
     });
     format!("http://{addr}/metrics")
 }
 
+async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    mut sock: S,
+    state: Arc<Mutex<(u16, String)>>,
+) {
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        match sock.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    let (code, body) = state.lock().unwrap().clone();
+    let resp = format!(
+        "HTTP/1.1 {code} X\r\nContent-Type: text/plain; version=0.0.4\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = sock.write_all(resp.as_bytes()).await;
+    let _ = sock.shutdown().await;
+}
+
 #[tokio::test]
 async fn http_get_reads_body_and_rejects_non_200() {
+    let client = MetricsClient::new();
     let state = Arc::new(Mutex::new((200u16, "hello".to_string())));
     let url = metrics_server(state.clone()).await;
-    assert_eq!(http_get(&url).await.unwrap(), "hello");
+    assert_eq!(client.get(&url).await.unwrap(), "hello");
     state.lock().unwrap().0 = 503;
-    assert!(http_get(&url).await.is_err());
-    assert!(http_get("http://127.0.0.1:1/metrics").await.is_err());
-    assert!(http_get("https://127.0.0.1/metrics").await.is_err());
+    let err = client.get(&url).await.unwrap_err();
+    assert!(err.0.contains("status 503"), "{err}");
+    assert!(client.get("http://127.0.0.1:1/metrics").await.is_err());
+    assert!(client.get("ftp://127.0.0.1/metrics").await.is_err());
+    assert!(client.get("not a url").await.is_err());
+}
+
+#[tokio::test]
+async fn https_is_verified_against_the_trusted_cas() {
+    let ca = inferencecache_test_ca::Ca::new("metrics-ca");
+    let state = Arc::new(Mutex::new((200u16, "secure".to_string())));
+    let url = https_metrics_server(state, &ca).await;
+    let trusting = MetricsClient::with_extra_ca(ca.pem().as_bytes()).unwrap();
+    assert_eq!(trusting.get(&url).await.unwrap(), "secure");
+    // Without the CA the certificate is not trusted.
+    assert!(MetricsClient::new().get(&url).await.is_err());
+    assert!(MetricsClient::with_extra_ca(b"no pem here").is_err());
+}
+
+#[tokio::test]
+async fn oversized_bodies_are_rejected() {
+    let client = MetricsClient::new();
+    let state = Arc::new(Mutex::new((200u16, "x".repeat(MAX_RESPONSE_BYTES + 1))));
+    let url = metrics_server(state.clone()).await;
+    let err = client.get(&url).await.unwrap_err();
+    assert!(err.0.contains("body"), "{err}");
+    state.lock().unwrap().1 = "x".repeat(MAX_RESPONSE_BYTES);
+    assert_eq!(client.get(&url).await.unwrap().len(), MAX_RESPONSE_BYTES);
 }
 
 #[tokio::test]
@@ -260,6 +334,7 @@ async fn sc12_staleness_sequence_and_ack_rejection() {
             hash_scheme: "vllm".into(),
         },
         url,
+        client: MetricsClient::new(),
         interval: std::time::Duration::from_secs(10),
         deriver: Deriver::new(cfg(Profile::Vllm)),
         sink: sink_to(addr, None),
@@ -317,6 +392,7 @@ async fn stale_wording_when_never_delivered() {
     let mut sr = StatsReporter {
         identity: Identity::default(),
         url: "http://127.0.0.1:1/metrics".into(),
+        client: MetricsClient::new(),
         interval: std::time::Duration::from_secs(10),
         deriver: Deriver::new(cfg(Profile::Vllm)),
         sink: sink_to(addr, None),

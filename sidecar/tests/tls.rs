@@ -20,14 +20,17 @@ fn one_store() -> EventBatch {
             parent_block_hash: None,
             token_ids: vec![1, 2, 3, 4],
             block_size: 4,
-            lora_id: None,
+            ..BlockStored::default()
         })],
+        data_parallel_rank: None,
     }
 }
 
 async fn send_one(addr: std::net::SocketAddr, tls: &TlsFiles) -> (u64, u64) {
     let sink = GrpcSink::new(build_channel(&addr.to_string(), tls).unwrap(), None);
-    let mut r = Reporter::new(ReporterConfig::new(Identity::default()), sink);
+    let mut cfg = ReporterConfig::new(Identity::default());
+    cfg.block_size = 4;
+    let mut r = Reporter::new(cfg, sink);
     r.handle_batch(&one_store()).await;
     r.flush().await;
     (r.counters().updates_sent, r.counters().updates_failed)

@@ -1,5 +1,5 @@
 //! `sidecar_event`: bytes → the sidecar's msgpack batch decoder (sidecar.md §4) and the
-//! positional re-keying of the decoded blocks (sidecar.md §5).
+//! positional re-keying of the decoded pages into 16-token index blocks (sidecar.md §5).
 
 use inferencecache_engine::fingerprint::{prefix_hashes, to_wire};
 use inferencecache_sidecar::positional::ReverseMap;
@@ -20,9 +20,13 @@ pub fn sidecar_event(data: &[u8]) {
         let again = decode_batch(&encode(&canonical(&batch, form)))
             .unwrap_or_else(|e| panic!("a re-encoded batch ({form:?}) failed to decode: {e}"));
         assert_eq!(again.ts.to_bits(), batch.ts.to_bits(), "timestamp changed");
-        assert_eq!(again.events, batch.events, "events changed ({form:?})");
+        assert_eq!(
+            again.events,
+            expressible(&batch.events, form),
+            "events changed ({form:?})"
+        );
     }
-    let mut map = ReverseMap::new();
+    let mut map = ReverseMap::new(INDEX_BLOCK);
     for ev in &batch.events {
         match ev {
             Event::BlockStored(bs) => {
@@ -30,9 +34,14 @@ pub fn sidecar_event(data: &[u8]) {
                 assert!(bs.block_size > 0, "block_size {}", bs.block_size);
                 check_store(&mut map, bs);
             }
-            Event::BlockRemoved { block_hashes } => {
-                map.remove(block_hashes);
-                assert!(block_hashes.iter().all(|h| map.get(h).is_none()));
+            Event::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
+                map.remove(block_hashes, medium.as_deref(), true);
+                if medium.is_none() {
+                    assert!(block_hashes.iter().all(|h| !map.contains(h)));
+                }
             }
             Event::AllBlocksCleared => {
                 map.clear();
@@ -42,10 +51,33 @@ pub fn sidecar_event(data: &[u8]) {
     }
 }
 
+/// Tokens per index block of the re-keying checks.
+const INDEX_BLOCK: usize = 16;
+
 #[derive(Debug, Clone, Copy)]
 enum Form {
     Map,
     Array,
+}
+
+/// The events as the array form can carry them: no LoRA name, extra keys or cache salt.
+fn expressible(events: &[Event], form: Form) -> Vec<Event> {
+    events
+        .iter()
+        .map(|ev| match (ev, form) {
+            (Event::BlockStored(bs), Form::Array) => Event::BlockStored(BlockStored {
+                lora_name: None,
+                first_keyed_block: None,
+                cache_salt: None,
+                ..bs.clone()
+            }),
+            _ => ev.clone(),
+        })
+        .collect()
+}
+
+fn optional_str(v: &Option<String>) -> Value {
+    v.as_deref().map_or(Value::Nil, Value::from)
 }
 
 /// The batch as an engine would send it: hashes as bin, nil for absent optionals.
@@ -73,11 +105,22 @@ fn canonical(batch: &EventBatch, form: Form) -> Value {
                         ),
                         ("block_size", Value::from(bs.block_size)),
                         ("lora_id", bs.lora_id.map_or(Value::Nil, Value::from)),
+                        ("medium", optional_str(&bs.medium)),
+                        // Map form only (the array decoder stops at the medium).
+                        ("lora_name", optional_str(&bs.lora_name)),
+                        ("cache_salt", optional_str(&bs.cache_salt)),
+                        ("extra_keys", extra_keys(bs.first_keyed_block)),
                     ],
                 ),
-                Event::BlockRemoved { block_hashes } => (
+                Event::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } => (
                     TAG_BLOCK_REMOVED,
-                    vec![("block_hashes", bin_list(block_hashes))],
+                    vec![
+                        ("block_hashes", bin_list(block_hashes)),
+                        ("medium", optional_str(medium)),
+                    ],
                 ),
                 Event::AllBlocksCleared => (TAG_ALL_CLEARED, vec![]),
             };
@@ -89,7 +132,14 @@ fn canonical(batch: &EventBatch, form: Form) -> Value {
                 ),
                 Form::Array => Value::Array(
                     std::iter::once(Value::from(tag))
-                        .chain(fields.into_iter().map(|(_, v)| v))
+                        .chain(
+                            fields
+                                .into_iter()
+                                .filter(|(k, _)| {
+                                    !matches!(*k, "lora_name" | "cache_salt" | "extra_keys")
+                                })
+                                .map(|(_, v)| v),
+                        )
                         .collect(),
                 ),
             }
@@ -98,30 +148,59 @@ fn canonical(batch: &EventBatch, form: Form) -> Value {
     Value::Array(vec![Value::F64(batch.ts), Value::Array(events)])
 }
 
+/// vLLM-style per-block extra keys whose first keyed block is `first` (a non-string key, so
+/// it is never taken for the LoRA name).
+fn extra_keys(first: Option<usize>) -> Value {
+    match first {
+        None => Value::Nil,
+        Some(k) => Value::Array(
+            std::iter::repeat_n(Value::Nil, k)
+                .chain(std::iter::once(Value::Array(vec![Value::from(0)])))
+                .collect(),
+        ),
+    }
+}
+
 /// Stores one decoded `BlockStored` and checks the derived entries (§5).
 fn check_store(map: &mut ReverseMap, bs: &BlockStored) {
-    let parent_known = bs
-        .parent_block_hash
-        .as_ref()
-        .is_some_and(|p| map.get(p).is_some());
-    let entries = map.store(bs, "");
-    if entries.is_empty() {
-        return;
-    }
     let n = bs.block_hashes.len();
-    assert_eq!(entries.len(), n, "one entry per stored block");
-    for pair in entries.windows(2) {
+    let parent_known = bs.parent_block_hash.as_ref().map(|p| map.contains(p));
+    let distinct = {
+        let mut seen = std::collections::HashSet::new();
+        bs.block_hashes.iter().all(|h| seen.insert(h))
+    };
+    let fresh = distinct && bs.block_hashes.iter().all(|h| !map.contains(h));
+    let stored = map.store(bs, "");
+    let entries = &stored.entries;
+    if stored.mismatched {
         assert!(
-            pair[0].token_count <= pair[1].token_count,
-            "cumulative token counts decrease"
+            entries.is_empty(),
+            "entries from token ids that do not cover the pages"
         );
-    }
-    if parent_known {
         return;
     }
-    // A root event is the gateway's fingerprint of its own tokens.
-    let bsz = usize::try_from(bs.block_size).expect("a stored block size fits usize");
-    let want: Vec<[u8; 8]> = prefix_hashes(&bs.token_ids, bsz)
+    if parent_known == Some(false) {
+        // The index never keys pages whose prefix it does not know.
+        assert!(entries.is_empty(), "an orphan page was indexed");
+        assert_eq!(stored.orphan_pages, n);
+        return;
+    }
+    if fresh {
+        for pair in entries.windows(2) {
+            assert!(
+                pair[0].token_count < pair[1].token_count,
+                "cumulative token counts do not increase"
+            );
+        }
+    }
+    let keyed = bs.cache_salt.is_some() || bs.first_keyed_block.is_some_and(|k| k < n);
+    if parent_known.is_some() || !fresh || keyed {
+        return;
+    }
+    // A root event is the gateway's fingerprint of its own tokens, in index blocks.
+    let page = usize::try_from(bs.block_size).expect("a stored block size fits usize");
+    let tokens = &bs.token_ids[..n * page];
+    let want: Vec<[u8; 8]> = prefix_hashes(tokens, INDEX_BLOCK)
         .into_iter()
         .map(to_wire)
         .collect();
@@ -130,26 +209,24 @@ fn check_store(map: &mut ReverseMap, bs: &BlockStored) {
         got, want,
         "root event re-keyed differently from the fingerprint"
     );
-    // The same blocks split into a root and a child naming its parent give the same entries.
+    // The same pages split into a root and a child naming its parent give the same entries.
     if n >= 2 {
         let k = n / 2;
-        let mut split = ReverseMap::new();
+        let mut split = ReverseMap::new(INDEX_BLOCK);
         let head = BlockStored {
             block_hashes: bs.block_hashes[..k].to_vec(),
             parent_block_hash: None,
-            token_ids: bs.token_ids[..k * bsz].to_vec(),
-            block_size: bs.block_size,
-            lora_id: bs.lora_id,
+            token_ids: tokens[..k * page].to_vec(),
+            ..bs.clone()
         };
         let tail = BlockStored {
             block_hashes: bs.block_hashes[k..].to_vec(),
             parent_block_hash: Some(bs.block_hashes[k - 1].clone()),
-            token_ids: bs.token_ids[k * bsz..].to_vec(),
-            block_size: bs.block_size,
-            lora_id: bs.lora_id,
+            token_ids: tokens[k * page..].to_vec(),
+            ..bs.clone()
         };
-        let mut parts = split.store(&head, "");
-        parts.extend(split.store(&tail, ""));
-        assert_eq!(parts, entries, "a split event re-keyed differently");
+        let mut parts = split.store(&head, "").entries;
+        parts.extend(split.store(&tail, "").entries);
+        assert_eq!(&parts, entries, "a split event re-keyed differently");
     }
 }

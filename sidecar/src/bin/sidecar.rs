@@ -17,7 +17,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    app::init_logging();
+    inferencecache_sidecar::logging::init(settings.log_level, settings.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -38,12 +38,26 @@ fn main() {
                 std::process::exit(1);
             }
         };
+        let metrics_client = match app::build_metrics_client(&settings) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(err = %e, "cannot build the engine metrics client");
+                std::process::exit(1);
+            }
+        };
+        let metrics_listener = match app::bind_metrics(&settings).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(err = %e, "cannot serve the sidecar's metrics");
+                std::process::exit(1);
+            }
+        };
         let cancel = CancellationToken::new();
         let signal_cancel = cancel.clone();
         tokio::spawn(async move {
             app::shutdown_signal().await;
             signal_cancel.cancel();
         });
-        app::run(settings, sink, cancel).await;
+        app::run(settings, sink, metrics_client, metrics_listener, cancel).await;
     });
 }

@@ -1,6 +1,8 @@
 //! Test helpers: an in-process recording gRPC sink and small builders.
 #![allow(dead_code)]
 
+pub mod server_process;
+
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_server::{
     InferenceCache, InferenceCacheServer,

@@ -1,0 +1,303 @@
+//! The sidecar's own counters and their Prometheus text exposition.
+//!
+//! Every activity holds the same [`Telemetry`] behind an `Arc` and bumps relaxed atomics: the
+//! counters are independent facts, read only by the `/metrics` handler, so no ordering between
+//! them is promised (a scrape may see a gap counted before its replay).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Why the sidecar dropped everything it knew about the replica and started over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResyncReason {
+    /// The subscriber connected for the first time: events before it are unknown.
+    Startup,
+    /// The connection to the engine dropped and was dialed again.
+    Reconnect,
+    /// A sequence gap the replay socket could not fill.
+    GapUnfillable,
+    /// The sequence went backwards: the engine process started again.
+    EngineRestart,
+}
+
+impl ResyncReason {
+    /// Label value in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResyncReason::Startup => "startup",
+            ResyncReason::Reconnect => "reconnect",
+            ResyncReason::GapUnfillable => "gap_unfillable",
+            ResyncReason::EngineRestart => "engine_restart",
+        }
+    }
+
+    const ALL: [ResyncReason; 4] = [
+        ResyncReason::Startup,
+        ResyncReason::Reconnect,
+        ResyncReason::GapUnfillable,
+        ResyncReason::EngineRestart,
+    ];
+}
+
+/// Counters of one sidecar process.
+#[derive(Debug, Default)]
+pub struct Telemetry {
+    /// Batches decoded from the live stream.
+    pub batches_live: AtomicU64,
+    /// Batches applied from the engine's replay socket.
+    pub batches_replayed: AtomicU64,
+    /// Live batches skipped because their sequence number was already applied from a replay.
+    pub batches_duplicate: AtomicU64,
+    /// Payloads that were not a valid event batch.
+    pub decode_failures: AtomicU64,
+    /// `BlockStored` events received.
+    pub events_stored: AtomicU64,
+    /// `BlockRemoved` events received.
+    pub events_removed: AtomicU64,
+    /// `AllBlocksCleared` events received.
+    pub events_cleared: AtomicU64,
+    /// Sequence gaps seen on the live stream.
+    pub gaps: AtomicU64,
+    /// Gaps filled completely from the replay socket.
+    pub gaps_filled: AtomicU64,
+    /// Replay requests that failed (no answer, timeout, malformed frames).
+    pub replay_failures: AtomicU64,
+    resyncs: [AtomicU64; 4],
+    /// `ReportCacheState` updates acknowledged.
+    pub updates_sent: AtomicU64,
+    /// `PREFIX_EVICTED` events acknowledged.
+    pub evictions_sent: AtomicU64,
+    /// `ALL_CLEARED` events acknowledged.
+    pub clears_sent: AtomicU64,
+    /// Failed `ReportCacheState` calls.
+    pub report_errors: AtomicU64,
+    /// Failed `PublishEvent` calls.
+    pub publish_errors: AtomicU64,
+    /// Engine blocks not indexed because their parent block is unknown.
+    pub orphan_blocks: AtomicU64,
+    /// Engine blocks not indexed because their hash depends on extra keys or a cache salt.
+    pub keyed_blocks: AtomicU64,
+    /// Block copies whose medium is not in the tier table.
+    pub unknown_medium: AtomicU64,
+    /// `BlockStored` events dropped for an unmapped LoRA id.
+    pub unmapped_lora: AtomicU64,
+    /// `BlockStored` events whose token ids did not cover their blocks.
+    pub no_index_entries: AtomicU64,
+    /// Wall clock (ms since the epoch) of the last batch received; 0 = none yet.
+    last_event_ms: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+impl Telemetry {
+    /// Adds `n` to a counter.
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Adds one to a counter.
+    pub fn inc(counter: &AtomicU64) {
+        bump(counter);
+    }
+
+    /// Counts a resync.
+    pub fn resync(&self, reason: ResyncReason) {
+        bump(&self.resyncs[reason as usize]);
+    }
+
+    /// Resyncs so far for one reason.
+    pub fn resyncs(&self, reason: ResyncReason) -> u64 {
+        self.resyncs[reason as usize].load(Ordering::Relaxed)
+    }
+
+    /// Notes that a batch arrived now.
+    pub fn event_arrived(&self) {
+        self.last_event_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
+    /// Seconds since the last batch, `None` before the first.
+    pub fn seconds_since_last_event(&self) -> Option<f64> {
+        match self.last_event_ms.load(Ordering::Relaxed) {
+            0 => None,
+            at => Some(now_ms().saturating_sub(at) as f64 / 1000.0),
+        }
+    }
+
+    /// The Prometheus text exposition (version 0.0.4) of every counter.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(4096);
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        counter(
+            &mut out,
+            "inferencecache_sidecar_batches_received_total",
+            "Event batches received, by source.",
+            &[
+                ("source=\"live\"", load(&self.batches_live)),
+                ("source=\"replay\"", load(&self.batches_replayed)),
+            ],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_duplicate_batches_total",
+            "Live batches skipped because a replay had already applied their sequence number.",
+            &[("", load(&self.batches_duplicate))],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_events_received_total",
+            "Engine events received, by type.",
+            &[
+                ("type=\"BlockStored\"", load(&self.events_stored)),
+                ("type=\"BlockRemoved\"", load(&self.events_removed)),
+                ("type=\"AllBlocksCleared\"", load(&self.events_cleared)),
+            ],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_decode_failures_total",
+            "Payloads that were not a valid event batch.",
+            &[("", load(&self.decode_failures))],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_sequence_gaps_total",
+            "Sequence gaps seen on the live stream.",
+            &[("", load(&self.gaps))],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_sequence_gaps_filled_total",
+            "Sequence gaps filled completely from the engine's replay socket.",
+            &[("", load(&self.gaps_filled))],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_replayed_batches_total",
+            "Batches applied from the engine's replay socket.",
+            &[("", load(&self.batches_replayed))],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_replay_failures_total",
+            "Replay requests without a complete answer.",
+            &[("", load(&self.replay_failures))],
+        );
+        let resyncs: Vec<(String, u64)> = ResyncReason::ALL
+            .iter()
+            .map(|r| (format!("reason=\"{}\"", r.as_str()), self.resyncs(*r)))
+            .collect();
+        let resyncs: Vec<(&str, u64)> = resyncs.iter().map(|(l, v)| (l.as_str(), *v)).collect();
+        counter(
+            &mut out,
+            "inferencecache_sidecar_resyncs_total",
+            "Times the replica's entries were cleared and rebuilt, by reason.",
+            &resyncs,
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_updates_sent_total",
+            "ReportCacheState updates acknowledged by the server.",
+            &[("", load(&self.updates_sent))],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_events_sent_total",
+            "PublishEvent calls acknowledged by the server, by type.",
+            &[
+                ("type=\"PREFIX_EVICTED\"", load(&self.evictions_sent)),
+                ("type=\"ALL_CLEARED\"", load(&self.clears_sent)),
+            ],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_send_errors_total",
+            "Failed calls to the server, by RPC.",
+            &[
+                ("rpc=\"ReportCacheState\"", load(&self.report_errors)),
+                ("rpc=\"PublishEvent\"", load(&self.publish_errors)),
+            ],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_skipped_blocks_total",
+            "Engine blocks not indexed, by reason.",
+            &[
+                ("reason=\"unknown_parent\"", load(&self.orphan_blocks)),
+                ("reason=\"extra_keys\"", load(&self.keyed_blocks)),
+            ],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_unknown_medium_total",
+            "Block copies whose medium is not in the tier table (reported as T3).",
+            &[("", load(&self.unknown_medium))],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_unmapped_lora_total",
+            "BlockStored events dropped for a LoRA id without an adapter name.",
+            &[("", load(&self.unmapped_lora))],
+        );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_no_index_entries_total",
+            "BlockStored events whose token ids did not cover their blocks.",
+            &[("", load(&self.no_index_entries))],
+        );
+        if let Some(age) = self.seconds_since_last_event() {
+            let name = "inferencecache_sidecar_seconds_since_last_event";
+            let _ = writeln!(
+                out,
+                "# HELP {name} Seconds since the last event batch arrived.\n# TYPE {name} gauge\n{name} {age}"
+            );
+        }
+        out
+    }
+}
+
+fn counter(out: &mut String, name: &str, help: &str, samples: &[(&str, u64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    for (labels, value) in samples {
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {value}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn render_lists_counters_with_labels() {
+        let t = Telemetry::default();
+        Telemetry::inc(&t.gaps);
+        t.resync(ResyncReason::EngineRestart);
+        Telemetry::add(&t.batches_replayed, 3);
+        let text = t.render();
+        assert!(text.contains("inferencecache_sidecar_sequence_gaps_total 1\n"));
+        assert!(
+            text.contains("inferencecache_sidecar_resyncs_total{reason=\"engine_restart\"} 1\n")
+        );
+        assert!(text.contains("inferencecache_sidecar_resyncs_total{reason=\"startup\"} 0\n"));
+        assert!(text.contains("inferencecache_sidecar_replayed_batches_total 3\n"));
+        assert!(!text.contains("seconds_since_last_event"));
+        t.event_arrived();
+        assert!(
+            t.render()
+                .contains("inferencecache_sidecar_seconds_since_last_event ")
+        );
+    }
+}
