@@ -90,6 +90,16 @@ section() {
         echo '```text'
         "$TARGET/release/checkpoint" --chains 163840 || true
         echo '```'
+        echo
+        echo "The disk's own limit here (512 MiB written and fdatasync'ed, then read back uncached):"
+        echo
+        echo '```text'
+        local dd="${TMPDIR:-/tmp}/ic-dd-$$"
+        dd if=/dev/zero of="$dd" bs=1M count=512 conv=fdatasync 2>&1 | tail -1
+        sync; echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || true
+        dd if="$dd" of=/dev/null bs=1M 2>&1 | tail -1
+        rm -f "$dd"
+        echo '```'
       } >"$RES/checkpoint.tmp" && mv "$RES/checkpoint.tmp" "$RES/checkpoint.md" ;;
     *)
       echo "unknown section: $1 (w1m, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc, checkpoint)" >&2; exit 2 ;;
