@@ -631,7 +631,13 @@ mod tests {
             1,
             "300 µs is in the 0.0005 bucket"
         );
-        assert_eq!(s.buckets.iter().map(|b| b.load(Ordering::Relaxed)).sum::<u64>(), 1);
+        assert_eq!(
+            s.buckets
+                .iter()
+                .map(|b| b.load(Ordering::Relaxed))
+                .sum::<u64>(),
+            1
+        );
         assert_eq!(s.calls[3][0].load(Ordering::Relaxed), 1);
     }
 
@@ -651,10 +657,19 @@ mod tests {
             let guard = m.lookups.guard();
             let s = m.lookups.get(format!("m{le}").as_str(), &guard).unwrap();
             let slot = LATENCY_BUCKETS.iter().position(|b| *b == le).unwrap();
-            assert_eq!(s.buckets[slot].load(Ordering::Relaxed), 1, "{elapsed:?} → le {le}");
+            assert_eq!(
+                s.buckets[slot].load(Ordering::Relaxed),
+                1,
+                "{elapsed:?} → le {le}"
+            );
         }
-        for reference in [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1] {
-            assert!(LATENCY_BUCKETS.contains(&reference), "reference bucket {reference} kept");
+        for reference in [
+            0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+        ] {
+            assert!(
+                LATENCY_BUCKETS.contains(&reference),
+                "reference bucket {reference} kept"
+            );
         }
         assert!(LATENCY_BUCKETS.windows(2).all(|w| w[0] < w[1]));
     }
