@@ -57,7 +57,7 @@ struct Sample {
 /// P8 churn bench: memory stays bounded by the cap under insert, remove, ALL_CLEARED and TTL
 /// churn (exit 1 when the RSS bar fails).
 #[derive(Debug, Parser)]
-#[command(name = "churn", version, about, long_about = None)]
+#[command(name = "churn", version)]
 struct Args {
     /// Length of the run in minutes (the first `--warmup-s` seconds are not measured).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]

@@ -182,7 +182,7 @@ fn t94() {
 /// Eviction quality and per-ingest cost at the cap (T86 LRU, T87 LFU), then PREFIX_EVICTED and
 /// cache_state latency on a 1 M-entry index (T94). Markdown tables on stdout.
 #[derive(Debug, Parser)]
-#[command(name = "eviction", version, about, long_about = None)]
+#[command(name = "eviction", version)]
 struct Args {
     /// Population N (cap N / 2); repeat for several rows (default: 100000 and 1000000).
     #[arg(long = "n", value_name = "N", value_parser = clap::value_parser!(u64).range(20 * BATCH..))]

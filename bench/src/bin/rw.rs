@@ -112,7 +112,7 @@ fn writer(ix: &Index, rate: f64, stop: &AtomicBool, blocks: &AtomicU64) {
 /// P7: a Q50 reader's p99 on an idle index and while one writer ingests and removes fresh
 /// chains (exit 1 on a wrong answer).
 #[derive(Debug, Parser)]
-#[command(name = "rw", version, about, long_about = None)]
+#[command(name = "rw", version)]
 struct Args {
     /// Seconds per phase (idle, then with the writer).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]

@@ -27,7 +27,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// W1M on InferenceCache: load the workload, time the query sets, check every answer (exit 1
 /// when a check fails).
 #[derive(Debug, Parser)]
-#[command(name = "w1m", version, about, long_about = None)]
+#[command(name = "w1m", version)]
 struct Args {
     /// Chains of the workload (default: the full W1M size, or the smoke size with --smoke).
     #[arg(long, value_parser = parse_chains)]
