@@ -13,9 +13,10 @@ cd "$repo"
 # The debug binaries the tests run (already built by `cargo test --workspace` in CI).
 cargo build --quiet -p inferencecache-server -p inferencecache-sidecar --bins
 
-venv="$(mktemp -d)/venv"
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+venv="$scratch/venv"
 python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
 # A plain (non-editable) install, as a user would do it: the wheel is built from proto/.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "./clients/python[test]"
 # The installed stubs import from the venv, not from the source tree.
