@@ -10,5 +10,6 @@ pub mod host;
 pub mod loadgen;
 pub mod measure;
 pub mod ours;
+pub mod progress;
 pub mod report;
 pub mod w1m;

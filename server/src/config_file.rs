@@ -114,32 +114,51 @@ pub enum DurationValue {
     Text(String),
 }
 
-/// A policy entry in TOML: the `/policy` keys, with `evictionTTL` also accepting a duration.
+/// A policy entry in TOML. Keys are snake_case; the camelCase `/policy` names (D1's original
+/// TOML spelling) are accepted as aliases, so files written for either keep loading. Giving
+/// both spellings of one key is a duplicate-key error. `eviction_ttl` also accepts a duration.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(deny_unknown_fields)]
 pub struct PolicyToml {
     #[serde(default)]
     pub namespace: String,
-    #[serde(rename = "evictionTTL")]
+    #[serde(alias = "evictionTTL")]
     pub eviction_ttl: Option<DurationValue>,
+    #[serde(alias = "minimumPrefixTokens")]
     pub minimum_prefix_tokens: Option<i32>,
+    #[serde(alias = "minimumMatchedTokens")]
     pub minimum_matched_tokens: Option<i32>,
+    #[serde(alias = "routingFloorScore")]
     pub routing_floor_score: Option<f32>,
+    #[serde(alias = "lookupTimeoutMs")]
     pub lookup_timeout_ms: Option<i32>,
+    #[serde(alias = "affinityRouting")]
     pub affinity_routing: Option<bool>,
     pub eviction: Option<String>,
-    pub strategy: Option<StrategyEntry>,
+    pub strategy: Option<StrategyToml>,
 }
 
-/// A tenant quota entry in TOML (same keys as `/policy`).
+/// The `strategy` table of a TOML policy entry (snake_case, camelCase aliases).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StrategyToml {
+    #[serde(alias = "enableChainMatching")]
+    pub enable_chain_matching: Option<bool>,
+    #[serde(alias = "requireChain")]
+    pub require_chain: Option<bool>,
+    #[serde(alias = "enableTenantHot")]
+    pub enable_tenant_hot: Option<bool>,
+}
+
+/// A tenant quota entry in TOML (snake_case, the `/policy` camelCase names as aliases).
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TenantToml {
-    #[serde(rename = "tenantID", default)]
+    #[serde(alias = "tenantID", default)]
     pub tenant_id: String,
-    #[serde(rename = "maxIndexEntries")]
+    #[serde(alias = "maxIndexEntries")]
     pub max_index_entries: Option<i64>,
-    #[serde(rename = "isolationMode")]
+    #[serde(alias = "isolationMode")]
     pub isolation_mode: Option<String>,
 }
 
@@ -150,7 +169,7 @@ impl PolicyToml {
             Some(DurationValue::Nanos(n)) => Some(*n),
             Some(DurationValue::Text(s)) => Some(
                 parse_duration(s)
-                    .with_context(|| format!("invalid evictionTTL {s:?}"))?
+                    .with_context(|| format!("invalid eviction_ttl {s:?}"))?
                     .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)),
             ),
         };
@@ -163,7 +182,11 @@ impl PolicyToml {
             lookup_timeout_ms: self.lookup_timeout_ms,
             affinity_routing: self.affinity_routing,
             eviction: self.eviction.clone(),
-            strategy: self.strategy.clone(),
+            strategy: self.strategy.as_ref().map(|s| StrategyEntry {
+                enable_chain_matching: s.enable_chain_matching,
+                require_chain: s.require_chain,
+                enable_tenant_hot: s.enable_tenant_hot,
+            }),
         })
     }
 }
@@ -391,6 +414,83 @@ isolationMode = "Fairness"
             "[limits]\nmax_chain_length = -1",
             "[limits]\nmax_message_bytes = 0",
             "[limits]\nmax_hash = 5",
+        ] {
+            assert!(ConfigFile::parse(bad).is_err(), "{bad:?} must be rejected");
+        }
+    }
+
+    #[test]
+    fn snake_case_keys_and_camel_case_aliases_resolve_alike() {
+        let snake = r#"
+[policy.default]
+minimum_matched_tokens = 32
+routing_floor_score = 0.2
+
+[[policy.namespaces]]
+namespace = "team-a"
+eviction_ttl = "10m"
+minimum_prefix_tokens = 8
+lookup_timeout_ms = 7
+affinity_routing = false
+eviction = "lfu"
+strategy = { enable_chain_matching = true, require_chain = true, enable_tenant_hot = false }
+
+[[tenants]]
+tenant_id = "tenant-a"
+max_index_entries = 100000
+isolation_mode = "Fairness"
+"#;
+        let camel = r#"
+[policy.default]
+minimumMatchedTokens = 32
+routingFloorScore = 0.2
+
+[[policy.namespaces]]
+namespace = "team-a"
+evictionTTL = "10m"
+minimumPrefixTokens = 8
+lookupTimeoutMs = 7
+affinityRouting = false
+eviction = "lfu"
+strategy = { enableChainMatching = true, requireChain = true, enableTenantHot = false }
+
+[[tenants]]
+tenantID = "tenant-a"
+maxIndexEntries = 100000
+isolationMode = "Fairness"
+"#;
+        let a = ConfigFile::parse(snake).unwrap();
+        let b = ConfigFile::parse(camel).unwrap();
+        assert_eq!(a, b, "the aliases decode to the same fields");
+        let layer = a.policy_layer().unwrap();
+        let p = &layer.namespaces["team-a"];
+        assert_eq!(
+            (
+                p.eviction_ttl_ns,
+                p.minimum_prefix_tokens,
+                p.minimum_matched_tokens,
+                p.lookup_timeout_ms,
+                p.affinity_routing,
+                p.algorithm,
+                p.require_chain,
+                p.enable_tenant_hot
+            ),
+            (
+                600_000_000_000,
+                8,
+                32,
+                7,
+                false,
+                Algorithm::Lfu,
+                true,
+                false
+            )
+        );
+        assert_eq!(layer.quotas["tenant-a"], 100_000);
+        for bad in [
+            "[[policy.namespaces]]\nnamespace = \"a\"\nlookup_timeout_ms = 1\nlookupTimeoutMs = 2",
+            "[[tenants]]\ntenant_id = \"t\"\ntenantID = \"u\"",
+            "[[policy.namespaces]]\nnamespace = \"a\"\nstrategy = { requireChains = true }",
         ] {
             assert!(ConfigFile::parse(bad).is_err(), "{bad:?} must be rejected");
         }

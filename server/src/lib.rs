@@ -15,6 +15,7 @@ pub mod logging;
 pub mod lookup;
 pub mod metrics;
 pub mod policy;
+pub mod process_metrics;
 pub mod service;
 pub mod streams;
 pub mod tls;

@@ -18,9 +18,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// `lookup_route_latency_seconds` buckets (reference values).
-pub const LATENCY_BUCKETS: [f64; 10] = [
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+/// `lookup_route_latency_seconds` buckets: the reference's ten (from 100 µs), preceded by six
+/// that resolve microseconds, where nearly every index-served lookup lands. Every reference
+/// boundary is kept, so queries written against the reference's `le` values still work.
+pub const LATENCY_BUCKETS: [f64; 16] = [
+    0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005, // microsecond resolution
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, // the reference's
 ];
 
 /// Reason codes with a dedicated counter slot; anything else is counted under `NO_HINT`'s
@@ -446,6 +449,8 @@ impl Metrics {
             }
             out.push(fam);
         }
+        out.push(crate::process_metrics::build_info());
+        out.extend(crate::process_metrics::process_families());
         out
     }
 
@@ -627,11 +632,52 @@ mod tests {
         m.observe_lookup("m", "NO_HINT", false, Duration::from_micros(300));
         let guard = m.lookups.guard();
         let s = m.lookups.get("m", &guard).unwrap();
+        let slot = LATENCY_BUCKETS.iter().position(|le| *le == 0.0005).unwrap();
         assert_eq!(
-            s.buckets[2].load(Ordering::Relaxed),
+            s.buckets[slot].load(Ordering::Relaxed),
             1,
             "300 µs is in the 0.0005 bucket"
         );
+        assert_eq!(
+            s.buckets
+                .iter()
+                .map(|b| b.load(Ordering::Relaxed))
+                .sum::<u64>(),
+            1
+        );
         assert_eq!(s.calls[3][0].load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn microsecond_lookups_land_in_microsecond_buckets() {
+        let m = Metrics::new();
+        for (elapsed, le) in [
+            (Duration::from_nanos(800), 0.000001),
+            (Duration::from_micros(2), 0.0000025),
+            (Duration::from_micros(4), 0.000005),
+            (Duration::from_micros(7), 0.00001),
+            (Duration::from_micros(20), 0.000025),
+            (Duration::from_micros(50), 0.00005),
+            (Duration::from_micros(90), 0.0001),
+        ] {
+            m.observe_lookup(&format!("m{le}"), "NO_HINT", false, elapsed);
+            let guard = m.lookups.guard();
+            let s = m.lookups.get(format!("m{le}").as_str(), &guard).unwrap();
+            let slot = LATENCY_BUCKETS.iter().position(|b| *b == le).unwrap();
+            assert_eq!(
+                s.buckets[slot].load(Ordering::Relaxed),
+                1,
+                "{elapsed:?} → le {le}"
+            );
+        }
+        for reference in [
+            0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+        ] {
+            assert!(
+                LATENCY_BUCKETS.contains(&reference),
+                "reference bucket {reference} kept"
+            );
+        }
+        assert!(LATENCY_BUCKETS.windows(2).all(|w| w[0] < w[1]));
     }
 }

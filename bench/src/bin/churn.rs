@@ -2,8 +2,12 @@
 //! remove / ALL_CLEARED / TTL churn.
 //!
 //! ```text
-//! churn [--minutes N] [--cap N] [--warmup-s N] [--ttl-ms N] [--clear-every N]
+//! churn [--minutes N] [--cap N | --caps N,N[,…]] [--warmup-s N] [--ttl-ms N] [--clear-every N]
+//!       [--quiet]
 //! ```
+//!
+//! `churn --help` describes every flag; a progress bar on stderr (hidden with `--quiet` or when
+//! stderr is not a terminal) shows the elapsed part of the run.
 //!
 //! Cap 1,000,000 storage entries, TTL 10 s (`--ttl-ms`), sweep every 1 s (the index's own ticker
 //! thread). One writer ingests fresh 64-block chains as fast as it can (the rate is reported; the
@@ -18,9 +22,11 @@
 //! measured window ≤ 1.05 × max RSS of the first half (minutes 5–10 vs 1–5 for the default
 //! 10-minute run). Exits non-zero when P8 fails.
 
+use clap::Parser;
 use inferencecache_bench::host::ALLOCATOR;
 use inferencecache_bench::measure::vm_rss_bytes;
 use inferencecache_bench::ours;
+use inferencecache_bench::progress;
 use inferencecache_bench::w1m::LEN;
 use inferencecache_engine::*;
 use std::collections::VecDeque;
@@ -48,35 +54,52 @@ struct Sample {
     blocks: u64,
 }
 
+/// P8 churn bench: memory stays bounded by the cap under insert, remove, ALL_CLEARED and TTL
+/// churn (exit 1 when the RSS bar fails).
+#[derive(Debug, Parser)]
+#[command(name = "churn", version)]
+struct Args {
+    /// Length of the run in minutes (the first `--warmup-s` seconds are not measured).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    minutes: u64,
+    /// Global cap in storage entries.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
+    cap: u64,
+    /// Fit RSS per entry over these caps instead (comma-separated, at least two distinct): one
+    /// child process per cap.
+    #[arg(long, value_parser = parse_caps_arg, conflicts_with = "cap")]
+    caps: Option<Caps>,
+    /// Warm-up in seconds before RSS sampling starts.
+    #[arg(long = "warmup-s", default_value_t = 60)]
+    warmup_s: u64,
+    /// Entry TTL in milliseconds (the sweep runs every second).
+    #[arg(long = "ttl-ms", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    ttl_ms: u64,
+    /// One ALL_CLEARED (round-robin replica) every this many chains.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    clear_every: u64,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// The `--caps` list.
+#[derive(Debug, Clone)]
+struct Caps(Vec<u64>);
+
+fn parse_caps_arg(v: &str) -> Result<Caps, String> {
+    parse_caps(v)
+        .map(Caps)
+        .ok_or_else(|| "expected at least two distinct positive caps, e.g. 250000,500000".into())
+}
+
 fn main() -> ExitCode {
-    let mut minutes = 10u64;
-    let mut cap = 1_000_000i64;
-    let mut warmup_s = 60u64;
-    let mut ttl_ms = 10_000u64;
-    let mut clear_every = 10_000u64;
-    let mut caps: Vec<u64> = Vec::new();
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        let raw = it.next();
-        let v = raw.as_deref().and_then(|v| v.parse::<u64>().ok());
-        match (a.as_str(), v) {
-            ("--minutes", Some(v)) if v > 0 => minutes = v,
-            ("--cap", Some(v)) if v > 0 => cap = v as i64,
-            ("--warmup-s", Some(v)) => warmup_s = v,
-            ("--ttl-ms", Some(v)) if v > 0 => ttl_ms = v,
-            ("--clear-every", Some(v)) if v > 0 => clear_every = v,
-            ("--caps", _) if let Some(c) = raw.as_deref().and_then(parse_caps) => caps = c,
-            _ => {
-                eprintln!(
-                    "usage: churn [--minutes N] [--cap N | --caps N,N[,…]] [--warmup-s N] \
-                     [--ttl-ms N] [--clear-every N]"
-                );
-                return ExitCode::from(2);
-            }
-        }
-    }
-    if !caps.is_empty() {
-        return per_entry_fit(&caps, minutes, warmup_s, ttl_ms, clear_every);
+    let args = Args::parse();
+    let (minutes, warmup_s, ttl_ms, clear_every) =
+        (args.minutes, args.warmup_s, args.ttl_ms, args.clear_every);
+    let cap = i64::try_from(args.cap).unwrap_or(i64::MAX);
+    if let Some(Caps(caps)) = &args.caps {
+        return per_entry_fit(caps, minutes, warmup_s, ttl_ms, clear_every, args.quiet);
     }
     let total = Duration::from_secs(minutes * 60);
     let ix = Arc::new(Index::new(
@@ -105,8 +128,13 @@ fn main() -> ExitCode {
     let mut removed = 0u64;
     let (mut clears, mut cleared) = (0u64, 0u64);
     let mut c = 0u64;
+    let bar = progress::timed(total, args.quiet);
     loop {
         let now = start.elapsed();
+        // Every 1,024 chains (a few ms at the writer's rate): the bar costs nothing measurable.
+        if c.is_multiple_of(1024) {
+            bar.set_position(now.as_secs());
+        }
         if now >= next_sample {
             samples.push(Sample {
                 t_s: now.as_secs(),
@@ -159,6 +187,7 @@ fn main() -> ExitCode {
         }
         c += 1;
     }
+    bar.finish_and_clear();
     ix.stop();
     let secs = start.elapsed().as_secs_f64();
     println!(
@@ -285,7 +314,14 @@ fn fit(xs: &[f64], ys: &[f64]) -> (f64, f64) {
 /// against the cap. The slope is the memory one more entry costs; the intercept is what the
 /// process holds whatever the cap (binary, allocator arenas, thread stacks, per-shard chunk
 /// tails, garbage waiting for its epoch at the writer's rate).
-fn per_entry_fit(caps: &[u64], minutes: u64, warmup_s: u64, ttl_ms: u64, clear: u64) -> ExitCode {
+fn per_entry_fit(
+    caps: &[u64],
+    minutes: u64,
+    warmup_s: u64,
+    ttl_ms: u64,
+    clear: u64,
+    quiet: bool,
+) -> ExitCode {
     let Ok(exe) = std::env::current_exe() else {
         eprintln!("churn: cannot locate its own executable");
         return ExitCode::FAILURE;
@@ -310,6 +346,9 @@ fn per_entry_fit(caps: &[u64], minutes: u64, warmup_s: u64, ttl_ms: u64, clear: 
                 &ttl_ms.to_string(),
             ])
             .args(["--clear-every", &clear.to_string()])
+            // Each child draws its own bar on the inherited stderr.
+            .args(quiet.then_some("--quiet"))
+            .stderr(std::process::Stdio::inherit())
             .output();
         let out = match run {
             Ok(o) => String::from_utf8_lossy(&o.stdout).into_owned(),

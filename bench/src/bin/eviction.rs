@@ -2,8 +2,11 @@
 //! T94): the timed halves of those scenarios, which are benchmarks rather than unit tests.
 //!
 //! ```text
-//! eviction [--n N]... [--seed S] [--repeat R] [--alg lru|lfu] [--no-t94]
+//! eviction [--n N]... [--seed S] [--repeat R] [--alg lru|lfu] [--no-t94] [--quiet]
 //! ```
+//!
+//! `eviction --help` describes every flag; a progress bar on stderr counts the runs (hidden
+//! with `--quiet` or when stderr is not a terminal).
 //!
 //! For each population `N` (default 100,000 and 1,000,000) with cap `N / 2`, `R` runs (default
 //! 5, sampler seeds `S`, `S + 1`, …; each a fresh index), reporting the worst and the median
@@ -22,8 +25,10 @@
 //!
 //! One Markdown table per scenario goes to stdout.
 
+use clap::{Parser, ValueEnum};
 use inferencecache_bench::fixed_policy::FixedPolicy;
 use inferencecache_bench::ours::{self, T0_US};
+use inferencecache_bench::progress;
 use inferencecache_engine::*;
 use std::sync::Arc;
 use std::time::Instant;
@@ -174,38 +179,46 @@ fn t94() {
     }
 }
 
+/// Eviction quality and per-ingest cost at the cap (T86 LRU, T87 LFU), then PREFIX_EVICTED and
+/// cache_state latency on a 1 M-entry index (T94). Markdown tables on stdout.
+#[derive(Debug, Parser)]
+#[command(name = "eviction", version)]
+struct Args {
+    /// Population N (cap N / 2); repeat for several rows (default: 100000 and 1000000).
+    #[arg(long = "n", value_name = "N", value_parser = clap::value_parser!(u64).range(20 * BATCH..))]
+    sizes: Vec<u64>,
+    /// Sampler seed of the first run (run r uses seed + r).
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Runs per row (each a fresh index).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    repeat: u64,
+    /// Only this algorithm (default: both).
+    #[arg(long, value_enum)]
+    alg: Option<Alg>,
+    /// Skip T94.
+    #[arg(long)]
+    no_t94: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Alg {
+    Lru,
+    Lfu,
+}
+
 fn main() {
-    let mut sizes = Vec::new();
-    let mut seed = 7u64;
-    let mut repeat = 5u64;
-    let mut algs = vec![false, true];
-    let mut with_t94 = true;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        if a == "--no-t94" {
-            with_t94 = false;
-            continue;
-        }
-        let v = args.next();
-        match (a.as_str(), v.as_deref()) {
-            ("--alg", Some("lru")) => algs = vec![false],
-            ("--alg", Some("lfu")) => algs = vec![true],
-            ("--n", Some(v)) if v.parse::<u64>().is_ok_and(|v| v >= 20 * BATCH) => {
-                sizes.push(v.parse().unwrap_or_default())
-            }
-            ("--seed", Some(v)) if v.parse::<u64>().is_ok() => seed = v.parse().unwrap_or(7),
-            ("--repeat", Some(v)) if v.parse::<u64>().is_ok_and(|v| v >= 1) => {
-                repeat = v.parse().unwrap_or(5)
-            }
-            _ => {
-                eprintln!(
-                    "usage: eviction [--n N (≥ 20000)]... [--seed S] [--repeat R (≥ 1)] \
-                     [--alg lru|lfu] [--no-t94]"
-                );
-                std::process::exit(2);
-            }
-        }
-    }
+    let args = Args::parse();
+    let (seed, repeat, with_t94) = (args.seed, args.repeat, !args.no_t94);
+    let algs = match args.alg {
+        Some(Alg::Lru) => vec![false],
+        Some(Alg::Lfu) => vec![true],
+        None => vec![false, true],
+    };
+    let mut sizes = args.sizes.clone();
     if sizes.is_empty() {
         sizes = vec![100_000, 1_000_000];
     }
@@ -219,9 +232,18 @@ fn main() {
          Ratio: median (range) (bar ≤ 2×) |"
     );
     println!("|---|---|---|---|---|---|---|");
+    let steps = (sizes.len() * algs.len()) as u64 * repeat + u64::from(with_t94);
+    let bar = progress::counted(steps, args.quiet);
     for &n in &sizes {
         for &lfu in &algs {
-            let runs: Vec<Outcome> = (0..repeat).map(|r| run(n, lfu, seed + r)).collect();
+            let runs: Vec<Outcome> = (0..repeat)
+                .map(|r| {
+                    bar.set_message(format!("N {n}, {}", if lfu { "LFU" } else { "LRU" }));
+                    let outcome = run(n, lfu, seed + r);
+                    bar.inc(1);
+                    outcome
+                })
+                .collect();
             let mut quality: Vec<f64> = runs.iter().map(|o| o.quality * 100.0).collect();
             let mut below: Vec<f64> = runs.iter().map(|o| o.below_ns).collect();
             let mut at: Vec<f64> = runs.iter().map(|o| o.at_ns).collect();
@@ -244,6 +266,9 @@ fn main() {
         }
     }
     if with_t94 {
+        bar.set_message("T94");
         t94();
+        bar.inc(1);
     }
+    bar.finish_and_clear();
 }

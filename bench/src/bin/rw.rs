@@ -5,13 +5,18 @@
 //! chains, so they must stay exact).
 //!
 //! ```text
-//! rw [--seconds N] [--rate BLOCKS_PER_S] [--chains N]
+//! rw [--seconds N] [--rate BLOCKS_PER_S] [--chains N] [--quiet]
 //! ```
+//!
+//! `rw --help` describes every flag; a progress bar on stderr shows the elapsed time of the two
+//! phases (hidden with `--quiet` or when stderr is not a terminal).
 //!
 //! Defaults: 30 s per phase, 1,000,000 blocks/s, 16,384 chains.
 
+use clap::Parser;
 use inferencecache_bench::measure::percentile;
 use inferencecache_bench::ours::{self, REPLICAS, T0_US, TENANT};
+use inferencecache_bench::progress;
 use inferencecache_bench::w1m::{Kind, LEN, Queries, WireChain, Workload};
 use inferencecache_engine::{Index, MatchScratch};
 use std::collections::VecDeque;
@@ -104,21 +109,32 @@ fn writer(ix: &Index, rate: f64, stop: &AtomicBool, blocks: &AtomicU64) {
     }
 }
 
+/// P7: a Q50 reader's p99 on an idle index and while one writer ingests and removes fresh
+/// chains (exit 1 on a wrong answer).
+#[derive(Debug, Parser)]
+#[command(name = "rw", version)]
+struct Args {
+    /// Seconds per phase (idle, then with the writer).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    seconds: u64,
+    /// Writer target rate in blocks per second.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
+    rate: u64,
+    /// W1M chains loaded before the phases.
+    #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u64).range(64..))]
+    chains: u64,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
 fn main() {
-    let (mut secs, mut rate, mut chains) = (30u64, 1_000_000f64, 16_384usize);
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let v = args.next().and_then(|v| v.parse::<u64>().ok());
-        match (a.as_str(), v) {
-            ("--seconds", Some(v)) if v > 0 => secs = v,
-            ("--rate", Some(v)) if v > 0 => rate = v as f64,
-            ("--chains", Some(v)) if v >= 64 => chains = v as usize,
-            _ => {
-                eprintln!("usage: rw [--seconds N] [--rate BLOCKS_PER_S] [--chains N]");
-                std::process::exit(2);
-            }
-        }
-    }
+    let args = Args::parse();
+    let secs = args.seconds;
+    let rate = args.rate as f64;
+    let chains = usize::try_from(args.chains).unwrap_or(usize::MAX);
+    let bar = progress::counted(2, args.quiet);
+    bar.set_message(format!("loading {chains} chains"));
     let w = Workload::new(chains);
     let ix = ours::new_index();
     ours::insert(&ix, &w.wire_events());
@@ -126,7 +142,10 @@ fn main() {
     let queries = q.q50.wire_rolling();
     // Warm-up, then the idle phase.
     read_phase(&ix, &queries, 2);
+    bar.set_message(format!("idle phase, {secs} s"));
     let idle = read_phase(&ix, &queries, secs);
+    bar.inc(1);
+    bar.set_message(format!("phase with the writer, {secs} s"));
     let stop = AtomicBool::new(false);
     let blocks = AtomicU64::new(0);
     let (loaded, written, elapsed) = std::thread::scope(|s| {
@@ -136,6 +155,8 @@ fn main() {
         stop.store(true, Ordering::Relaxed);
         (r, &blocks, t0.elapsed())
     });
+    bar.inc(1);
+    bar.finish_and_clear();
     let achieved = written.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64();
     println!("### P7: Q50 reader p99 while one writer ingests (W1M, {chains} chains)\n");
     println!(

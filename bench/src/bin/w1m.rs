@@ -1,17 +1,22 @@
 //! W1M on InferenceCache (`benchmarks.md` §2–§3).
 //!
 //! ```text
-//! w1m [--chains N] [--queries N] [--json] [--smoke]
+//! w1m [--chains N] [--queries N] [--json] [--smoke] [--quiet]
 //! w1m --report FILE...      # aggregate JSON lines of several processes into markdown
 //! ```
+//!
+//! `w1m --help` describes every flag. While the bench runs, a spinner with the elapsed time
+//! draws on stderr (hidden with `--quiet` or when stderr is not a terminal).
 //!
 //! Exits non-zero when any check fails (sums, scores, entry counts).
 
 use std::process::ExitCode;
 
+use clap::Parser;
 use inferencecache_bench::host::ALLOCATOR;
 use inferencecache_bench::measure::{Plan, Recorder};
 use inferencecache_bench::ours;
+use inferencecache_bench::progress;
 use inferencecache_bench::report::Aggregate;
 use inferencecache_bench::w1m::{CHAINS_FULL, CHAINS_SMOKE, QUERIES, Queries, Workload};
 
@@ -19,76 +24,50 @@ use inferencecache_bench::w1m::{CHAINS_FULL, CHAINS_SMOKE, QUERIES, Queries, Wor
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// W1M on InferenceCache: load the workload, time the query sets, check every answer (exit 1
+/// when a check fails).
+#[derive(Debug, Parser)]
+#[command(name = "w1m", version)]
 struct Args {
-    chains: usize,
-    queries: usize,
+    /// Chains of the workload (default: the full W1M size, or the smoke size with --smoke).
+    #[arg(long, value_parser = parse_chains)]
+    chains: Option<usize>,
+    /// Queries per query set (default: W1M's, or 10,000 with --smoke).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    queries: Option<u64>,
+    /// Print one JSON line of results instead of the tables.
+    #[arg(long)]
     json: bool,
+    /// A short run: the smoke workload, 1,000 warm-up queries, 3 rounds.
+    #[arg(long)]
     smoke: bool,
+    /// Aggregate the JSON lines of these files (several processes) into Markdown and exit.
+    #[arg(long, num_args = 1.., value_name = "FILE", conflicts_with_all = ["chains", "queries", "json", "smoke"])]
     report: Vec<String>,
+    /// No progress spinner.
+    #[arg(long)]
+    quiet: bool,
 }
 
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        chains: CHAINS_FULL,
-        queries: QUERIES,
-        json: false,
-        smoke: false,
-        report: Vec::new(),
-    };
-    let mut chains_set = false;
-    let mut queries_set = false;
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        match arg.as_str() {
-            "--chains" => {
-                a.chains = it
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .filter(|&n: &usize| n >= 8)
-                    .ok_or("--chains needs a number ≥ 8")?;
-                chains_set = true;
-            }
-            "--queries" => {
-                a.queries = it
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .filter(|&n: &usize| n > 0)
-                    .ok_or("--queries needs a positive number")?;
-                queries_set = true;
-            }
-            "--json" => a.json = true,
-            "--smoke" => a.smoke = true,
-            "--report" => {
-                a.report.extend(it.by_ref());
-            }
-            "-h" | "--help" => {
-                return Err(
-                    "usage: w1m [--chains N] [--queries N] [--json] [--smoke] | --report FILE..."
-                        .into(),
-                );
-            }
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    if a.smoke {
-        if !chains_set {
-            a.chains = CHAINS_SMOKE;
-        }
-        if !queries_set {
-            a.queries = 10_000;
-        }
-    }
-    Ok(a)
+fn parse_chains(v: &str) -> Result<usize, String> {
+    v.parse::<usize>()
+        .ok()
+        .filter(|&n| n >= 8)
+        .ok_or_else(|| "--chains needs a number ≥ 8".into())
 }
 
 fn main() -> ExitCode {
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = Args::parse();
+    let chains = args.chains.unwrap_or(if args.smoke {
+        CHAINS_SMOKE
+    } else {
+        CHAINS_FULL
+    });
+    let queries = args
+        .queries
+        .map_or(if args.smoke { 10_000 } else { QUERIES }, |q| {
+            usize::try_from(q).unwrap_or(usize::MAX)
+        });
     if !args.report.is_empty() {
         let mut text = String::new();
         for f in &args.report {
@@ -118,22 +97,27 @@ fn main() -> ExitCode {
     } else {
         Plan::FULL
     };
-    let w = Workload::new(args.chains);
-    let q = Queries::generate(args.chains, args.queries);
+    let bar = progress::spinner(
+        &format!("W1M: {chains} chains, {queries} queries per set"),
+        args.quiet,
+    );
+    let w = Workload::new(chains);
+    let q = Queries::generate(chains, queries);
     let mut rec = Recorder::default();
     let res = ours::run(&w, &q, plan, &mut rec);
+    bar.finish_and_clear();
     let extra = format!(
         ",\"allocator\":\"{ALLOCATOR}\",\"chains\":{},\"queries\":{}",
-        args.chains, args.queries
+        chains, queries
     );
     if args.json {
         rec.print_json(&extra);
     } else {
         println!(
             "W1M InferenceCache: {} chains, {} entries, {} queries/set, warm-up {}, {} rounds, allocator {ALLOCATOR}",
-            args.chains,
+            chains,
             w.entries(),
-            args.queries,
+            queries,
             plan.warmup,
             plan.rounds
         );

@@ -1,0 +1,130 @@
+"""Fixtures that run the REAL binaries (``inferencecache-server``, the sidecar, the fake engine).
+
+The binaries come from the workspace's ``target/debug`` (``cargo build -p inferencecache-server
+-p inferencecache-sidecar`` first; ``clients/python/ci.sh`` does) or from the paths in
+``INFERENCECACHE_SERVER_BIN`` / ``INFERENCECACHE_SIDECAR_BIN`` / ``INFERENCECACHE_FAKE_ENGINE_BIN``.
+Every process binds loopback ports only and is stopped by its own PID.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import socket
+import subprocess
+import time
+import urllib.request
+from typing import Iterator, List, Optional
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+
+def binary(env: str, name: str) -> pathlib.Path:
+    path = pathlib.Path(os.environ.get(env, REPO / "target" / "debug" / name))
+    if not path.is_file():
+        pytest.fail(f"{path} not found: run `cargo build -p inferencecache-server -p inferencecache-sidecar` or set {env}")
+    return path
+
+
+def server_bin() -> pathlib.Path:
+    return binary("INFERENCECACHE_SERVER_BIN", "inferencecache-server")
+
+
+def sidecar_bin() -> pathlib.Path:
+    return binary("INFERENCECACHE_SIDECAR_BIN", "inferencecache-sidecar")
+
+
+def fake_engine_bin() -> pathlib.Path:
+    return binary("INFERENCECACHE_FAKE_ENGINE_BIN", "inferencecache-fake-engine")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stops one process we started (SIGTERM, then SIGKILL after 10 s)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclasses.dataclass
+class Server:
+    process: subprocess.Popen
+    grpc_port: int
+    http_port: int
+    control_port: int
+    log: pathlib.Path
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metrics"
+
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start_server(tmp: pathlib.Path, extra: Optional[List[str]] = None) -> Server:
+    grpc_port, http_port, control_port = free_port(), free_port(), free_port()
+    log = tmp / "server.log"
+    process = subprocess.Popen(
+        [
+            str(server_bin()),
+            "--grpc-bind-address", f"127.0.0.1:{grpc_port}",
+            "--http-bind-address", f"127.0.0.1:{http_port}",
+            "--snapshot-bind-address", f"127.0.0.1:{control_port}",
+            "--log-level", "warn",
+            *(extra or []),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("wb"),
+    )
+    server = Server(process, grpc_port, http_port, control_port, log)
+    wait_ready(server)
+    return server
+
+
+def wait_ready(server: Server) -> None:
+    """Waits for ``/readyz`` (fails the test, stopping the server, after 30 s or on exit)."""
+    deadline = time.monotonic() + 30
+    while True:
+        if server.process.poll() is not None:
+            pytest.fail(f"server exited with {server.process.returncode}: {server.logs()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/readyz", timeout=1) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop(server.process)
+            pytest.fail(f"server not ready after 30 s: {server.logs()}")
+        time.sleep(0.05)
+
+
+@pytest.fixture()
+def server(tmp_path: pathlib.Path) -> Iterator[Server]:
+    """A fresh server (empty index) per test."""
+    srv = start_server(tmp_path)
+    try:
+        yield srv
+    finally:
+        stop(srv.process)
