@@ -83,6 +83,10 @@ fn the_example_sets_every_key_that_has_a_default() {
             "limits.producer_max_blocks_per_sec",
             f.limits.producer_max_blocks_per_sec.is_some(),
         ),
+        (
+            "state.checkpoint_interval",
+            f.state.checkpoint_interval.is_some(),
+        ),
     ];
     let missing: Vec<&str> = set.iter().filter(|(_, s)| !s).map(|(k, _)| *k).collect();
     assert!(
