@@ -824,4 +824,27 @@ mod tests {
         );
         assert!(!text.contains("zz") && !text.contains("yy"), "{text}");
     }
+
+    #[test]
+    fn series_go_with_the_model_and_free_their_slot() {
+        let m = Metrics::with_model_cap(2);
+        let held = |names: &[&str]| -> Vec<(Arc<str>, i64)> {
+            names.iter().map(|n| (Arc::from(*n), 1)).collect()
+        };
+        m.sync_models(&held(&["a", "b", "c"]));
+        let keys = |m: &Metrics| {
+            let guard = m.lookups.guard();
+            let mut k: Vec<String> = m.lookups.keys(&guard).map(|k| k.to_string()).collect();
+            k.sort();
+            k
+        };
+        assert_eq!(keys(&m), ["a", "b"]);
+        // The index let `a` go: its series goes, and the freed slot admits `c`.
+        m.sync_models(&held(&["b", "c"]));
+        assert_eq!(keys(&m), ["b", "c"]);
+        assert_eq!(m.admitted.load(Ordering::Relaxed), 2);
+        m.sync_models(&held(&[]));
+        assert!(keys(&m).is_empty());
+        assert_eq!(m.admitted.load(Ordering::Relaxed), 0);
+    }
 }
