@@ -524,9 +524,10 @@ fn size_refusal_is_resource_exhausted<B>(
 /// So the windows are sized together: what a connection can have buffered is at most
 /// `MAX_CONCURRENT_STREAMS × STREAM_WINDOW` bytes (6.25 MiB), and the connection window is
 /// chosen so that its half covers the overhead of all of that in frames of
-/// `MIN_FRAME_PAYLOAD` bytes. A client that sends messages of at least 27 bytes (5 bytes of gRPC
-/// framing included) therefore never meets the budget, whatever it sends and however long the
-/// server waits; only a peer splitting data into tinier frames can (the budget's purpose).
+/// `MIN_FRAME_PAYLOAD` bytes. A client whose DATA frames carry at least 32 bytes (a message of
+/// 27 bytes plus the 5-byte gRPC prefix) therefore never meets the budget, however long the
+/// server holds it back; only a peer splitting data into tinier frames on many streams can,
+/// which is the flood the budget exists for.
 pub mod flow {
     /// Per-stream receive window (the HTTP/2 default, 64 KiB).
     pub const STREAM_WINDOW: u32 = 65_536;
