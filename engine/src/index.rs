@@ -2354,6 +2354,15 @@ impl Index {
         v
     }
 
+    /// Whether `model` has a per-model gauge (V7), i.e. appears in
+    /// [`Index::entry_counts_by_model`]: wait-free, allocation-free (the server's metrics admit
+    /// a model's series only for models the index holds).
+    pub fn holds_model(&self, model: &str) -> bool {
+        self.gauges
+            .get(hash_strs(&[model]), |g| &*g.model == model)
+            .is_some()
+    }
+
     /// Non-reserved storage entries (`index_storage_entries`).
     pub fn storage_entries(&self) -> i64 {
         self.storage_entries.load(Ordering::Relaxed)

@@ -110,6 +110,15 @@ pub struct Cli {
     /// shutdown).
     #[arg(long, default_value = "60s")]
     pub checkpoint_interval: String,
+    /// Concurrent gRPC connections; more are closed at accept and counted (0 = no limit).
+    #[arg(long, default_value_t = crate::connections::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: u64,
+    /// Models with their own per-model metric series; the rest are `model="_other"`.
+    #[arg(long, default_value_t = crate::metrics::DEFAULT_MAX_METRIC_MODELS as u64)]
+    pub max_metric_models: u64,
+    /// At SIGTERM, how long gRPC health answers NOT_SERVING and /readyz 503 before the drain.
+    #[arg(long, default_value = "2s")]
+    pub drain_notice: String,
 }
 
 /// Long flags of this command line that take no value.
@@ -155,6 +164,12 @@ pub struct Settings {
     pub limits: crate::limits::Limits,
     /// Warm-restart checkpoints (`--state-dir`), if configured.
     pub state: Option<crate::checkpoint::StateSettings>,
+    /// Concurrent gRPC connections (`0` = no limit).
+    pub max_connections: u64,
+    /// Models with per-model metric series.
+    pub max_metric_models: usize,
+    /// Notice of a graceful stop before its drain (`0s` = none).
+    pub drain_notice: Duration,
 }
 
 impl Settings {
@@ -194,6 +209,7 @@ impl Settings {
             }),
             None => None,
         };
+        let drain_notice = parse_duration(&cli.drain_notice).context("invalid --drain-notice")?;
         if cli.max_message_bytes == 0 {
             bail!("--max-message-bytes must be at least 1");
         }
@@ -257,6 +273,9 @@ impl Settings {
                 producer_max_blocks_per_sec: cli.producer_max_blocks_per_sec,
             },
             state,
+            max_connections: cli.max_connections,
+            max_metric_models: usize::try_from(cli.max_metric_models).unwrap_or(usize::MAX),
+            drain_notice: drain_notice.unwrap_or(Duration::ZERO),
         })
     }
 }

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod checkpoint;
 pub mod config;
 pub mod config_file;
+pub mod connections;
 pub mod control;
 pub mod http;
 pub mod limits;
@@ -117,6 +118,9 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         tls,
         tokenizer,
         limits: settings.limits,
+        max_connections: settings.max_connections,
+        max_metric_models: settings.max_metric_models,
+        drain_notice: settings.drain_notice,
     });
     // The file's policy layer applies now and is reloaded when the file changes (D1).
     if let Some((path, file)) = &settings.config_file {
@@ -238,19 +242,34 @@ pub async fn serve(
             let _ = rx.wait_for(|stopped| *stopped).await;
         }
     };
+    // The public listener outlives the gRPC drain, so `/readyz` keeps answering 503 while
+    // in-flight RPCs finish.
+    let (grpc_done_tx, grpc_done_rx) = tokio::sync::watch::channel(false);
     let http_stop = {
-        let mut rx = stop_rx.clone();
+        let mut rx = grpc_done_rx;
         async move {
-            let _ = rx.wait_for(|stopped| *stopped).await;
+            let _ = rx.wait_for(|done| *done).await;
         }
     };
     state.start();
-    let grpc_task = tokio::spawn(service::serve_grpc(state.clone(), grpc, grpc_stop));
+    let grpc_task = {
+        let state = state.clone();
+        tokio::spawn(async move {
+            let served = service::serve_grpc(state, grpc, grpc_stop).await;
+            let _ = grpc_done_tx.send(true);
+            served
+        })
+    };
     let http_task = tokio::spawn(http::serve_public(state.clone(), http, http_stop));
     let broadcaster = state.broadcaster().clone();
+    let draining = state.clone();
     tokio::spawn(async move {
         shutdown.await;
         info!("graceful_shutdown_started");
+        // First the notice: health NOT_SERVING and /readyz 503 while everything still serves,
+        // so a load balancer tells "draining" from "dead" and moves traffic away.
+        draining.begin_drain();
+        tokio::time::sleep(draining.drain_notice()).await;
         // Observer streams end with OK first, or the graceful stop would wait on them forever.
         broadcaster.shutdown();
         let _ = stop_tx.send(true);

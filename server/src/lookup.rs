@@ -96,9 +96,13 @@ pub async fn handle(
     let elapsed = start.elapsed();
     let hint_used = !answer.scores.is_empty();
     // Step 17: exactly one observation per call.
-    state
-        .metrics()
-        .observe_lookup(&req.model_id, answer.reason, hint_used, elapsed);
+    state.metrics().observe_lookup(
+        state.index(),
+        &req.model_id,
+        answer.reason,
+        hint_used,
+        elapsed,
+    );
     pb::LookupRouteResponse {
         replica_scores: answer.scores,
         reason_code: answer.reason.to_string(),

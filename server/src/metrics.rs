@@ -5,6 +5,12 @@
 //! per-thread HDR histograms, each behind a mutex only the scraper ever contends for, merged at
 //! scrape time into a summary over a sliding window.
 //!
+//! Per-model series are bounded: a model gets its own `lookup_route_*` and `index_entries`
+//! series only while the index holds it ([`Index::holds_model`]) and only for the first
+//! `--max-metric-models` such models; every other lookup and entry is counted under
+//! `model="_other"`. So a lookup never creates a series for an id the index does not hold, and
+//! a model's series go away at the first scrape after the index lets the model go.
+//!
 //! Exposition is produced from one structured snapshot ([`Metrics::gather`]) so that `/metrics`
 //! (Prometheus text format 0.0.4) and `StreamMetrics` report exactly the same samples. The
 //! common Rust Prometheus crates either lack the summary type or cannot hand samples back as
@@ -15,7 +21,7 @@ use inferencecache_engine::{Algorithm, EvictionReason, Index};
 use parking_lot::Mutex;
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// `lookup_route_latency_seconds` buckets: the reference's ten (from 100 µs), preceded by six
@@ -49,6 +55,12 @@ pub const EVENT_TYPES: [&str; 5] = [
     "ALL_CLEARED",
 ];
 
+/// Default `--max-metric-models`.
+pub const DEFAULT_MAX_METRIC_MODELS: usize = 1_000;
+
+/// The `model` label of what is counted outside the per-model series.
+pub const OTHER_MODEL: &str = "_other";
+
 /// Auth outcomes of the control-plane routes.
 pub const AUTH_RESULTS: [&str; 4] = ["ok", "unauth", "forbidden", "error"];
 
@@ -73,7 +85,16 @@ struct ThreadHistogram {
 pub struct Metrics {
     pub server_up: AtomicI64,
     pub grpc_tls_enabled: AtomicI64,
+    /// Series of the admitted models (held by the index, at most `max_models`).
     lookups: papaya::HashMap<Box<str>, Arc<ModelLookups>>,
+    /// Admitted models, counted with the map so concurrent admissions cannot pass the cap.
+    admitted: AtomicUsize,
+    max_models: usize,
+    /// Lookups of every model without a series of its own.
+    other: (Box<str>, Arc<ModelLookups>),
+    /// gRPC connections being served, and those closed at accept by `--max-connections`.
+    pub grpc_connections_open: AtomicI64,
+    pub grpc_connections_refused: AtomicU64,
     events: [AtomicU64; EVENT_TYPES.len()],
     pub stream_events_dropped: AtomicU64,
     /// Inputs cut by the memory limits and producer waits (`docs/robustness.md`).
@@ -110,10 +131,20 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
+        Self::with_model_cap(DEFAULT_MAX_METRIC_MODELS)
+    }
+
+    /// Metrics with at most `max_models` models having series of their own.
+    pub fn with_model_cap(max_models: usize) -> Self {
         Self {
             server_up: AtomicI64::new(0),
             grpc_tls_enabled: AtomicI64::new(0),
             lookups: papaya::HashMap::new(),
+            admitted: AtomicUsize::new(0),
+            max_models,
+            other: (OTHER_MODEL.into(), Arc::default()),
+            grpc_connections_open: AtomicI64::new(0),
+            grpc_connections_refused: AtomicU64::new(0),
             events: Default::default(),
             stream_events_dropped: AtomicU64::new(0),
             limits: Default::default(),
@@ -129,18 +160,23 @@ impl Metrics {
         }
     }
 
-    /// One LookupRoute call (step 17): calls{model, reason_code, hint_used} and latency{model}.
-    pub fn observe_lookup(&self, model: &str, reason: &str, hint_used: bool, elapsed: Duration) {
+    /// One LookupRoute call (step 17): calls{model, reason_code, hint_used} and latency{model},
+    /// under `model="_other"` unless `index` holds the model and the cap leaves it a series.
+    pub fn observe_lookup(
+        &self,
+        index: &Index,
+        model: &str,
+        reason: &str,
+        hint_used: bool,
+        elapsed: Duration,
+    ) {
         // The series is borrowed under the map's guard (held to the end): no reference count
         // per call.
         let guard = self.lookups.guard();
         let series: &ModelLookups = match self.lookups.get(model, &guard) {
             Some(s) => s,
-            None => self.lookups.get_or_insert_with(
-                model.into(),
-                || Arc::new(ModelLookups::default()),
-                &guard,
-            ),
+            None if index.holds_model(model) => self.admit(model, &guard).unwrap_or(&self.other.1),
+            None => &self.other.1,
         };
         let slot = REASONS.iter().position(|r| *r == reason).unwrap_or(3);
         series.calls[slot][usize::from(hint_used)].fetch_add(1, Ordering::Relaxed);
@@ -156,6 +192,57 @@ impl Metrics {
             u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
+    }
+
+    /// A series for `model` if the cap has room (the caller checked that the index holds it).
+    fn admit<'g>(&self, model: &str, guard: &'g impl papaya::Guard) -> Option<&'g ModelLookups> {
+        if model == OTHER_MODEL {
+            return None; // its lookups are the `_other` series' anyway
+        }
+        // A slot first, then the series: the map never holds more than `max_models`.
+        self.admitted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_models).then_some(n + 1)
+            })
+            .ok()?;
+        match self.lookups.try_insert_with(
+            model.into(),
+            || Arc::new(ModelLookups::default()),
+            guard,
+        ) {
+            Ok(series) => Some(series),
+            Err(existing) => {
+                // Another call admitted it first: give the slot back.
+                self.admitted.fetch_sub(1, Ordering::AcqRel);
+                Some(existing)
+            }
+        }
+    }
+
+    /// Brings the admitted models in line with the index at a scrape: models the index no
+    /// longer holds lose their series; held models without one get one while the cap allows
+    /// (in name order). `held` is [`Index::entry_counts_by_model`], sorted by name.
+    fn sync_models(&self, held: &[(Arc<str>, i64)]) {
+        let guard = self.lookups.guard();
+        let gone: Vec<Box<str>> = self
+            .lookups
+            .keys(&guard)
+            .filter(|m| held.binary_search_by(|(h, _)| (**h).cmp(&***m)).is_err())
+            .cloned()
+            .collect();
+        for model in gone {
+            if self.lookups.remove(&model, &guard).is_some() {
+                self.admitted.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        for (model, _) in held {
+            if self.admitted.load(Ordering::Acquire) >= self.max_models {
+                break;
+            }
+            if self.lookups.get(&**model, &guard).is_none() {
+                let _ = self.admit(model, &guard);
+            }
+        }
     }
 
     /// Index-only duration of one LookupRoute index call.
@@ -230,13 +317,28 @@ impl Metrics {
         );
         let mut by_model = index.entry_counts_by_model();
         by_model.sort();
+        self.sync_models(&by_model);
+        let guard = self.lookups.guard();
+        let mut other_entries = None;
         for (model, n) in by_model {
+            if self.lookups.contains_key(&*model, &guard) {
+                entries.push(
+                    "inferencecache_index_entries",
+                    vec![("model".into(), model.to_string())],
+                    n as f64,
+                );
+            } else {
+                *other_entries.get_or_insert(0) += n;
+            }
+        }
+        if let Some(n) = other_entries {
             entries.push(
                 "inferencecache_index_entries",
-                vec![("model".into(), model.to_string())],
+                vec![("model".into(), OTHER_MODEL.to_string())],
                 n as f64,
             );
         }
+        drop(guard);
         out.push(entries);
 
         let mut calls = Family::new(
@@ -252,6 +354,9 @@ impl Metrics {
         let guard = self.lookups.guard();
         let mut models: Vec<(&Box<str>, &Arc<ModelLookups>)> = self.lookups.iter(&guard).collect();
         models.sort_by(|a, b| a.0.cmp(b.0));
+        if self.other.1.count.load(Ordering::Relaxed) > 0 {
+            models.push((&self.other.0, &self.other.1));
+        }
         for (model, s) in models {
             for (ri, reason) in REASONS.iter().enumerate() {
                 for hint in [false, true] {
@@ -433,6 +538,22 @@ impl Metrics {
             self.limits.throttled() as f64,
         );
         out.push(throttled);
+        out.push(Family::gauge(
+            "inferencecache_grpc_connections_open",
+            "gRPC connections being served",
+            self.grpc_connections_open.load(Ordering::Relaxed) as f64,
+        ));
+        let mut refused = Family::new(
+            "inferencecache_grpc_connections_refused_total",
+            "counter",
+            "gRPC connections closed at accept because --max-connections were open",
+        );
+        refused.push(
+            "inferencecache_grpc_connections_refused_total",
+            Vec::new(),
+            self.grpc_connections_refused.load(Ordering::Relaxed) as f64,
+        );
+        out.push(refused);
         out.push(self.index_latency_family());
         if self.producer_auth_enabled.load(Ordering::Relaxed) {
             let mut fam = Family::new(
@@ -626,10 +747,40 @@ mod tests {
         );
     }
 
+    fn index_holding(models: &[&str]) -> Index {
+        let config = inferencecache_engine::IndexConfig::default().normalized();
+        let policies = Arc::new(crate::policy::PolicyStore::new(
+            config.global_ttl_ms.saturating_mul(1_000_000),
+        ));
+        let clock = Arc::new(inferencecache_engine::ManualClock::new(1_000_000));
+        let index = Index::new(config, policies, clock);
+        for model in models {
+            index.ingest(inferencecache_engine::CacheStateUpdate {
+                replica_id: "r",
+                model_id: model,
+                tenant_id: "t",
+                hash_scheme: "vllm",
+                timestamp_us: 0,
+                adapter_id: "",
+                prefixes: std::iter::once(inferencecache_engine::PrefixRef {
+                    prefix_hash: b"k",
+                    token_count: 16,
+                    block_hashes: &[] as &[Vec<u8>],
+                    block_token_counts: &[],
+                    tier: 0,
+                    adapter_id: "",
+                }),
+                stats: None,
+            });
+        }
+        index
+    }
+
     #[test]
     fn latency_lands_in_the_right_bucket() {
         let m = Metrics::new();
-        m.observe_lookup("m", "NO_HINT", false, Duration::from_micros(300));
+        let index = index_holding(&["m"]);
+        m.observe_lookup(&index, "m", "NO_HINT", false, Duration::from_micros(300));
         let guard = m.lookups.guard();
         let s = m.lookups.get("m", &guard).unwrap();
         let slot = LATENCY_BUCKETS.iter().position(|le| *le == 0.0005).unwrap();
@@ -651,6 +802,8 @@ mod tests {
     #[test]
     fn microsecond_lookups_land_in_microsecond_buckets() {
         let m = Metrics::new();
+        let names: Vec<String> = LATENCY_BUCKETS.iter().map(|le| format!("m{le}")).collect();
+        let index = index_holding(&names.iter().map(String::as_str).collect::<Vec<_>>());
         for (elapsed, le) in [
             (Duration::from_nanos(800), 0.000001),
             (Duration::from_micros(2), 0.0000025),
@@ -660,7 +813,7 @@ mod tests {
             (Duration::from_micros(50), 0.00005),
             (Duration::from_micros(90), 0.0001),
         ] {
-            m.observe_lookup(&format!("m{le}"), "NO_HINT", false, elapsed);
+            m.observe_lookup(&index, &format!("m{le}"), "NO_HINT", false, elapsed);
             let guard = m.lookups.guard();
             let s = m.lookups.get(format!("m{le}").as_str(), &guard).unwrap();
             let slot = LATENCY_BUCKETS.iter().position(|b| *b == le).unwrap();
@@ -679,5 +832,74 @@ mod tests {
             );
         }
         assert!(LATENCY_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn unknown_models_and_models_over_the_cap_count_as_other() {
+        let m = Metrics::with_model_cap(2);
+        let index = index_holding(&["a", "b", "c", OTHER_MODEL]);
+        for model in ["zz", "a", "b", "c", OTHER_MODEL, "yy", "a"] {
+            m.observe_lookup(&index, model, "NO_HINT", false, Duration::from_micros(1));
+        }
+        let guard = m.lookups.guard();
+        let mut admitted: Vec<&str> = m.lookups.keys(&guard).map(|k| &**k).collect();
+        admitted.sort();
+        assert_eq!(
+            admitted,
+            ["a", "b"],
+            "held models in arrival order, up to the cap"
+        );
+        assert_eq!(
+            m.lookups
+                .get("a", &guard)
+                .unwrap()
+                .count
+                .load(Ordering::Relaxed),
+            2
+        );
+        assert_eq!(
+            m.other.1.count.load(Ordering::Relaxed),
+            4,
+            "zz, c, _other, yy"
+        );
+        drop(guard);
+        let text = render_text(&m.gather(&index));
+        assert!(
+            text.contains("inferencecache_index_entries{model=\"a\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("inferencecache_index_entries{model=\"_other\"} 2\n"),
+            "c and the model literally named _other: {text}"
+        );
+        assert!(
+            text.contains(
+                "inferencecache_lookup_route_latency_seconds_count{model=\"_other\"} 4\n"
+            )
+        );
+        assert!(!text.contains("zz") && !text.contains("yy"), "{text}");
+    }
+
+    #[test]
+    fn series_go_with_the_model_and_free_their_slot() {
+        let m = Metrics::with_model_cap(2);
+        let held = |names: &[&str]| -> Vec<(Arc<str>, i64)> {
+            names.iter().map(|n| (Arc::from(*n), 1)).collect()
+        };
+        m.sync_models(&held(&["a", "b", "c"]));
+        let keys = |m: &Metrics| {
+            let guard = m.lookups.guard();
+            let mut k: Vec<String> = m.lookups.keys(&guard).map(|k| k.to_string()).collect();
+            k.sort();
+            k
+        };
+        assert_eq!(keys(&m), ["a", "b"]);
+        // The index let `a` go: its series goes, and the freed slot admits `c`.
+        m.sync_models(&held(&["b", "c"]));
+        assert_eq!(keys(&m), ["b", "c"]);
+        assert_eq!(m.admitted.load(Ordering::Relaxed), 2);
+        m.sync_models(&held(&[]));
+        assert!(keys(&m).is_empty());
+        assert_eq!(m.admitted.load(Ordering::Relaxed), 0);
     }
 }

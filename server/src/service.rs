@@ -58,6 +58,13 @@ pub struct ServerOptions {
     pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
     /// Memory and rate limits (`docs/robustness.md`).
     pub limits: Limits,
+    /// Concurrent gRPC connections (`0` = no cap); more are closed at accept and counted.
+    pub max_connections: u64,
+    /// Models with their own lookup and entry series; the rest are counted as `_other`.
+    pub max_metric_models: usize,
+    /// How long a graceful stop answers "not serving" (gRPC health, `/readyz`) before the
+    /// drain begins, so load balancers see the stop coming.
+    pub drain_notice: std::time::Duration,
 }
 
 impl Default for ServerOptions {
@@ -70,6 +77,10 @@ impl Default for ServerOptions {
             tls: None,
             tokenizer: None,
             limits: Limits::default(),
+            max_connections: crate::connections::DEFAULT_MAX_CONNECTIONS,
+            max_metric_models: crate::metrics::DEFAULT_MAX_METRIC_MODELS,
+            // Embedders and tests stop at once; the binary's `--drain-notice` defaults to 2 s.
+            drain_notice: std::time::Duration::ZERO,
         }
     }
 }
@@ -100,8 +111,12 @@ struct Shared {
     /// The body of the last accepted `/policy` push (kept in checkpoints).
     pushed_policy: parking_lot::Mutex<Option<Arc<[u8]>>>,
     checkpoint_status: Arc<crate::checkpoint::Status>,
+    /// Set once when a graceful stop begins (health NOT_SERVING, `/readyz` 503).
+    draining: tokio::sync::watch::Sender<bool>,
+    drain_notice: std::time::Duration,
     limits: Limits,
     producer_limiter: ProducerLimiter,
+    connections: crate::connections::ConnectionGate,
 }
 
 impl AppState {
@@ -128,7 +143,7 @@ impl AppState {
             config.global_ttl_ms.saturating_mul(1_000_000),
         ));
         let index = Arc::new(Index::new(config, policies.clone(), clock));
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(Metrics::with_model_cap(options.max_metric_models));
         let broadcaster = Arc::new(Broadcaster::new(
             metrics.clone(),
             options.stream_buffer_events,
@@ -141,7 +156,7 @@ impl AppState {
                 index,
                 route_index,
                 policies,
-                metrics,
+                metrics: metrics.clone(),
                 broadcaster,
                 tls: options.tls.clone(),
                 tokenizer: options.tokenizer.clone(),
@@ -155,8 +170,14 @@ impl AppState {
                 readiness: tokio::sync::watch::Sender::new(false),
                 pushed_policy: parking_lot::Mutex::new(None),
                 checkpoint_status: Arc::default(),
+                draining: tokio::sync::watch::channel(false).0,
+                drain_notice: options.drain_notice,
                 limits: options.limits,
                 producer_limiter: ProducerLimiter::new(options.limits.producer_max_blocks_per_sec),
+                connections: crate::connections::ConnectionGate::new(
+                    options.max_connections,
+                    metrics.clone(),
+                ),
             }),
         }
     }
@@ -333,6 +354,29 @@ impl AppState {
     pub fn set_ready(&self, ready: bool) {
         self.inner.ready.store(ready, Ordering::Release);
         self.publish_readiness();
+    }
+
+    /// Starts a graceful stop's notice: `/readyz` answers 503 and gRPC health NOT_SERVING
+    /// while both listeners keep serving; the drain follows after [`Self::drain_notice`].
+    pub fn begin_drain(&self) {
+        self.set_ready(false);
+        self.inner.draining.send_replace(true);
+    }
+
+    /// Resolves once [`Self::begin_drain`] was called.
+    pub async fn drain_begun(&self) {
+        let mut rx = self.inner.draining.subscribe();
+        let _ = rx.wait_for(|draining| *draining).await;
+    }
+
+    /// How long the notice of a graceful stop lasts.
+    pub fn drain_notice(&self) -> std::time::Duration {
+        self.inner.drain_notice
+    }
+
+    /// The admission gate of gRPC connections.
+    pub fn connections(&self) -> &crate::connections::ConnectionGate {
+        &self.inner.connections
     }
 }
 
@@ -563,6 +607,40 @@ async fn set_health(reporter: &tonic_health::server::HealthReporter, serving: bo
         .await;
 }
 
+/// HTTP/2 flow control of the gRPC listener: the windows that make backpressure hold a
+/// producer back without ever tripping h2's DATA-frame budget.
+///
+/// h2 (≥ 0.4.13) charges every buffered non-final DATA frame smaller than 256 bytes
+/// `256 − payload` against a per-connection budget of half the connection window, and closes
+/// the connection with GOAWAY `ENHANCE_YOUR_CALM` "too_many_data_frames" when it is spent. The
+/// budget comes back only as the application reads the frames. A producer over its rate (or
+/// faster than ingest) is held back precisely by the server *not* reading, so with hyper's
+/// defaults (1 MiB stream and connection windows, budget 512 KiB) a stream of ~40-byte
+/// messages, one DATA frame each, filled the budget after ~2,400 frames and lost its
+/// connection and every message in flight.
+///
+/// So the windows are sized together: what a connection can have buffered is at most
+/// `MAX_CONCURRENT_STREAMS × STREAM_WINDOW` bytes (6.25 MiB), and the connection window is
+/// chosen so that its half covers the overhead of all of that in frames of
+/// `MIN_FRAME_PAYLOAD` bytes. A client whose DATA frames carry at least 32 bytes (a message of
+/// 27 bytes plus the 5-byte gRPC prefix) therefore never meets the budget, however long the
+/// server holds it back; only a peer splitting data into tinier frames on many streams can,
+/// which is the flood the budget exists for.
+pub mod flow {
+    /// Per-stream receive window (the HTTP/2 default, 64 KiB).
+    pub const STREAM_WINDOW: u32 = 65_536;
+    /// Concurrent streams per connection (the RFC 9113 recommended minimum).
+    pub const MAX_CONCURRENT_STREAMS: u32 = 100;
+    /// The smallest DATA frame payload that can never exhaust the budget.
+    pub const MIN_FRAME_PAYLOAD: u32 = 32;
+    /// h2's small-frame threshold (`DEFAULT_DATA_FRAME_OVERHEAD_THRESHOLD`).
+    pub const SMALL_FRAME_BYTES: u32 = 256;
+    /// Twice the worst overhead of a full connection of minimal frames.
+    pub const CONNECTION_WINDOW: u32 =
+        2 * MAX_CONCURRENT_STREAMS * STREAM_WINDOW * (SMALL_FRAME_BYTES - MIN_FRAME_PAYLOAD)
+            / MIN_FRAME_PAYLOAD;
+}
+
 /// Serves gRPC (the service, `grpc.health.v1.Health`, reflection v1 and v1alpha) until `stop`.
 pub async fn serve_grpc(
     state: AppState,
@@ -593,6 +671,9 @@ pub async fn serve_grpc(
     let service = InferenceCacheServer::new(CacheService::new(state.clone()))
         .max_decoding_message_size(state.limits().message_bytes());
     let router = tonic::transport::Server::builder()
+        .initial_stream_window_size(flow::STREAM_WINDOW)
+        .initial_connection_window_size(flow::CONNECTION_WINDOW)
+        .max_concurrent_streams(flow::MAX_CONCURRENT_STREAMS)
         .layer(tower::util::MapResponseLayer::new(
             size_refusal_is_resource_exhausted,
         ))
@@ -603,17 +684,12 @@ pub async fn serve_grpc(
     match state.tls().cloned() {
         Some(config) => {
             state.metrics().grpc_tls_enabled.store(1, Ordering::Relaxed);
-            router
-                .serve_with_incoming_shutdown(crate::tls::incoming(listener, config), stop)
-                .await?;
+            let incoming = crate::tls::incoming(listener, config, state.connections().clone());
+            router.serve_with_incoming_shutdown(incoming, stop).await?;
         }
         None => {
-            router
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                    stop,
-                )
-                .await?;
+            let incoming = crate::connections::incoming(listener, state.connections().clone());
+            router.serve_with_incoming_shutdown(incoming, stop).await?;
         }
     }
     Ok(())

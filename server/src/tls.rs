@@ -7,6 +7,7 @@
 //! mtime rule. Handshakes run on their own tasks, so a slow or hostile client never delays
 //! other accepts.
 
+use crate::connections::{Admitted, ConnectionGate};
 use anyhow::Context as _;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
@@ -214,12 +215,15 @@ pub fn server_config(files: &TlsFiles) -> anyhow::Result<Arc<ServerConfig>> {
     Ok(Arc::new(config))
 }
 
-/// Accepts TCP connections and yields the ones that complete a TLS handshake. Each handshake runs
-/// on its own task with a timeout; failures are dropped (a plaintext client simply fails).
+/// Accepts TCP connections through `gate` and yields the ones that complete a TLS handshake.
+/// Each handshake runs on its own task and must finish, like the HTTP/2 preface after it, within
+/// [`crate::connections::PREFACE_TIMEOUT`] of the accept; failures are dropped (a plaintext
+/// client simply fails).
 pub fn incoming(
     listener: TcpListener,
     config: Arc<ServerConfig>,
-) -> ReceiverStream<Result<TlsStream<TcpStream>, std::io::Error>> {
+    gate: ConnectionGate,
+) -> ReceiverStream<Result<Admitted<TlsStream<TcpStream>>, std::io::Error>> {
     let (tx, rx) = tokio::sync::mpsc::channel(128);
     let acceptor = TlsAcceptor::from(config);
     tokio::spawn(async move {
@@ -235,15 +239,18 @@ pub fn incoming(
                 },
                 _ = tx.closed() => return,
             };
+            // Over the connection cap the socket is closed before any handshake work.
+            let Some(admission) = gate.admit() else {
+                continue;
+            };
             let _ = tcp.set_nodelay(true);
             let acceptor = acceptor.clone();
             let tx = tx.clone();
             tokio::spawn(async move {
-                match tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(tcp))
-                    .await
-                {
+                // The handshake and the HTTP/2 preface share one deadline from the accept.
+                match tokio::time::timeout_at(admission.deadline(), acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
-                        let _ = tx.send(Ok(stream)).await;
+                        let _ = tx.send(Ok(admission.wrap(stream))).await;
                     }
                     Ok(Err(err)) => debug!(peer = %peer, err = %err, "grpc_tls_handshake_failed"),
                     Err(_) => debug!(peer = %peer, "grpc_tls_handshake_timeout"),

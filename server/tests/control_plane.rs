@@ -960,6 +960,80 @@ async fn sv61_concurrent_probes_pass() {
     ctl.stop().await;
 }
 
+/// The race behind a one-time `sv61_concurrent_probes_pass` failure (2 reserved entries left).
+/// Probes of different backends for one model share the reserved tenant's partition. The first
+/// ingest into a new partition publishes it in the index's directory before adding it to the
+/// model's partition list, which is what a probe's cleanup (ALL_CLEARED) walks: a second probe
+/// that found the partition in that window, ingested and cleaned up saw no partition to clear,
+/// and its entry stayed. Threads run `run_probe` for distinct backends of a fresh model each
+/// round (so every round creates the partition concurrently), without any lock: 3,000 rounds of
+/// 4 left 9 entries in the first run. Ignored because the window is in the engine
+/// (`Index::ensure_part`), which the server cannot close; the handler serializes runs per model
+/// instead (next test).
+#[test]
+#[ignore = "reproduces the engine's partition-listing race; run with --ignored"]
+fn unserialized_probe_runs_of_one_model_race_on_partition_creation() {
+    use inferencecache_server::control::{decode_probe, run_probe};
+    const THREADS: usize = 4;
+    const ROUNDS: usize = 3_000;
+    let (state, _) = manual_state(IndexConfig::default());
+    let index = state.index().clone();
+    let barrier = Arc::new(std::sync::Barrier::new(THREADS));
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (index, barrier) = (index.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                for round in 0..ROUNDS {
+                    let body =
+                        format!(r#"{{"backend":"b{t}","model":"m{round}","hashScheme":"vllm"}}"#);
+                    let request = decode_probe(body.as_bytes()).unwrap();
+                    barrier.wait();
+                    let _ = run_probe(&index, &request, None);
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert_eq!(index.reserved_storage_entries(), 0);
+}
+
+/// The fix: `/probe` runs go through `ProbeLocks::run`, which serializes runs of one model
+/// across backends. The same concurrent pattern (four backends on a fresh model each round,
+/// several models in flight) leaves nothing, under any interleaving the scheduler produces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serialized_probe_runs_never_leave_reserved_entries() {
+    use inferencecache_server::control::{ProbeLocks, decode_probe};
+    let (state, _) = manual_state(IndexConfig::default());
+    let locks = Arc::new(ProbeLocks::default());
+    for round in 0..400 {
+        let mut runs = Vec::new();
+        for t in 0..8 {
+            let (index, locks) = (state.index().clone(), locks.clone());
+            // Two fresh models per round, four backends each.
+            let body = format!(
+                r#"{{"backend":"b{}","model":"m{round}-{}","hashScheme":"vllm"}}"#,
+                t / 2,
+                t % 2
+            );
+            runs.push(tokio::spawn(async move {
+                let request = decode_probe(body.as_bytes()).unwrap();
+                locks.run(&index, &request, None).await
+            }));
+        }
+        for run in runs {
+            let report = run.await.unwrap();
+            assert!(report.passed(), "{}", report.to_json());
+        }
+        assert_eq!(
+            state.index().reserved_storage_entries(),
+            0,
+            "round {round}: the reserved tenant kept entries"
+        );
+    }
+}
+
 struct FailingGet;
 
 impl T2Prober for FailingGet {
