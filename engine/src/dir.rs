@@ -3,39 +3,16 @@
 //!
 //! Records are created on first use and never removed while the index lives (an emptied
 //! partition keeps its ~3 KiB shell), so a reference obtained from a directory is valid for the
-//! lifetime of the directory. Directory tables are immutable maps swapped by writers under a
-//! mutex (copy on insert, O(records) per new record, which is rare) and read wait-free under an
-//! epoch guard.
+//! lifetime of the directory. A directory is a hash table of bucket lists read wait-free under
+//! an epoch guard; writers link new records under a mutex in O(1) amortized (see [`Dir`]).
 
 use crate::ReplicaId;
 use crate::sync::{AtomicI64, AtomicU64, Ordering};
 use crate::table::KeyTable;
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use parking_lot::Mutex;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32 as StdAtomicU32, Ordering as StdOrdering};
-
-/// Identity hasher for pre-hashed u64 keys.
-#[derive(Default)]
-pub(crate) struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, i: u64) {
-        self.0 = i;
-    }
-}
-
-type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 
 /// Hash of a tuple of strings (no allocation).
 #[inline]
@@ -130,25 +107,87 @@ impl<T> Drop for Rcu<T> {
     }
 }
 
-/// A directory of records keyed by a string-tuple hash.
+/// One record of a [`Dir`], in its bucket's list.
+struct DirNode<T> {
+    hash: u64,
+    rec: Arc<T>,
+    next: Atomic<DirNode<T>>,
+}
+
+/// A [`Dir`]'s bucket array (a power of two long), published whole.
+struct DirTable<T> {
+    buckets: Box<[Atomic<DirNode<T>>]>,
+}
+
+impl<T> DirTable<T> {
+    fn with_buckets(n: usize) -> Self {
+        Self {
+            buckets: (0..n).map(|_| Atomic::null()).collect(),
+        }
+    }
+
+    #[inline]
+    fn bucket(&self, h: u64) -> &Atomic<DirNode<T>> {
+        // Lengths are powers of two; the hash is xxh3's, whose low bits are as good as any.
+        &self.buckets[(h as usize) & (self.buckets.len() - 1)]
+    }
+}
+
+/// Buckets of a new directory (one cache line of pointers).
+const DIR_MIN_BUCKETS: usize = 8;
+
+/// A directory of records keyed by a string-tuple hash: a hash table of singly linked bucket
+/// lists, read wait-free under an epoch guard, written under one mutex.
+///
+/// Invariants: a node, once linked, is never changed or unlinked while its table is current
+/// (records are never removed); an insertion links a fully built node at the head of its
+/// bucket (Release), so a reader that loads the head (Acquire) sees the whole node. When the
+/// records outnumber the buckets, the writer builds a table of twice as many buckets with new
+/// nodes (each holding another `Arc` of its record), publishes it (Release) and retires the old
+/// table and its nodes through the epoch: a reader still on the old table reads valid nodes.
+/// So an insertion costs O(1) amortized (the copy that made every new record cost O(records)
+/// is gone), and every table version holds an `Arc` to every record inserted before it.
 pub(crate) struct Dir<T> {
-    map: Rcu<IdMap<Vec<Arc<T>>>>,
+    table: Atomic<DirTable<T>>,
+    /// Writer lock (sync seam) and the number of records.
+    lock: crate::sync::Mutex<usize>,
 }
 
 impl<T> Dir<T> {
     pub(crate) fn new() -> Self {
         Self {
-            map: Rcu::new(IdMap::default()),
+            table: Atomic::new(DirTable::with_buckets(DIR_MIN_BUCKETS)),
+            lock: crate::sync::Mutex::new(0),
         }
+    }
+
+    #[inline]
+    fn table<'g>(&self, guard: &'g Guard) -> &'g DirTable<T> {
+        // SAFETY: never null (set in `new`, replaced only by non-null tables); old tables are
+        // retired through the epoch, so they outlive `guard`.
+        unsafe { self.table.load(Ordering::Acquire, guard).deref() }
+    }
+
+    /// The record with hash `h` satisfying `pred`, in the table current under `guard`.
+    #[inline]
+    fn find<'g>(&self, h: u64, pred: impl Fn(&T) -> bool, guard: &'g Guard) -> Option<&'g Arc<T>> {
+        let mut cur = self.table(guard).bucket(h).load(Ordering::Acquire, guard);
+        // SAFETY: linked nodes are complete (published with Release, loaded with Acquire) and
+        // retired only through the epoch, after `guard`'s pin.
+        while let Some(n) = unsafe { cur.as_ref() } {
+            if n.hash == h && pred(&n.rec) {
+                return Some(&n.rec);
+            }
+            cur = n.next.load(Ordering::Acquire, guard);
+        }
+        None
     }
 
     /// Finds the record with hash `h` satisfying `pred`. Wait-free.
     #[inline]
     pub(crate) fn get(&self, h: u64, pred: impl Fn(&T) -> bool) -> Option<&T> {
         let guard = epoch::pin();
-        let m = self.map.load(&guard);
-        let r = m.get(&h)?.iter().find(|r| pred(r))?;
-        let p: *const T = &**r;
+        let p: *const T = &**self.find(h, pred, &guard)?;
         // SAFETY: records are never removed and every table version holds an `Arc` to every
         // record inserted before it, so the record lives as long as `self`.
         Some(unsafe { &*p })
@@ -164,28 +203,106 @@ impl<T> Dir<T> {
         if let Some(r) = self.get_arc(h, &pred) {
             return (r, false);
         }
-        self.map.update(|m| {
-            if let Some(r) = m.get(&h).and_then(|v| v.iter().find(|r| pred(r))) {
-                return (None, (r.clone(), false));
+        let mut count = self.lock.lock();
+        let guard = epoch::pin();
+        if let Some(r) = self.find(h, &pred, &guard) {
+            return (r.clone(), false);
+        }
+        let rec = make();
+        let shared = self.table.load(Ordering::Acquire, &guard);
+        // SAFETY: non-null (see `table`); we hold the writer lock, so it is the current table.
+        let table = unsafe { shared.deref() };
+        if *count + 1 > table.buckets.len() {
+            let grown = DirTable::with_buckets(table.buckets.len() * 2);
+            for b in table.buckets.iter() {
+                let mut cur = b.load(Ordering::Acquire, &guard);
+                // SAFETY: as in `find`; only this (locked) writer links nodes.
+                while let Some(n) = unsafe { cur.as_ref() } {
+                    Self::link(&grown, n.hash, n.rec.clone(), &guard);
+                    cur = n.next.load(Ordering::Acquire, &guard);
+                }
             }
-            let r = make();
-            let mut m2 = m.clone();
-            m2.entry(h).or_default().push(r.clone());
-            (Some(m2), (r, true))
-        })
+            Self::link(&grown, h, rec.clone(), &guard);
+            self.table.store(Owned::new(grown), Ordering::Release);
+            // SAFETY: the old table is unlinked; readers may hold it (and its nodes) until
+            // their guards drop, and the destructor below runs after that.
+            unsafe {
+                guard.defer_unchecked(move || {
+                    let old = shared.into_owned();
+                    Self::free_nodes(&old);
+                });
+            }
+        } else {
+            Self::link(table, h, rec.clone(), &guard);
+        }
+        *count += 1;
+        (rec, true)
+    }
+
+    /// Links a new node at the head of its bucket in `table` (writer lock held, or `table` not
+    /// yet published).
+    fn link(table: &DirTable<T>, h: u64, rec: Arc<T>, guard: &Guard) {
+        let bucket = table.bucket(h);
+        let node = Owned::new(DirNode {
+            hash: h,
+            rec,
+            next: Atomic::null(),
+        });
+        node.next
+            .store(bucket.load(Ordering::Relaxed, guard), Ordering::Relaxed);
+        bucket.store(node, Ordering::Release);
+    }
+
+    /// Frees the nodes of a table no reader can reach.
+    fn free_nodes(table: &DirTable<T>) {
+        // SAFETY: the caller owns the table exclusively (unlinked and past its epoch, or the
+        // directory is being dropped).
+        unsafe {
+            let g = epoch::unprotected();
+            for b in table.buckets.iter() {
+                let mut cur = b.load(Ordering::Relaxed, g);
+                while !cur.is_null() {
+                    let node = cur.into_owned();
+                    cur = node.next.load(Ordering::Relaxed, g);
+                    drop(node);
+                }
+            }
+        }
     }
 
     pub(crate) fn get_arc(&self, h: u64, pred: &impl Fn(&T) -> bool) -> Option<Arc<T>> {
         let guard = epoch::pin();
-        let m = self.map.load(&guard);
-        m.get(&h)?.iter().find(|r| pred(r)).cloned()
+        self.find(h, pred, &guard).cloned()
     }
 
     /// Every record (writer-side / aggregate use; allocates).
     pub(crate) fn all(&self) -> Vec<Arc<T>> {
         let guard = epoch::pin();
-        let m = self.map.load(&guard);
-        m.values().flat_map(|v| v.iter().cloned()).collect()
+        let mut out = Vec::new();
+        for b in self.table(&guard).buckets.iter() {
+            let mut cur = b.load(Ordering::Acquire, &guard);
+            // SAFETY: as in `find`.
+            while let Some(n) = unsafe { cur.as_ref() } {
+                out.push(n.rec.clone());
+                cur = n.next.load(Ordering::Acquire, &guard);
+            }
+        }
+        out
+    }
+}
+
+impl<T> Drop for Dir<T> {
+    fn drop(&mut self) {
+        // SAFETY: exclusive access; the current table is owned by the directory (older ones
+        // were handed to the epoch with their nodes).
+        unsafe {
+            let g = epoch::unprotected();
+            let p = self.table.load(Ordering::Relaxed, g);
+            if !p.is_null() {
+                let t = p.into_owned();
+                Self::free_nodes(&t);
+            }
+        }
     }
 }
 
@@ -279,83 +396,187 @@ pub(crate) struct ScopeReplica {
     /// any reader may overwrite it and a stale or racing value only costs a search: `std`
     /// atomics even in loom builds, as nothing is ordered by it.
     stats_hint: StdAtomicU32,
+    /// Order label: for any two replicas of the scope, a smaller label means a smaller id in
+    /// byte order (labels never decrease along the id order; equal labels say nothing, and the
+    /// ids decide). Ranking orders equal scores (R4, R5) by it (see [`label_between`]).
+    pub(crate) label: u64,
 }
 
-/// The replicas of a scope by scope-local index, with each one's rank among their ids in byte
-/// order: ranking orders replicas with equal scores (R4, R5) by comparing ranks instead of ids.
-/// One immutable snapshot per change, so a reader's ranks are consistent with its list.
-#[derive(Clone, Default)]
-pub(crate) struct ReplicaList {
-    list: Vec<Arc<ScopeReplica>>,
-    /// `rank[i]`: position of replica `i`'s id in byte order among the scope's ids.
-    rank: Vec<u32>,
-    /// Replica indices in byte order of their ids (the inverse of `rank`).
-    sorted: Vec<u32>,
+/// Where appended labels go: a label below/above every other one is this far from its
+/// neighbour (or half the room left, when less), so ids that keep arriving in ascending (or
+/// descending) order, like numbered pods, get 2^31 distinct labels before they start to tie.
+const LABEL_STEP: u64 = 1 << 32;
+
+/// A label for a new id between the labels of its neighbours in id order (`None`: no neighbour
+/// on that side): the midpoint, or the lower label when they are adjacent. Any label within
+/// `[lo, hi]` keeps the invariant of [`ScopeReplica::label`]; a tie only costs an id compare.
+pub(crate) fn label_between(lo: Option<u64>, hi: Option<u64>) -> u64 {
+    match (lo, hi) {
+        (None, None) => 1 << 63,
+        (Some(lo), None) => lo + LABEL_STEP.min((u64::MAX - lo) / 2),
+        (None, Some(hi)) => hi - LABEL_STEP.min(hi / 2),
+        (Some(lo), Some(hi)) => lo + (hi - lo) / 2,
+    }
 }
 
-impl ReplicaList {
-    /// Rank of replica `i`'s id among the scope's ids (byte order); `i` must be a valid index.
-    #[inline]
-    pub(crate) fn rank(&self, i: u32) -> u32 {
-        self.rank[i as usize]
-    }
+/// First slot chunk's length; chunk `k` holds `SLOT_BASE << k` slots.
+const SLOT_BASE: usize = 16;
+/// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^17 − 1) ≥ 2^20`.
+const SLOT_CHUNKS: usize = 17;
 
-    /// The index of the replica named `name`, if any (binary search in id order).
-    pub(crate) fn find(&self, name: &str) -> Option<u32> {
-        let pos = self
-            .sorted
-            .partition_point(|&j| *self.list[j as usize].name < *name);
-        let &j = self.sorted.get(pos)?;
-        (*self.list[j as usize].name == *name).then_some(j)
-    }
+/// Chunk and offset of slot `i`: chunk `k` starts at `SLOT_BASE · (2^k − 1)`.
+#[inline]
+fn slot_place(i: usize) -> (usize, usize) {
+    let x = i / SLOT_BASE + 1;
+    let k = (usize::BITS - 1 - x.leading_zeros()) as usize;
+    (k, i - SLOT_BASE * ((1 << k) - 1))
+}
 
-    /// A cursor over the replicas in id order, for looking up names given in ascending order.
-    pub(crate) fn cursor(&self) -> IdCursor<'_> {
-        IdCursor { list: self, pos: 0 }
-    }
+/// A scope's replicas by scope-local index: chunks of doubling length, allocated when the first
+/// index in them is handed out, so appending a replica is O(1) (no copy of the earlier ones)
+/// and an empty scope costs one small array of chunk pointers.
+///
+/// Invariants: a slot is written once, by the interning writer (scope name lock held), with a
+/// Release store of a fully built record, before any key node naming the index is published;
+/// it then never changes while the scope lives. A chunk pointer is stored (Release) before any
+/// of its slots. A reader reaches a slot through a holder it loaded with Acquire, so it sees
+/// the chunk and the record.
+pub(crate) struct ReplicaSlots {
+    chunks: [crate::sync::AtomicPtr<crate::sync::AtomicPtr<ScopeReplica>>; SLOT_CHUNKS],
+    /// Slots handed out so far (indices `0..len` are set or being set).
+    len: crate::sync::AtomicU64,
+}
 
-    /// This list plus `name` (not yet in it) at the next index.
-    fn with(&self, name: ReplicaId) -> Self {
-        let i = self.list.len() as u32;
-        let pos = self
-            .sorted
-            .partition_point(|&j| *self.list[j as usize].name < *name);
-        let mut list = self.list.clone();
-        list.push(Arc::new(ScopeReplica {
-            name,
-            serving: AtomicI64::new(0),
-            stats_hint: StdAtomicU32::new(u32::MAX),
-        }));
-        let mut sorted = self.sorted.clone();
-        sorted.insert(pos, i);
-        let mut rank = self.rank.clone();
-        rank.push(0);
-        for (r, &j) in sorted.iter().enumerate().skip(pos) {
-            rank[j as usize] = r as u32;
+impl ReplicaSlots {
+    fn new() -> Self {
+        Self {
+            chunks: std::array::from_fn(|_| crate::sync::AtomicPtr::new(std::ptr::null_mut())),
+            len: crate::sync::AtomicU64::new(0),
         }
-        Self { list, rank, sorted }
+    }
+
+    /// The reader's view under `guard`.
+    #[inline]
+    pub(crate) fn load<'g>(&'g self, _guard: &'g Guard) -> ReplicaView<'g> {
+        ReplicaView { slots: self }
+    }
+
+    /// Stores `rec` at index `i` (writer, name lock held; `i` is the next index).
+    fn set(&self, i: usize, rec: Arc<ScopeReplica>) {
+        let (k, off) = slot_place(i);
+        let mut chunk = self.chunks[k].load(Ordering::Acquire);
+        if chunk.is_null() {
+            let slots: Box<[crate::sync::AtomicPtr<ScopeReplica>]> = (0..SLOT_BASE << k)
+                .map(|_| crate::sync::AtomicPtr::new(std::ptr::null_mut()))
+                .collect();
+            chunk = Box::into_raw(slots) as *mut crate::sync::AtomicPtr<ScopeReplica>;
+            self.chunks[k].store(chunk, Ordering::Release);
+        }
+        // SAFETY: `off < SLOT_BASE << k`, the chunk's length; chunks live as long as `self`.
+        let slot = unsafe { &*chunk.add(off) };
+        slot.store(Arc::into_raw(rec) as *mut ScopeReplica, Ordering::Release);
+        self.len.store(i as u64 + 1, Ordering::Release);
+    }
+
+    #[inline]
+    fn get(&self, i: usize) -> Option<&ScopeReplica> {
+        if i >= MAX_SCOPE_REPLICAS {
+            return None;
+        }
+        let (k, off) = slot_place(i);
+        let chunk = self.chunks[k].load(Ordering::Acquire);
+        if chunk.is_null() {
+            return None;
+        }
+        // SAFETY: as in `set`; a non-null slot holds a record owned by the slot (one `Arc`
+        // count), freed only when the scope is dropped.
+        unsafe {
+            let rec = (*chunk.add(off)).load(Ordering::Acquire);
+            rec.as_ref()
+        }
     }
 }
 
-impl std::ops::Deref for ReplicaList {
-    type Target = [Arc<ScopeReplica>];
-    fn deref(&self) -> &Self::Target {
-        &self.list
+impl Drop for ReplicaSlots {
+    fn drop(&mut self) {
+        for (k, c) in self.chunks.iter().enumerate() {
+            let chunk = c.load(Ordering::Relaxed);
+            if chunk.is_null() {
+                continue;
+            }
+            let n = SLOT_BASE << k;
+            // SAFETY: exclusive access; the chunk was a boxed slice of `n` slots, and each
+            // non-null slot owns one `Arc` count of its record.
+            unsafe {
+                let slots = Box::from_raw(std::ptr::slice_from_raw_parts_mut(chunk, n));
+                for s in slots.iter() {
+                    let r = s.load(Ordering::Relaxed);
+                    if !r.is_null() {
+                        drop(Arc::from_raw(r as *const ScopeReplica));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A reader's view of a scope's replicas (see [`ReplicaSlots`]).
+#[derive(Clone, Copy)]
+pub(crate) struct ReplicaView<'g> {
+    slots: &'g ReplicaSlots,
+}
+
+impl<'g> ReplicaView<'g> {
+    /// Replica `i`, if that index was handed out.
+    #[inline]
+    pub(crate) fn get(&self, i: usize) -> Option<&'g ScopeReplica> {
+        self.slots.get(i)
+    }
+
+    /// Indices handed out so far.
+    pub(crate) fn len(&self) -> usize {
+        self.slots.len.load(Ordering::Acquire) as usize
+    }
+
+    /// Every replica, by index.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &'g ScopeReplica> + 'g {
+        let slots = self.slots;
+        (0..self.len()).filter_map(move |i| slots.get(i))
+    }
+}
+
+impl std::ops::Index<usize> for ReplicaView<'_> {
+    type Output = ScopeReplica;
+    /// Replica `i` of a holder: holders only name indices whose slot was set before the holder
+    /// was published (see [`ReplicaSlots`]).
+    fn index(&self, i: usize) -> &ScopeReplica {
+        self.slots
+            .get(i)
+            .expect("a holder names a replica slot set before it")
     }
 }
 
 /// Most replicas one scope can name: a holder stores the scope-local index in 20 bits.
 pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::table::REP_MASK as usize + 1;
 
+/// Writer-side state of a scope's replica names.
+#[derive(Default)]
+pub(crate) struct ScopeNames {
+    /// Id → (local index, label), in id order (the neighbours give a new id's label).
+    by_name: std::collections::BTreeMap<ReplicaId, (u32, u64)>,
+}
+
 /// A scope (tenant, model, scheme).
 pub(crate) struct ScopeRec {
     pub(crate) tenant: Arc<str>,
     pub(crate) model: Arc<str>,
     pub(crate) scheme: Arc<str>,
-    /// Replicas by scope-local index (append only), with their id ranks.
-    pub(crate) replicas: Rcu<ReplicaList>,
-    /// Writer-side name → local index (sync seam: held across the replicas RCU update).
-    pub(crate) by_name: crate::sync::Mutex<HashMap<ReplicaId, u32>>,
+    /// Replicas by scope-local index (append only).
+    pub(crate) replicas: ReplicaSlots,
+    /// Replicas by id, for readers (serving counts by name: TENANT_HOT, tests).
+    lookup: Dir<ScopeReplica>,
+    /// Writer-side names (sync seam: held across the slot stores).
+    names: crate::sync::Mutex<ScopeNames>,
     /// Replicas with serving > 0.
     pub(crate) serving_n: AtomicI64,
 }
@@ -366,8 +587,9 @@ impl ScopeRec {
             tenant,
             model,
             scheme,
-            replicas: Rcu::new(ReplicaList::default()),
-            by_name: crate::sync::Mutex::new(HashMap::new()),
+            replicas: ReplicaSlots::new(),
+            lookup: Dir::new(),
+            names: crate::sync::Mutex::new(ScopeNames::default()),
             serving_n: AtomicI64::new(0),
         }
     }
@@ -380,64 +602,56 @@ impl ScopeRec {
     }
 
     fn intern_within(&self, name: &str, limit: usize) -> Option<u32> {
-        let mut m = self.by_name.lock();
-        if let Some(&i) = m.get(name) {
+        let mut names = self.names.lock();
+        if let Some(&(i, _)) = names.by_name.get(name) {
             return Some(i);
         }
-        if m.len() >= limit {
+        let i = names.by_name.len();
+        if i >= limit {
             return None;
         }
-        let name = ReplicaId::intern(name);
-        let i = self.replicas.update(|v| {
-            let v2 = v.with(name);
-            let i = (v2.len() - 1) as u32;
-            (Some(v2), i)
+        use std::ops::Bound::{Excluded, Unbounded};
+        let lo = names
+            .by_name
+            .range::<str, _>((Unbounded, Excluded(name)))
+            .next_back()
+            .map(|(_, &(_, l))| l);
+        let hi = names
+            .by_name
+            .range::<str, _>((Excluded(name), Unbounded))
+            .next()
+            .map(|(_, &(_, l))| l);
+        let label = label_between(lo, hi);
+        let id = ReplicaId::intern(name);
+        let rec = Arc::new(ScopeReplica {
+            name: id,
+            serving: AtomicI64::new(0),
+            stats_hint: StdAtomicU32::new(u32::MAX),
+            label,
         });
-        m.insert(name, i);
-        Some(i)
+        self.replicas.set(i, rec.clone());
+        self.lookup
+            .get_or_insert(hash_strs(&[name]), |r| same_str(&r.name, name), || rec);
+        names.by_name.insert(id, (i as u32, label));
+        Some(i as u32)
     }
 
     /// Local index of `name` if known (writer side).
     pub(crate) fn index_of(&self, name: &str) -> Option<u32> {
-        self.by_name.lock().get(name).copied()
+        self.names.lock().by_name.get(name).map(|&(i, _)| i)
     }
 
-    /// Serving count of `name` (reader side, a binary search; TENANT_HOT, which asks for
-    /// many names in id order, merges with [`ReplicaList::cursor`] instead).
-    pub(crate) fn serving_of(&self, name: &str, guard: &Guard) -> i64 {
-        let reps = self.replicas.load(guard);
-        reps.find(name)
-            .map_or(0, |i| reps[i as usize].serving.load(Ordering::Relaxed))
+    /// The replica named `name` (reader side, wait-free).
+    #[inline]
+    pub(crate) fn find(&self, name: &str) -> Option<&ScopeReplica> {
+        self.lookup
+            .get(hash_strs(&[name]), |r| same_str(&r.name, name))
     }
-}
 
-/// Finds replicas by names given in ascending byte order (a merge with the id order).
-///
-/// Each `seek` gallops forward from the previous position, so `m` ascending names in a list
-/// of `n` cost O(m log(n / m)) id compares, never more than a binary search per name.
-pub(crate) struct IdCursor<'a> {
-    list: &'a ReplicaList,
-    /// Every replica before `pos` in id order has an id below the last name sought.
-    pos: usize,
-}
-
-impl<'a> IdCursor<'a> {
-    /// The replica named `name`, if any. Names must not decrease from one call to the next.
-    pub(crate) fn seek(&mut self, name: &str) -> Option<&'a ScopeReplica> {
-        let list = self.list;
-        let rest = &list.sorted[self.pos..];
-        let below = |j: &u32| *list.list[*j as usize].name < *name;
-        // Gallop to a window whose end is not below `name`, then search inside it.
-        let mut end = 1;
-        while end < rest.len() && below(&rest[end - 1]) {
-            end *= 2;
-        }
-        let end = end.min(rest.len());
-        let start = end / 2;
-        self.pos += start + rest[start..end].partition_point(below);
-        let &j = list.sorted.get(self.pos)?;
-        let r = &*list.list[j as usize];
-        (*r.name == *name).then_some(r)
+    /// Serving count of `name` (reader side).
+    pub(crate) fn serving_of(&self, name: &str) -> i64 {
+        self.find(name)
+            .map_or(0, |r| r.serving.load(Ordering::Relaxed))
     }
 }
 
@@ -459,62 +673,90 @@ pub(crate) struct Partition {
 mod tests {
     use super::*;
 
-    /// After every insertion, in any order, each replica's rank is its id's position in byte
-    /// order, and indices stay insertion order.
-    #[test]
-    fn replica_ranks_follow_byte_order() {
-        let names = [
-            "r-07", "r-10", "a", "r-1", "", "zz", "r-07x", "Z", "é", "r-0", "b", "r-100",
-        ];
-        let mut list = ReplicaList::default();
-        for (k, &name) in names.iter().enumerate() {
-            list = list.with(name.into());
-            let mut by_id: Vec<&str> = names[..=k].to_vec();
-            by_id.sort_unstable();
-            for (i, r) in list.iter().enumerate() {
-                assert_eq!(&*r.name, names[i], "index order");
-                assert_eq!(list.find(names[i]), Some(i as u32), "find {:?}", names[i]);
-                let want = by_id.iter().position(|&n| n == names[i]).unwrap();
-                assert_eq!(
-                    list.rank(i as u32) as usize,
-                    want,
-                    "{:?} after {k}",
-                    names[i]
-                );
-            }
-            for absent in ["r-07y", "zzz", "r-", "\u{0}"] {
-                assert_eq!(list.find(absent), None, "{absent:?} is not a replica");
+    /// Checks the label invariant over every pair of a scope's replicas, and that indices,
+    /// names and lookups by name agree.
+    fn check_scope(scope: &ScopeRec, names: &[String]) {
+        let guard = epoch::pin();
+        let reps = scope.replicas.load(&guard);
+        assert_eq!(reps.len(), names.len());
+        for (i, a) in names.iter().enumerate() {
+            let ra = &reps[i];
+            assert_eq!(&*ra.name, a.as_str(), "index order");
+            assert_eq!(scope.index_of(a), Some(i as u32));
+            assert!(std::ptr::eq(scope.find(a).expect("found by name"), ra));
+            for (j, b) in names.iter().enumerate() {
+                let rb = &reps[j];
+                if ra.label < rb.label {
+                    assert!(a < b, "label order {a:?} < {b:?}");
+                }
             }
         }
     }
 
-    /// A cursor finds exactly the present names of every ascending query sequence, whatever
-    /// the gaps between them (galloping over 0, 1, 2, 3, ... replicas).
+    /// Labels never contradict byte order, whatever the insertion order: mixed ids, ascending
+    /// and descending numbered pods (the append paths) and ids squeezed into one gap until
+    /// the labels tie (ties are allowed; an inversion is not).
     #[test]
-    fn id_cursor_merges_ascending_names() {
-        let mut list = ReplicaList::default();
-        // Present: even numbers (inserted in a scrambled order); the odd ones are absent.
-        let n = 300u32;
-        for k in 0..n {
-            let v = (k * 7919) % n * 2;
-            list = list.with(ReplicaId::intern(&format!("r-{v:05}")));
+    fn replica_labels_follow_byte_order() {
+        let mixed = [
+            "r-07", "r-10", "a", "r-1", "", "zz", "r-07x", "Z", "é", "r-0", "b", "r-100",
+        ];
+        let scope = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let mut names = Vec::new();
+        for name in mixed {
+            scope.intern(name);
+            names.push(name.to_string());
+            check_scope(&scope, &names);
         }
-        let queries: Vec<u32> = (0..2 * n + 2).collect();
-        for step in 1..40 {
-            for offset in 0..step.min(5) {
-                let seq: Vec<u32> = queries.iter().copied().skip(offset).step_by(step).collect();
-                let mut cursor = list.cursor();
-                for q in seq {
-                    let name = format!("r-{q:05}");
-                    let got = cursor.seek(&name).map(|r| r.name.to_string());
-                    let want = (q % 2 == 0 && q < 2 * n).then(|| name.clone());
-                    assert_eq!(got, want, "step {step}, offset {offset}, {name}");
-                    // Names may repeat: seeking the same name again finds it again.
-                    assert_eq!(cursor.seek(&name).map(|r| r.name.to_string()), want);
-                }
+        for absent in ["r-07y", "zzz", "r-", "\u{0}"] {
+            assert!(scope.find(absent).is_none(), "{absent:?} is not a replica");
+            assert_eq!(scope.index_of(absent), None);
+        }
+        let up = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let down = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let squeeze = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let (mut nu, mut nd, mut ns) = (Vec::new(), Vec::new(), Vec::new());
+        for k in 0..100 {
+            nu.push(format!("pod-{k:04}"));
+            up.intern(&nu[k]);
+            nd.push(format!("pod-{:04}", 1000 - k));
+            down.intern(&nd[k]);
+            // "m", "mm", "mmm", ...: each new id sorts between the last one and "n".
+            if k == 0 {
+                ns.push("n".to_string());
+            } else {
+                ns.push("m".repeat(k));
+            }
+            squeeze.intern(&ns[k]);
+        }
+        check_scope(&up, &nu);
+        check_scope(&down, &nd);
+        check_scope(&squeeze, &ns);
+        let guard = epoch::pin();
+        let labels = |s: &ScopeRec| {
+            let mut v: Vec<u64> = s.replicas.load(&guard).iter().map(|r| r.label).collect();
+            v.sort_unstable();
+            v.dedup();
+            v.len()
+        };
+        assert_eq!(labels(&up), 100, "ascending ids get distinct labels");
+        assert_eq!(labels(&down), 100, "descending ids get distinct labels");
+        assert!(labels(&squeeze) < 100, "one gap halved 99 times ties");
+    }
+
+    /// Slot chunks double: every index maps to one place, chunk by chunk, up to the limit.
+    #[test]
+    fn slot_places_tile_the_index_space() {
+        let mut want = (0usize, 0usize);
+        for i in 0..MAX_SCOPE_REPLICAS {
+            let got = slot_place(i);
+            assert_eq!(got, want, "slot {i}");
+            want.1 += 1;
+            if want.1 == SLOT_BASE << want.0 {
+                want = (want.0 + 1, 0);
             }
         }
-        assert!(ReplicaList::default().cursor().seek("r").is_none());
+        assert!(slot_place(MAX_SCOPE_REPLICAS - 1).0 < SLOT_CHUNKS);
     }
 
     /// `same_str` is `==`: every length up to 24, a difference at every position.

@@ -93,9 +93,10 @@ struct Ranked {
     matched: i32,
     fresh: f32,
     tier: u8,
-    rep: u32,
-    /// Rank of the replica's id in byte order (the tie-break of R4 and R5).
-    rank: u32,
+    /// Order label of the replica's id (`ScopeReplica::label`; TENANT_HOT: its position in
+    /// id order): the tie-break of R4 and R5, with `name` deciding equal labels.
+    rank: u64,
+    name: ReplicaId,
 }
 
 /// Reusable scratch space for [`Index::match_chain_into`].
@@ -1811,8 +1812,8 @@ impl Index {
                     matched: r.matched,
                     fresh: f,
                     tier: r.tier,
-                    rep: r.rep,
-                    rank: reps.rank(r.rep),
+                    rank: rr.label,
+                    name: rr.name,
                 });
                 if capture {
                     for &np in buf.scratch.nodes[..r.blocks as usize].iter() {
@@ -1830,11 +1831,11 @@ impl Index {
                 }
             }
             buf.scratch.nodes.clear();
-            // Ties are ordered by replica id through the ids' ranks (R4, R5): integer compares,
-            // and one id clone per returned replica, once its place is known.
+            // Ties are ordered by replica id through the ids' labels (R4, R5): integer
+            // compares, the ids themselves only for equal labels.
             if n > 1 && !ranked.is_empty() {
                 // R4 chain grouping.
-                ranked.sort_unstable_by(|a, b| b.matched.cmp(&a.matched).then(a.rank.cmp(&b.rank)));
+                ranked.sort_unstable_by(|a, b| b.matched.cmp(&a.matched).then(by_id(a, b)));
                 let mut i = 0;
                 while i < ranked.len() {
                     let mut j = i;
@@ -1850,7 +1851,7 @@ impl Index {
                     i = j;
                 }
             }
-            emit_ranked(ranked, &mut buf.scores, |rep| reps[rep as usize].name);
+            emit_ranked(ranked, &mut buf.scores);
         } else {
             if req.prefix_hash.is_empty() {
                 return;
@@ -1875,8 +1876,8 @@ impl Index {
                     matched: h.tokens(),
                     fresh: f,
                     tier: h.tier(),
-                    rep: h.rep(),
-                    rank: reps.rank(h.rep()),
+                    rank: rr.label,
+                    name: rr.name,
                 });
                 if capture && h.tokens() > 0 {
                     buf.hits.hits.push(Hit {
@@ -1893,7 +1894,7 @@ impl Index {
                     s.score *= dp as f32;
                 }
             }
-            emit_ranked(ranked, &mut buf.scores, |rep| reps[rep as usize].name);
+            emit_ranked(ranked, &mut buf.scores);
         }
     }
 
@@ -2035,17 +2036,14 @@ impl Index {
         let c = slo_c(rc, req.ttft_ms);
         let guard = epoch::pin();
         let stats = model.stats.load(&guard);
-        // Both the stats records and the cursor go in id order: one merge, no per-record search.
-        let reps = scope.replicas.load(&guard);
-        let mut serving = reps.cursor();
         ranked.clear();
         for (i, st) in stats.iter().enumerate() {
             let age = now_ms - st.reported_ms;
             if age >= rc.tenant_hot_max_age_ms || st.hit_rate < rc.tenant_hot_min_hit_rate {
                 continue;
             }
-            if serving
-                .seek(&st.replica)
+            if scope
+                .find(&st.replica)
                 .is_none_or(|r| r.serving.load(Ordering::Relaxed) <= 0)
             {
                 continue;
@@ -2059,11 +2057,11 @@ impl Index {
                 matched: 0,
                 fresh: st.hit_rate,
                 tier: 0,
-                rep: i as u32,
-                rank: i as u32,
+                rank: i as u64,
+                name: st.replica,
             });
         }
-        emit_ranked(ranked, out, |i| stats[i as usize].replica);
+        emit_ranked(ranked, out);
         !out.is_empty()
     }
 
@@ -2222,7 +2220,7 @@ impl Index {
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
         let mut guard = epoch::pin();
         for p in parts.iter().filter(|p| !p.tenant.reserved) {
-            let reps = p.scope.replicas.load(&guard).clone();
+            let reps = p.scope.replicas.load(&guard);
             p.table.for_each_node(&guard, |node| {
                 for h in node.holders().iter() {
                     let Some(rr) = reps.get(h.rep() as usize) else {
@@ -2482,8 +2480,7 @@ impl Index {
         let Some(s) = self.scope_ref(tenant, model, scheme) else {
             return 0;
         };
-        let guard = epoch::pin();
-        s.serving_of(replica, &guard)
+        s.serving_of(replica)
     }
 
     /// Test/debug: stats clocks `(last_seen_us, stats_reported_us)` of a record.
@@ -2965,26 +2962,29 @@ fn evict_slot(a: Algorithm, r: EvictionReason) -> usize {
     }
 }
 
-/// R5 on ranked entries: score desc, then replica id asc through the ids' ranks.
+/// Replica id order of two ranked entries: their labels, then (equal labels) the ids.
+#[inline]
+fn by_id(a: &Ranked, b: &Ranked) -> std::cmp::Ordering {
+    a.rank
+        .cmp(&b.rank)
+        .then_with(|| a.name.as_str().cmp(b.name.as_str()))
+}
+
+/// R5 on ranked entries: score desc, then replica id asc.
 fn sort_ranked(v: &mut [Ranked]) {
     v.sort_unstable_by(|a, b| {
         b.score
             .partial_cmp(&a.score)
             .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.rank.cmp(&b.rank))
+            .then(by_id(a, b))
     });
 }
 
-/// Sorts `ranked` (R5) and appends the scores to `out` in that order, naming entry `rep` by
-/// `name(rep)`: each returned id is cloned once, once its place is known.
-fn emit_ranked(
-    ranked: &mut [Ranked],
-    out: &mut Vec<ScoredReplica>,
-    name: impl Fn(u32) -> ReplicaId,
-) {
+/// Sorts `ranked` (R5) and appends the scores to `out` in that order.
+fn emit_ranked(ranked: &mut [Ranked], out: &mut Vec<ScoredReplica>) {
     sort_ranked(ranked);
     out.extend(ranked.iter().map(|s| ScoredReplica {
-        replica_id: name(s.rep),
+        replica_id: s.name,
         score: s.score,
         matched_tokens: s.matched,
         estimated_cache_hit_prob: s.fresh,
