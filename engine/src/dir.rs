@@ -12,7 +12,9 @@ use crate::table::KeyTable;
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use parking_lot::Mutex;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32 as StdAtomicU32, Ordering as StdOrdering};
+use std::sync::atomic::{
+    AtomicU32 as StdAtomicU32, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering,
+};
 
 /// Hash of a tuple of strings (no allocation).
 #[inline]
@@ -139,14 +141,17 @@ const DIR_MIN_BUCKETS: usize = 8;
 /// A directory of records keyed by a string-tuple hash: a hash table of singly linked bucket
 /// lists, read wait-free under an epoch guard, written under one mutex.
 ///
-/// Invariants: a node, once linked, is never changed or unlinked while its table is current
-/// (records are never removed); an insertion links a fully built node at the head of its
-/// bucket (Release), so a reader that loads the head (Acquire) sees the whole node. When the
-/// records outnumber the buckets, the writer builds a table of twice as many buckets with new
-/// nodes (each holding another `Arc` of its record), publishes it (Release) and retires the old
+/// Invariants: a linked node is never changed except for its `next` link when the node after
+/// it is unlinked; an insertion links a fully built node at the head of its bucket (Release),
+/// so a reader that loads a link (Acquire) sees the whole node, and an unlinked node keeps its
+/// own `next`, so a reader standing on it still reaches the rest of the list. Unlinked nodes
+/// are freed through the epoch. When the records outnumber the buckets (or fall below an
+/// eighth of them), the writer builds a table of twice (half) as many buckets with new nodes
+/// (each holding another `Arc` of its record), publishes it (Release) and retires the old
 /// table and its nodes through the epoch: a reader still on the old table reads valid nodes.
-/// So an insertion costs O(1) amortized (the copy that made every new record cost O(records)
-/// is gone), and every table version holds an `Arc` to every record inserted before it.
+/// So an insertion or removal costs O(1) amortized (the copy that made every new record cost
+/// O(records) is gone), and a record reached under a guard lives at least as long as the
+/// guard: the `Arc`s of every table version it is linked in are dropped after it.
 pub(crate) struct Dir<T> {
     table: Atomic<DirTable<T>>,
     /// Writer lock (sync seam) and the number of records.
@@ -183,14 +188,80 @@ impl<T> Dir<T> {
         None
     }
 
-    /// Finds the record with hash `h` satisfying `pred`. Wait-free.
+    /// Finds the record with hash `h` satisfying `pred`. Wait-free. The record stays valid
+    /// while `guard` is pinned: a removed record's last directory reference is dropped
+    /// through the epoch (see [`Dir::remove`]).
     #[inline]
-    pub(crate) fn get(&self, h: u64, pred: impl Fn(&T) -> bool) -> Option<&T> {
+    pub(crate) fn get<'g>(
+        &self,
+        h: u64,
+        pred: impl Fn(&T) -> bool,
+        guard: &'g Guard,
+    ) -> Option<&'g T> {
+        self.find(h, pred, guard).map(|r| &**r)
+    }
+
+    /// Unlinks the record `rec` (hash `h`) if present; returns whether it was. Readers pinned
+    /// before the unlink may still hold the node and the record: both are freed (the node,
+    /// with its `Arc`) through the epoch. A directory whose records fall below an eighth of
+    /// its buckets is rebuilt at half the size, so buckets follow the records down too.
+    pub(crate) fn remove(&self, h: u64, rec: *const T) -> bool {
+        let mut count = self.lock.lock();
         let guard = epoch::pin();
-        let p: *const T = &**self.find(h, pred, &guard)?;
-        // SAFETY: records are never removed and every table version holds an `Arc` to every
-        // record inserted before it, so the record lives as long as `self`.
-        Some(unsafe { &*p })
+        // SAFETY: non-null (see `table`); we hold the writer lock, so it is the current table.
+        let table = unsafe { self.table.load(Ordering::Acquire, &guard).deref() };
+        let mut link = table.bucket(h);
+        loop {
+            let cur = link.load(Ordering::Acquire, &guard);
+            // SAFETY: as in `find`; only this (locked) writer unlinks nodes.
+            let Some(n) = (unsafe { cur.as_ref() }) else {
+                return false;
+            };
+            if std::ptr::eq(Arc::as_ptr(&n.rec), rec) {
+                // Readers standing on `n` still follow its (unchanged) `next`.
+                link.store(n.next.load(Ordering::Acquire, &guard), Ordering::Release);
+                // SAFETY: unlinked; readers may hold it until their guards drop.
+                unsafe { guard.defer_destroy(cur) };
+                break;
+            }
+            link = &n.next;
+        }
+        *count -= 1;
+        if *count * 8 < table.buckets.len() && table.buckets.len() > DIR_MIN_BUCKETS {
+            self.rebuild(table.buckets.len() / 2, &guard);
+        }
+        true
+    }
+
+    /// Publishes a copy of the current table with `buckets` buckets and retires the old one
+    /// with its nodes (writer lock held).
+    fn rebuild(&self, buckets: usize, guard: &Guard) {
+        let shared = self.table.load(Ordering::Acquire, guard);
+        // SAFETY: non-null, current (writer lock held).
+        let table = unsafe { shared.deref() };
+        let grown = DirTable::with_buckets(buckets);
+        for b in table.buckets.iter() {
+            let mut cur = b.load(Ordering::Acquire, guard);
+            // SAFETY: as in `find`; only this (locked) writer links nodes.
+            while let Some(n) = unsafe { cur.as_ref() } {
+                Self::link(&grown, n.hash, n.rec.clone(), guard);
+                cur = n.next.load(Ordering::Acquire, guard);
+            }
+        }
+        self.table.store(Owned::new(grown), Ordering::Release);
+        // SAFETY: the old table is unlinked; readers may hold it (and its nodes) until their
+        // guards drop, and the destructor below runs after that.
+        unsafe {
+            guard.defer_unchecked(move || {
+                let old = shared.into_owned();
+                Self::free_nodes(&old);
+            });
+        }
+    }
+
+    /// Records in the directory.
+    pub(crate) fn len(&self) -> usize {
+        *self.lock.lock()
     }
 
     /// Finds or creates a record; returns it and whether it was created.
@@ -209,32 +280,14 @@ impl<T> Dir<T> {
             return (r.clone(), false);
         }
         let rec = make();
-        let shared = self.table.load(Ordering::Acquire, &guard);
         // SAFETY: non-null (see `table`); we hold the writer lock, so it is the current table.
-        let table = unsafe { shared.deref() };
-        if *count + 1 > table.buckets.len() {
-            let grown = DirTable::with_buckets(table.buckets.len() * 2);
-            for b in table.buckets.iter() {
-                let mut cur = b.load(Ordering::Acquire, &guard);
-                // SAFETY: as in `find`; only this (locked) writer links nodes.
-                while let Some(n) = unsafe { cur.as_ref() } {
-                    Self::link(&grown, n.hash, n.rec.clone(), &guard);
-                    cur = n.next.load(Ordering::Acquire, &guard);
-                }
-            }
-            Self::link(&grown, h, rec.clone(), &guard);
-            self.table.store(Owned::new(grown), Ordering::Release);
-            // SAFETY: the old table is unlinked; readers may hold it (and its nodes) until
-            // their guards drop, and the destructor below runs after that.
-            unsafe {
-                guard.defer_unchecked(move || {
-                    let old = shared.into_owned();
-                    Self::free_nodes(&old);
-                });
-            }
-        } else {
-            Self::link(table, h, rec.clone(), &guard);
+        let buckets = unsafe { self.table.load(Ordering::Acquire, &guard).deref() }
+            .buckets
+            .len();
+        if *count + 1 > buckets {
+            self.rebuild(buckets * 2, &guard);
         }
+        Self::link(self.table(&guard), h, rec.clone(), &guard);
         *count += 1;
         (rec, true)
     }
@@ -306,6 +359,71 @@ impl<T> Drop for Dir<T> {
     }
 }
 
+/// Set in a [`Life`] word once its record is retired.
+const DEAD: u64 = 1 << 63;
+
+/// The reclamation gate of a record that writers add to without holding the directory lock
+/// (a partition's entries, a (tenant, model) pair's stats, a scope slot's replica): writers
+/// [`enter`](Life::enter) before they write and [`exit`](Life::exit) after their last counter
+/// update; the sweep retires a record only by swapping 0 writers for [`DEAD`].
+///
+/// Protocol: a writer's `enter` fails on a retired record, and it resolves the record again
+/// under the index's record lock (finding the successor, or creating one). The sweep checks
+/// emptiness *after* `try_retire` succeeded: the swap read the count left by the last
+/// writer's `exit` (Release), so every counter update of every writer that got in is visible
+/// to it, and no writer can get in afterwards. If the record turns out not to be empty, the
+/// sweep [`revive`](Life::revive)s it. Removals need no gate: they only ever lower counters,
+/// which the sweep reads after theirs were applied or sees too high (and then keeps the
+/// record).
+pub(crate) struct Life(AtomicU64);
+
+impl Life {
+    pub(crate) fn new() -> Self {
+        Self(AtomicU64::new(0))
+    }
+
+    /// Registers a writer; false if the record is retired.
+    #[inline]
+    pub(crate) fn enter(&self) -> bool {
+        let mut cur = self.0.load(Ordering::Relaxed);
+        loop {
+            if cur & DEAD != 0 {
+                return false;
+            }
+            match self
+                .0
+                .compare_exchange_weak(cur, cur + 1, Ordering::Acquire, Ordering::Relaxed)
+            {
+                Ok(_) => return true,
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Ends a writer's [`Life::enter`]: its counter updates happen before a later retirement.
+    #[inline]
+    pub(crate) fn exit(&self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+
+    /// Retires the record if no writer is in (sweep, record lock held).
+    pub(crate) fn try_retire(&self) -> bool {
+        self.0
+            .compare_exchange(0, DEAD, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// Undoes a [`Life::try_retire`] whose record was not empty after all.
+    pub(crate) fn revive(&self) {
+        self.0.store(0, Ordering::Release);
+    }
+
+    /// Whether the record was retired.
+    pub(crate) fn is_dead(&self) -> bool {
+        self.0.load(Ordering::Acquire) & DEAD != 0
+    }
+}
+
 /// A tenant.
 pub(crate) struct TenantRec {
     pub(crate) name: Arc<str>,
@@ -323,6 +441,8 @@ pub(crate) struct TenantRec {
 pub(crate) struct GaugeRec {
     pub(crate) model: Arc<str>,
     pub(crate) keys: AtomicI64,
+    /// (tenant, model) pairs counting into this gauge (changed under the record lock).
+    pub(crate) pairs: StdAtomicUsize,
 }
 
 /// One stats record (S1–S3).
@@ -353,6 +473,8 @@ pub(crate) struct ModelRec {
     pub(crate) stats: Rcu<Vec<StatsRecord>>,
     /// Partitions of this pair (E3/E4 cost).
     pub(crate) parts: Mutex<Vec<Arc<Partition>>>,
+    /// Reclamation gate of the stats writers (see [`Life`]).
+    pub(crate) life: Life,
 }
 
 impl ModelRec {
@@ -400,6 +522,8 @@ pub(crate) struct ScopeReplica {
     /// byte order (labels never decrease along the id order; equal labels say nothing, and the
     /// ids decide). Ranking orders equal scores (R4, R5) by it (see [`label_between`]).
     pub(crate) label: u64,
+    /// Reclamation gate of the slot (see [`Life`] and [`ScopeRec::reclaim_slots`]).
+    life: Life,
 }
 
 /// Where appended labels go: a label below/above every other one is this far from its
@@ -474,8 +598,21 @@ impl ReplicaSlots {
         }
         // SAFETY: `off < SLOT_BASE << k`, the chunk's length; chunks live as long as `self`.
         let slot = unsafe { &*chunk.add(off) };
-        slot.store(Arc::into_raw(rec) as *mut ScopeReplica, Ordering::Release);
-        self.len.store(i as u64 + 1, Ordering::Release);
+        let old = slot.swap(Arc::into_raw(rec) as *mut ScopeReplica, Ordering::AcqRel);
+        if !old.is_null() {
+            // A recycled slot: its previous record is unreachable through holders (none names
+            // the index any more, see `ScopeRec::reclaim_slots`), but a reader iterating the
+            // slots may hold it until its guard drops.
+            let old = old as usize;
+            let guard = epoch::pin();
+            // SAFETY: the slot owned one `Arc` count of `old`, given up here after the epoch.
+            unsafe {
+                guard.defer_unchecked(move || drop(Arc::from_raw(old as *const ScopeReplica)));
+            }
+        }
+        if i as u64 >= self.len.load(Ordering::Relaxed) {
+            self.len.store(i as u64 + 1, Ordering::Release);
+        }
     }
 
     #[inline]
@@ -577,8 +714,14 @@ pub(crate) struct ScopeRec {
     lookup: Dir<ScopeReplica>,
     /// Writer-side names (sync seam: held across the slot stores).
     names: crate::sync::Mutex<ScopeNames>,
+    /// Indices of reclaimed slots whose grace period has passed, ready for new ids. Its own
+    /// lock, taken by epoch-deferred functions: nothing pins while holding it (a pin may run
+    /// deferred functions, which must not wait for a lock their thread holds).
+    free: crate::sync::Mutex<Vec<u32>>,
     /// Replicas with serving > 0.
     pub(crate) serving_n: AtomicI64,
+    /// Partitions of the scope (changed under the record lock).
+    pub(crate) parts: StdAtomicUsize,
 }
 
 impl ScopeRec {
@@ -590,13 +733,16 @@ impl ScopeRec {
             replicas: ReplicaSlots::new(),
             lookup: Dir::new(),
             names: crate::sync::Mutex::new(ScopeNames::default()),
+            free: crate::sync::Mutex::new(Vec::new()),
             serving_n: AtomicI64::new(0),
+            parts: StdAtomicUsize::new(0),
         }
     }
 
-    /// Local index of `name`, creating it; `None` once the scope holds [`MAX_SCOPE_REPLICAS`]
-    /// replicas (a holder stores the index in 20 bits), so a producer inventing ids cannot
-    /// crash the index: its entries for new ids are dropped instead.
+    /// Local index of `name`, creating it, with its slot entered (the caller calls
+    /// [`ScopeRec::exit`] after its last counter update for it); `None` once the scope has
+    /// [`MAX_SCOPE_REPLICAS`] replicas at once (a holder stores the index in 20 bits), so a
+    /// producer inventing ids cannot crash the index: its entries for new ids are dropped.
     pub(crate) fn intern(&self, name: &str) -> Option<u32> {
         self.intern_within(name, MAX_SCOPE_REPLICAS)
     }
@@ -604,12 +750,23 @@ impl ScopeRec {
     fn intern_within(&self, name: &str, limit: usize) -> Option<u32> {
         let mut names = self.names.lock();
         if let Some(&(i, _)) = names.by_name.get(name) {
-            return Some(i);
+            // Slots are retired under the name lock, together with their name: a named slot
+            // is live.
+            let entered = self.slot(i).life.enter();
+            debug_assert!(entered, "a named slot is never retired");
+            return entered.then_some(i);
         }
-        let i = names.by_name.len();
-        if i >= limit {
-            return None;
-        }
+        let recycled = self.free.lock().pop();
+        let i = match recycled {
+            Some(i) => i as usize,
+            None => {
+                let next = self.replicas.len.load(Ordering::Relaxed) as usize;
+                if next >= limit {
+                    return None;
+                }
+                next
+            }
+        };
         use std::ops::Bound::{Excluded, Unbounded};
         let lo = names
             .by_name
@@ -628,7 +785,9 @@ impl ScopeRec {
             serving: AtomicI64::new(0),
             stats_hint: StdAtomicU32::new(u32::MAX),
             label,
+            life: Life::new(),
         });
+        rec.life.enter();
         self.replicas.set(i, rec.clone());
         self.lookup
             .get_or_insert(hash_strs(&[name]), |r| same_str(&r.name, name), || rec);
@@ -636,21 +795,81 @@ impl ScopeRec {
         Some(i as u32)
     }
 
-    /// Local index of `name` if known (writer side).
+    /// The record in slot `i` (writer side: `i` was handed out).
+    fn slot(&self, i: u32) -> &ScopeReplica {
+        self.replicas
+            .get(i as usize)
+            .expect("a handed-out index has a slot")
+    }
+
+    /// Ends an [`intern`](ScopeRec::intern) or [`enter_existing`](ScopeRec::enter_existing).
+    pub(crate) fn exit(&self, i: u32) {
+        self.slot(i).life.exit();
+    }
+
+    /// Local index of `name` if known, with its slot entered (removal paths: the index cannot
+    /// be given to another id until the caller [`exit`](ScopeRec::exit)s).
+    pub(crate) fn enter_existing(&self, name: &str) -> Option<u32> {
+        let names = self.names.lock();
+        let &(i, _) = names.by_name.get(name)?;
+        self.slot(i).life.enter().then_some(i)
+    }
+
+    /// Local index of `name` if known (tests).
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn index_of(&self, name: &str) -> Option<u32> {
         self.names.lock().by_name.get(name).map(|&(i, _)| i)
     }
 
+    /// Ids currently named by the scope.
+    pub(crate) fn named(&self) -> usize {
+        self.names.lock().by_name.len()
+    }
+
+    /// Reclaims the slots of replicas that hold nothing in the scope (serving count 0, no
+    /// writer in): the id leaves the name maps at once, and the index becomes available to
+    /// new ids once every reader pinned now has unpinned (an epoch-deferred push onto `free`),
+    /// so no reader can map a holder it read before the removal to the slot's next replica.
+    ///
+    /// Why serving 0 means no key node names the index: the count is the replica's entries
+    /// in the scope; ingests add to it only while entered (so not after the retirement), and
+    /// removals subtract after their unlink (AcqRel, read here with Acquire), so the unlinks
+    /// of all its entries happen before this check and before the deferral. Returns the slots
+    /// reclaimed.
+    pub(crate) fn reclaim_slots(self: &Arc<Self>) -> usize {
+        let mut names = self.names.lock();
+        let guard = epoch::pin();
+        let mut gone = Vec::new();
+        for (&id, &(i, _)) in names.by_name.iter() {
+            let rec = self.slot(i);
+            if rec.serving.load(Ordering::Acquire) != 0 || !rec.life.try_retire() {
+                continue;
+            }
+            if rec.serving.load(Ordering::Acquire) != 0 {
+                rec.life.revive();
+                continue;
+            }
+            gone.push((id, i));
+        }
+        for &(id, i) in &gone {
+            names.by_name.remove(&id);
+            let rec: *const ScopeReplica = self.slot(i);
+            self.lookup.remove(hash_strs(&[&id]), rec);
+            let scope = self.clone();
+            guard.defer(move || scope.free.lock().push(i));
+        }
+        gone.len()
+    }
     /// The replica named `name` (reader side, wait-free).
     #[inline]
-    pub(crate) fn find(&self, name: &str) -> Option<&ScopeReplica> {
+    pub(crate) fn find<'g>(&self, name: &str, guard: &'g Guard) -> Option<&'g ScopeReplica> {
         self.lookup
-            .get(hash_strs(&[name]), |r| same_str(&r.name, name))
+            .get(hash_strs(&[name]), |r| same_str(&r.name, name), guard)
     }
 
     /// Serving count of `name` (reader side).
-    pub(crate) fn serving_of(&self, name: &str) -> i64 {
-        self.find(name)
+    pub(crate) fn serving_of(&self, name: &str, guard: &Guard) -> i64 {
+        self.find(name, guard)
             .map_or(0, |r| r.serving.load(Ordering::Relaxed))
     }
 }
@@ -667,6 +886,8 @@ pub(crate) struct Partition {
     pub(crate) keys: AtomicI64,
     /// Storage entries of the partition (eviction sampling weights, V2).
     pub(crate) entries: AtomicI64,
+    /// Reclamation gate of the ingests writing into the partition (see [`Life`]).
+    pub(crate) life: Life,
 }
 
 #[cfg(all(test, not(loom)))]
@@ -683,7 +904,10 @@ mod tests {
             let ra = &reps[i];
             assert_eq!(&*ra.name, a.as_str(), "index order");
             assert_eq!(scope.index_of(a), Some(i as u32));
-            assert!(std::ptr::eq(scope.find(a).expect("found by name"), ra));
+            assert!(std::ptr::eq(
+                scope.find(a, &guard).expect("found by name"),
+                ra
+            ));
             for (j, b) in names.iter().enumerate() {
                 let rb = &reps[j];
                 if ra.label < rb.label {
@@ -709,7 +933,10 @@ mod tests {
             check_scope(&scope, &names);
         }
         for absent in ["r-07y", "zzz", "r-", "\u{0}"] {
-            assert!(scope.find(absent).is_none(), "{absent:?} is not a replica");
+            assert!(
+                scope.find(absent, &epoch::pin()).is_none(),
+                "{absent:?} is not a replica"
+            );
             assert_eq!(scope.index_of(absent), None);
         }
         let up = ScopeRec::new("t".into(), "m".into(), "vllm".into());
@@ -776,6 +1003,57 @@ mod tests {
                 assert!(!same_str(a, &b), "{a:?} vs {b:?}");
             }
         }
+    }
+
+    /// A replica that holds nothing gives its slot back once every reader pinned at its
+    /// reclamation has left: a scope that names at most 4 replicas at once takes 400 over
+    /// time. A replica still counted (serving > 0) or entered by a writer keeps its slot.
+    #[test]
+    fn reclaimed_slots_are_reused_after_the_epoch() {
+        let scope = Arc::new(ScopeRec::new("t".into(), "m".into(), "vllm".into()));
+        let intern = |name: &str| {
+            // The freed indices come back through the epoch: help it along until they do.
+            (0..10_000).find_map(|_| {
+                let got = scope.intern_within(name, 4);
+                if got.is_none() {
+                    epoch::pin().flush();
+                }
+                got
+            })
+        };
+        for round in 0..100 {
+            let mut got = Vec::new();
+            for k in 0..4 {
+                let i = intern(&format!("r{round}-{k}")).expect("a slot comes back");
+                scope.exit(i);
+                got.push(i);
+            }
+            got.sort_unstable();
+            assert_eq!(got, [0, 1, 2, 3], "round {round}");
+            assert_eq!(
+                scope.intern_within("extra", 4),
+                None,
+                "four live replicas fill it"
+            );
+            let [kept, busy, gone] = [got[0], got[1], got[2]].map(|i| scope.slot(i).name);
+            scope.slot(got[0]).serving.store(1, Ordering::Relaxed);
+            let entered = scope.intern_within(&busy, 4).expect("named");
+            assert_eq!(entered, got[1]);
+            assert_eq!(scope.reclaim_slots(), 2, "round {round}");
+            assert_eq!(scope.named(), 2);
+            assert!(scope.find(&kept, &epoch::pin()).is_some());
+            assert!(scope.find(&busy, &epoch::pin()).is_some());
+            assert!(scope.find(&gone, &epoch::pin()).is_none());
+            scope.slot(got[0]).serving.store(0, Ordering::Relaxed);
+            scope.exit(entered);
+            assert_eq!(scope.reclaim_slots(), 2);
+            assert_eq!(scope.named(), 0);
+        }
+        assert_eq!(
+            scope.replicas.load(&epoch::pin()).len(),
+            4,
+            "never more than 4 slots"
+        );
     }
 
     /// A full scope refuses new ids (no panic) and still resolves the ones it has.

@@ -30,7 +30,7 @@ pub use config::{
 };
 pub use index::{
     CapturedHits, ChainMatch, EvictionReason, Index, MatchScratch, MemoryBreakdown,
-    PartitionHandle, RouteBuffer, RouteResult, SLICE, SweepOutcome,
+    PartitionHandle, RecordCounts, RouteBuffer, RouteResult, SLICE, SweepOutcome,
 };
 pub use replica_id::ReplicaId;
 pub use sink::{ChangeEvent, ChangeKind, ChangeSink};

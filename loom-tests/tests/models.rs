@@ -1182,3 +1182,39 @@ fn m11_reaper_push_vs_free_all() {
         );
     });
 }
+
+// ------------------------------------------------------------------------------------------------
+// 12. Record reclamation (`engine/src/dir.rs`, `Life`; `Index::sweep_now`)
+
+/// Model 12: the sweep reclaims records that hold nothing while an ingest writes into them.
+/// The partition, its scope slot for `A` and the records above it exist and are empty (a key
+/// was ingested and evicted); one thread ingests a new key for `A` while the sweep retires
+/// every empty record. Whichever gets in first — the ingest entering the partition and the
+/// slot (the sweep then keeps them), or the sweep retiring them (the ingest then resolves
+/// again and creates successors) — the new entry is stored once, counted exactly (entries,
+/// keys, serving, `serving_n`), answered by a lookup, and lives in the one partition left.
+#[test]
+fn m12_reclaim_vs_ingest() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        event(&ix, event_type::PREFIX_EVICTED, A, &key(1));
+        let p = spawn_on(&ix, move |ix| put(ix, A, &[(key(2), 10)], 1_000));
+        let swept = ix.sweep_now();
+        let q = p.join().unwrap();
+        assert_eq!(q.entries_added, 1);
+        outcome(if swept.records_reclaimed > 0 {
+            "records reclaimed before the ingest"
+        } else {
+            "ingest entered first"
+        });
+        assert_eq!(lookup(&ix, &key(2)), [(A.to_string(), 10)]);
+        assert_eq!(ix.storage_entries(), 1);
+        assert_eq!(ix.total_keys(), 1);
+        assert_eq!(ix.serving_count(T, M, S, A), 1);
+        assert_eq!(ix.loom_serving_n(T, M, S), 1);
+        let c = ix.record_counts();
+        assert_eq!((c.tenants, c.models, c.scopes, c.partitions), (1, 1, 1, 1));
+        assert_eq!(c.scope_replicas, 1);
+    });
+}
