@@ -1,10 +1,12 @@
 //! Interned records (tenants, (tenant, model) pairs, scopes, partitions, per-model gauges) and the
 //! read-copy-update cells that hold them.
 //!
-//! Records are created on first use and never removed while the index lives (an emptied
-//! partition keeps its ~3 KiB shell), so a reference obtained from a directory is valid for the
-//! lifetime of the directory. A directory is a hash table of bucket lists read wait-free under
-//! an epoch guard; writers link new records under a mutex in O(1) amortized (see [`Dir`]).
+//! Records are created on first use and reclaimed by the sweep once they hold nothing (see
+//! [`Life`] for the protocol and `Index::sweep_now` for the order). A reference obtained from a
+//! directory is bound to the caller's epoch guard: an unlinked record is freed only after every
+//! guard pinned before its unlink. A directory is a hash table of bucket lists read wait-free
+//! under an epoch guard; writers link and unlink records under a mutex in O(1) amortized (see
+//! [`Dir`]). A scope's replicas live in slots recycled the same way ([`ScopeRec::reclaim_slots`]).
 
 use crate::ReplicaId;
 use crate::sync::{AtomicI64, AtomicU64, Ordering};

@@ -423,8 +423,8 @@ impl Index {
             }
         }
         for e in created {
-            // SAFETY: `e.part` is the address of a partition of this index (`Created::take`);
-            // partitions are never removed while the index lives.
+            // SAFETY: `e.part` is the address of a partition the calling ingest is still
+            // entered in (`Created::take`, `dir::Life`), so the sweep has not reclaimed it.
             let part = unsafe { &*(e.part as *const Partition) };
             if !part.tenant.reserved && cx.alg(self, &part.tenant) == Algorithm::Lfu {
                 if hand.recent.len() >= RECENT_RING {
@@ -533,7 +533,9 @@ impl Index {
             let Some(e) = hand.recent.front().copied() else {
                 return false;
             };
-            // SAFETY: see `enforce_cap`: partitions live as long as the index.
+            // SAFETY: the ring only names partitions in `hand.parts` (it is filled after the
+            // hand caught up with `all_parts`), and the sweep clears it, under this hand's
+            // lock, whenever it drops a reclaimed partition from the hand (`forget_parts`).
             let part = unsafe { &*(e.part as *const Partition) };
             let key = e.key.to_be_bytes();
             let rank = part

@@ -3735,7 +3735,7 @@ mod lfu_race_tests {
 impl Index {
     /// `serving_n` of scope (tenant, model, scheme): replicas with a serving count > 0.
     pub fn loom_serving_n(&self, tenant: &str, model: &str, scheme: &str) -> i64 {
-        self.scope_ref(tenant, model, scheme)
+        self.scope_ref(tenant, model, scheme, &epoch::pin())
             .map_or(0, |s| s.serving_n.load(Ordering::Relaxed))
     }
 
