@@ -160,7 +160,7 @@ fn main() -> ExitCode {
             let mut name = String::new();
             while !stop.load(Ordering::Relaxed) {
                 n += 1;
-                if n % 2 == 0 {
+                if n.is_multiple_of(2) {
                     let chain = {
                         let s = shared.lock().unwrap_or_else(|p| p.into_inner());
                         if s.is_empty() {
@@ -183,7 +183,7 @@ fn main() -> ExitCode {
                     }
                 }
                 lookups.fetch_add(1, Ordering::Relaxed);
-                if n % 64 == 0 {
+                if n.is_multiple_of(64) {
                     // Leave the writer most of the second core.
                     std::thread::sleep(Duration::from_micros(200));
                 }
@@ -250,7 +250,7 @@ fn main() -> ExitCode {
                     checks += 1;
                     let r = route(&ix, "fleet", "m", c);
                     let hit = r.scores.iter().any(|s| {
-                        &*s.replica_id == p.name && s.matched_tokens == (16 * BLOCKS) as i32
+                        *s.replica_id == p.name && s.matched_tokens == (16 * BLOCKS) as i32
                     });
                     if !hit {
                         failed += 1;
