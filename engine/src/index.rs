@@ -2491,7 +2491,8 @@ impl Index {
         }
     }
 
-    /// V7 gauge: distinct non-reserved keys per model (every model ever seen, sorted).
+    /// V7 gauge: distinct non-reserved keys per model, sorted: every model with a live
+    /// (tenant, model) record (a gauge is reclaimed with the last pair counting into it).
     pub fn entry_counts_by_model(&self) -> Vec<(Arc<str>, i64)> {
         let mut v: Vec<(Arc<str>, i64)> = self
             .gauges
