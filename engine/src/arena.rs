@@ -10,8 +10,9 @@
 //!
 //! # Layout
 //!
-//! Memory comes in chunks: the first is 4 KiB and each new one doubles, up to 256 KiB (so a
-//! partition with a handful of keys stays small). A node index is `chunk << 15 | offset`, the
+//! Memory comes in chunks: the first is 256 bytes and each new one doubles, up to 256 KiB (so
+//! a partition with a handful of keys stays small: a new tenant's first entry used to take a
+//! 4 KiB first chunk, half of what that tenant cost). A node index is `chunk << 15 | offset`, the
 //! offset in 8-byte units (2^15 units = 256 KiB), the chunk id up to 2^17. Chunk id 0 is never
 //! used, so index 0 means "no node". While the chunk ids stay below 2^9 (~128 MiB of nodes)
 //! every index fits in 24 bits, which is what lets a table pack a lane's tag and index into 4
@@ -63,8 +64,8 @@ const OFF_BITS: u32 = 15;
 const OFF_MASK: u32 = (1 << OFF_BITS) - 1;
 /// Largest chunk carved into nodes, in units.
 const MAX_CHUNK_UNITS: u32 = 1 << OFF_BITS;
-/// First chunk, in units (4 KiB).
-const FIRST_CHUNK_UNITS: u32 = 512;
+/// First chunk, in units (256 bytes).
+const FIRST_CHUNK_UNITS: u32 = 32;
 /// Chunk ids are the upper 17 bits of an index.
 const MAX_CHUNKS: usize = 1 << (32 - OFF_BITS);
 /// Largest node carved from shared chunks (1 KiB: up to 63 holders with an 8-byte key); bigger
@@ -381,11 +382,16 @@ impl ArenaState {
             return (idx, a.node(idx));
         }
         if self.cap == 0 || self.used + units > self.cap {
-            let next = if self.cap == 0 {
+            let mut next = if self.cap == 0 {
                 FIRST_CHUNK_UNITS
             } else {
                 (self.cap * 2).min(MAX_CHUNK_UNITS)
             };
+            // The first chunks are smaller than the largest carved node: double until it fits
+            // (carved nodes are at most `MAX_CLASS_UNITS` ≤ `MAX_CHUNK_UNITS`).
+            while next < units {
+                next = (next * 2).min(MAX_CHUNK_UNITS);
+            }
             self.cur = self.new_chunk(a, next, guard);
             self.cap = next;
             self.used = 0;
@@ -573,7 +579,10 @@ mod tests {
         assert_ne!(i1, 0, "index 0 is never handed out");
         assert_eq!(p2 as usize - p1 as usize, 3 * UNIT, "carved back to back");
         assert_eq!(i2, i1 + 3);
-        assert_eq!(st.bytes(), (FIRST_CHUNK_UNITS as usize * UNIT) as i64);
+        assert_eq!(
+            st.bytes(),
+            pages::footprint(FIRST_CHUNK_UNITS as usize * UNIT) as i64
+        );
         a.owner.release(i1, 3);
         let (i3, p3) = st.alloc(&a, 3, &guard);
         assert_eq!(

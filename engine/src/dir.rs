@@ -1,41 +1,22 @@
 //! Interned records (tenants, (tenant, model) pairs, scopes, partitions, per-model gauges) and the
 //! read-copy-update cells that hold them.
 //!
-//! Records are created on first use and never removed while the index lives (an emptied
-//! partition keeps its ~3 KiB shell), so a reference obtained from a directory is valid for the
-//! lifetime of the directory. Directory tables are immutable maps swapped by writers under a
-//! mutex (copy on insert, O(records) per new record, which is rare) and read wait-free under an
-//! epoch guard.
+//! Records are created on first use and reclaimed by the sweep once they hold nothing (see
+//! [`Life`] for the protocol and `Index::sweep_now` for the order). A reference obtained from a
+//! directory is bound to the caller's epoch guard: an unlinked record is freed only after every
+//! guard pinned before its unlink. A directory is a hash table of bucket lists read wait-free
+//! under an epoch guard; writers link and unlink records under a mutex in O(1) amortized (see
+//! [`Dir`]). A scope's replicas live in slots recycled the same way ([`ScopeRec::reclaim_slots`]).
 
 use crate::ReplicaId;
 use crate::sync::{AtomicI64, AtomicU64, Ordering};
 use crate::table::KeyTable;
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use parking_lot::Mutex;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32 as StdAtomicU32, Ordering as StdOrdering};
-
-/// Identity hasher for pre-hashed u64 keys.
-#[derive(Default)]
-pub(crate) struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, i: u64) {
-        self.0 = i;
-    }
-}
-
-type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
+use std::sync::atomic::{
+    AtomicU32 as StdAtomicU32, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering,
+};
 
 /// Hash of a tuple of strings (no allocation).
 #[inline]
@@ -130,28 +111,159 @@ impl<T> Drop for Rcu<T> {
     }
 }
 
-/// A directory of records keyed by a string-tuple hash.
+/// One record of a [`Dir`], in its bucket's list.
+struct DirNode<T> {
+    hash: u64,
+    rec: Arc<T>,
+    next: Atomic<DirNode<T>>,
+}
+
+/// A [`Dir`]'s bucket array (a power of two long), published whole.
+struct DirTable<T> {
+    buckets: Box<[Atomic<DirNode<T>>]>,
+}
+
+impl<T> DirTable<T> {
+    fn with_buckets(n: usize) -> Self {
+        Self {
+            buckets: (0..n).map(|_| Atomic::null()).collect(),
+        }
+    }
+
+    #[inline]
+    fn bucket(&self, h: u64) -> &Atomic<DirNode<T>> {
+        // Lengths are powers of two; the hash is xxh3's, whose low bits are as good as any.
+        &self.buckets[(h as usize) & (self.buckets.len() - 1)]
+    }
+}
+
+/// Buckets of a new directory (one cache line of pointers).
+const DIR_MIN_BUCKETS: usize = 8;
+
+/// A directory of records keyed by a string-tuple hash: a hash table of singly linked bucket
+/// lists, read wait-free under an epoch guard, written under one mutex.
+///
+/// Invariants: a linked node is never changed except for its `next` link when the node after
+/// it is unlinked; an insertion links a fully built node at the head of its bucket (Release),
+/// so a reader that loads a link (Acquire) sees the whole node, and an unlinked node keeps its
+/// own `next`, so a reader standing on it still reaches the rest of the list. Unlinked nodes
+/// are freed through the epoch. When the records outnumber the buckets (or fall below an
+/// eighth of them), the writer builds a table of twice (half) as many buckets with new nodes
+/// (each holding another `Arc` of its record), publishes it (Release) and retires the old
+/// table and its nodes through the epoch: a reader still on the old table reads valid nodes.
+/// So an insertion or removal costs O(1) amortized (the copy that made every new record cost
+/// O(records) is gone), and a record reached under a guard lives at least as long as the
+/// guard: the `Arc`s of every table version it is linked in are dropped after it.
 pub(crate) struct Dir<T> {
-    map: Rcu<IdMap<Vec<Arc<T>>>>,
+    table: Atomic<DirTable<T>>,
+    /// Writer lock (sync seam) and the number of records.
+    lock: crate::sync::Mutex<usize>,
 }
 
 impl<T> Dir<T> {
     pub(crate) fn new() -> Self {
         Self {
-            map: Rcu::new(IdMap::default()),
+            table: Atomic::new(DirTable::with_buckets(DIR_MIN_BUCKETS)),
+            lock: crate::sync::Mutex::new(0),
         }
     }
 
-    /// Finds the record with hash `h` satisfying `pred`. Wait-free.
     #[inline]
-    pub(crate) fn get(&self, h: u64, pred: impl Fn(&T) -> bool) -> Option<&T> {
+    fn table<'g>(&self, guard: &'g Guard) -> &'g DirTable<T> {
+        // SAFETY: never null (set in `new`, replaced only by non-null tables); old tables are
+        // retired through the epoch, so they outlive `guard`.
+        unsafe { self.table.load(Ordering::Acquire, guard).deref() }
+    }
+
+    /// The record with hash `h` satisfying `pred`, in the table current under `guard`.
+    #[inline]
+    fn find<'g>(&self, h: u64, pred: impl Fn(&T) -> bool, guard: &'g Guard) -> Option<&'g Arc<T>> {
+        let mut cur = self.table(guard).bucket(h).load(Ordering::Acquire, guard);
+        // SAFETY: linked nodes are complete (published with Release, loaded with Acquire) and
+        // retired only through the epoch, after `guard`'s pin.
+        while let Some(n) = unsafe { cur.as_ref() } {
+            if n.hash == h && pred(&n.rec) {
+                return Some(&n.rec);
+            }
+            cur = n.next.load(Ordering::Acquire, guard);
+        }
+        None
+    }
+
+    /// Finds the record with hash `h` satisfying `pred`. Wait-free. The record stays valid
+    /// while `guard` is pinned: a removed record's last directory reference is dropped
+    /// through the epoch (see [`Dir::remove`]).
+    #[inline]
+    pub(crate) fn get<'g>(
+        &self,
+        h: u64,
+        pred: impl Fn(&T) -> bool,
+        guard: &'g Guard,
+    ) -> Option<&'g T> {
+        self.find(h, pred, guard).map(|r| &**r)
+    }
+
+    /// Unlinks the record `rec` (hash `h`) if present; returns whether it was. Readers pinned
+    /// before the unlink may still hold the node and the record: both are freed (the node,
+    /// with its `Arc`) through the epoch. A directory whose records fall below an eighth of
+    /// its buckets is rebuilt at half the size, so buckets follow the records down too.
+    pub(crate) fn remove(&self, h: u64, rec: *const T) -> bool {
+        let mut count = self.lock.lock();
         let guard = epoch::pin();
-        let m = self.map.load(&guard);
-        let r = m.get(&h)?.iter().find(|r| pred(r))?;
-        let p: *const T = &**r;
-        // SAFETY: records are never removed and every table version holds an `Arc` to every
-        // record inserted before it, so the record lives as long as `self`.
-        Some(unsafe { &*p })
+        // SAFETY: non-null (see `table`); we hold the writer lock, so it is the current table.
+        let table = unsafe { self.table.load(Ordering::Acquire, &guard).deref() };
+        let mut link = table.bucket(h);
+        loop {
+            let cur = link.load(Ordering::Acquire, &guard);
+            // SAFETY: as in `find`; only this (locked) writer unlinks nodes.
+            let Some(n) = (unsafe { cur.as_ref() }) else {
+                return false;
+            };
+            if std::ptr::eq(Arc::as_ptr(&n.rec), rec) {
+                // Readers standing on `n` still follow its (unchanged) `next`.
+                link.store(n.next.load(Ordering::Acquire, &guard), Ordering::Release);
+                // SAFETY: unlinked; readers may hold it until their guards drop.
+                unsafe { guard.defer_destroy(cur) };
+                break;
+            }
+            link = &n.next;
+        }
+        *count -= 1;
+        if *count * 8 < table.buckets.len() && table.buckets.len() > DIR_MIN_BUCKETS {
+            self.rebuild(table.buckets.len() / 2, &guard);
+        }
+        true
+    }
+
+    /// Publishes a copy of the current table with `buckets` buckets and retires the old one
+    /// with its nodes (writer lock held).
+    fn rebuild(&self, buckets: usize, guard: &Guard) {
+        let shared = self.table.load(Ordering::Acquire, guard);
+        // SAFETY: non-null, current (writer lock held).
+        let table = unsafe { shared.deref() };
+        let grown = DirTable::with_buckets(buckets);
+        for b in table.buckets.iter() {
+            let mut cur = b.load(Ordering::Acquire, guard);
+            // SAFETY: as in `find`; only this (locked) writer links nodes.
+            while let Some(n) = unsafe { cur.as_ref() } {
+                Self::link(&grown, n.hash, n.rec.clone(), guard);
+                cur = n.next.load(Ordering::Acquire, guard);
+            }
+        }
+        self.table.store(Owned::new(grown), Ordering::Release);
+        // SAFETY: the old table is unlinked; readers may hold it (and its nodes) until their
+        // guards drop, and the destructor below runs after that.
+        unsafe {
+            guard.defer_unchecked(move || {
+                let old = shared.into_owned();
+                Self::free_nodes(&old);
+            });
+        }
+    }
+
+    /// Records in the directory.
+    pub(crate) fn len(&self) -> usize {
+        *self.lock.lock()
     }
 
     /// Finds or creates a record; returns it and whether it was created.
@@ -164,28 +276,153 @@ impl<T> Dir<T> {
         if let Some(r) = self.get_arc(h, &pred) {
             return (r, false);
         }
-        self.map.update(|m| {
-            if let Some(r) = m.get(&h).and_then(|v| v.iter().find(|r| pred(r))) {
-                return (None, (r.clone(), false));
+        let mut count = self.lock.lock();
+        let guard = epoch::pin();
+        if let Some(r) = self.find(h, &pred, &guard) {
+            return (r.clone(), false);
+        }
+        let rec = make();
+        // SAFETY: non-null (see `table`); we hold the writer lock, so it is the current table.
+        let buckets = unsafe { self.table.load(Ordering::Acquire, &guard).deref() }
+            .buckets
+            .len();
+        if *count + 1 > buckets {
+            self.rebuild(buckets * 2, &guard);
+        }
+        Self::link(self.table(&guard), h, rec.clone(), &guard);
+        *count += 1;
+        (rec, true)
+    }
+
+    /// Links a new node at the head of its bucket in `table` (writer lock held, or `table` not
+    /// yet published).
+    fn link(table: &DirTable<T>, h: u64, rec: Arc<T>, guard: &Guard) {
+        let bucket = table.bucket(h);
+        let node = Owned::new(DirNode {
+            hash: h,
+            rec,
+            next: Atomic::null(),
+        });
+        node.next
+            .store(bucket.load(Ordering::Relaxed, guard), Ordering::Relaxed);
+        bucket.store(node, Ordering::Release);
+    }
+
+    /// Frees the nodes of a table no reader can reach.
+    fn free_nodes(table: &DirTable<T>) {
+        // SAFETY: the caller owns the table exclusively (unlinked and past its epoch, or the
+        // directory is being dropped).
+        unsafe {
+            let g = epoch::unprotected();
+            for b in table.buckets.iter() {
+                let mut cur = b.load(Ordering::Relaxed, g);
+                while !cur.is_null() {
+                    let node = cur.into_owned();
+                    cur = node.next.load(Ordering::Relaxed, g);
+                    drop(node);
+                }
             }
-            let r = make();
-            let mut m2 = m.clone();
-            m2.entry(h).or_default().push(r.clone());
-            (Some(m2), (r, true))
-        })
+        }
     }
 
     pub(crate) fn get_arc(&self, h: u64, pred: &impl Fn(&T) -> bool) -> Option<Arc<T>> {
         let guard = epoch::pin();
-        let m = self.map.load(&guard);
-        m.get(&h)?.iter().find(|r| pred(r)).cloned()
+        self.find(h, pred, &guard).cloned()
     }
 
     /// Every record (writer-side / aggregate use; allocates).
     pub(crate) fn all(&self) -> Vec<Arc<T>> {
         let guard = epoch::pin();
-        let m = self.map.load(&guard);
-        m.values().flat_map(|v| v.iter().cloned()).collect()
+        let mut out = Vec::new();
+        for b in self.table(&guard).buckets.iter() {
+            let mut cur = b.load(Ordering::Acquire, &guard);
+            // SAFETY: as in `find`.
+            while let Some(n) = unsafe { cur.as_ref() } {
+                out.push(n.rec.clone());
+                cur = n.next.load(Ordering::Acquire, &guard);
+            }
+        }
+        out
+    }
+}
+
+impl<T> Drop for Dir<T> {
+    fn drop(&mut self) {
+        // SAFETY: exclusive access; the current table is owned by the directory (older ones
+        // were handed to the epoch with their nodes).
+        unsafe {
+            let g = epoch::unprotected();
+            let p = self.table.load(Ordering::Relaxed, g);
+            if !p.is_null() {
+                let t = p.into_owned();
+                Self::free_nodes(&t);
+            }
+        }
+    }
+}
+
+/// Set in a [`Life`] word once its record is retired.
+const DEAD: u64 = 1 << 63;
+
+/// The reclamation gate of a record that writers add to without holding the directory lock
+/// (a partition's entries, a (tenant, model) pair's stats, a scope slot's replica): writers
+/// [`enter`](Life::enter) before they write and [`exit`](Life::exit) after their last counter
+/// update; the sweep retires a record only by swapping 0 writers for [`DEAD`].
+///
+/// Protocol: a writer's `enter` fails on a retired record, and it resolves the record again
+/// under the index's record lock (finding the successor, or creating one). The sweep checks
+/// emptiness *after* `try_retire` succeeded: the swap read the count left by the last
+/// writer's `exit` (Release), so every counter update of every writer that got in is visible
+/// to it, and no writer can get in afterwards. If the record turns out not to be empty, the
+/// sweep [`revive`](Life::revive)s it. Removals need no gate: they only ever lower counters,
+/// which the sweep reads after theirs were applied or sees too high (and then keeps the
+/// record).
+pub(crate) struct Life(AtomicU64);
+
+impl Life {
+    pub(crate) fn new() -> Self {
+        Self(AtomicU64::new(0))
+    }
+
+    /// Registers a writer; false if the record is retired.
+    #[inline]
+    pub(crate) fn enter(&self) -> bool {
+        let mut cur = self.0.load(Ordering::Relaxed);
+        loop {
+            if cur & DEAD != 0 {
+                return false;
+            }
+            match self
+                .0
+                .compare_exchange_weak(cur, cur + 1, Ordering::Acquire, Ordering::Relaxed)
+            {
+                Ok(_) => return true,
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Ends a writer's [`Life::enter`]: its counter updates happen before a later retirement.
+    #[inline]
+    pub(crate) fn exit(&self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+
+    /// Retires the record if no writer is in (sweep, record lock held).
+    pub(crate) fn try_retire(&self) -> bool {
+        self.0
+            .compare_exchange(0, DEAD, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// Undoes a [`Life::try_retire`] whose record was not empty after all.
+    pub(crate) fn revive(&self) {
+        self.0.store(0, Ordering::Release);
+    }
+
+    /// Whether the record was retired.
+    pub(crate) fn is_dead(&self) -> bool {
+        self.0.load(Ordering::Acquire) & DEAD != 0
     }
 }
 
@@ -206,6 +443,8 @@ pub(crate) struct TenantRec {
 pub(crate) struct GaugeRec {
     pub(crate) model: Arc<str>,
     pub(crate) keys: AtomicI64,
+    /// (tenant, model) pairs counting into this gauge (changed under the record lock).
+    pub(crate) pairs: StdAtomicUsize,
 }
 
 /// One stats record (S1–S3).
@@ -236,6 +475,8 @@ pub(crate) struct ModelRec {
     pub(crate) stats: Rcu<Vec<StatsRecord>>,
     /// Partitions of this pair (E3/E4 cost).
     pub(crate) parts: Mutex<Vec<Arc<Partition>>>,
+    /// Reclamation gate of the stats writers (see [`Life`]).
+    pub(crate) life: Life,
 }
 
 impl ModelRec {
@@ -279,85 +520,210 @@ pub(crate) struct ScopeReplica {
     /// any reader may overwrite it and a stale or racing value only costs a search: `std`
     /// atomics even in loom builds, as nothing is ordered by it.
     stats_hint: StdAtomicU32,
+    /// Order label: for any two replicas of the scope, a smaller label means a smaller id in
+    /// byte order (labels never decrease along the id order; equal labels say nothing, and the
+    /// ids decide). Ranking orders equal scores (R4, R5) by it (see [`label_between`]).
+    pub(crate) label: u64,
+    /// Reclamation gate of the slot (see [`Life`] and [`ScopeRec::reclaim_slots`]).
+    life: Life,
 }
 
-/// The replicas of a scope by scope-local index, with each one's rank among their ids in byte
-/// order: ranking orders replicas with equal scores (R4, R5) by comparing ranks instead of ids.
-/// One immutable snapshot per change, so a reader's ranks are consistent with its list.
-#[derive(Clone, Default)]
-pub(crate) struct ReplicaList {
-    list: Vec<Arc<ScopeReplica>>,
-    /// `rank[i]`: position of replica `i`'s id in byte order among the scope's ids.
-    rank: Vec<u32>,
-    /// Replica indices in byte order of their ids (the inverse of `rank`).
-    sorted: Vec<u32>,
+/// Where appended labels go: a label below/above every other one is this far from its
+/// neighbour (or half the room left, when less), so ids that keep arriving in ascending (or
+/// descending) order, like numbered pods, get 2^31 distinct labels before they start to tie.
+const LABEL_STEP: u64 = 1 << 32;
+
+/// A label for a new id between the labels of its neighbours in id order (`None`: no neighbour
+/// on that side): the midpoint, or the lower label when they are adjacent. Any label within
+/// `[lo, hi]` keeps the invariant of [`ScopeReplica::label`]; a tie only costs an id compare.
+pub(crate) fn label_between(lo: Option<u64>, hi: Option<u64>) -> u64 {
+    match (lo, hi) {
+        (None, None) => 1 << 63,
+        (Some(lo), None) => lo + LABEL_STEP.min((u64::MAX - lo) / 2),
+        (None, Some(hi)) => hi - LABEL_STEP.min(hi / 2),
+        (Some(lo), Some(hi)) => lo + (hi - lo) / 2,
+    }
 }
 
-impl ReplicaList {
-    /// Rank of replica `i`'s id among the scope's ids (byte order); `i` must be a valid index.
-    #[inline]
-    pub(crate) fn rank(&self, i: u32) -> u32 {
-        self.rank[i as usize]
-    }
+/// First slot chunk's length; chunk `k` holds `SLOT_BASE << k` slots.
+const SLOT_BASE: usize = 16;
+/// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^17 − 1) ≥ 2^20`.
+const SLOT_CHUNKS: usize = 17;
 
-    /// The index of the replica named `name`, if any (binary search in id order).
-    pub(crate) fn find(&self, name: &str) -> Option<u32> {
-        let pos = self
-            .sorted
-            .partition_point(|&j| *self.list[j as usize].name < *name);
-        let &j = self.sorted.get(pos)?;
-        (*self.list[j as usize].name == *name).then_some(j)
-    }
+/// Chunk and offset of slot `i`: chunk `k` starts at `SLOT_BASE · (2^k − 1)`.
+#[inline]
+fn slot_place(i: usize) -> (usize, usize) {
+    let x = i / SLOT_BASE + 1;
+    let k = (usize::BITS - 1 - x.leading_zeros()) as usize;
+    (k, i - SLOT_BASE * ((1 << k) - 1))
+}
 
-    /// A cursor over the replicas in id order, for looking up names given in ascending order.
-    pub(crate) fn cursor(&self) -> IdCursor<'_> {
-        IdCursor { list: self, pos: 0 }
-    }
+/// A scope's replicas by scope-local index: chunks of doubling length, allocated when the first
+/// index in them is handed out, so appending a replica is O(1) (no copy of the earlier ones)
+/// and an empty scope costs one small array of chunk pointers.
+///
+/// Invariants: a slot is written once, by the interning writer (scope name lock held), with a
+/// Release store of a fully built record, before any key node naming the index is published;
+/// it then never changes while the scope lives. A chunk pointer is stored (Release) before any
+/// of its slots. A reader reaches a slot through a holder it loaded with Acquire, so it sees
+/// the chunk and the record.
+pub(crate) struct ReplicaSlots {
+    chunks: [crate::sync::AtomicPtr<crate::sync::AtomicPtr<ScopeReplica>>; SLOT_CHUNKS],
+    /// Slots handed out so far (indices `0..len` are set or being set).
+    len: crate::sync::AtomicU64,
+}
 
-    /// This list plus `name` (not yet in it) at the next index.
-    fn with(&self, name: ReplicaId) -> Self {
-        let i = self.list.len() as u32;
-        let pos = self
-            .sorted
-            .partition_point(|&j| *self.list[j as usize].name < *name);
-        let mut list = self.list.clone();
-        list.push(Arc::new(ScopeReplica {
-            name,
-            serving: AtomicI64::new(0),
-            stats_hint: StdAtomicU32::new(u32::MAX),
-        }));
-        let mut sorted = self.sorted.clone();
-        sorted.insert(pos, i);
-        let mut rank = self.rank.clone();
-        rank.push(0);
-        for (r, &j) in sorted.iter().enumerate().skip(pos) {
-            rank[j as usize] = r as u32;
+impl ReplicaSlots {
+    fn new() -> Self {
+        Self {
+            chunks: std::array::from_fn(|_| crate::sync::AtomicPtr::new(std::ptr::null_mut())),
+            len: crate::sync::AtomicU64::new(0),
         }
-        Self { list, rank, sorted }
+    }
+
+    /// The reader's view under `guard`.
+    #[inline]
+    pub(crate) fn load<'g>(&'g self, _guard: &'g Guard) -> ReplicaView<'g> {
+        ReplicaView { slots: self }
+    }
+
+    /// Stores `rec` at index `i` (writer, name lock held; `i` is the next index).
+    fn set(&self, i: usize, rec: Arc<ScopeReplica>) {
+        let (k, off) = slot_place(i);
+        let mut chunk = self.chunks[k].load(Ordering::Acquire);
+        if chunk.is_null() {
+            let slots: Box<[crate::sync::AtomicPtr<ScopeReplica>]> = (0..SLOT_BASE << k)
+                .map(|_| crate::sync::AtomicPtr::new(std::ptr::null_mut()))
+                .collect();
+            chunk = Box::into_raw(slots) as *mut crate::sync::AtomicPtr<ScopeReplica>;
+            self.chunks[k].store(chunk, Ordering::Release);
+        }
+        // SAFETY: `off < SLOT_BASE << k`, the chunk's length; chunks live as long as `self`.
+        let slot = unsafe { &*chunk.add(off) };
+        let old = slot.swap(Arc::into_raw(rec) as *mut ScopeReplica, Ordering::AcqRel);
+        if !old.is_null() {
+            // A recycled slot: its previous record is unreachable through holders (none names
+            // the index any more, see `ScopeRec::reclaim_slots`), but a reader iterating the
+            // slots may hold it until its guard drops.
+            let old = old as usize;
+            let guard = epoch::pin();
+            // SAFETY: the slot owned one `Arc` count of `old`, given up here after the epoch.
+            unsafe {
+                guard.defer_unchecked(move || drop(Arc::from_raw(old as *const ScopeReplica)));
+            }
+        }
+        if i as u64 >= self.len.load(Ordering::Relaxed) {
+            self.len.store(i as u64 + 1, Ordering::Release);
+        }
+    }
+
+    #[inline]
+    fn get(&self, i: usize) -> Option<&ScopeReplica> {
+        if i >= MAX_SCOPE_REPLICAS {
+            return None;
+        }
+        let (k, off) = slot_place(i);
+        let chunk = self.chunks[k].load(Ordering::Acquire);
+        if chunk.is_null() {
+            return None;
+        }
+        // SAFETY: as in `set`; a non-null slot holds a record owned by the slot (one `Arc`
+        // count), freed only when the scope is dropped.
+        unsafe {
+            let rec = (*chunk.add(off)).load(Ordering::Acquire);
+            rec.as_ref()
+        }
     }
 }
 
-impl std::ops::Deref for ReplicaList {
-    type Target = [Arc<ScopeReplica>];
-    fn deref(&self) -> &Self::Target {
-        &self.list
+impl Drop for ReplicaSlots {
+    fn drop(&mut self) {
+        for (k, c) in self.chunks.iter().enumerate() {
+            let chunk = c.load(Ordering::Relaxed);
+            if chunk.is_null() {
+                continue;
+            }
+            let n = SLOT_BASE << k;
+            // SAFETY: exclusive access; the chunk was a boxed slice of `n` slots, and each
+            // non-null slot owns one `Arc` count of its record.
+            unsafe {
+                let slots = Box::from_raw(std::ptr::slice_from_raw_parts_mut(chunk, n));
+                for s in slots.iter() {
+                    let r = s.load(Ordering::Relaxed);
+                    if !r.is_null() {
+                        drop(Arc::from_raw(r as *const ScopeReplica));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A reader's view of a scope's replicas (see [`ReplicaSlots`]).
+#[derive(Clone, Copy)]
+pub(crate) struct ReplicaView<'g> {
+    slots: &'g ReplicaSlots,
+}
+
+impl<'g> ReplicaView<'g> {
+    /// Replica `i`, if that index was handed out.
+    #[inline]
+    pub(crate) fn get(&self, i: usize) -> Option<&'g ScopeReplica> {
+        self.slots.get(i)
+    }
+
+    /// Indices handed out so far.
+    pub(crate) fn len(&self) -> usize {
+        self.slots.len.load(Ordering::Acquire) as usize
+    }
+
+    /// Every replica, by index.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &'g ScopeReplica> + 'g {
+        let slots = self.slots;
+        (0..self.len()).filter_map(move |i| slots.get(i))
+    }
+}
+
+impl std::ops::Index<usize> for ReplicaView<'_> {
+    type Output = ScopeReplica;
+    /// Replica `i` of a holder: holders only name indices whose slot was set before the holder
+    /// was published (see [`ReplicaSlots`]).
+    fn index(&self, i: usize) -> &ScopeReplica {
+        self.slots
+            .get(i)
+            .expect("a holder names a replica slot set before it")
     }
 }
 
 /// Most replicas one scope can name: a holder stores the scope-local index in 20 bits.
 pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::table::REP_MASK as usize + 1;
 
+/// Writer-side state of a scope's replica names.
+#[derive(Default)]
+pub(crate) struct ScopeNames {
+    /// Id → (local index, label), in id order (the neighbours give a new id's label).
+    by_name: std::collections::BTreeMap<ReplicaId, (u32, u64)>,
+}
+
 /// A scope (tenant, model, scheme).
 pub(crate) struct ScopeRec {
     pub(crate) tenant: Arc<str>,
     pub(crate) model: Arc<str>,
     pub(crate) scheme: Arc<str>,
-    /// Replicas by scope-local index (append only), with their id ranks.
-    pub(crate) replicas: Rcu<ReplicaList>,
-    /// Writer-side name → local index (sync seam: held across the replicas RCU update).
-    pub(crate) by_name: crate::sync::Mutex<HashMap<ReplicaId, u32>>,
+    /// Replicas by scope-local index (append only).
+    pub(crate) replicas: ReplicaSlots,
+    /// Replicas by id, for readers (serving counts by name: TENANT_HOT, tests).
+    lookup: Dir<ScopeReplica>,
+    /// Writer-side names (sync seam: held across the slot stores).
+    names: crate::sync::Mutex<ScopeNames>,
+    /// Indices of reclaimed slots whose grace period has passed, ready for new ids. Its own
+    /// lock, taken by epoch-deferred functions: nothing pins while holding it (a pin may run
+    /// deferred functions, which must not wait for a lock their thread holds).
+    free: crate::sync::Mutex<Vec<u32>>,
     /// Replicas with serving > 0.
     pub(crate) serving_n: AtomicI64,
+    /// Partitions of the scope (changed under the record lock).
+    pub(crate) parts: StdAtomicUsize,
 }
 
 impl ScopeRec {
@@ -366,78 +732,147 @@ impl ScopeRec {
             tenant,
             model,
             scheme,
-            replicas: Rcu::new(ReplicaList::default()),
-            by_name: crate::sync::Mutex::new(HashMap::new()),
+            replicas: ReplicaSlots::new(),
+            lookup: Dir::new(),
+            names: crate::sync::Mutex::new(ScopeNames::default()),
+            free: crate::sync::Mutex::new(Vec::new()),
             serving_n: AtomicI64::new(0),
+            parts: StdAtomicUsize::new(0),
         }
     }
 
-    /// Local index of `name`, creating it; `None` once the scope holds [`MAX_SCOPE_REPLICAS`]
-    /// replicas (a holder stores the index in 20 bits), so a producer inventing ids cannot
-    /// crash the index: its entries for new ids are dropped instead.
+    /// Local index of `name`, creating it, with its slot entered (the caller calls
+    /// [`ScopeRec::exit`] after its last counter update for it); `None` once the scope has
+    /// [`MAX_SCOPE_REPLICAS`] replicas at once (a holder stores the index in 20 bits), so a
+    /// producer inventing ids cannot crash the index: its entries for new ids are dropped.
     pub(crate) fn intern(&self, name: &str) -> Option<u32> {
         self.intern_within(name, MAX_SCOPE_REPLICAS)
     }
 
     fn intern_within(&self, name: &str, limit: usize) -> Option<u32> {
-        let mut m = self.by_name.lock();
-        if let Some(&i) = m.get(name) {
-            return Some(i);
+        let mut names = self.names.lock();
+        if let Some(&(i, _)) = names.by_name.get(name) {
+            // Slots are retired under the name lock, together with their name: a named slot
+            // is live.
+            let entered = self.slot(i).life.enter();
+            debug_assert!(entered, "a named slot is never retired");
+            return entered.then_some(i);
         }
-        if m.len() >= limit {
-            return None;
-        }
-        let name = ReplicaId::intern(name);
-        let i = self.replicas.update(|v| {
-            let v2 = v.with(name);
-            let i = (v2.len() - 1) as u32;
-            (Some(v2), i)
+        let recycled = self.free.lock().pop();
+        let i = match recycled {
+            Some(i) => i as usize,
+            None => {
+                let next = self.replicas.len.load(Ordering::Relaxed) as usize;
+                if next >= limit {
+                    return None;
+                }
+                next
+            }
+        };
+        use std::ops::Bound::{Excluded, Unbounded};
+        let lo = names
+            .by_name
+            .range::<str, _>((Unbounded, Excluded(name)))
+            .next_back()
+            .map(|(_, &(_, l))| l);
+        let hi = names
+            .by_name
+            .range::<str, _>((Excluded(name), Unbounded))
+            .next()
+            .map(|(_, &(_, l))| l);
+        let label = label_between(lo, hi);
+        let id = ReplicaId::intern(name);
+        let rec = Arc::new(ScopeReplica {
+            name: id,
+            serving: AtomicI64::new(0),
+            stats_hint: StdAtomicU32::new(u32::MAX),
+            label,
+            life: Life::new(),
         });
-        m.insert(name, i);
-        Some(i)
+        rec.life.enter();
+        self.replicas.set(i, rec.clone());
+        self.lookup
+            .get_or_insert(hash_strs(&[name]), |r| same_str(&r.name, name), || rec);
+        names.by_name.insert(id, (i as u32, label));
+        Some(i as u32)
     }
 
-    /// Local index of `name` if known (writer side).
+    /// The record in slot `i` (writer side: `i` was handed out).
+    fn slot(&self, i: u32) -> &ScopeReplica {
+        self.replicas
+            .get(i as usize)
+            .expect("a handed-out index has a slot")
+    }
+
+    /// Ends an [`intern`](ScopeRec::intern) or [`enter_existing`](ScopeRec::enter_existing).
+    pub(crate) fn exit(&self, i: u32) {
+        self.slot(i).life.exit();
+    }
+
+    /// Local index of `name` if known, with its slot entered (removal paths: the index cannot
+    /// be given to another id until the caller [`exit`](ScopeRec::exit)s).
+    pub(crate) fn enter_existing(&self, name: &str) -> Option<u32> {
+        let names = self.names.lock();
+        let &(i, _) = names.by_name.get(name)?;
+        self.slot(i).life.enter().then_some(i)
+    }
+
+    /// Local index of `name` if known (tests).
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn index_of(&self, name: &str) -> Option<u32> {
-        self.by_name.lock().get(name).copied()
+        self.names.lock().by_name.get(name).map(|&(i, _)| i)
     }
 
-    /// Serving count of `name` (reader side, a binary search; TENANT_HOT, which asks for
-    /// many names in id order, merges with [`ReplicaList::cursor`] instead).
-    pub(crate) fn serving_of(&self, name: &str, guard: &Guard) -> i64 {
-        let reps = self.replicas.load(guard);
-        reps.find(name)
-            .map_or(0, |i| reps[i as usize].serving.load(Ordering::Relaxed))
+    /// Ids currently named by the scope.
+    pub(crate) fn named(&self) -> usize {
+        self.names.lock().by_name.len()
     }
-}
 
-/// Finds replicas by names given in ascending byte order (a merge with the id order).
-///
-/// Each `seek` gallops forward from the previous position, so `m` ascending names in a list
-/// of `n` cost O(m log(n / m)) id compares, never more than a binary search per name.
-pub(crate) struct IdCursor<'a> {
-    list: &'a ReplicaList,
-    /// Every replica before `pos` in id order has an id below the last name sought.
-    pos: usize,
-}
-
-impl<'a> IdCursor<'a> {
-    /// The replica named `name`, if any. Names must not decrease from one call to the next.
-    pub(crate) fn seek(&mut self, name: &str) -> Option<&'a ScopeReplica> {
-        let list = self.list;
-        let rest = &list.sorted[self.pos..];
-        let below = |j: &u32| *list.list[*j as usize].name < *name;
-        // Gallop to a window whose end is not below `name`, then search inside it.
-        let mut end = 1;
-        while end < rest.len() && below(&rest[end - 1]) {
-            end *= 2;
+    /// Reclaims the slots of replicas that hold nothing in the scope (serving count 0, no
+    /// writer in): the id leaves the name maps at once, and the index becomes available to
+    /// new ids once every reader pinned now has unpinned (an epoch-deferred push onto `free`),
+    /// so no reader can map a holder it read before the removal to the slot's next replica.
+    ///
+    /// Why serving 0 means no key node names the index: the count is the replica's entries
+    /// in the scope; ingests add to it only while entered (so not after the retirement), and
+    /// removals subtract after their unlink (AcqRel, read here with Acquire), so the unlinks
+    /// of all its entries happen before this check and before the deferral. Returns the slots
+    /// reclaimed.
+    pub(crate) fn reclaim_slots(self: &Arc<Self>) -> usize {
+        let mut names = self.names.lock();
+        let guard = epoch::pin();
+        let mut gone = Vec::new();
+        for (&id, &(i, _)) in names.by_name.iter() {
+            let rec = self.slot(i);
+            if rec.serving.load(Ordering::Acquire) != 0 || !rec.life.try_retire() {
+                continue;
+            }
+            if rec.serving.load(Ordering::Acquire) != 0 {
+                rec.life.revive();
+                continue;
+            }
+            gone.push((id, i));
         }
-        let end = end.min(rest.len());
-        let start = end / 2;
-        self.pos += start + rest[start..end].partition_point(below);
-        let &j = list.sorted.get(self.pos)?;
-        let r = &*list.list[j as usize];
-        (*r.name == *name).then_some(r)
+        for &(id, i) in &gone {
+            names.by_name.remove(&id);
+            let rec: *const ScopeReplica = self.slot(i);
+            self.lookup.remove(hash_strs(&[&id]), rec);
+            let scope = self.clone();
+            guard.defer(move || scope.free.lock().push(i));
+        }
+        gone.len()
+    }
+    /// The replica named `name` (reader side, wait-free).
+    #[inline]
+    pub(crate) fn find<'g>(&self, name: &str, guard: &'g Guard) -> Option<&'g ScopeReplica> {
+        self.lookup
+            .get(hash_strs(&[name]), |r| same_str(&r.name, name), guard)
+    }
+
+    /// Serving count of `name` (reader side).
+    pub(crate) fn serving_of(&self, name: &str, guard: &Guard) -> i64 {
+        self.find(name, guard)
+            .map_or(0, |r| r.serving.load(Ordering::Relaxed))
     }
 }
 
@@ -453,68 +888,104 @@ pub(crate) struct Partition {
     pub(crate) keys: AtomicI64,
     /// Storage entries of the partition (eviction sampling weights, V2).
     pub(crate) entries: AtomicI64,
+    /// Reclamation gate of the ingests writing into the partition (see [`Life`]).
+    pub(crate) life: Life,
 }
 
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
-    /// After every insertion, in any order, each replica's rank is its id's position in byte
-    /// order, and indices stay insertion order.
-    #[test]
-    fn replica_ranks_follow_byte_order() {
-        let names = [
-            "r-07", "r-10", "a", "r-1", "", "zz", "r-07x", "Z", "é", "r-0", "b", "r-100",
-        ];
-        let mut list = ReplicaList::default();
-        for (k, &name) in names.iter().enumerate() {
-            list = list.with(name.into());
-            let mut by_id: Vec<&str> = names[..=k].to_vec();
-            by_id.sort_unstable();
-            for (i, r) in list.iter().enumerate() {
-                assert_eq!(&*r.name, names[i], "index order");
-                assert_eq!(list.find(names[i]), Some(i as u32), "find {:?}", names[i]);
-                let want = by_id.iter().position(|&n| n == names[i]).unwrap();
-                assert_eq!(
-                    list.rank(i as u32) as usize,
-                    want,
-                    "{:?} after {k}",
-                    names[i]
-                );
-            }
-            for absent in ["r-07y", "zzz", "r-", "\u{0}"] {
-                assert_eq!(list.find(absent), None, "{absent:?} is not a replica");
+    /// Checks the label invariant over every pair of a scope's replicas, and that indices,
+    /// names and lookups by name agree.
+    fn check_scope(scope: &ScopeRec, names: &[String]) {
+        let guard = epoch::pin();
+        let reps = scope.replicas.load(&guard);
+        assert_eq!(reps.len(), names.len());
+        for (i, a) in names.iter().enumerate() {
+            let ra = &reps[i];
+            assert_eq!(&*ra.name, a.as_str(), "index order");
+            assert_eq!(scope.index_of(a), Some(i as u32));
+            assert!(std::ptr::eq(
+                scope.find(a, &guard).expect("found by name"),
+                ra
+            ));
+            for (j, b) in names.iter().enumerate() {
+                let rb = &reps[j];
+                if ra.label < rb.label {
+                    assert!(a < b, "label order {a:?} < {b:?}");
+                }
             }
         }
     }
 
-    /// A cursor finds exactly the present names of every ascending query sequence, whatever
-    /// the gaps between them (galloping over 0, 1, 2, 3, ... replicas).
+    /// Labels never contradict byte order, whatever the insertion order: mixed ids, ascending
+    /// and descending numbered pods (the append paths) and ids squeezed into one gap until
+    /// the labels tie (ties are allowed; an inversion is not).
     #[test]
-    fn id_cursor_merges_ascending_names() {
-        let mut list = ReplicaList::default();
-        // Present: even numbers (inserted in a scrambled order); the odd ones are absent.
-        let n = 300u32;
-        for k in 0..n {
-            let v = (k * 7919) % n * 2;
-            list = list.with(ReplicaId::intern(&format!("r-{v:05}")));
+    fn replica_labels_follow_byte_order() {
+        let mixed = [
+            "r-07", "r-10", "a", "r-1", "", "zz", "r-07x", "Z", "é", "r-0", "b", "r-100",
+        ];
+        let scope = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let mut names = Vec::new();
+        for name in mixed {
+            scope.intern(name);
+            names.push(name.to_string());
+            check_scope(&scope, &names);
         }
-        let queries: Vec<u32> = (0..2 * n + 2).collect();
-        for step in 1..40 {
-            for offset in 0..step.min(5) {
-                let seq: Vec<u32> = queries.iter().copied().skip(offset).step_by(step).collect();
-                let mut cursor = list.cursor();
-                for q in seq {
-                    let name = format!("r-{q:05}");
-                    let got = cursor.seek(&name).map(|r| r.name.to_string());
-                    let want = (q % 2 == 0 && q < 2 * n).then(|| name.clone());
-                    assert_eq!(got, want, "step {step}, offset {offset}, {name}");
-                    // Names may repeat: seeking the same name again finds it again.
-                    assert_eq!(cursor.seek(&name).map(|r| r.name.to_string()), want);
-                }
+        for absent in ["r-07y", "zzz", "r-", "\u{0}"] {
+            assert!(
+                scope.find(absent, &epoch::pin()).is_none(),
+                "{absent:?} is not a replica"
+            );
+            assert_eq!(scope.index_of(absent), None);
+        }
+        let up = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let down = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let squeeze = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let (mut nu, mut nd, mut ns) = (Vec::new(), Vec::new(), Vec::new());
+        for k in 0..100 {
+            nu.push(format!("pod-{k:04}"));
+            up.intern(&nu[k]);
+            nd.push(format!("pod-{:04}", 1000 - k));
+            down.intern(&nd[k]);
+            // "m", "mm", "mmm", ...: each new id sorts between the last one and "n".
+            if k == 0 {
+                ns.push("n".to_string());
+            } else {
+                ns.push("m".repeat(k));
+            }
+            squeeze.intern(&ns[k]);
+        }
+        check_scope(&up, &nu);
+        check_scope(&down, &nd);
+        check_scope(&squeeze, &ns);
+        let guard = epoch::pin();
+        let labels = |s: &ScopeRec| {
+            let mut v: Vec<u64> = s.replicas.load(&guard).iter().map(|r| r.label).collect();
+            v.sort_unstable();
+            v.dedup();
+            v.len()
+        };
+        assert_eq!(labels(&up), 100, "ascending ids get distinct labels");
+        assert_eq!(labels(&down), 100, "descending ids get distinct labels");
+        assert!(labels(&squeeze) < 100, "one gap halved 99 times ties");
+    }
+
+    /// Slot chunks double: every index maps to one place, chunk by chunk, up to the limit.
+    #[test]
+    fn slot_places_tile_the_index_space() {
+        let mut want = (0usize, 0usize);
+        for i in 0..MAX_SCOPE_REPLICAS {
+            let got = slot_place(i);
+            assert_eq!(got, want, "slot {i}");
+            want.1 += 1;
+            if want.1 == SLOT_BASE << want.0 {
+                want = (want.0 + 1, 0);
             }
         }
-        assert!(ReplicaList::default().cursor().seek("r").is_none());
+        assert!(slot_place(MAX_SCOPE_REPLICAS - 1).0 < SLOT_CHUNKS);
     }
 
     /// `same_str` is `==`: every length up to 24, a difference at every position.
@@ -534,6 +1005,57 @@ mod tests {
                 assert!(!same_str(a, &b), "{a:?} vs {b:?}");
             }
         }
+    }
+
+    /// A replica that holds nothing gives its slot back once every reader pinned at its
+    /// reclamation has left: a scope that names at most 4 replicas at once takes 400 over
+    /// time. A replica still counted (serving > 0) or entered by a writer keeps its slot.
+    #[test]
+    fn reclaimed_slots_are_reused_after_the_epoch() {
+        let scope = Arc::new(ScopeRec::new("t".into(), "m".into(), "vllm".into()));
+        let intern = |name: &str| {
+            // The freed indices come back through the epoch: help it along until they do.
+            (0..10_000).find_map(|_| {
+                let got = scope.intern_within(name, 4);
+                if got.is_none() {
+                    epoch::pin().flush();
+                }
+                got
+            })
+        };
+        for round in 0..100 {
+            let mut got = Vec::new();
+            for k in 0..4 {
+                let i = intern(&format!("r{round}-{k}")).expect("a slot comes back");
+                scope.exit(i);
+                got.push(i);
+            }
+            got.sort_unstable();
+            assert_eq!(got, [0, 1, 2, 3], "round {round}");
+            assert_eq!(
+                scope.intern_within("extra", 4),
+                None,
+                "four live replicas fill it"
+            );
+            let [kept, busy, gone] = [got[0], got[1], got[2]].map(|i| scope.slot(i).name);
+            scope.slot(got[0]).serving.store(1, Ordering::Relaxed);
+            let entered = scope.intern_within(&busy, 4).expect("named");
+            assert_eq!(entered, got[1]);
+            assert_eq!(scope.reclaim_slots(), 2, "round {round}");
+            assert_eq!(scope.named(), 2);
+            assert!(scope.find(&kept, &epoch::pin()).is_some());
+            assert!(scope.find(&busy, &epoch::pin()).is_some());
+            assert!(scope.find(&gone, &epoch::pin()).is_none());
+            scope.slot(got[0]).serving.store(0, Ordering::Relaxed);
+            scope.exit(entered);
+            assert_eq!(scope.reclaim_slots(), 2);
+            assert_eq!(scope.named(), 0);
+        }
+        assert_eq!(
+            scope.replicas.load(&epoch::pin()).len(),
+            4,
+            "never more than 4 slots"
+        );
     }
 
     /// A full scope refuses new ids (no panic) and still resolves the ones it has.

@@ -210,6 +210,24 @@ impl Hand {
         self.samples.clear();
     }
 
+    /// Drops the partitions `dead` selects (reclaimed by the sweep) and, if there were any,
+    /// everything that refers to positions in the list or to partitions by address: the
+    /// walk restarts and the threshold is estimated again.
+    pub(crate) fn forget_parts(&mut self, dead: impl Fn(&Partition) -> bool) {
+        let before = self.parts.len();
+        self.parts.retain(|p| !dead(p));
+        if self.parts.len() != before {
+            self.cands.clear();
+            self.samples.clear();
+            self.cum.clear();
+            self.recent.clear();
+            self.thr = None;
+            self.budget = 0;
+            self.lapped = false;
+            self.cursor = (0, 0, 0);
+        }
+    }
+
     fn next(&mut self) -> u64 {
         self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
         mix(self.rng)
@@ -405,8 +423,8 @@ impl Index {
             }
         }
         for e in created {
-            // SAFETY: `e.part` is the address of a partition of this index (`Created::take`);
-            // partitions are never removed while the index lives.
+            // SAFETY: `e.part` is the address of a partition the calling ingest is still
+            // entered in (`Created::take`, `dir::Life`), so the sweep has not reclaimed it.
             let part = unsafe { &*(e.part as *const Partition) };
             if !part.tenant.reserved && cx.alg(self, &part.tenant) == Algorithm::Lfu {
                 if hand.recent.len() >= RECENT_RING {
@@ -425,7 +443,12 @@ impl Index {
     /// `carry` holds the ingest's own key delta (its tenant is `t`): it counts here, and is
     /// applied before any removal, which reads the counters as they are.
     pub(super) fn enforce_quota(&self, t: &str, now_us: i64, carry: &mut Option<Carry<'_>>) {
-        let Some(tr) = self.tenant_ref(t) else {
+        let Some(tr) = self
+            .tenants
+            .get_arc(crate::dir::hash_strs(&[t]), &|r: &TenantRec| {
+                crate::dir::same_str(&r.name, t)
+            })
+        else {
             return;
         };
         let held = carry.as_ref().map_or(0, |c| c.pend.keys);
@@ -482,7 +505,7 @@ impl Index {
                 }
                 continue;
             }
-            if self.approx_step(&mut hand, &mut cx, Some(tr)) {
+            if self.approx_step(&mut hand, &mut cx, Some(&tr)) {
                 stall = 0;
             } else {
                 stall += 1;
@@ -510,7 +533,9 @@ impl Index {
             let Some(e) = hand.recent.front().copied() else {
                 return false;
             };
-            // SAFETY: see `enforce_cap`: partitions live as long as the index.
+            // SAFETY: the ring only names partitions in `hand.parts` (it is filled after the
+            // hand caught up with `all_parts`), and the sweep clears it, under this hand's
+            // lock, whenever it drops a reclaimed partition from the hand (`forget_parts`).
             let part = unsafe { &*(e.part as *const Partition) };
             let key = e.key.to_be_bytes();
             let rank = part

@@ -95,9 +95,10 @@ struct Ranked {
     matched: i32,
     fresh: f32,
     tier: u8,
-    rep: u32,
-    /// Rank of the replica's id in byte order (the tie-break of R4 and R5).
-    rank: u32,
+    /// Order label of the replica's id (`ScopeReplica::label`; TENANT_HOT: its position in
+    /// id order): the tie-break of R4 and R5, with `name` deciding equal labels.
+    rank: u64,
+    name: ReplicaId,
 }
 
 /// Reusable scratch space for [`Index::match_chain_into`].
@@ -228,6 +229,28 @@ pub struct SweepOutcome {
     pub entries_removed: u64,
     /// Stats records removed.
     pub stats_removed: u64,
+    /// Records reclaimed because they held nothing: partitions, scopes, (tenant, model) pairs,
+    /// per-model gauges and tenants.
+    pub records_reclaimed: u64,
+    /// Scope replica slots reclaimed (replicas that held no entry in their scope).
+    pub replica_slots_reclaimed: u64,
+}
+
+/// Live records of an index, by kind (see [`Index::record_counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecordCounts {
+    /// Tenants.
+    pub tenants: usize,
+    /// (tenant, model) pairs.
+    pub models: usize,
+    /// Scopes (tenant, model, hash scheme).
+    pub scopes: usize,
+    /// Partitions (scope, adapter).
+    pub partitions: usize,
+    /// Per-model gauges.
+    pub gauges: usize,
+    /// Replica ids named by the scopes (one per (scope, replica)).
+    pub scope_replicas: usize,
 }
 
 /// Where [`Index::memory_bytes`] goes, by component (bytes; a diagnostic, taken shard by shard
@@ -271,6 +294,11 @@ pub struct Index {
     /// partition without taking the mutex on each enforcement.
     all_parts_len: AtomicUsize,
     all_models: Mutex<Vec<Arc<ModelRec>>>,
+    /// Held while records are created or reclaimed (sync seam: creation runs loom operations),
+    /// so the sweep never retires a record a creator is linking a child to.
+    records: crate::sync::Mutex<()>,
+    /// `tenant_evictions` of reclaimed tenants (V5's counter must not go back; record lock).
+    retired_quota_evictions: Mutex<HashMap<Arc<str>, u64>>,
     /// Distinct keys in the whole index, reserved included (O3 step 1).
     total_keys: AtomicI64,
     storage_entries: AtomicI64,
@@ -315,6 +343,8 @@ impl Index {
             all_parts: Mutex::new(Vec::new()),
             all_parts_len: AtomicUsize::new(0),
             all_models: Mutex::new(Vec::new()),
+            records: crate::sync::Mutex::new(()),
+            retired_quota_evictions: Mutex::new(HashMap::new()),
             total_keys: AtomicI64::new(0),
             storage_entries: AtomicI64::new(0),
             reserved_entries: AtomicI64::new(0),
@@ -343,32 +373,55 @@ impl Index {
         self.cfg.reserved_tenants.iter().any(|t| t == tenant)
     }
 
-    fn tenant_ref(&self, t: &str) -> Option<&TenantRec> {
-        self.tenants.get(hash_strs(&[t]), |r| same_str(&r.name, t))
+    fn tenant_ref<'g>(&self, t: &str, guard: &'g Guard) -> Option<&'g TenantRec> {
+        self.tenants
+            .get(hash_strs(&[t]), |r| same_str(&r.name, t), guard)
     }
 
-    fn model_ref(&self, t: &str, m: &str) -> Option<&ModelRec> {
-        self.models.get(hash_strs(&[t, m]), |r| {
+    fn model_ref<'g>(&self, t: &str, m: &str, guard: &'g Guard) -> Option<&'g ModelRec> {
+        self.models.get(
+            hash_strs(&[t, m]),
+            |r| same_str(&r.tenant.name, t) && same_str(&r.name, m),
+            guard,
+        )
+    }
+
+    fn model_arc(&self, t: &str, m: &str) -> Option<Arc<ModelRec>> {
+        self.models.get_arc(hash_strs(&[t, m]), &|r: &ModelRec| {
             same_str(&r.tenant.name, t) && same_str(&r.name, m)
         })
     }
 
-    fn scope_ref(&self, t: &str, m: &str, s: &str) -> Option<&ScopeRec> {
-        self.scopes.get(hash_strs(&[t, m, s]), |r| {
-            same_str(&r.tenant, t) && same_str(&r.model, m) && same_str(&r.scheme, s)
-        })
+    fn scope_ref<'g>(&self, t: &str, m: &str, s: &str, guard: &'g Guard) -> Option<&'g ScopeRec> {
+        self.scopes.get(
+            hash_strs(&[t, m, s]),
+            |r| same_str(&r.tenant, t) && same_str(&r.model, m) && same_str(&r.scheme, s),
+            guard,
+        )
     }
 
-    fn part_ref(&self, t: &str, m: &str, s: &str, a: &str) -> Option<&Partition> {
-        self.parts.get(hash_strs(&[t, m, s, a]), |p| {
-            same_str(&p.adapter, a)
-                && same_str(&p.scheme, s)
-                && same_str(&p.model.name, m)
-                && same_str(&p.tenant.name, t)
-        })
+    fn part_ref<'g>(
+        &self,
+        t: &str,
+        m: &str,
+        s: &str,
+        a: &str,
+        guard: &'g Guard,
+    ) -> Option<&'g Partition> {
+        self.parts.get(
+            hash_strs(&[t, m, s, a]),
+            |p| {
+                same_str(&p.adapter, a)
+                    && same_str(&p.scheme, s)
+                    && same_str(&p.model.name, m)
+                    && same_str(&p.tenant.name, t)
+            },
+            guard,
+        )
     }
 
-    fn ensure_tenant(&self, t: &str) -> Arc<TenantRec> {
+    /// The tenant record, created if needed (record lock held).
+    fn ensure_tenant_locked(&self, t: &str) -> Arc<TenantRec> {
         self.tenants
             .get_or_insert(
                 hash_strs(&[t]),
@@ -379,7 +432,9 @@ impl Index {
                         reserved: self.is_reserved(t),
                         keys: AtomicI64::new(0),
                         models: Mutex::new(Vec::new()),
-                        quota_evictions: AtomicU64::new(0),
+                        quota_evictions: AtomicU64::new(
+                            self.retired_quota_evictions.lock().remove(t).unwrap_or(0),
+                        ),
                         quota_hand: Mutex::new(eviction::Hand::new(eviction::seed_of(
                             self.cfg.eviction_seed,
                             hash_strs(&[t]),
@@ -390,13 +445,13 @@ impl Index {
             .0
     }
 
-    fn ensure_model(&self, t: &str, m: &str) -> Arc<ModelRec> {
-        if let Some(r) = self.models.get_arc(hash_strs(&[t, m]), &|r: &ModelRec| {
-            same_str(&r.tenant.name, t) && same_str(&r.name, m)
-        }) {
+    /// The (tenant, model) record, created with its tenant and gauge if needed (record lock
+    /// held, so the sweep reclaims none of them meanwhile).
+    fn ensure_model_locked(&self, t: &str, m: &str) -> Arc<ModelRec> {
+        if let Some(r) = self.model_arc(t, m) {
             return r;
         }
-        let tenant = self.ensure_tenant(t);
+        let tenant = self.ensure_tenant_locked(t);
         let gauge = self
             .gauges
             .get_or_insert(
@@ -406,6 +461,7 @@ impl Index {
                     Arc::new(GaugeRec {
                         model: m.into(),
                         keys: AtomicI64::new(0),
+                        pairs: std::sync::atomic::AtomicUsize::new(0),
                     })
                 },
             )
@@ -419,24 +475,66 @@ impl Index {
                     name: m.into(),
                     keys: AtomicI64::new(0),
                     hot: AtomicI64::new(0),
-                    gauge,
+                    gauge: gauge.clone(),
                     stats: crate::dir::Rcu::new(Vec::new()),
                     parts: Mutex::new(Vec::new()),
+                    life: crate::dir::Life::new(),
                 })
             },
         );
         if created {
+            gauge.pairs.fetch_add(1, Ordering::Relaxed);
             tenant.models.lock().push(rec.clone());
             self.all_models.lock().push(rec.clone());
         }
         rec
     }
 
-    fn ensure_part(&self, t: &str, m: &str, s: &str, a: &str) -> &Partition {
-        if let Some(p) = self.part_ref(t, m, s, a) {
+    /// The (tenant, model) record, entered for a stats write (see [`crate::dir::Life`]); the
+    /// caller exits it.
+    fn enter_model(&self, t: &str, m: &str) -> Arc<ModelRec> {
+        if let Some(r) = self.model_arc(t, m)
+            && r.life.enter()
+        {
+            return r;
+        }
+        let _records = self.records.lock();
+        let r = self.ensure_model_locked(t, m);
+        // Under the record lock a directory record is live: the sweep retires and unlinks
+        // under it.
+        let entered = r.life.enter();
+        debug_assert!(
+            entered,
+            "records in the directory are live under the record lock"
+        );
+        r
+    }
+
+    /// The partition, created with its records if needed, entered for an ingest (see
+    /// [`crate::dir::Life`]); the caller exits it after its last counter update.
+    fn enter_part<'g>(
+        &self,
+        t: &str,
+        m: &str,
+        s: &str,
+        a: &str,
+        guard: &'g Guard,
+    ) -> &'g Partition {
+        if let Some(p) = self.part_ref(t, m, s, a, guard)
+            && p.life.enter()
+        {
             return p;
         }
-        let model = self.ensure_model(t, m);
+        let _records = self.records.lock();
+        if let Some(p) = self.part_ref(t, m, s, a, guard) {
+            let entered = p.life.enter();
+            debug_assert!(
+                entered,
+                "records in the directory are live under the record lock"
+            );
+            return p;
+        }
+        let model = self.ensure_model_locked(t, m);
         let scope = self
             .scopes
             .get_or_insert(
@@ -457,26 +555,33 @@ impl Index {
                 Arc::new(Partition {
                     tenant: model.tenant.clone(),
                     model: model.clone(),
-                    scope,
+                    scope: scope.clone(),
                     scheme: s.into(),
                     adapter: a.into(),
                     table: crate::table::KeyTable::new(),
                     keys: AtomicI64::new(0),
                     entries: AtomicI64::new(0),
+                    life: crate::dir::Life::new(),
                 })
             },
         );
         if created {
+            scope.parts.fetch_add(1, Ordering::Relaxed);
             model.parts.lock().push(p.clone());
             let mut all = self.all_parts.lock();
             all.push(p.clone());
             self.all_parts_len.store(all.len(), Ordering::Release);
         }
-        self.part_ref(t, m, s, a)
-            .expect("partition just inserted is present")
+        let p = self
+            .part_ref(t, m, s, a, guard)
+            .expect("partition just inserted is present");
+        p.life.enter();
+        p
     }
 
-    /// Resolves a partition for the core match API (wait-free).
+    /// Resolves a partition for the core match API (wait-free once resolved). A partition
+    /// handed out here is entered for good: the handle borrows it for the index's lifetime,
+    /// without a guard, so the sweep never reclaims it.
     pub fn partition(
         &self,
         tenant: &str,
@@ -484,8 +589,15 @@ impl Index {
         scheme: &str,
         adapter: &str,
     ) -> Option<PartitionHandle<'_>> {
-        self.part_ref(tenant, model, scheme, adapter)
-            .map(|p| PartitionHandle { p })
+        let guard = epoch::pin();
+        let p = self.part_ref(tenant, model, scheme, adapter, &guard)?;
+        if !p.life.enter() {
+            return None; // retired: it was empty, and is gone
+        }
+        let p: *const Partition = p;
+        // SAFETY: entered and never exited, so never retired: the directory keeps its `Arc`
+        // for as long as the index lives.
+        Some(PartitionHandle { p: unsafe { &*p } })
     }
 
     /// L7: the tenant's TTL in ms.
@@ -548,8 +660,13 @@ impl Index {
         let m = update.model_id;
         let reserved = self.is_reserved(t);
         let sink = self.active_sink(reserved);
+        let guard = epoch::pin();
+        // The partitions (and their replica slots) this ingest entered (see `dir::Life`), kept
+        // entered until its last counter update, after the cap: `created` and the carry name
+        // them. (Only an update naming several adapters has more than `cur`.)
+        let mut held: Vec<(&Partition, u32)> = Vec::new();
+        let mut last: Option<(&Partition, u32)> = None;
         if !update.hash_scheme.is_empty() {
-            let guard = epoch::pin();
             // Cache of the last partition and replica index (K5: one per ref), with the derived
             // counter deltas not yet applied for it (flushed once per partition change and at the
             // end: counters may lag an in-flight ingest, C3).
@@ -576,14 +693,16 @@ impl Index {
                 let (part, rep) = match cur {
                     Some((p, rep)) if same_str(&p.adapter, adapter) => (p, rep),
                     _ => {
-                        if let Some((p, rep)) = cur {
+                        if let Some((p, rep)) = cur.take() {
                             created.take(p, rep, &mut pend);
                             self.flush_pending(p, rep, &mut pend, &guard);
+                            held.push((p, rep));
                         }
-                        let p = self.ensure_part(t, m, update.hash_scheme, adapter);
+                        let p = self.enter_part(t, m, update.hash_scheme, adapter, &guard);
                         let Some(rep) = p.scope.intern(update.replica_id) else {
                             // The scope names as many replicas as a holder can (2^20): a new
                             // id's entries are dropped, nothing stored is touched.
+                            p.life.exit();
                             out.refs_dropped += 1;
                             continue;
                         };
@@ -668,11 +787,13 @@ impl Index {
                 } else {
                     self.flush_derived(p, rep, &mut pend, &guard);
                 }
+                last = Some((p, rep));
             }
         }
         if let Some(st) = update.stats {
-            let model = self.ensure_model(t, m);
+            let model = self.enter_model(t, m);
             self.store_stats(&model, update.replica_id, &st, ts_ms);
+            model.life.exit();
             out.stats_stored = true;
             if let Some(s) = &sink {
                 s.publish(&ChangeEvent {
@@ -689,6 +810,11 @@ impl Index {
         // K14 steps 3 and 4 (after the update's own upserts: they are eligible victims).
         self.enforce_quota(t, ts_us, &mut carry);
         self.enforce_cap(&created.items[..created.n], carry);
+        for (p, rep) in held.into_iter().chain(last) {
+            p.scope.exit(rep);
+            p.life.exit();
+        }
+        drop(guard);
         if !reserved {
             self.ingest_blocks.fetch_add(out.upserts, Ordering::Relaxed);
         }
@@ -828,9 +954,11 @@ impl Index {
     /// writes quiesce even though batched deltas may make a count transiently negative).
     fn serving_add(part: &Partition, rep: u32, delta: i64, guard: &Guard) {
         let reps = part.scope.replicas.load(guard);
+        // AcqRel: a removal's unlinks happen before its decrement, and the sweep reads the
+        // count with Acquire before it recycles the slot (`ScopeRec::reclaim_slots`).
         let old = reps[rep as usize]
             .serving
-            .fetch_add(delta, Ordering::Relaxed);
+            .fetch_add(delta, Ordering::AcqRel);
         let new = old + delta;
         if old <= 0 && new > 0 {
             part.scope.serving_n.fetch_add(1, Ordering::Relaxed);
@@ -1108,7 +1236,8 @@ impl Index {
             event_type::REPLICA_UPDATED => {
                 let ts_us = self.resolve_now_us(ev.timestamp_us);
                 let ts_ms = us_to_ms(ts_us);
-                let Some(model) = self.model_ref(t, m) else {
+                let guard = epoch::pin();
+                let Some(model) = self.model_ref(t, m, &guard) else {
                     return;
                 };
                 let refreshed = model.stats.update(|v| {
@@ -1166,17 +1295,18 @@ impl Index {
         prefix_hashes: &[H],
         timestamp_us: i64,
     ) -> u64 {
-        let Some(model) = self.model_ref(tenant_id, model_id) else {
+        let records = epoch::pin();
+        let Some(model) = self.model_ref(tenant_id, model_id, &records) else {
             return 0;
         };
         let ts_us = self.resolve_now_us(timestamp_us);
         let sink = self.active_sink(model.tenant.reserved);
         let mut removed = 0u64;
-        self.for_each_part(model, |p| {
+        self.for_each_part(model, &records, |p| {
             if !adapter_id.is_empty() && *p.adapter != *adapter_id {
                 return;
             }
-            let Some(rep) = p.scope.index_of(replica_id) else {
+            let Some(rep) = p.scope.enter_existing(replica_id) else {
                 return;
             };
             let guard = epoch::pin();
@@ -1217,12 +1347,15 @@ impl Index {
             }
             // Counters once per partition (they may lag the batch, exact after it, C3).
             self.flush_pending(p, rep, &mut pend, &guard);
+            p.scope.exit(rep);
         });
         removed
     }
 
     /// Calls `f` on every partition of a (tenant, model) pair without allocating for ≤ 8.
-    fn for_each_part(&self, model: &ModelRec, mut f: impl FnMut(&Partition)) {
+    /// `guard` stays pinned across the calls: a partition the sweep unlinks meanwhile is freed
+    /// only after it.
+    fn for_each_part(&self, model: &ModelRec, _guard: &Guard, mut f: impl FnMut(&Partition)) {
         const N: usize = 8;
         let mut small: [*const Partition; N] = [std::ptr::null(); N];
         let big: Vec<Arc<Partition>>;
@@ -1241,9 +1374,9 @@ impl Index {
         }
         if n <= N {
             for &p in &small[..n] {
-                // SAFETY: partitions are never removed from `model.parts` (nor from
-                // `all_parts`) while the index lives; `&self` outlives this call, so the `Arc`s
-                // in those lists keep every partition alive.
+                // SAFETY: the partition was in `model.parts` while `_guard` was pinned; a
+                // reclaimed partition's last `Arc` (its directory node's) is dropped through
+                // the epoch, so it outlives the guard.
                 f(unsafe { &*p });
             }
         } else {
@@ -1257,13 +1390,14 @@ impl Index {
     fn clear_replica(&self, ev: &CacheEventInput<'_>) {
         let ts_us = self.resolve_now_us(ev.timestamp_us);
         let reserved = self.is_reserved(ev.tenant_id);
-        if let Some(model) = self.model_ref(ev.tenant_id, ev.model_id) {
+        if let Some(model) = self.model_arc(ev.tenant_id, ev.model_id) {
             let parts: Vec<Arc<Partition>> = model.parts.lock().clone();
             for p in parts.iter() {
-                let Some(rep) = p.scope.index_of(ev.replica_id) else {
+                let Some(rep) = p.scope.enter_existing(ev.replica_id) else {
                     continue;
                 };
                 self.walk_remove(p, |h| h.rep() == rep, |_, _| {});
+                p.scope.exit(rep);
             }
             let removed = model.stats.update(|v| {
                 match v.binary_search_by(|r| (*r.replica).cmp(ev.replica_id)) {
@@ -1775,8 +1909,8 @@ impl Index {
         ttl: i64,
         capture: bool,
         buf: &mut RouteBuffer,
+        guard: &Guard,
     ) {
-        let guard = epoch::pin();
         let c = slo_c(&self.cfg.ranker, req.ttft_ms);
         let n = part.scope.serving_n.load(Ordering::Relaxed);
         if chain {
@@ -1786,14 +1920,14 @@ impl Index {
                 req.block_token_counts,
                 now_ms,
                 ttl,
-                &guard,
+                guard,
                 &mut buf.scratch,
                 capture,
             );
             if buf.scratch.runs.is_empty() {
                 return;
             }
-            let reps = part.scope.replicas.load(&guard);
+            let reps = part.scope.replicas.load(guard);
             let ranked = &mut buf.scratch.ranked;
             ranked.clear();
             for r in buf.scratch.runs.iter() {
@@ -1807,14 +1941,14 @@ impl Index {
                 let Some(rr) = reps.get(r.rep as usize) else {
                     continue;
                 };
-                let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, &guard);
+                let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, guard);
                 ranked.push(Ranked {
                     score: prefix_score(r.matched, f, pf, c),
                     matched: r.matched,
                     fresh: f,
                     tier: r.tier,
-                    rep: r.rep,
-                    rank: reps.rank(r.rep),
+                    rank: rr.label,
+                    name: rr.name,
                 });
                 if capture {
                     for &np in buf.scratch.nodes[..r.blocks as usize].iter() {
@@ -1832,11 +1966,11 @@ impl Index {
                 }
             }
             buf.scratch.nodes.clear();
-            // Ties are ordered by replica id through the ids' ranks (R4, R5): integer compares,
-            // and one id clone per returned replica, once its place is known.
+            // Ties are ordered by replica id through the ids' labels (R4, R5): integer
+            // compares, the ids themselves only for equal labels.
             if n > 1 && !ranked.is_empty() {
                 // R4 chain grouping.
-                ranked.sort_unstable_by(|a, b| b.matched.cmp(&a.matched).then(a.rank.cmp(&b.rank)));
+                ranked.sort_unstable_by(|a, b| b.matched.cmp(&a.matched).then(by_id(a, b)));
                 let mut i = 0;
                 while i < ranked.len() {
                     let mut j = i;
@@ -1852,15 +1986,15 @@ impl Index {
                     i = j;
                 }
             }
-            emit_ranked(ranked, &mut buf.scores, |rep| reps[rep as usize].name);
+            emit_ranked(ranked, &mut buf.scores);
         } else {
             if req.prefix_hash.is_empty() {
                 return;
             }
-            let Some(node) = part.table.find(req.prefix_hash, &guard) else {
+            let Some(node) = part.table.find(req.prefix_hash, guard) else {
                 return;
             };
-            let reps = part.scope.replicas.load(&guard);
+            let reps = part.scope.replicas.load(guard);
             let ranked = &mut buf.scratch.ranked;
             ranked.clear();
             for h in node.holders().iter() {
@@ -1871,14 +2005,14 @@ impl Index {
                 let Some(rr) = reps.get(h.rep() as usize) else {
                     continue;
                 };
-                let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, &guard);
+                let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, guard);
                 ranked.push(Ranked {
                     score: prefix_score(h.tokens(), f, pf, c),
                     matched: h.tokens(),
                     fresh: f,
                     tier: h.tier(),
-                    rep: h.rep(),
-                    rank: reps.rank(h.rep()),
+                    rank: rr.label,
+                    name: rr.name,
                 });
                 if capture && h.tokens() > 0 {
                     buf.hits.hits.push(Hit {
@@ -1895,7 +2029,7 @@ impl Index {
                     s.score *= dp as f32;
                 }
             }
-            emit_ranked(ranked, &mut buf.scores, |rep| reps[rep as usize].name);
+            emit_ranked(ranked, &mut buf.scores);
         }
     }
 
@@ -1909,14 +2043,19 @@ impl Index {
         if chain && req.block_hashes.len() != req.block_token_counts.len() {
             return Vec::new();
         }
-        let Some(part) =
-            self.part_ref(req.tenant_id, req.model_id, req.hash_scheme, req.adapter_id)
-        else {
+        let guard = epoch::pin();
+        let Some(part) = self.part_ref(
+            req.tenant_id,
+            req.model_id,
+            req.hash_scheme,
+            req.adapter_id,
+            &guard,
+        ) else {
             return Vec::new();
         };
         let now_ms = us_to_ms(self.clock.now_us());
         let ttl = self.ttl_for(req.tenant_id);
-        self.prefix_scores(part, req, chain, now_ms, ttl, false, &mut buf);
+        self.prefix_scores(part, req, chain, now_ms, ttl, false, &mut buf, &guard);
         buf.scores
     }
 
@@ -1982,10 +2121,11 @@ impl Index {
         }
         let now_ms = us_to_ms(self.clock.now_us());
         let ttl = self.ttl_for(t);
-        let part = self.part_ref(t, m, s, req.adapter_id);
+        let guard = epoch::pin();
+        let part = self.part_ref(t, m, s, req.adapter_id, &guard);
         if let Some(part) = part {
             let capture = self.resolvers.algorithm(t) == Algorithm::Lfu;
-            self.prefix_scores(part, req, chain, now_ms, ttl, capture, buf);
+            self.prefix_scores(part, req, chain, now_ms, ttl, capture, buf, &guard);
             if !buf.scores.is_empty() {
                 if capture && !buf.hits.hits.is_empty() {
                     buf.hits.part = self
@@ -1997,22 +2137,32 @@ impl Index {
                 return Strategy::PrefixMatch;
             }
         }
-        if !chain && self.tenant_hot(req, part, now_ms, &mut buf.scratch.ranked, &mut buf.scores) {
+        if !chain
+            && self.tenant_hot(
+                req,
+                part,
+                now_ms,
+                &mut buf.scratch.ranked,
+                &mut buf.scores,
+                &guard,
+            )
+        {
             return Strategy::TenantHot;
         }
         match part {
             // The partition names the same directory records the lookups by name would find
-            // (records are never removed): no string hashing on the common miss.
+            // (a live partition's parents are live: the sweep reclaims a parent only once its
+            // children are gone): no string hashing on the common miss.
             Some(p) => {
                 self.classify_with(|| Some(&*p.tenant), || Some(&*p.model), || Some(&*p.scope))
             }
-            None => self.classify(t, m, s),
+            None => self.classify_in(t, m, s, &guard),
         }
     }
 
     /// O2: TENANT_HOT candidates into `out`; true if any.
     /// `part` is the request's partition when it exists: its (tenant, model) and scope records
-    /// are the ones the lookups by name would find (records are never removed).
+    /// are the ones the lookups by name would find (a live partition's parents are live).
     fn tenant_hot<H: AsRef<[u8]>>(
         &self,
         req: &LookupRequest<'_, H>,
@@ -2020,6 +2170,7 @@ impl Index {
         now_ms: i64,
         ranked: &mut Vec<Ranked>,
         out: &mut Vec<ScoredReplica>,
+        guard: &Guard,
     ) -> bool {
         let rc = &self.cfg.ranker;
         if rc.tenant_hot_max_age_ms <= 0 || req.hash_scheme.is_empty() {
@@ -2028,26 +2179,22 @@ impl Index {
         let records = match part {
             Some(p) => Some((&*p.model, &*p.scope)),
             None => self
-                .model_ref(req.tenant_id, req.model_id)
-                .zip(self.scope_ref(req.tenant_id, req.model_id, req.hash_scheme)),
+                .model_ref(req.tenant_id, req.model_id, guard)
+                .zip(self.scope_ref(req.tenant_id, req.model_id, req.hash_scheme, guard)),
         };
         let Some((model, scope)) = records else {
             return false;
         };
         let c = slo_c(rc, req.ttft_ms);
-        let guard = epoch::pin();
-        let stats = model.stats.load(&guard);
-        // Both the stats records and the cursor go in id order: one merge, no per-record search.
-        let reps = scope.replicas.load(&guard);
-        let mut serving = reps.cursor();
+        let stats = model.stats.load(guard);
         ranked.clear();
         for (i, st) in stats.iter().enumerate() {
             let age = now_ms - st.reported_ms;
             if age >= rc.tenant_hot_max_age_ms || st.hit_rate < rc.tenant_hot_min_hit_rate {
                 continue;
             }
-            if serving
-                .seek(&st.replica)
+            if scope
+                .find(&st.replica, guard)
                 .is_none_or(|r| r.serving.load(Ordering::Relaxed) <= 0)
             {
                 continue;
@@ -2061,20 +2208,24 @@ impl Index {
                 matched: 0,
                 fresh: st.hit_rate,
                 tier: 0,
-                rep: i as u32,
-                rank: i as u32,
+                rank: i as u64,
+                name: st.replica,
             });
         }
-        emit_ranked(ranked, out, |i| stats[i as usize].replica);
+        emit_ranked(ranked, out);
         !out.is_empty()
     }
 
     /// O3 miss classifier (O(1) counter reads).
     pub fn classify(&self, tenant: &str, model: &str, scheme: &str) -> Strategy {
+        self.classify_in(tenant, model, scheme, &epoch::pin())
+    }
+
+    fn classify_in(&self, tenant: &str, model: &str, scheme: &str, guard: &Guard) -> Strategy {
         self.classify_with(
-            || self.tenant_ref(tenant),
-            || self.model_ref(tenant, model),
-            || self.scope_ref(tenant, model, scheme),
+            || self.tenant_ref(tenant, guard),
+            || self.model_ref(tenant, model, guard),
+            || self.scope_ref(tenant, model, scheme, guard),
         )
     }
 
@@ -2114,8 +2265,8 @@ impl Index {
         if seed.is_empty() || scheme.is_empty() {
             return None;
         }
-        let scope = self.scope_ref(tenant, model, scheme)?;
         let guard = epoch::pin();
+        let scope = self.scope_ref(tenant, model, scheme, &guard)?;
         let mut cands: Vec<ReplicaId> = scope
             .replicas
             .load(&guard)
@@ -2188,10 +2339,10 @@ impl Index {
         if self.is_reserved(tenant) {
             return CacheState::default();
         }
-        let Some(m) = self.model_ref(tenant, model) else {
+        let guard = epoch::pin();
+        let Some(m) = self.model_ref(tenant, model, &guard) else {
             return CacheState::default();
         };
-        let guard = epoch::pin();
         CacheState {
             total_prefixes: m.keys.load(Ordering::Relaxed),
             hot_prefixes: m.hot.load(Ordering::Relaxed),
@@ -2224,7 +2375,7 @@ impl Index {
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
         let mut guard = epoch::pin();
         for p in parts.iter().filter(|p| !p.tenant.reserved) {
-            let reps = p.scope.replicas.load(&guard).clone();
+            let reps = p.scope.replicas.load(&guard);
             p.table.for_each_node(&guard, |node| {
                 for h in node.holders().iter() {
                     let Some(rr) = reps.get(h.rep() as usize) else {
@@ -2342,7 +2493,8 @@ impl Index {
         }
     }
 
-    /// V7 gauge: distinct non-reserved keys per model (every model ever seen, sorted).
+    /// V7 gauge: distinct non-reserved keys per model, sorted: every model with a live
+    /// (tenant, model) record (a gauge is reclaimed with the last pair counting into it).
     pub fn entry_counts_by_model(&self) -> Vec<(Arc<str>, i64)> {
         let mut v: Vec<(Arc<str>, i64)> = self
             .gauges
@@ -2358,8 +2510,9 @@ impl Index {
     /// [`Index::entry_counts_by_model`]: wait-free, allocation-free (the server's metrics admit
     /// a model's series only for models the index holds).
     pub fn holds_model(&self, model: &str) -> bool {
+        let guard = epoch::pin();
         self.gauges
-            .get(hash_strs(&[model]), |g| &*g.model == model)
+            .get(hash_strs(&[model]), |g| &*g.model == model, &guard)
             .is_some()
     }
 
@@ -2391,6 +2544,7 @@ impl Index {
     /// `tenant_evictions_total{tenant_id, reason="over_entries"}`: keys removed by each tenant's
     /// quota (V5), for every tenant with at least one removal, sorted by tenant.
     pub fn tenant_evictions(&self) -> Vec<(Arc<str>, u64)> {
+        let _records = self.records.lock();
         let mut v: Vec<(Arc<str>, u64)> = self
             .tenants
             .all()
@@ -2400,6 +2554,12 @@ impl Index {
                 (n > 0).then(|| (t.name.clone(), n))
             })
             .collect();
+        v.extend(
+            self.retired_quota_evictions
+                .lock()
+                .iter()
+                .map(|(t, &n)| (t.clone(), n)),
+        );
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }
@@ -2440,8 +2600,8 @@ impl Index {
         key: &[u8],
         replica: &str,
     ) -> Option<EntryView> {
-        let p = self.part_ref(tenant, model, scheme, adapter)?;
         let guard = epoch::pin();
+        let p = self.part_ref(tenant, model, scheme, adapter, &guard)?;
         let node = p.table.find(key, &guard)?;
         let reps = p.scope.replicas.load(&guard);
         let h = *node.holders().iter().find(|h| {
@@ -2468,10 +2628,10 @@ impl Index {
         adapter: &str,
         key: &[u8],
     ) -> Vec<Arc<str>> {
-        let Some(p) = self.part_ref(tenant, model, scheme, adapter) else {
+        let guard = epoch::pin();
+        let Some(p) = self.part_ref(tenant, model, scheme, adapter, &guard) else {
             return Vec::new();
         };
-        let guard = epoch::pin();
         let Some(node) = p.table.find(key, &guard) else {
             return Vec::new();
         };
@@ -2490,17 +2650,17 @@ impl Index {
 
     /// Test/debug: serving count `serving[scope][replica]` (K16).
     pub fn serving_count(&self, tenant: &str, model: &str, scheme: &str, replica: &str) -> i64 {
-        let Some(s) = self.scope_ref(tenant, model, scheme) else {
+        let guard = epoch::pin();
+        let Some(s) = self.scope_ref(tenant, model, scheme, &guard) else {
             return 0;
         };
-        let guard = epoch::pin();
         s.serving_of(replica, &guard)
     }
 
     /// Test/debug: stats clocks `(last_seen_us, stats_reported_us)` of a record.
     pub fn stats_clocks(&self, tenant: &str, model: &str, replica: &str) -> Option<(i64, i64)> {
-        let m = self.model_ref(tenant, model)?;
         let guard = epoch::pin();
+        let m = self.model_ref(tenant, model, &guard)?;
         m.stats_of(replica, &guard)
             .map(|s| (s.last_seen_ms * 1000, s.reported_ms * 1000))
     }
@@ -2578,7 +2738,127 @@ impl Index {
             self.stats_bytes
                 .fetch_sub(STATS_RECORD_BYTES * removed as i64, Ordering::Relaxed);
         }
+        drop(models);
+        drop(parts);
+        self.reclaim(&mut out);
         out
+    }
+
+    /// Reclaims every record that holds nothing (sweep; see `dir::Life` for the protocol),
+    /// children first, under the record lock: partitions with no key and no entry, replica
+    /// slots whose replica holds no entry in its scope, scopes with no partition, (tenant,
+    /// model) pairs with no partition and no stats record, gauges of no pair, tenants with no
+    /// pair. Each unlinked record is freed through the epoch, so readers that resolved it
+    /// keep a valid (empty) record until they unpin; writers that find it retired resolve
+    /// again and create a new one.
+    fn reclaim(&self, out: &mut SweepOutcome) {
+        let _records = self.records.lock();
+        let mut gone_parts: Vec<Arc<Partition>> = Vec::new();
+        {
+            // The cap hand's list is a prefix of `all_parts` (it appends what it lacks): both
+            // lose the same partitions while the hand is locked, so that stays true.
+            let mut cap_hand = self.cap_hand.lock();
+            let mut all = self.all_parts.lock();
+            all.retain(|p| {
+                let empty = |p: &Partition| {
+                    p.keys.load(Ordering::Acquire) == 0 && p.entries.load(Ordering::Acquire) == 0
+                };
+                if !empty(p) || !p.life.try_retire() {
+                    return true;
+                }
+                if !empty(p) {
+                    p.life.revive();
+                    return true;
+                }
+                gone_parts.push(p.clone());
+                false
+            });
+            self.all_parts_len.store(all.len(), Ordering::Release);
+            if !gone_parts.is_empty() {
+                cap_hand.forget_parts(|p| p.life.is_dead());
+            }
+        }
+        for p in &gone_parts {
+            let h = hash_strs(&[&p.tenant.name, &p.model.name, &p.scheme, &p.adapter]);
+            self.parts.remove(h, Arc::as_ptr(p));
+            p.model.parts.lock().retain(|q| !Arc::ptr_eq(q, p));
+            p.scope.parts.fetch_sub(1, Ordering::Relaxed);
+        }
+        // The quota hands hold partitions too (refreshed per enforcement): drop the reclaimed
+        // ones now, so an idle tenant does not keep them.
+        let mut tenants: Vec<&Arc<TenantRec>> = gone_parts.iter().map(|p| &p.tenant).collect();
+        tenants.sort_unstable_by_key(|t| Arc::as_ptr(t));
+        tenants.dedup_by_key(|t| Arc::as_ptr(t));
+        for t in tenants {
+            t.quota_hand.lock().forget_parts(|p| p.life.is_dead());
+        }
+        out.records_reclaimed += gone_parts.len() as u64;
+        drop(gone_parts);
+        for scope in self.scopes.all() {
+            if scope.parts.load(Ordering::Relaxed) == 0 {
+                let h = hash_strs(&[&scope.tenant, &scope.model, &scope.scheme]);
+                self.scopes.remove(h, Arc::as_ptr(&scope));
+                out.records_reclaimed += 1;
+            } else {
+                out.replica_slots_reclaimed += scope.reclaim_slots() as u64;
+            }
+        }
+        let mut gone_models: Vec<Arc<ModelRec>> = Vec::new();
+        self.all_models.lock().retain(|m| {
+            let empty =
+                |m: &ModelRec| m.parts.lock().is_empty() && m.stats.load(&epoch::pin()).is_empty();
+            if !empty(m) || !m.life.try_retire() {
+                return true;
+            }
+            if !empty(m) {
+                m.life.revive();
+                return true;
+            }
+            gone_models.push(m.clone());
+            false
+        });
+        for m in &gone_models {
+            self.models
+                .remove(hash_strs(&[&m.tenant.name, &m.name]), Arc::as_ptr(m));
+            m.tenant.models.lock().retain(|q| !Arc::ptr_eq(q, m));
+            if m.gauge.pairs.fetch_sub(1, Ordering::Relaxed) == 1 {
+                self.gauges
+                    .remove(hash_strs(&[&m.gauge.model]), Arc::as_ptr(&m.gauge));
+                out.records_reclaimed += 1;
+            }
+        }
+        out.records_reclaimed += gone_models.len() as u64;
+        for m in &gone_models {
+            let t = &m.tenant;
+            if t.models.lock().is_empty()
+                && self.tenants.remove(hash_strs(&[&t.name]), Arc::as_ptr(t))
+            {
+                // The quota hand holds the tenant's partitions, which hold the tenant.
+                t.quota_hand.lock().release();
+                // `tenant_evictions_total` is a counter: it outlives the record (and goes
+                // back to the tenant if it returns).
+                let n = t.quota_evictions.load(Ordering::Relaxed);
+                if n > 0 {
+                    self.retired_quota_evictions
+                        .lock()
+                        .insert(t.name.clone(), n);
+                }
+                out.records_reclaimed += 1;
+            }
+        }
+    }
+
+    /// Live records by kind (tests and diagnostics; takes the record lock and walks the scopes).
+    pub fn record_counts(&self) -> RecordCounts {
+        let _records = self.records.lock();
+        RecordCounts {
+            tenants: self.tenants.len(),
+            models: self.models.len(),
+            scopes: self.scopes.len(),
+            partitions: self.parts.len(),
+            gauges: self.gauges.len(),
+            scope_replicas: self.scopes.all().iter().map(|s| s.named()).sum(),
+        }
     }
 
     /// Sets `ready` and starts a std thread that runs [`Index::sweep_now`] every sweep interval
@@ -2976,26 +3256,29 @@ fn evict_slot(a: Algorithm, r: EvictionReason) -> usize {
     }
 }
 
-/// R5 on ranked entries: score desc, then replica id asc through the ids' ranks.
+/// Replica id order of two ranked entries: their labels, then (equal labels) the ids.
+#[inline]
+fn by_id(a: &Ranked, b: &Ranked) -> std::cmp::Ordering {
+    a.rank
+        .cmp(&b.rank)
+        .then_with(|| a.name.as_str().cmp(b.name.as_str()))
+}
+
+/// R5 on ranked entries: score desc, then replica id asc.
 fn sort_ranked(v: &mut [Ranked]) {
     v.sort_unstable_by(|a, b| {
         b.score
             .partial_cmp(&a.score)
             .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.rank.cmp(&b.rank))
+            .then(by_id(a, b))
     });
 }
 
-/// Sorts `ranked` (R5) and appends the scores to `out` in that order, naming entry `rep` by
-/// `name(rep)`: each returned id is cloned once, once its place is known.
-fn emit_ranked(
-    ranked: &mut [Ranked],
-    out: &mut Vec<ScoredReplica>,
-    name: impl Fn(u32) -> ReplicaId,
-) {
+/// Sorts `ranked` (R5) and appends the scores to `out` in that order.
+fn emit_ranked(ranked: &mut [Ranked], out: &mut Vec<ScoredReplica>) {
     sort_ranked(ranked);
     out.extend(ranked.iter().map(|s| ScoredReplica {
-        replica_id: name(s.rep),
+        replica_id: s.name,
         score: s.score,
         matched_tokens: s.matched,
         estimated_cache_hit_prob: s.fresh,
@@ -3465,7 +3748,7 @@ mod lfu_race_tests {
 impl Index {
     /// `serving_n` of scope (tenant, model, scheme): replicas with a serving count > 0.
     pub fn loom_serving_n(&self, tenant: &str, model: &str, scheme: &str) -> i64 {
-        self.scope_ref(tenant, model, scheme)
+        self.scope_ref(tenant, model, scheme, &epoch::pin())
             .map_or(0, |s| s.serving_n.load(Ordering::Relaxed))
     }
 

@@ -32,7 +32,7 @@ pub use config::{
 pub use index::{
     CapturedHits, ChainMatch, DumpPartition, DumpedEntry, DumpedStats, EvictionReason, Index,
     LoadEntry, LoadOutcome, LoadTarget, MatchScratch, MemoryBreakdown, PartitionHandle,
-    RouteBuffer, RouteResult, SLICE, SweepOutcome,
+    RecordCounts, RouteBuffer, RouteResult, SLICE, SweepOutcome,
 };
 pub use replica_id::ReplicaId;
 pub use sink::{ChangeEvent, ChangeKind, ChangeSink};

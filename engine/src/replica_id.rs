@@ -9,10 +9,10 @@
 //! # Lifetime
 //!
 //! An id is interned the first time an index sees it (a scope's new replica, a stats report)
-//! and is never freed. The index already keeps every replica record it ever created for its own
-//! lifetime (`dir.rs`: records are never removed), so a long-lived index retains exactly what it
-//! did before; what changes is that a process that drops indexes keeps each *distinct* id once
-//! (the interner deduplicates), bounded by the ids it has ever seen.
+//! and is never freed: a result may hold it for as long as its caller likes. The records that
+//! name a replica are reclaimed once it holds nothing (`dir.rs`), so what a renamed pod leaves
+//! behind is its id's text and one set slot, once per process (the interner deduplicates),
+//! bounded by the distinct ids the process has ever seen.
 
 use std::collections::HashSet;
 use std::sync::{Mutex, OnceLock};

@@ -98,6 +98,7 @@ use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicPtr as StdAtomicPtr, Ordering as StdOrdering};
 
 /// Number of shards per partition table.
 pub(crate) const SHARDS: usize = 16;
@@ -1317,8 +1318,15 @@ struct Shard {
 }
 
 /// A partition's key table.
+///
+/// Shards are created by their first writer (a partition of one key costs one shard, not
+/// sixteen: a new tenant's or model's first entry used to allocate ~28 KiB of shard shells),
+/// published with a compare-and-swap (Release) and freed only with the table. Readers of a
+/// shard that does not exist yet probe a shared empty table instead (every probe misses).
 pub(crate) struct KeyTable {
-    shards: Box<[CachePadded<Shard>]>,
+    shards: [StdAtomicPtr<CachePadded<Shard>>; SHARDS],
+    /// Arena index limit of narrow lanes for the shards created from now on.
+    narrow_limit: u64,
     /// Bytes held (nodes, cells, tables); Relaxed, exact once writes quiesce.
     bytes: AtomicI64,
     /// Bytes of the chain runs whose nodes live in this table (also in `bytes`); Relaxed.
@@ -1375,44 +1383,86 @@ impl KeyTable {
         };
         #[cfg(not(loom))]
         let narrow_limit = 1 << NARROW_BITS;
-        let shards: Box<[CachePadded<Shard>]> = (0..SHARDS)
-            .map(|_| {
-                CachePadded::new(Shard {
-                    table: Atomic::new(ShardTable::new(
-                        MIN_GROUPS,
-                        Arc::new(Arena::new()),
-                        narrow_limit == 0,
-                    )),
-                    lfu: Atomic::null(),
-                    bytes: AtomicI64::new(0),
-                    w: Mutex::new(ShardState {
-                        narrow_limit,
-                        live: 0,
-                        live_at_rebuild: 0,
-                        used: 0,
-                        rebuilds: 0,
-                        next_gen: 1,
-                        lfu_live: 0,
-                        lfu_used: 0,
-                        ksums: HashMap::new(),
-                        arena: ArenaState::new(),
-                        node_units: 0,
-                        peak_units: 0,
-                        retired: None,
-                    }),
-                })
-            })
-            .collect();
         let t = Self {
-            shards,
+            shards: std::array::from_fn(|_| StdAtomicPtr::new(std::ptr::null_mut())),
+            narrow_limit,
             bytes: AtomicI64::new(0),
             run_bytes: AtomicI64::new(0),
             reaper: Arc::default(),
         };
-        let per = ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false).bytes()
-            + std::mem::size_of::<CachePadded<Shard>>();
-        t.add_bytes((per * SHARDS) as i64);
+        // Loom models keep every shard from the start: the empty table readers fall back to
+        // is a process-wide static, which loom objects cannot be.
+        #[cfg(loom)]
+        for i in 0..SHARDS {
+            t.shard_or_create(i);
+        }
         t
+    }
+
+    /// Shard `i`, if a writer created it.
+    #[inline]
+    fn shard(&self, i: usize) -> Option<&Shard> {
+        // SAFETY: a non-null shard pointer is a published, fully built shard (Release CAS,
+        // Acquire load), freed only by `Drop` (exclusive access).
+        unsafe { self.shards[i].load(StdOrdering::Acquire).as_ref() }.map(|s| &**s)
+    }
+
+    /// Every shard created so far.
+    fn created_shards(&self) -> impl Iterator<Item = &Shard> {
+        (0..SHARDS).filter_map(|i| self.shard(i))
+    }
+
+    /// Shard `i`, created (with its empty table and arena) if it does not exist yet.
+    fn shard_or_create(&self, i: usize) -> &Shard {
+        if let Some(sh) = self.shard(i) {
+            return sh;
+        }
+        let fresh = Box::into_raw(Box::new(CachePadded::new(Shard {
+            table: Atomic::new(ShardTable::new(
+                MIN_GROUPS,
+                Arc::new(Arena::new()),
+                self.narrow_limit == 0,
+            )),
+            lfu: Atomic::null(),
+            bytes: AtomicI64::new(0),
+            w: Mutex::new(ShardState {
+                narrow_limit: self.narrow_limit,
+                live: 0,
+                live_at_rebuild: 0,
+                used: 0,
+                rebuilds: 0,
+                next_gen: 1,
+                lfu_live: 0,
+                lfu_used: 0,
+                ksums: HashMap::new(),
+                arena: ArenaState::new(),
+                node_units: 0,
+                peak_units: 0,
+                retired: None,
+            }),
+        })));
+        match self.shards[i].compare_exchange(
+            std::ptr::null_mut(),
+            fresh,
+            StdOrdering::AcqRel,
+            StdOrdering::Acquire,
+        ) {
+            Ok(_) => {
+                // SAFETY: just published; lives until the table is dropped.
+                let sh = unsafe { &*fresh };
+                let per = ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false).bytes()
+                    + std::mem::size_of::<CachePadded<Shard>>();
+                self.add_bytes(per as i64);
+                sh
+            }
+            Err(cur) => {
+                // SAFETY: `fresh` was never published; `cur` is (see `shard`).
+                unsafe {
+                    drop(Box::from_raw(fresh));
+                    &*cur
+                }
+            }
+        }
     }
 
     #[inline]
@@ -1435,7 +1485,7 @@ impl KeyTable {
     /// Adds this table's share of [`MemoryBreakdown`] (locks each shard in turn, briefly).
     pub(crate) fn breakdown(&self, out: &mut MemoryBreakdown) {
         let guard = epoch::pin();
-        for shard in self.shards.iter() {
+        for shard in self.created_shards() {
             let st = shard.w.lock();
             let t = shard.table.load(Ordering::Acquire, &guard);
             // SAFETY: shard tables are never null and are retired through the epoch.
@@ -1452,8 +1502,7 @@ impl KeyTable {
     pub(crate) fn bytes(&self) -> i64 {
         self.bytes.load(Ordering::Relaxed)
             + self
-                .shards
-                .iter()
+                .created_shards()
                 .map(|s| s.bytes.load(Ordering::Relaxed))
                 .sum::<i64>()
     }
@@ -1462,10 +1511,8 @@ impl KeyTable {
     /// format and of the switch, without 128 MiB of nodes).
     #[cfg(all(test, not(loom)))]
     fn with_narrow_limit(limit: u64) -> Self {
-        let t = Self::new();
-        for sh in t.shards.iter() {
-            sh.w.lock().narrow_limit = limit;
-        }
+        let mut t = Self::new();
+        t.narrow_limit = limit;
         t
     }
 
@@ -1477,9 +1524,12 @@ impl KeyTable {
 
     #[inline]
     fn table_of<'g>(&self, s: usize, guard: &'g Guard) -> &'g ShardTable {
-        let t = self.shards[s].table.load(Ordering::Acquire, guard);
-        // SAFETY: shard tables are never null (created in `new`, replaced only by non-null
-        // tables) and are retired through the epoch, so the table outlives `guard`.
+        let Some(shard) = self.shard(s) else {
+            return empty_table();
+        };
+        let t = shard.table.load(Ordering::Acquire, guard);
+        // SAFETY: shard tables are never null (created with the shard, replaced only by
+        // non-null tables) and are retired through the epoch, so the table outlives `guard`.
         unsafe { t.deref() }
     }
 
@@ -1609,7 +1659,7 @@ impl KeyTable {
     /// (outside the lock; one load when there are none), so removals alone bring memory back.
     pub(crate) fn writer(&self, i: usize) -> ShardWriter<'_> {
         self.reaper.free_all();
-        let shard = &self.shards[i];
+        let shard = self.shard_or_create(i);
         ShardWriter {
             shard,
             table: self,
@@ -1714,7 +1764,7 @@ impl KeyTable {
         generation: u32,
         guard: &'g Guard,
     ) -> Option<&'g LfuCell> {
-        let t = self.shards[p.shard()].lfu.load(Ordering::Acquire, guard);
+        let t = self.shard(p.shard())?.lfu.load(Ordering::Acquire, guard);
         // SAFETY: LFU tables are retired through the epoch; non-null ones outlive `guard`.
         let t = unsafe { t.as_ref() }?;
         // SAFETY: cells are retired through the epoch after being unlinked.
@@ -1729,7 +1779,12 @@ impl Drop for KeyTable {
         // objects are owned by the epoch collector and are not touched here.
         unsafe {
             let guard = epoch::unprotected();
-            for shard in self.shards.iter() {
+            for slot in self.shards.iter() {
+                let p = slot.load(StdOrdering::Relaxed);
+                if p.is_null() {
+                    continue;
+                }
+                let shard = Box::from_raw(p);
                 let t = shard.table.load(Ordering::Relaxed, guard);
                 if !t.is_null() {
                     // The nodes still linked live in the arena, which frees its chunks when
@@ -1776,6 +1831,21 @@ impl Drop for KeyTable {
             }
         }
     }
+}
+
+/// The table readers probe in a shard no writer has created: one empty group, never written.
+fn empty_table() -> &'static ShardTable {
+    /// The table is only read: a probe finds an EMPTY lane, and walks find no node.
+    struct Shared(ShardTable);
+    // SAFETY: nothing ever writes to the shared empty table (writers go through
+    // `shard_or_create`, which never hands it out), so sharing it is sharing immutable data.
+    unsafe impl Sync for Shared {}
+    // SAFETY: as above.
+    unsafe impl Send for Shared {}
+    static EMPTY: std::sync::OnceLock<Shared> = std::sync::OnceLock::new();
+    &EMPTY
+        .get_or_init(|| Shared(ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false)))
+        .0
 }
 
 /// Exclusive writer access to one shard.
@@ -2419,7 +2489,13 @@ mod tests {
     fn nodes_take_their_exact_size_and_a_shrink_compacts_the_arena() {
         const N: u64 = 60_000;
         let t = KeyTable::new();
+        assert_eq!(t.bytes(), 0, "no shard before the first write");
+        // The baseline is the sixteen empty shards (created by their first writers, kept).
+        for i in 0..SHARDS {
+            t.shard_or_create(i);
+        }
         let base = t.bytes();
+        assert!(base > 0);
         put_keys(&t, 0..N, 1);
         let full = t.bytes() - base;
         // 24-byte nodes, 1.2–2 lanes of 4 bytes and a 2-byte summary per 8 lanes per key, and

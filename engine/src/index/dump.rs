@@ -131,9 +131,13 @@ impl DumpPartition {
     }
 }
 
-/// Where [`Index::load_entries`] puts entries: one partition, resolved once.
+/// Where [`Index::load_entries`] puts entries: one partition, by name (each load enters it
+/// through the record gate as an ingest does, so the sweep never reclaims it mid-load).
 pub struct LoadTarget<'a> {
-    part: &'a Partition,
+    tenant: &'a str,
+    model: &'a str,
+    scheme: &'a str,
+    adapter: &'a str,
 }
 
 /// One entry to load.
@@ -209,21 +213,35 @@ impl Index {
         out
     }
 
-    /// Resolves (creating it if needed) the partition a load writes to; `None` for a reserved
+    /// The partition a load writes to (created by the first load); `None` for a reserved
     /// tenant or an empty hash scheme (K4: such entries are never stored).
-    pub fn load_target(
+    pub fn load_target<'a>(
         &self,
-        tenant: &str,
-        model: &str,
-        scheme: &str,
-        adapter: &str,
-    ) -> Option<LoadTarget<'_>> {
+        tenant: &'a str,
+        model: &'a str,
+        scheme: &'a str,
+        adapter: &'a str,
+    ) -> Option<LoadTarget<'a>> {
         if self.is_reserved(tenant) || scheme.is_empty() {
             return None;
         }
         Some(LoadTarget {
-            part: self.ensure_part(tenant, model, scheme, adapter),
+            tenant,
+            model,
+            scheme,
+            adapter,
         })
+    }
+
+    /// Enters `target`'s partition (see [`crate::dir::Life`]); the caller exits it.
+    fn enter_target<'g>(&self, target: &LoadTarget<'_>, guard: &'g epoch::Guard) -> &'g Partition {
+        self.enter_part(
+            target.tenant,
+            target.model,
+            target.scheme,
+            target.adapter,
+            guard,
+        )
     }
 
     /// Presizes shard `shard` of `target` for `keys` keys (a checkpoint's size hint, see
@@ -231,7 +249,9 @@ impl Index {
     pub fn reserve_shard(&self, target: &LoadTarget<'_>, shard: usize, keys: usize) {
         if shard < SHARDS {
             let guard = epoch::pin();
-            target.part.table.writer(shard).reserve(keys, &guard);
+            let part = self.enter_target(target, &guard);
+            part.table.writer(shard).reserve(keys, &guard);
+            part.life.exit();
         }
     }
 
@@ -243,8 +263,10 @@ impl Index {
         entries: &[LoadEntry<'_>],
     ) -> LoadOutcome {
         let mut out = LoadOutcome::default();
-        let part = target.part;
+        let guard = epoch::pin();
+        let part = self.enter_target(target, &guard);
         let Some(rep) = part.scope.intern(replica) else {
+            part.life.exit();
             out.dropped = entries.len() as u64;
             return out;
         };
@@ -252,7 +274,6 @@ impl Index {
         let ttl = self.ttl_for(&part.tenant.name);
         let cap = self.cfg.max_entries;
         let thr = self.hot_threshold();
-        let guard = epoch::pin();
         let mut pend = Pending::default();
         let mut ingest = IngestOutcome::default();
         let mut i = 0;
@@ -313,6 +334,8 @@ impl Index {
             drop(w);
         }
         self.flush_pending(part, rep, &mut pend, &guard);
+        part.scope.exit(rep);
+        part.life.exit();
         out
     }
 
@@ -346,7 +369,7 @@ impl Index {
             last_seen_ms: last,
             reported_ms: reported,
         };
-        let m = self.ensure_model(tenant, model);
+        let m = self.enter_model(tenant, model);
         let added = m.stats.update(|v| {
             let mut v2 = v.clone();
             match v.binary_search_by(|r| (*r.replica).cmp(replica)) {
@@ -372,6 +395,7 @@ impl Index {
             self.stats_bytes
                 .fetch_add(super::STATS_RECORD_BYTES, Ordering::Relaxed);
         }
+        m.life.exit();
         true
     }
 }
