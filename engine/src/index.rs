@@ -1073,6 +1073,20 @@ impl Index {
     }
 
     fn store_stats(&self, model: &ModelRec, replica: &str, st: &ReplicaStatsInput, ts_ms: i64) {
+        self.store_stats_at(model, replica, st, ts_ms, ts_ms);
+    }
+
+    /// S2 store of a replica's stats with its liveness and payload clocks (an update sets both
+    /// to its timestamp; a checkpoint load restores each); a record already present keeps the
+    /// later clocks.
+    pub(super) fn store_stats_at(
+        &self,
+        model: &ModelRec,
+        replica: &str,
+        st: &ReplicaStatsInput,
+        last_seen_ms: i64,
+        reported_ms: i64,
+    ) {
         let clean = |x: f32| if x.is_finite() { x } else { 0.0 };
         let added = model.stats.update(|v| {
             let mut v2 = v.clone();
@@ -1091,13 +1105,16 @@ impl Index {
                     let old = &v[i];
                     v2[i] = rec(
                         old.replica,
-                        old.last_seen_ms.max(ts_ms),
-                        old.reported_ms.max(ts_ms),
+                        old.last_seen_ms.max(last_seen_ms),
+                        old.reported_ms.max(reported_ms),
                     );
                     (Some(v2), false)
                 }
                 Err(i) => {
-                    v2.insert(i, rec(ReplicaId::intern(replica), ts_ms, ts_ms));
+                    v2.insert(
+                        i,
+                        rec(ReplicaId::intern(replica), last_seen_ms, reported_ms),
+                    );
                     (Some(v2), true)
                 }
             }

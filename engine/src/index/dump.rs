@@ -18,7 +18,7 @@
 use super::{Index, Pending, SLICE};
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
-use crate::dir::{Partition, StatsRecord};
+use crate::dir::Partition;
 use crate::sync::Ordering;
 use crate::table::{KeyTable, Probe, SHARDS, clamp_ts, tier_code, tier_wire};
 use crate::types::{IngestOutcome, ReplicaStatsInput};
@@ -358,43 +358,8 @@ impl Index {
         if ttl > 0 && now_ms - last_seen_ms >= ttl {
             return false;
         }
-        let clean = |x: f32| if x.is_finite() { x } else { 0.0 };
-        let record = |replica: ReplicaId, last: i64, reported: i64| StatsRecord {
-            replica,
-            cache_memory_bytes: stats.cache_memory_bytes,
-            hit_rate: clean(stats.hit_rate),
-            pressure: clean(stats.pressure),
-            t2_hit_tokens: stats.t2_hit_tokens,
-            t2_query_tokens: stats.t2_query_tokens,
-            last_seen_ms: last,
-            reported_ms: reported,
-        };
         let m = self.enter_model(tenant, model);
-        let added = m.stats.update(|v| {
-            let mut v2 = v.clone();
-            match v.binary_search_by(|r| (*r.replica).cmp(replica)) {
-                Ok(i) => {
-                    let old = &v[i];
-                    v2[i] = record(
-                        old.replica,
-                        old.last_seen_ms.max(last_seen_ms),
-                        old.reported_ms.max(reported_ms),
-                    );
-                    (Some(v2), false)
-                }
-                Err(i) => {
-                    v2.insert(
-                        i,
-                        record(ReplicaId::intern(replica), last_seen_ms, reported_ms),
-                    );
-                    (Some(v2), true)
-                }
-            }
-        });
-        if added {
-            self.stats_bytes
-                .fetch_add(super::STATS_RECORD_BYTES, Ordering::Relaxed);
-        }
+        self.store_stats_at(&m, replica, stats, last_seen_ms, reported_ms);
         m.life.exit();
         true
     }
