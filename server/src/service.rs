@@ -106,13 +106,11 @@ struct Shared {
     ready: AtomicBool,
     /// True while a warm restart loads its checkpoint (see `checkpoint.rs`).
     restoring: tokio::sync::watch::Sender<bool>,
-    /// Readiness as health and `/readyz` report it: started and not restoring.
+    /// Readiness as health and `/readyz` report it: started, not restoring, not draining.
     readiness: tokio::sync::watch::Sender<bool>,
     /// The body of the last accepted `/policy` push (kept in checkpoints).
     pushed_policy: parking_lot::Mutex<Option<Arc<[u8]>>>,
     checkpoint_status: Arc<crate::checkpoint::Status>,
-    /// Set once when a graceful stop begins (health NOT_SERVING, `/readyz` 503).
-    draining: tokio::sync::watch::Sender<bool>,
     drain_notice: std::time::Duration,
     limits: Limits,
     producer_limiter: ProducerLimiter,
@@ -170,7 +168,6 @@ impl AppState {
                 readiness: tokio::sync::watch::Sender::new(false),
                 pushed_policy: parking_lot::Mutex::new(None),
                 checkpoint_status: Arc::default(),
-                draining: tokio::sync::watch::channel(false).0,
                 drain_notice: options.drain_notice,
                 limits: options.limits,
                 producer_limiter: ProducerLimiter::new(options.limits.producer_max_blocks_per_sec),
@@ -359,14 +356,8 @@ impl AppState {
     /// Starts a graceful stop's notice: `/readyz` answers 503 and gRPC health NOT_SERVING
     /// while both listeners keep serving; the drain follows after [`Self::drain_notice`].
     pub fn begin_drain(&self) {
+        // Health follows readiness (see `serve_grpc`), so this one store announces the stop.
         self.set_ready(false);
-        self.inner.draining.send_replace(true);
-    }
-
-    /// Resolves once [`Self::begin_drain`] was called.
-    pub async fn drain_begun(&self) {
-        let mut rx = self.inner.draining.subscribe();
-        let _ = rx.wait_for(|draining| *draining).await;
     }
 
     /// How long the notice of a graceful stop lasts.
