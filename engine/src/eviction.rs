@@ -928,6 +928,10 @@ impl Index {
         }
         cx.settle(self, part, v.rep, pend, &guard);
         cx.evicted[evict_slot(alg, EvictionReason::Cap)] += 1;
+        if self.decision_log_installed() {
+            let reps = part.scope.replicas.load(&guard);
+            self.log_decision(part, key, &reps[v.rep as usize].name, h.last_seen_ms());
+        }
         if let Some(s) = self.active_sink(part.tenant.reserved) {
             let reps = part.scope.replicas.load(&guard);
             s.publish(&ChangeEvent {
@@ -957,8 +961,14 @@ impl Index {
             return false;
         }
         let mut node = node;
+        let logged = self.decision_log_installed();
         loop {
-            let rep = node.holders()[0].rep();
+            let holder = node.holders()[0];
+            let rep = holder.rep();
+            if logged {
+                let reps = part.scope.replicas.load(&guard);
+                self.log_decision(part, key, &reps[rep as usize].name, holder.last_seen_ms());
+            }
             let mut pend = Pending::default();
             self.remove_holder(&mut w, part, i, node, rep, &guard, &mut pend);
             self.flush_pending(part, rep, &mut pend, &guard);
@@ -986,6 +996,7 @@ impl Index {
     /// Quota `B = 0`: deletes every key of the partition (sliced walk, N1 REMOVED per entry).
     fn remove_all_keys(&self, p: &Partition, cx: &Cx) {
         let sink = self.active_sink(p.tenant.reserved);
+        let logged = self.decision_log_installed();
         let mut keys = 0u64;
         self.walk_remove(
             p,
@@ -993,6 +1004,16 @@ impl Index {
             |node, h| {
                 if node.holders().len() == 1 {
                     keys += 1;
+                }
+                if logged {
+                    let guard = epoch::pin();
+                    let reps = p.scope.replicas.load(&guard);
+                    self.log_decision(
+                        p,
+                        node.key(),
+                        &reps[h.rep() as usize].name,
+                        h.last_seen_ms(),
+                    );
                 }
                 if let Some(s) = &sink {
                     let guard = epoch::pin();

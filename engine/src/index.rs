@@ -42,8 +42,10 @@ use std::sync::{Arc, Weak};
 mod dump;
 #[path = "eviction.rs"]
 pub(crate) mod eviction;
+mod replicate;
 pub use dump::{DumpPartition, DumpedEntry, DumpedStats, LoadEntry, LoadOutcome, LoadTarget};
 use eviction::RecentEntry;
+pub use replicate::{Decided, DecisionLog, IndexDigest};
 
 /// Eviction reason for `index_evictions_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -310,6 +312,11 @@ pub struct Index {
     sink: RwLock<Option<Arc<dyn ChangeSink>>>,
     /// Whether a sink is installed (lets writers skip the sink lock when none is).
     sink_set: AtomicBool,
+    /// Whether the cap, quotas and the sweep's TTL removal run here (replicated mode turns it
+    /// off on every server but the one that decides: `replicate.rs`).
+    local_eviction: AtomicBool,
+    /// Receives the removals local eviction decides (replicated mode's leader).
+    decision_log: RwLock<Option<Arc<dyn DecisionLog>>>,
     ready: AtomicBool,
     ticker: Mutex<Option<Ticker>>,
     sweep_lock: Mutex<()>,
@@ -353,6 +360,8 @@ impl Index {
             stats_bytes: AtomicI64::new(0),
             sink: RwLock::new(None),
             sink_set: AtomicBool::new(false),
+            local_eviction: AtomicBool::new(true),
+            decision_log: RwLock::new(None),
             ready: AtomicBool::new(false),
             ticker: Mutex::new(None),
             sweep_lock: Mutex::new(()),
@@ -807,9 +816,14 @@ impl Index {
                 });
             }
         }
-        // K14 steps 3 and 4 (after the update's own upserts: they are eligible victims).
-        self.enforce_quota(t, ts_us, &mut carry);
-        self.enforce_cap(&created.items[..created.n], carry);
+        // K14 steps 3 and 4 (after the update's own upserts: they are eligible victims), unless
+        // another server decides evictions (replicated mode).
+        if self.local_eviction() {
+            self.enforce_quota(t, ts_us, &mut carry);
+            self.enforce_cap(&created.items[..created.n], carry);
+        } else if let Some(c) = carry {
+            c.apply(self);
+        }
         for (p, rep) in held.into_iter().chain(last) {
             p.scope.exit(rep);
             p.life.exit();
@@ -2313,41 +2327,51 @@ impl Index {
         };
         let guard = epoch::pin();
         for hit in hits.hits.iter() {
-            let key = hit.key.as_bytes();
-            let p = Probe::new(key);
-            let Some(node) = part.table.find_p(p, &guard) else {
-                continue;
-            };
-            match node.holder(hit.rep) {
-                Some(h) if h.generation() == hit.generation => {}
-                _ => continue,
-            }
-            // Lock-free once the entry has an LFU cell; the first credit creates it under the
-            // shard mutex after re-validating the entry there (removals kill cells under the
-            // same mutex, so a cell is never created for a removed entry).
-            let cell = match part.table.lfu_cell(p, hit.rep, hit.generation, &guard) {
-                Some(c) => c,
-                None => {
-                    let mut w = part.table.writer(KeyTable::shard_of(p));
-                    let Some((_, node)) = w.find_p(p, &guard) else {
-                        continue;
-                    };
-                    match node.holder(hit.rep) {
-                        Some(h) if h.generation() == hit.generation => {}
-                        _ => continue,
-                    }
-                    w.lfu_cell_or_create(key, hit.rep, hit.generation, &guard)
-                }
-            };
-            // Counts above the threshold go to per-core stripes under contention and leave the
-            // key sum alone: it only needs min(count, threshold) per cell to decide "hot" (D4).
-            let lanes = self.stripe_lanes;
-            if cell.credit(self.hot_threshold(), lanes, &part.table) == Credited::BelowThreshold {
-                self.add_key_access(&part.model, cell.ksum(), 1);
-            }
+            self.credit_one(part, hit.key.as_bytes(), hit.rep, hit.generation, &guard);
         }
     }
 
+    /// One LFU credit of the entry `(key, rep)` if it is still the `generation` credited.
+    pub(crate) fn credit_one(
+        &self,
+        part: &Partition,
+        key: &[u8],
+        rep: u32,
+        generation: u32,
+        guard: &Guard,
+    ) {
+        let p = Probe::new(key);
+        let Some(node) = part.table.find_p(p, guard) else {
+            return;
+        };
+        match node.holder(rep) {
+            Some(h) if h.generation() == generation => {}
+            _ => return,
+        }
+        // Lock-free once the entry has an LFU cell; the first credit creates it under the
+        // shard mutex after re-validating the entry there (removals kill cells under the
+        // same mutex, so a cell is never created for a removed entry).
+        let cell = match part.table.lfu_cell(p, rep, generation, guard) {
+            Some(c) => c,
+            None => {
+                let mut w = part.table.writer(KeyTable::shard_of(p));
+                let Some((_, node)) = w.find_p(p, guard) else {
+                    return;
+                };
+                match node.holder(rep) {
+                    Some(h) if h.generation() == generation => {}
+                    _ => return,
+                }
+                w.lfu_cell_or_create(key, rep, generation, guard)
+            }
+        };
+        // Counts above the threshold go to per-core stripes under contention and leave the
+        // key sum alone: it only needs min(count, threshold) per cell to decide "hot" (D4).
+        let lanes = self.stripe_lanes;
+        if cell.credit(self.hot_threshold(), lanes, &part.table) == Credited::BelowThreshold {
+            self.add_key_access(&part.model, cell.ksum(), 1);
+        }
+    }
     // ----------------------------------------------------------------------------------------
     // Aggregates (G1, G2, V6, V7)
 
@@ -2688,6 +2712,8 @@ impl Index {
     /// Runs one TTL sweep now (V1). Sliced: ≤ [`SLICE`] slots per shard lock.
     pub fn sweep_now(&self) -> SweepOutcome {
         let _l = self.sweep_lock.lock();
+        // Entries expire here only when this index decides its evictions (`replicate.rs`).
+        let local = self.local_eviction();
         let t_us = self.clock.now_us();
         let t_ms = us_to_ms(t_us);
         let mut out = SweepOutcome::default();
@@ -2700,29 +2726,33 @@ impl Index {
                     self.resolvers.algorithm(&p.tenant.name),
                 )
             });
-            if ttl <= 0 {
+            if ttl <= 0 || !local {
                 continue;
             }
             let sink = self.active_sink(p.tenant.reserved);
+            let logged = self.decision_log_installed();
             // No guard held across the walk: it pins per slice, and a sweep-long pin would stall
             // the epoch (and the reuse of every node retired meanwhile) for the whole sweep.
             let n = self.walk_remove(
                 p,
                 |h| t_ms - h.last_seen_ms() >= ttl,
                 |node, h| {
-                    if let Some(s) = &sink {
+                    if sink.is_some() || logged {
                         let guard = epoch::pin();
                         let reps = p.scope.replicas.load(&guard);
                         if let Some(rr) = reps.get(h.rep() as usize) {
-                            s.publish(&ChangeEvent {
-                                kind: ChangeKind::Removed,
-                                tenant_id: &p.tenant.name,
-                                model_id: &p.model.name,
-                                replica_id: &rr.name,
-                                prefix_hash: node.key(),
-                                adapter_id: &p.adapter,
-                                timestamp_us: t_us,
-                            });
+                            if let Some(s) = &sink {
+                                s.publish(&ChangeEvent {
+                                    kind: ChangeKind::Removed,
+                                    tenant_id: &p.tenant.name,
+                                    model_id: &p.model.name,
+                                    replica_id: &rr.name,
+                                    prefix_hash: node.key(),
+                                    adapter_id: &p.adapter,
+                                    timestamp_us: t_us,
+                                });
+                            }
+                            self.log_decision(p, node.key(), &rr.name, h.last_seen_ms());
                         }
                     }
                 },

@@ -30,9 +30,9 @@ pub use config::{
     DEFAULT_TTL_MS, DefaultResolvers, IndexConfig, PROBE_TENANT, RankerConfig, Resolvers,
 };
 pub use index::{
-    CapturedHits, ChainMatch, DumpPartition, DumpedEntry, DumpedStats, EvictionReason, Index,
-    LoadEntry, LoadOutcome, LoadTarget, MatchScratch, MemoryBreakdown, PartitionHandle,
-    RecordCounts, RouteBuffer, RouteResult, SLICE, SweepOutcome,
+    CapturedHits, ChainMatch, Decided, DecisionLog, DumpPartition, DumpedEntry, DumpedStats,
+    EvictionReason, Index, IndexDigest, LoadEntry, LoadOutcome, LoadTarget, MatchScratch,
+    MemoryBreakdown, PartitionHandle, RecordCounts, RouteBuffer, RouteResult, SLICE, SweepOutcome,
 };
 pub use replica_id::ReplicaId;
 pub use sink::{ChangeEvent, ChangeKind, ChangeSink};
