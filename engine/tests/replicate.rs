@@ -55,9 +55,17 @@ fn a_follower_without_local_eviction_keeps_what_the_cap_and_the_sweep_would_remo
         e.clock.advance_us(1_000);
         e.put("r", &key(i), 16);
     }
-    assert_eq!(e.ix.storage_entries(), 25, "no cap enforcement on a follower");
+    assert_eq!(
+        e.ix.storage_entries(),
+        25,
+        "no cap enforcement on a follower"
+    );
     e.clock.advance_us(2 * HOUR_MS * 1_000);
-    assert_eq!(e.ix.sweep_now().entries_removed, 0, "no TTL removal on a follower");
+    assert_eq!(
+        e.ix.sweep_now().entries_removed,
+        0,
+        "no TTL removal on a follower"
+    );
     assert_eq!(e.ix.storage_entries(), 25);
     e.ix.set_local_eviction(true);
     assert_eq!(e.ix.sweep_now().entries_removed, 25);
@@ -179,7 +187,11 @@ fn quota_and_ttl_decisions_replicate_too() {
     leader.ix.sweep_now();
     follower.ix.sweep_now();
     let decisions = std::mem::take(&mut *log.0.lock());
-    assert_eq!(decisions.len(), 7 + 12, "7 over the quota of t, 12 expired of u");
+    assert_eq!(
+        decisions.len(),
+        7 + 12,
+        "7 over the quota of t, 12 expired of u"
+    );
     apply(&follower.ix, &decisions);
     assert_eq!(leader.ix.digest(), follower.ix.digest());
     assert_eq!(follower.ix.storage_entries(), 5);
@@ -294,7 +306,12 @@ fn the_digest_sees_every_field_and_no_order() {
             );
         }
         c.put_with(v, &key(0), 16);
-        assert_ne!(c.ix.digest(), base, "{:?}", (v.ts, v.tier, v.replica, v.adapter));
+        assert_ne!(
+            c.ix.digest(),
+            base,
+            "{:?}",
+            (v.ts, v.tier, v.replica, v.adapter)
+        );
     }
     assert_eq!(a.ix.remove_everything(), 20);
     assert_eq!(a.ix.digest(), IndexDigest::default());

@@ -119,6 +119,33 @@ pub struct Cli {
     /// At SIGTERM, how long gRPC health answers NOT_SERVING and /readyz 503 before the drain.
     #[arg(long, default_value = "2s")]
     pub drain_notice: String,
+    /// NATS server of replicated mode (`nats://HOST:PORT`; off when unset: docs/scale-out.md).
+    #[arg(long)]
+    pub nats_url: Option<String>,
+    /// JetStream stream of replicated mode (its buckets are named after it).
+    #[arg(long, default_value = "inferencecache")]
+    pub nats_stream: String,
+    /// NATS credentials file (JWT + nkey seed) for replicated mode.
+    #[arg(long)]
+    pub nats_creds_file: Option<String>,
+    /// File holding a NATS token for replicated mode.
+    #[arg(long)]
+    pub nats_token_file: Option<String>,
+    /// CA bundle (PEM) that the NATS server's TLS certificate must chain to (turns TLS on).
+    #[arg(long)]
+    pub nats_tls_ca_file: Option<String>,
+    /// Records waiting for NATS at most (an outage fills it; more are dropped and counted).
+    #[arg(long, default_value_t = crate::replication::DEFAULT_BUFFER_RECORDS)]
+    pub nats_buffer: u64,
+    /// Oldest record the stream keeps (created with it; ≥ 3 × --checkpoint-interval).
+    #[arg(long, default_value = "15m")]
+    pub nats_max_age: String,
+    /// Bytes the stream keeps at most (0 = no limit).
+    #[arg(long, default_value_t = crate::replication::DEFAULT_STREAM_MAX_BYTES)]
+    pub nats_max_bytes: u64,
+    /// This server's name in the stream (record ids, the leader lease); default: a random one.
+    #[arg(long)]
+    pub nats_server_id: Option<String>,
 }
 
 /// Long flags of this command line that take no value.
@@ -170,6 +197,8 @@ pub struct Settings {
     pub max_metric_models: usize,
     /// Notice of a graceful stop before its drain (`0s` = none).
     pub drain_notice: Duration,
+    /// Replicated mode (`--nats-url`), if configured.
+    pub replication: Option<crate::replication::Settings>,
 }
 
 impl Settings {
@@ -210,6 +239,7 @@ impl Settings {
             None => None,
         };
         let drain_notice = parse_duration(&cli.drain_notice).context("invalid --drain-notice")?;
+        let replication = crate::replication::Settings::from_cli(cli, checkpoint_interval)?;
         if cli.max_message_bytes == 0 {
             bail!("--max-message-bytes must be at least 1");
         }
@@ -276,6 +306,7 @@ impl Settings {
             max_connections: cli.max_connections,
             max_metric_models: usize::try_from(cli.max_metric_models).unwrap_or(usize::MAX),
             drain_notice: drain_notice.unwrap_or(Duration::ZERO),
+            replication,
         })
     }
 }
@@ -371,6 +402,35 @@ fn apply_file(cli: &mut Cli, matches: &clap::ArgMatches, file: &crate::config_fi
         file.limits.producer_max_blocks_per_sec
     );
     take!("state_dir", state_dir, file.state.dir.clone().map(Some));
+    take!("nats_url", nats_url, file.replication.url.clone().map(Some));
+    take!("nats_stream", nats_stream, file.replication.stream.clone());
+    take!(
+        "nats_creds_file",
+        nats_creds_file,
+        file.replication.creds_file.clone().map(Some)
+    );
+    take!(
+        "nats_token_file",
+        nats_token_file,
+        file.replication.token_file.clone().map(Some)
+    );
+    take!(
+        "nats_tls_ca_file",
+        nats_tls_ca_file,
+        file.replication.tls_ca_file.clone().map(Some)
+    );
+    take!("nats_buffer", nats_buffer, file.replication.buffer);
+    take!(
+        "nats_max_age",
+        nats_max_age,
+        file.replication.max_age.clone()
+    );
+    take!("nats_max_bytes", nats_max_bytes, file.replication.max_bytes);
+    take!(
+        "nats_server_id",
+        nats_server_id,
+        file.replication.server_id.clone().map(Some)
+    );
     take!(
         "checkpoint_interval",
         checkpoint_interval,

@@ -40,6 +40,8 @@ pub struct ConfigFile {
     #[serde(default)]
     pub state: StateSection,
     #[serde(default)]
+    pub replication: ReplicationSection,
+    #[serde(default)]
     pub policy: PolicySection,
     #[serde(default)]
     pub tenants: Vec<TenantToml>,
@@ -83,6 +85,22 @@ pub struct StreamsSection {
 pub struct StateSection {
     pub dir: Option<String>,
     pub checkpoint_interval: Option<String>,
+}
+
+/// `[replication]`: replicated mode over NATS JetStream (the `--nats-*` flags without the
+/// prefix: `url`, `stream`, ...; docs/scale-out.md).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicationSection {
+    pub url: Option<String>,
+    pub stream: Option<String>,
+    pub creds_file: Option<String>,
+    pub token_file: Option<String>,
+    pub tls_ca_file: Option<String>,
+    pub buffer: Option<u64>,
+    pub max_age: Option<String>,
+    pub max_bytes: Option<u64>,
+    pub server_id: Option<String>,
 }
 
 /// `[limits]`: the memory and rate limits (same names as the flags; `docs/robustness.md`).
@@ -211,6 +229,7 @@ impl ConfigFile {
             ("index.ttl", &self.index.ttl),
             ("index.sweep_interval", &self.index.sweep_interval),
             ("state.checkpoint_interval", &self.state.checkpoint_interval),
+            ("replication.max_age", &self.replication.max_age),
         ] {
             if let Some(v) = value {
                 parse_duration(v).with_context(|| format!("invalid {key}"))?;

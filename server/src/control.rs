@@ -78,6 +78,7 @@ pub fn control_router(state: ControlState) -> Router {
         .route("/policy", any(policy))
         .route("/probe", any(probe))
         .route("/checkpoint", any(checkpoint))
+        .route("/digest", any(digest))
         .fallback(not_found)
         .with_state(state)
 }
@@ -253,6 +254,56 @@ async fn checkpoint(State(s): State<ControlState>, req: Request) -> Response {
     json(s.app.checkpoint_status().to_json())
 }
 
+/// `GET /digest`: the stream sequence applied, the entry count and the order-independent
+/// digest of the index at that sequence (replicated mode computes it on the apply thread).
+async fn digest(State(s): State<ControlState>, req: Request) -> Response {
+    if let Err((status, body)) = s.auth.check_control(AuthRoute::Snapshot, req.headers()) {
+        return text(status, body);
+    }
+    if req.method() != Method::GET {
+        return method_not_allowed("GET");
+    }
+    let (replicated, at) = match s.app.replication() {
+        Some(r) => match r.digest().await {
+            Some(at) => (true, at),
+            None => {
+                return text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "replication has not started yet\n",
+                );
+            }
+        },
+        None => (
+            false,
+            crate::replication::apply::DigestAt {
+                stream_seq: 0,
+                digest: s.app.index().digest(),
+            },
+        ),
+    };
+    let (leader, buffered, stream_last_seq) = s.app.replication().map_or((false, 0, 0), |r| {
+        let c = r.counters();
+        (
+            c.leader.load(std::sync::atomic::Ordering::Relaxed),
+            r.buffered(),
+            c.stream_last_seq.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    });
+    json(
+        serde_json::json!({
+            "replicated": replicated,
+            "stream_seq": at.stream_seq,
+            "entries": at.digest.entries,
+            "digest": format!("{:032x}", at.digest.hash),
+            "leader": leader,
+            "buffered_records": buffered,
+            "stream_last_seq": stream_last_seq,
+        })
+        .to_string()
+            + "\n",
+    )
+}
+
 async fn policy(State(s): State<ControlState>, req: Request) -> Response {
     if let Err((status, body)) = s.auth.check_control(AuthRoute::Policy, req.headers()) {
         return text(status, body);
@@ -276,6 +327,13 @@ async fn policy(State(s): State<ControlState>, req: Request) -> Response {
         }
     };
     match decode_push(&body) {
+        Ok(_) if s.app.replication().is_some() => {
+            // Replicated mode: every server applies the push at its stream position.
+            if let Some(replication) = s.app.replication() {
+                replication.submit_policy(&body);
+            }
+            StatusCode::NO_CONTENT.into_response()
+        }
         Ok(layer) => {
             // A push during a warm restart wins over the checkpoint's layer.
             s.app.wait_restored().await;

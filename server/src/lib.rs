@@ -17,6 +17,7 @@ pub mod lookup;
 pub mod metrics;
 pub mod policy;
 pub mod process_metrics;
+pub mod replication;
 pub mod service;
 pub mod streams;
 pub mod tls;
@@ -155,6 +156,21 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         tokio::spawn(async move {
             c.restore().await;
             c.spawn_periodic();
+        });
+    }
+    // Replicated mode: the state is *restoring* until the stream's backlog is applied; the
+    // listeners serve meanwhile (lookups fail open, producers are acked into the outbox).
+    if let Some(settings) = settings.replication.clone() {
+        let replication = replication::Replication::new(settings);
+        state.set_replication(replication.clone());
+        let state = state.clone();
+        state.begin_restore();
+        tokio::spawn(async move {
+            // NATS may come up after the server: keep trying (not ready meanwhile).
+            while let Err(err) = replication.start(state.clone()).await {
+                replication::start_failed(&err);
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            }
         });
     }
     let mut control =

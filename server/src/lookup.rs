@@ -503,7 +503,11 @@ fn consult<H: ChainHash>(
     }
     // H13: credit what is delivered (only an LFU PrefixMatch captured anything).
     if result.strategy == Strategy::PrefixMatch {
-        index.credit_hits(&result.hits);
+        match state.replication() {
+            // Replicated mode: credits travel through the stream like every other change.
+            Some(replication) => replication.credit(&result.hits),
+            None => index.credit_hits(&result.hits),
+        }
     }
     let scores = result
         .scores

@@ -111,6 +111,8 @@ struct Shared {
     /// The body of the last accepted `/policy` push (kept in checkpoints).
     pushed_policy: parking_lot::Mutex<Option<Arc<[u8]>>>,
     checkpoint_status: Arc<crate::checkpoint::Status>,
+    /// Replicated mode (`--nats-url`): set once at startup.
+    replication: std::sync::OnceLock<Arc<crate::replication::Replication>>,
     drain_notice: std::time::Duration,
     limits: Limits,
     producer_limiter: ProducerLimiter,
@@ -168,6 +170,7 @@ impl AppState {
                 readiness: tokio::sync::watch::Sender::new(false),
                 pushed_policy: parking_lot::Mutex::new(None),
                 checkpoint_status: Arc::default(),
+                replication: std::sync::OnceLock::new(),
                 drain_notice: options.drain_notice,
                 limits: options.limits,
                 producer_limiter: ProducerLimiter::new(options.limits.producer_max_blocks_per_sec),
@@ -238,6 +241,16 @@ impl AppState {
     /// Checkpoint state for `/checkpoint` and the metrics.
     pub fn checkpoint_status(&self) -> &Arc<crate::checkpoint::Status> {
         &self.inner.checkpoint_status
+    }
+
+    /// Turns on replicated mode (once, before the listeners serve).
+    pub fn set_replication(&self, replication: Arc<crate::replication::Replication>) {
+        let _ = self.inner.replication.set(replication);
+    }
+
+    /// Replicated mode, when configured.
+    pub fn replication(&self) -> Option<&Arc<crate::replication::Replication>> {
+        self.inner.replication.get()
     }
 
     /// Applies an accepted `/policy` push and keeps its body for checkpoints.
@@ -326,6 +339,16 @@ impl AppState {
         else {
             return;
         };
+        // Replicated mode: the stream applies it, here and everywhere (never waits on NATS).
+        if let Some(replication) = self.replication() {
+            self.inner
+                .producer_limiter
+                .acquire(peer, cost, counters)
+                .await;
+            let now_us = self.inner.index.now_us();
+            replication.submit_update(crate::replication::owned_update(admitted, now_us));
+            return;
+        }
         // A warm restart's entries are older than anything a producer sends now.
         self.wait_restored().await;
         self.inner
@@ -486,6 +509,18 @@ impl InferenceCache for CacheService {
         // §8.3: the reserved tenant is acknowledged and dropped.
         if event.tenant_id != PROBE_TENANT {
             self.state.charge_event(peer).await;
+            if let Some(replication) = self.state.replication() {
+                self.state.metrics().observe_event(event.r#type);
+                let mut event = event;
+                if event.timestamp_us == 0 {
+                    event.timestamp_us = self.state.index().now_us();
+                }
+                replication.submit_event(event);
+                return Ok(Response::new(pb::Ack {
+                    accepted: true,
+                    reason_code: String::new(),
+                }));
+            }
             // A removal applied before a warm restart's load would be undone by it.
             self.state.wait_restored().await;
             self.state.metrics().observe_event(event.r#type);

@@ -69,6 +69,11 @@ pub struct IndexDigest {
 }
 
 impl Index {
+    /// The index clock now (µs): what a timestamp `0` resolves to.
+    pub fn now_us(&self) -> i64 {
+        self.clock.now_us()
+    }
+
     /// Turns local eviction (cap, quotas, TTL removal by the sweep) on or off. On by default.
     pub fn set_local_eviction(&self, on: bool) {
         self.local_eviction.store(on, Ordering::Release);

@@ -252,13 +252,15 @@ pub struct ServerProcess {
     child: Child,
     pub grpc: u16,
     pub http: u16,
+    /// The control-plane listener (`/snapshot`, `/policy`, `/digest`).
+    pub control: u16,
     log: PathBuf,
 }
 
 impl ServerProcess {
     /// Starts the binary with `extra` flags and waits until gRPC accepts connections.
     pub fn start(dir: &Path, extra: &[&str]) -> Self {
-        let (grpc, http) = (free_port(), free_port());
+        let (grpc, http, control) = (free_port(), free_port(), free_port());
         let log = dir.join("stderr.log");
         let child = Command::new(SERVER_BIN)
             .args([
@@ -267,7 +269,7 @@ impl ServerProcess {
                 "--http-bind-address".into(),
                 format!("127.0.0.1:{http}"),
                 "--snapshot-bind-address".into(),
-                format!("127.0.0.1:{}", free_port()),
+                format!("127.0.0.1:{control}"),
             ])
             .args(extra)
             .stdout(Stdio::null())
@@ -278,6 +280,7 @@ impl ServerProcess {
             child,
             grpc,
             http,
+            control,
             log,
         };
         let start = Instant::now();

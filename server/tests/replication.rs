@@ -1,0 +1,635 @@
+//! Replicated mode against a real `nats-server` (JetStream, loopback): N server processes that
+//! end with equal digests — the same entries everywhere — through mixed ingest, the cap, LFU
+//! credits counted on different servers, TTL expiry, a policy push, kill -9 and restart, a new
+//! server joining from the object-store checkpoint, a trimmed stream, duplicates, and NATS
+//! itself going away. Skipped (with a note) when `nats-server` is not installed, except in CI
+//! (`CI` set), where `.ci/run` installs it.
+
+mod common;
+
+use common::*;
+use inferencecache_proto::v1alpha1 as pb;
+use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+/// Everything a digest answer holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Digest {
+    seq: u64,
+    entries: u64,
+    hash: String,
+    leader: bool,
+    /// Records accepted and not yet in the stream, and the stream's head as last seen.
+    buffered: u64,
+    stream_last: u64,
+}
+
+fn nats_server_bin() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    let found = std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
+        .map(|d| d.join("nats-server"))
+        .find(|p| p.is_file());
+    if found.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "nats-server is not installed (.ci/run installs it)"
+        );
+        eprintln!("skipped: nats-server is not installed (apt-get install nats-server)");
+    }
+    found
+}
+
+/// A `nats-server -js` on loopback, stopped (SIGKILL) by its PID on drop.
+struct Nats {
+    bin: PathBuf,
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Nats {
+    fn start(bin: PathBuf, dir: &Path) -> Self {
+        let mut nats = Self {
+            bin,
+            port: free_port(),
+            dir: dir.join("nats"),
+            child: None,
+        };
+        nats.resume();
+        nats
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// (Re)starts the server on the same port and store directory.
+    fn resume(&mut self) {
+        let child = Command::new(&self.bin)
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-sd",
+            ])
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nats-server");
+        self.child = Some(child);
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "nats-server did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn server(dir: &Path, nats: &Nats, id: &str, extra: &[&str]) -> ServerProcess {
+    let dir = dir.join(id);
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = nats.url();
+    let mut args: Vec<&str> = vec![
+        "--nats-url",
+        &url,
+        "--nats-server-id",
+        id,
+        "--checkpoint-interval",
+        "1s",
+        "--nats-max-age",
+        "1m",
+        "--sweep-interval",
+        "250ms",
+        "--drain-notice",
+        "0s",
+    ];
+    args.extend_from_slice(extra);
+    ServerProcess::start(&dir, &args)
+}
+
+async fn digest(s: &ServerProcess) -> Option<Digest> {
+    let addr = format!("127.0.0.1:{}", s.control).parse().unwrap();
+    let (status, _, body) = http_request(addr, "GET", "/digest", "").await;
+    if status != 200 {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+    Some(Digest {
+        seq: v["stream_seq"].as_u64()?,
+        entries: v["entries"].as_u64()?,
+        hash: v["digest"].as_str()?.to_owned(),
+        leader: v["leader"].as_bool()?,
+        buffered: v["buffered_records"].as_u64()?,
+        stream_last: v["stream_last_seq"].as_u64()?,
+    })
+}
+
+async fn ready(s: &ServerProcess) -> bool {
+    let addr = format!("127.0.0.1:{}", s.http).parse().unwrap();
+    http_request(addr, "GET", "/readyz", "").await.0 == 200
+}
+
+async fn wait_ready(servers: &[&ServerProcess]) {
+    let start = Instant::now();
+    for s in servers {
+        while !ready(s).await {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "not ready: {}",
+                s.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Waits until every server reports the same digest at the same sequence (and no sequence
+/// moves for a moment); returns it.
+async fn converged(servers: &[&ServerProcess], within: Duration) -> Digest {
+    let start = Instant::now();
+    let mut last: Vec<Option<Digest>> = Vec::new();
+    loop {
+        let mut now = Vec::new();
+        for s in servers {
+            now.push(digest(s).await);
+        }
+        let first = now[0].clone();
+        // Equal digests at one sequence, nothing waiting to be published, nothing unapplied.
+        let equal = first.is_some()
+            && now.iter().all(|d| {
+                d.as_ref()
+                    .is_some_and(|d| d.buffered == 0 && d.stream_last <= d.seq)
+                    && d.as_ref().map(|d| (d.seq, &d.hash))
+                        == first.as_ref().map(|f| (f.seq, &f.hash))
+            });
+        let same = |a: &[Option<Digest>], b: &[Option<Digest>]| {
+            a.len() == b.len()
+                && a.iter().zip(b).all(|(x, y)| {
+                    x.as_ref().map(|d| (d.seq, &d.hash)) == y.as_ref().map(|d| (d.seq, &d.hash))
+                })
+        };
+        if equal && same(&now, &last) {
+            return first.unwrap_or_else(|| unreachable!());
+        }
+        if start.elapsed() > within {
+            let logs: Vec<String> = servers.iter().map(|s| s.logs()).collect();
+            panic!(
+                "no convergence within {within:?}: {now:?}\n{}",
+                logs.join("\n-----\n")
+            );
+        }
+        last = now;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn block(chain: u64, i: u64) -> Vec<u8> {
+    (chain << 20 | i).to_be_bytes().to_vec()
+}
+
+fn chain_update(tenant: &str, replica: &str, chain: u64, blocks: u64) -> pb::CacheStateUpdate {
+    pb::CacheStateUpdate {
+        replica_id: replica.into(),
+        model_id: "m".into(),
+        tenant_id: tenant.into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![pb::PrefixEntry {
+            block_hashes: (0..blocks).map(|i| block(chain, i)).collect(),
+            block_token_counts: vec![16; blocks as usize],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn chain_lookup(tenant: &str, chain: u64, blocks: u64) -> pb::LookupRouteRequest {
+    pb::LookupRouteRequest {
+        model_id: "m".into(),
+        tenant_id: tenant.into(),
+        hash_scheme: "vllm".into(),
+        block_hashes: (0..blocks).map(|i| block(chain, i)).collect(),
+        block_token_counts: vec![16; blocks as usize],
+        ..Default::default()
+    }
+}
+
+fn event(ty: pb::cache_event::Type, tenant: &str, replica: &str, hash: Vec<u8>) -> pb::CacheEvent {
+    pb::CacheEvent {
+        r#type: ty as i32,
+        replica_id: replica.into(),
+        model_id: "m".into(),
+        tenant_id: tenant.into(),
+        prefix_hash: hash,
+        ..Default::default()
+    }
+}
+
+/// The answer of every server for `chain`: (reason, [(replica, matched tokens)]).
+async fn answers(
+    clients: &mut [InferenceCacheClient<Channel>],
+    tenant: &str,
+    chain: u64,
+    blocks: u64,
+) -> Vec<(String, Vec<(String, i32)>)> {
+    let mut out = Vec::new();
+    for c in clients.iter_mut() {
+        let r = lookup(c, chain_lookup(tenant, chain, blocks)).await;
+        let mut picks: Vec<(String, i32)> = r
+            .replica_scores
+            .iter()
+            .map(|c| (c.replica_id.clone(), c.matched_tokens))
+            .collect();
+        picks.sort();
+        out.push((r.reason_code, picks));
+    }
+    out
+}
+
+async fn clients(servers: &[&ServerProcess]) -> Vec<InferenceCacheClient<Channel>> {
+    let mut out = Vec::new();
+    for s in servers {
+        out.push(s.client().await);
+    }
+    out
+}
+
+async fn metric(s: &ServerProcess, name: &str) -> f64 {
+    let addr = format!("127.0.0.1:{}", s.http).parse().unwrap();
+    let (_, _, body) = http_request(addr, "GET", "/metrics", "").await;
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Checkpoint uploads of all `servers` (only leaders upload).
+async fn uploads(servers: &[&ServerProcess]) -> f64 {
+    let mut n = 0.0;
+    for s in servers {
+        let v = metric(s, "inferencecache_replication_checkpoint_uploads_total").await;
+        if v.is_finite() {
+            n += v;
+        }
+    }
+    n
+}
+
+async fn push_policy(s: &ServerProcess, body: &str) {
+    let addr = format!("127.0.0.1:{}", s.control).parse().unwrap();
+    let (status, _, text) = http_request(addr, "POST", "/policy", body).await;
+    assert_eq!(status, 204, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates() {
+    let Some(bin) = nats_server_bin() else { return };
+    let dir = temp_dir("replication-mixed");
+    let nats = Nats::start(bin, &dir);
+    let a = server(&dir, &nats, "a", &[]);
+    let b = server(&dir, &nats, "b", &[]);
+    let c = server(&dir, &nats, "c", &[]);
+    let all = [&a, &b, &c];
+    wait_ready(&all).await;
+    let mut cl = clients(&all).await;
+    // Producers spread over the servers: 60 chains of 8 blocks, 3 replicas.
+    for chain in 0..60u64 {
+        let s = (chain % 3) as usize;
+        let replica = ["r0", "r1", "r2"][(chain % 3) as usize];
+        report(&mut cl[s], vec![chain_update("t", replica, chain, 8)]).await;
+        if chain % 10 == 9 {
+            // PREFIX_EVICTED of the chain's last block, through another server.
+            let ev = event(
+                pb::cache_event::Type::PrefixEvicted,
+                "t",
+                replica,
+                block(chain, 7),
+            );
+            // (A producer talks to one server: its records keep their order in the stream.)
+            cl[s].publish_event(ev).await.unwrap();
+        }
+    }
+    // ALL_CLEARED of r2 (whose producer uses server c), then r2 reports one chain again.
+    let clear = event(pb::cache_event::Type::AllCleared, "t", "r2", Vec::new());
+    cl[2].publish_event(clear).await.unwrap();
+    report(&mut cl[2], vec![chain_update("t", "r2", 1000, 4)]).await;
+    let d = converged(&all, Duration::from_secs(10)).await;
+    // r0 and r1 hold 20 chains each (8 blocks, minus 2 evicted last blocks); r2 only chain 1000.
+    assert_eq!(d.entries, 2 * (20 * 8 - 2) + 4, "{d:?}");
+    assert_eq!(all.iter().len(), 3);
+    let start = Instant::now();
+    let leaders = loop {
+        let mut n = 0;
+        for s in all {
+            n += usize::from(digest(s).await.is_some_and(|d| d.leader));
+        }
+        if n == 1 || start.elapsed() > Duration::from_secs(5) {
+            break n;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(leaders, 1, "one leader");
+    // Every server answers every chain alike.
+    for chain in [0u64, 1, 2, 9, 1000] {
+        let got = answers(&mut cl, "t", chain, 8).await;
+        assert!(got.iter().all(|g| g == &got[0]), "chain {chain}: {got:?}");
+    }
+    let got = answers(&mut cl, "t", 0, 8).await;
+    assert_eq!(got[0].0, "PREFIX_MATCH");
+    assert_eq!(got[0].1, vec![("r0".to_string(), 128)]);
+    let got = answers(&mut cl, "t", 2, 8).await;
+    assert!(
+        got[0].0 != "PREFIX_MATCH" && got[0].1.iter().all(|(r, _)| r != "r2"),
+        "r2 was cleared everywhere: {got:?}"
+    );
+
+    // A policy push on one server reaches all: tenant t now needs 256 matched tokens.
+    push_policy(
+        &b,
+        r#"{"version":7,"policies":[{"namespace":"t","minimumMatchedTokens":256}]}"#,
+    )
+    .await;
+    converged(&all, Duration::from_secs(5)).await;
+    let got = answers(&mut cl, "t", 0, 8).await;
+    assert!(
+        got.iter().all(|g| g.0 != "PREFIX_MATCH" && g == &got[0]),
+        "the pushed floor applies on every server: {got:?}"
+    );
+
+    // A record published twice: the same message id is deduplicated by the stream; the same
+    // records under a new id change nothing (updates and removals are idempotent).
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let stream = js.get_stream("inferencecache").await.unwrap();
+    let last = stream.get_info().await.unwrap().state.last_sequence;
+    // The largest message is a batch of chain updates.
+    let mut again: Option<async_nats::jetstream::message::StreamMessage> = None;
+    for seq in 1..=last {
+        let m = stream.get_raw_message(seq).await.unwrap();
+        if again
+            .as_ref()
+            .is_none_or(|a| m.payload.len() > a.payload.len())
+        {
+            again = Some(m);
+        }
+    }
+    let m = again.expect("a batch with updates");
+    let id = m
+        .headers
+        .get("Nats-Msg-Id")
+        .map(|v| v.as_str().to_owned())
+        .unwrap_or_default();
+    let before = converged(&all, Duration::from_secs(5)).await;
+    let ack = js
+        .send_publish(
+            "inferencecache.records",
+            async_nats::jetstream::message::PublishMessage::build()
+                .payload(m.payload.clone())
+                .message_id(&id),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(ack.duplicate, "the stream deduplicates a retried id");
+    let ack = js
+        .send_publish(
+            "inferencecache.records",
+            async_nats::jetstream::message::PublishMessage::build()
+                .payload(m.payload.clone())
+                .message_id(format!("{id}-replayed")),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(!ack.duplicate);
+    let after = converged(&all, Duration::from_secs(5)).await;
+    assert_eq!(after.seq, before.seq + 1);
+    assert_eq!(after.entries, before.entries);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cap_lfu_credits_and_ttl_decide_the_same_entries_everywhere() {
+    let Some(bin) = nats_server_bin() else { return };
+    let dir = temp_dir("replication-cap");
+    let nats = Nats::start(bin, &dir);
+    let flags = ["--max-entries", "200", "--ttl", "4s"];
+    let a = server(&dir, &nats, "a", &flags);
+    let b = server(&dir, &nats, "b", &flags);
+    let c = server(&dir, &nats, "c", &flags);
+    let all = [&a, &b, &c];
+    wait_ready(&all).await;
+    let mut cl = clients(&all).await;
+    push_policy(
+        &a,
+        r#"{"version":7,"policies":[{"namespace":"lfu","eviction":"LFU"}]}"#,
+    )
+    .await;
+    converged(&all, Duration::from_secs(5)).await;
+    // LRU tenant: 40 chains of 5 blocks; LFU tenant: 20 chains of 5 blocks, chains 0..5 looked up
+    // many times, on different servers, before the cap bites.
+    for chain in 0..20u64 {
+        report(
+            &mut cl[(chain % 3) as usize],
+            vec![chain_update("lfu", "r", chain, 5)],
+        )
+        .await;
+    }
+    converged(&all, Duration::from_secs(5)).await;
+    for round in 0..6usize {
+        for chain in 0..5u64 {
+            lookup(
+                &mut cl[(round + chain as usize) % 3],
+                chain_lookup("lfu", chain, 5),
+            )
+            .await;
+        }
+    }
+    // Credits are published once a second.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for chain in 0..40u64 {
+        report(
+            &mut cl[(chain % 3) as usize],
+            vec![chain_update("lru", "r", chain, 5)],
+        )
+        .await;
+    }
+    let d = converged(&all, Duration::from_secs(10)).await;
+    assert_eq!(d.entries, 200, "the cap holds everywhere: {d:?}");
+    // The credited LFU chains survived on every server, alike.
+    for chain in 0..5u64 {
+        let got = answers(&mut cl, "lfu", chain, 5).await;
+        assert!(got.iter().all(|g| g == &got[0]), "{got:?}");
+        assert_eq!(got[0].0, "PREFIX_MATCH", "credited chain {chain}: {got:?}");
+    }
+    // The newest LRU chain survived everywhere too.
+    let got = answers(&mut cl, "lru", 39, 5).await;
+    assert!(got.iter().all(|g| g.0 == "PREFIX_MATCH"), "{got:?}");
+    // TTL: with no more ingest everything expires, by the leader's decisions, everywhere.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let start = Instant::now();
+    loop {
+        let d = converged(&all, Duration::from_secs(10)).await;
+        if d.entries == 0 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{d:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill9_restart_a_new_server_and_a_trimmed_stream_bootstrap_from_the_checkpoint() {
+    let Some(bin) = nats_server_bin() else { return };
+    let dir = temp_dir("replication-restart");
+    let nats = Nats::start(bin, &dir);
+    let a = server(&dir, &nats, "a", &[]);
+    let b = server(&dir, &nats, "b", &[]);
+    let c = server(&dir, &nats, "c", &[]);
+    wait_ready(&[&a, &b, &c]).await;
+    let mut ca = a.client().await;
+    let mut cb = b.client().await;
+    for chain in 0..30u64 {
+        report(&mut ca, vec![chain_update("t", "r0", chain, 6)]).await;
+        if chain == 15 {
+            // kill -9 mid-stream.
+            // SAFETY: kill(2) on the pid of a child this test started and still owns.
+            unsafe { libc::kill(c.pid(), libc::SIGKILL) };
+        }
+    }
+    drop(c);
+    let c = server(&dir, &nats, "c", &[]);
+    for chain in 30..40u64 {
+        report(&mut cb, vec![chain_update("t", "r1", chain, 6)]).await;
+    }
+    // A brand-new server joins: it loads the object-store checkpoint, then the stream.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let d = server(&dir, &nats, "d", &[]);
+    wait_ready(&[&c, &d]).await;
+    let digest4 = converged(&[&a, &b, &c, &d], Duration::from_secs(10)).await;
+    assert_eq!(digest4.entries, 40 * 6);
+    assert!(metric(&d, "inferencecache_replication_bootstraps_total").await >= 1.0);
+
+    // A server that was away while the stream moved on and was trimmed past what it had
+    // applied: it must come back from the checkpoint, not from the (partial) stream.
+    drop(d);
+    for chain in 40..50u64 {
+        report(&mut ca, vec![chain_update("t", "r2", chain, 6)]).await;
+    }
+    let remove = event(pb::cache_event::Type::AllCleared, "t", "r0", Vec::new());
+    ca.publish_event(remove).await.unwrap();
+    let live = converged(&[&a, &b, &c], Duration::from_secs(10)).await;
+    // One more record, then wait for a checkpoint upload (which covers it: a leader uploads
+    // only when the stream moved), and trim everything up to `live`.
+    let before = uploads(&[&a, &b, &c]).await;
+    report(&mut ca, vec![chain_update("t", "r2", 50, 6)]).await;
+    let start = Instant::now();
+    while uploads(&[&a, &b, &c]).await < before + 1.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no checkpoint upload:\n{}\n----\n{}\n----\n{}",
+            a.logs(),
+            b.logs(),
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let stream = js.get_stream("inferencecache").await.unwrap();
+    stream.purge().sequence(live.seq + 1).await.unwrap();
+    let first = stream.get_info().await.unwrap().state.first_sequence;
+    assert_eq!(first, live.seq + 1, "trimmed");
+    let d = server(&dir, &nats, "d", &[]);
+    wait_ready(&[&d]).await;
+    let d4 = converged(&[&a, &b, &c, &d], Duration::from_secs(15)).await;
+    assert_eq!(
+        d4.entries,
+        10 * 6 + 11 * 6,
+        "r0 cleared; r1 and r2 remain: {d4:?}"
+    );
+    assert_eq!(
+        metric(&d, "inferencecache_replication_bootstraps_total").await,
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_down_for_ten_seconds_under_load_then_restarted() {
+    let Some(bin) = nats_server_bin() else { return };
+    let dir = temp_dir("replication-outage");
+    let mut nats = Nats::start(bin, &dir);
+    let a = server(&dir, &nats, "a", &[]);
+    let b = server(&dir, &nats, "b", &[]);
+    let c = server(&dir, &nats, "c", &[]);
+    let all = [&a, &b, &c];
+    wait_ready(&all).await;
+    let mut cl = clients(&all).await;
+    for chain in 0..10u64 {
+        report(
+            &mut cl[(chain % 3) as usize],
+            vec![chain_update("t", "r", chain, 4)],
+        )
+        .await;
+    }
+    converged(&all, Duration::from_secs(5)).await;
+    nats.kill();
+    // Ten seconds without NATS: producers are acked, lookups answer (the state before the
+    // outage), no gRPC error anywhere.
+    let start = Instant::now();
+    let mut chain = 10u64;
+    let mut lookups = 0u32;
+    while start.elapsed() < Duration::from_secs(10) {
+        report(
+            &mut cl[(chain % 3) as usize],
+            vec![chain_update("t", "r", chain, 4)],
+        )
+        .await;
+        chain += 1;
+        for client in cl.iter_mut() {
+            let r = lookup(client, chain_lookup("t", 1, 4)).await;
+            assert_eq!(r.reason_code, "PREFIX_MATCH");
+            lookups += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(lookups > 50);
+    nats.resume();
+    let d = converged(&all, Duration::from_secs(20)).await;
+    assert_eq!(
+        d.entries,
+        chain * 4,
+        "every record sent during the outage arrived: {d:?}\n{}",
+        a.logs()
+    );
+    for s in &all {
+        assert_eq!(
+            metric(s, "inferencecache_replication_dropped_records_total").await,
+            0.0
+        );
+    }
+    let got = answers(&mut cl, "t", chain - 1, 4).await;
+    assert!(got.iter().all(|g| g.0 == "PREFIX_MATCH"), "{got:?}");
+}
