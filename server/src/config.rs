@@ -240,6 +240,12 @@ impl Settings {
         };
         let drain_notice = parse_duration(&cli.drain_notice).context("invalid --drain-notice")?;
         let replication = crate::replication::Settings::from_cli(cli, checkpoint_interval)?;
+        if replication.is_some() && state.is_some() {
+            bail!(
+                "--state-dir and --nats-url are exclusive: a replicated server restarts from the \
+                 stream's checkpoints (docs/scale-out.md)"
+            );
+        }
         if cli.max_message_bytes == 0 {
             bail!("--max-message-bytes must be at least 1");
         }
@@ -784,6 +790,69 @@ mod tests {
         assert!(Settings::from_cli(&cli).is_err());
         assert!(Cli::try_parse_from(["bin", "--max-chain-length", "-1"]).is_err());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn replication_is_off_by_default_and_validated_from_flags_and_the_file() {
+        let settings = |args: &[&str]| {
+            let mut all = vec!["bin"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all)
+                .map_err(anyhow::Error::from)
+                .and_then(|cli| Settings::from_cli(&cli))
+        };
+        assert!(
+            settings(&[]).unwrap().replication.is_none(),
+            "off by default"
+        );
+        let on = settings(&[
+            "--nats-url",
+            "nats://127.0.0.1:4222",
+            "--nats-server-id",
+            "x",
+        ])
+        .unwrap()
+        .replication
+        .unwrap();
+        assert_eq!(
+            (
+                on.stream.as_str(),
+                on.buffer,
+                on.max_age,
+                on.server_id.as_str()
+            ),
+            ("inferencecache", 100_000, Duration::from_secs(900), "x")
+        );
+        for bad in [
+            &["--nats-url", "nats://h:1", "--state-dir", "/d"][..],
+            &["--nats-url", "nats://h:1", "--nats-stream", "a.b"],
+            &["--nats-url", "nats://h:1", "--nats-max-age", "1m"],
+            &["--nats-url", ""],
+            &["--nats-url", "nats://h:1", "--nats-server-id", ""],
+        ] {
+            assert!(settings(bad).is_err(), "{bad:?}");
+        }
+        let dir = std::env::temp_dir().join(format!("ic-config-repl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("c.toml");
+        std::fs::write(
+            &file,
+            "[replication]\nurl = \"nats://file:4222\"\nstream = \"s1\"\nbuffer = 7\n",
+        )
+        .unwrap();
+        let args = [
+            "bin",
+            "--config",
+            file.to_str().unwrap(),
+            "--nats-buffer",
+            "9",
+        ];
+        let cli = parse_command_line(normalize_args(args.map(OsString::from))).unwrap();
+        let r = Settings::from_cli(&cli).unwrap().replication.unwrap();
+        assert_eq!(
+            (r.url.as_str(), r.stream.as_str(), r.buffer),
+            ("nats://file:4222", "s1", 9)
+        );
     }
 
     #[test]

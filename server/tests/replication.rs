@@ -530,7 +530,10 @@ async fn kill9_restart_a_new_server_and_a_trimmed_stream_bootstrap_from_the_chec
     wait_ready(&[&c, &d]).await;
     let digest4 = converged(&[&a, &b, &c, &d], Duration::from_secs(10)).await;
     assert_eq!(digest4.entries, 40 * 6);
-    assert!(metric(&d, "inferencecache_replication_bootstraps_total").await >= 1.0);
+    assert!(
+        d.logs().contains("replication_checkpoint_loaded"),
+        "the new server started from the object-store checkpoint"
+    );
 
     // A server that was away while the stream moved on and was trimmed past what it had
     // applied: it must come back from the checkpoint, not from the (partial) stream.
@@ -632,4 +635,82 @@ async fn nats_down_for_ten_seconds_under_load_then_restarted() {
     }
     let got = answers(&mut cl, "t", chain - 1, 4).await;
     assert!(got.iter().all(|g| g.0 == "PREFIX_MATCH"), "{got:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_server_whose_next_record_was_trimmed_rebootstraps() {
+    use inferencecache_server::replication::record::{Batch, Body, Record};
+    use prost::Message;
+    let Some(bin) = nats_server_bin() else { return };
+    let dir = temp_dir("replication-lagging");
+    let nats = Nats::start(bin, &dir);
+    let a = server(&dir, &nats, "a", &[]);
+    let b = server(&dir, &nats, "b", &[]);
+    wait_ready(&[&a, &b]).await;
+    let mut ca = a.client().await;
+    for chain in 0..10u64 {
+        report(&mut ca, vec![chain_update("t", "r0", chain, 4)]).await;
+    }
+    converged(&[&a, &b], Duration::from_secs(5)).await;
+    // b stops reading; more messages than its consumer has asked for (500) arrive meanwhile,
+    // published here as another server would.
+    // SAFETY: kill(2) on the pid of a child this test started and still owns.
+    unsafe { libc::kill(b.pid(), libc::SIGSTOP) };
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let mut acks = Vec::new();
+    for i in 0..1200u64 {
+        let batch = Batch {
+            origin: "harness".into(),
+            epoch: 1,
+            seq: i + 1,
+            records: vec![Record {
+                body: Some(Body::Update(chain_update("t", "r9", 1000 + i, 2))),
+            }],
+        };
+        let publish = async_nats::jetstream::message::PublishMessage::build()
+            .payload(batch.encode_to_vec().into())
+            .message_id(batch.message_id());
+        acks.push(
+            js.send_publish("inferencecache.records", publish)
+                .await
+                .unwrap(),
+        );
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+    let stream = js.get_stream("inferencecache").await.unwrap();
+    let last = stream.get_info().await.unwrap().state.last_sequence;
+    // a applies everything, leads (b's lease expired while it was stopped) and uploads a
+    // checkpoint covering `last`; then the stream is trimmed to its last message.
+    let meta = js.get_key_value("inferencecache-meta").await.unwrap();
+    let start = Instant::now();
+    loop {
+        let covered = meta
+            .get("checkpoint")
+            .await
+            .ok()
+            .flatten()
+            .and_then(|v| String::from_utf8(v.to_vec()).ok())
+            .and_then(|n| n.strip_prefix("checkpoint-")?.parse::<u64>().ok())
+            .is_some_and(|seq| seq >= last);
+        if covered {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no checkpoint at {last}: {}",
+            a.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stream.purge().sequence(last).await.unwrap();
+    // SAFETY: as above.
+    unsafe { libc::kill(b.pid(), libc::SIGCONT) };
+    let d = converged(&[&a, &b], Duration::from_secs(20)).await;
+    assert_eq!(d.entries, 10 * 4 + 1200 * 2);
+    assert!(metric(&b, "inferencecache_replication_gaps_total").await >= 1.0);
+    assert!(metric(&b, "inferencecache_replication_bootstraps_total").await >= 2.0);
+    assert!(b.logs().contains("replication_history_lost_rebootstrap"));
 }

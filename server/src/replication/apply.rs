@@ -363,7 +363,10 @@ impl Consumer {
         let counters = self.counters.clone();
         let state = self.state.clone();
         tokio::spawn(async move {
-            while counters.applied_seq.load(Ordering::Acquire) < target {
+            // Ready once the backlog seen at the bootstrap is applied and the lag is under 1 s.
+            while counters.applied_seq.load(Ordering::Acquire) < target
+                || counters.lag_seconds_micros.load(Ordering::Relaxed) > 1_000_000
+            {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             info!(stream_seq = target, "replication_caught_up");
