@@ -168,8 +168,9 @@ async fn wait_ready(servers: &[&ServerProcess]) {
 
 /// Waits until every server reports the same digest at the same sequence (and no sequence
 /// moves for a moment); returns it.
-async fn converged(servers: &[&ServerProcess], within: Duration) -> Digest {
+async fn converged(nats: &Nats, servers: &[&ServerProcess], within: Duration) -> Digest {
     let start = Instant::now();
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
     let mut last: Vec<Option<Digest>> = Vec::new();
     loop {
         let mut now = Vec::new();
@@ -177,11 +178,19 @@ async fn converged(servers: &[&ServerProcess], within: Duration) -> Digest {
             now.push(digest(s).await);
         }
         let first = now[0].clone();
-        // Equal digests at one sequence, nothing waiting to be published, nothing unapplied.
+        // The stream's head now (the servers' own view may be 500 ms old).
+        let head = match js.get_stream("inferencecache").await {
+            Ok(stream) => stream
+                .get_info()
+                .await
+                .map_or(u64::MAX, |i| i.state.last_sequence),
+            Err(_) => u64::MAX,
+        };
+        // Equal digests at the stream's head, nothing waiting to be published.
         let equal = first.is_some()
             && now.iter().all(|d| {
                 d.as_ref()
-                    .is_some_and(|d| d.buffered == 0 && d.stream_last <= d.seq)
+                    .is_some_and(|d| d.buffered == 0 && d.stream_last <= d.seq && d.seq == head)
                     && d.as_ref().map(|d| (d.seq, &d.hash))
                         == first.as_ref().map(|f| (f.seq, &f.hash))
             });
@@ -296,6 +305,32 @@ async fn uploads(servers: &[&ServerProcess]) -> f64 {
     n
 }
 
+/// Waits until the shared checkpoint covers `seq` (read from the meta bucket, as a server does).
+async fn wait_checkpoint(nats: &Nats, seq: u64, servers: &[&ServerProcess]) {
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let meta = js.get_key_value("inferencecache-meta").await.unwrap();
+    let start = Instant::now();
+    loop {
+        let covered = meta
+            .get("checkpoint")
+            .await
+            .ok()
+            .flatten()
+            .and_then(|v| String::from_utf8(v.to_vec()).ok())
+            .and_then(|n| n.strip_prefix("checkpoint-")?.parse::<u64>().ok())
+            .is_some_and(|at| at >= seq);
+        if covered {
+            return;
+        }
+        if start.elapsed() > Duration::from_secs(20) {
+            let logs: Vec<String> = servers.iter().map(|s| s.logs()).collect();
+            panic!("no checkpoint at {seq}:\n{}", logs.join("\n-----\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 async fn push_policy(s: &ServerProcess, body: &str) {
     let addr = format!("127.0.0.1:{}", s.control).parse().unwrap();
     let (status, _, text) = http_request(addr, "POST", "/policy", body).await;
@@ -334,7 +369,7 @@ async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates(
     let clear = event(pb::cache_event::Type::AllCleared, "t", "r2", Vec::new());
     cl[2].publish_event(clear).await.unwrap();
     report(&mut cl[2], vec![chain_update("t", "r2", 1000, 4)]).await;
-    let d = converged(&all, Duration::from_secs(10)).await;
+    let d = converged(&nats, &all, Duration::from_secs(10)).await;
     // r0 and r1 hold 20 chains each (8 blocks, minus 2 evicted last blocks); r2 only chain 1000.
     assert_eq!(d.entries, 2 * (20 * 8 - 2) + 4, "{d:?}");
     assert_eq!(all.iter().len(), 3);
@@ -370,7 +405,7 @@ async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates(
         r#"{"version":7,"policies":[{"namespace":"t","minimumMatchedTokens":256}]}"#,
     )
     .await;
-    converged(&all, Duration::from_secs(5)).await;
+    converged(&nats, &all, Duration::from_secs(5)).await;
     let got = answers(&mut cl, "t", 0, 8).await;
     assert!(
         got.iter().all(|g| g.0 != "PREFIX_MATCH" && g == &got[0]),
@@ -400,7 +435,7 @@ async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates(
         .get("Nats-Msg-Id")
         .map(|v| v.as_str().to_owned())
         .unwrap_or_default();
-    let before = converged(&all, Duration::from_secs(5)).await;
+    let before = converged(&nats, &all, Duration::from_secs(5)).await;
     let ack = js
         .send_publish(
             "inferencecache.records",
@@ -425,9 +460,9 @@ async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates(
         .await
         .unwrap();
     assert!(!ack.duplicate);
-    let after = converged(&all, Duration::from_secs(5)).await;
-    assert_eq!(after.seq, before.seq + 1);
-    assert_eq!(after.entries, before.entries);
+    let after = converged(&nats, &all, Duration::from_secs(5)).await;
+    assert_eq!(after.seq, before.seq + 1, "{before:?} {after:?}");
+    assert_eq!((after.entries, &after.hash), (before.entries, &before.hash));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -447,7 +482,7 @@ async fn the_cap_lfu_credits_and_ttl_decide_the_same_entries_everywhere() {
         r#"{"version":7,"policies":[{"namespace":"lfu","eviction":"LFU"}]}"#,
     )
     .await;
-    converged(&all, Duration::from_secs(5)).await;
+    converged(&nats, &all, Duration::from_secs(5)).await;
     // LRU tenant: 40 chains of 5 blocks; LFU tenant: 20 chains of 5 blocks, chains 0..5 looked up
     // many times, on different servers, before the cap bites.
     for chain in 0..20u64 {
@@ -457,7 +492,7 @@ async fn the_cap_lfu_credits_and_ttl_decide_the_same_entries_everywhere() {
         )
         .await;
     }
-    converged(&all, Duration::from_secs(5)).await;
+    converged(&nats, &all, Duration::from_secs(5)).await;
     for round in 0..6usize {
         for chain in 0..5u64 {
             lookup(
@@ -476,7 +511,7 @@ async fn the_cap_lfu_credits_and_ttl_decide_the_same_entries_everywhere() {
         )
         .await;
     }
-    let d = converged(&all, Duration::from_secs(10)).await;
+    let d = converged(&nats, &all, Duration::from_secs(10)).await;
     assert_eq!(d.entries, 200, "the cap holds everywhere: {d:?}");
     // The credited LFU chains survived on every server, alike.
     for chain in 0..5u64 {
@@ -491,7 +526,7 @@ async fn the_cap_lfu_credits_and_ttl_decide_the_same_entries_everywhere() {
     tokio::time::sleep(Duration::from_secs(4)).await;
     let start = Instant::now();
     loop {
-        let d = converged(&all, Duration::from_secs(10)).await;
+        let d = converged(&nats, &all, Duration::from_secs(10)).await;
         if d.entries == 0 {
             break;
         }
@@ -525,10 +560,11 @@ async fn kill9_restart_a_new_server_and_a_trimmed_stream_bootstrap_from_the_chec
         report(&mut cb, vec![chain_update("t", "r1", chain, 6)]).await;
     }
     // A brand-new server joins: it loads the object-store checkpoint, then the stream.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let now = converged(&nats, &[&a, &b], Duration::from_secs(10)).await;
+    wait_checkpoint(&nats, now.seq, &[&a, &b, &c]).await;
     let d = server(&dir, &nats, "d", &[]);
     wait_ready(&[&c, &d]).await;
-    let digest4 = converged(&[&a, &b, &c, &d], Duration::from_secs(10)).await;
+    let digest4 = converged(&nats, &[&a, &b, &c, &d], Duration::from_secs(10)).await;
     assert_eq!(digest4.entries, 40 * 6);
     assert!(
         d.logs().contains("replication_checkpoint_loaded"),
@@ -543,7 +579,7 @@ async fn kill9_restart_a_new_server_and_a_trimmed_stream_bootstrap_from_the_chec
     }
     let remove = event(pb::cache_event::Type::AllCleared, "t", "r0", Vec::new());
     ca.publish_event(remove).await.unwrap();
-    let live = converged(&[&a, &b, &c], Duration::from_secs(10)).await;
+    let live = converged(&nats, &[&a, &b, &c], Duration::from_secs(10)).await;
     // One more record, then wait for a checkpoint upload (which covers it: a leader uploads
     // only when the stream moved), and trim everything up to `live`.
     let before = uploads(&[&a, &b, &c]).await;
@@ -567,7 +603,7 @@ async fn kill9_restart_a_new_server_and_a_trimmed_stream_bootstrap_from_the_chec
     assert_eq!(first, live.seq + 1, "trimmed");
     let d = server(&dir, &nats, "d", &[]);
     wait_ready(&[&d]).await;
-    let d4 = converged(&[&a, &b, &c, &d], Duration::from_secs(15)).await;
+    let d4 = converged(&nats, &[&a, &b, &c, &d], Duration::from_secs(15)).await;
     assert_eq!(
         d4.entries,
         10 * 6 + 11 * 6,
@@ -597,7 +633,7 @@ async fn nats_down_for_ten_seconds_under_load_then_restarted() {
         )
         .await;
     }
-    converged(&all, Duration::from_secs(5)).await;
+    converged(&nats, &all, Duration::from_secs(5)).await;
     nats.kill();
     // Ten seconds without NATS: producers are acked, lookups answer (the state before the
     // outage), no gRPC error anywhere.
@@ -620,7 +656,7 @@ async fn nats_down_for_ten_seconds_under_load_then_restarted() {
     }
     assert!(lookups > 50);
     nats.resume();
-    let d = converged(&all, Duration::from_secs(20)).await;
+    let d = converged(&nats, &all, Duration::from_secs(20)).await;
     assert_eq!(
         d.entries,
         chain * 4,
@@ -651,7 +687,7 @@ async fn a_lagging_server_whose_next_record_was_trimmed_rebootstraps() {
     for chain in 0..10u64 {
         report(&mut ca, vec![chain_update("t", "r0", chain, 4)]).await;
     }
-    converged(&[&a, &b], Duration::from_secs(5)).await;
+    converged(&nats, &[&a, &b], Duration::from_secs(5)).await;
     // b stops reading; more messages than its consumer has asked for (500) arrive meanwhile,
     // published here as another server would.
     // SAFETY: kill(2) on the pid of a child this test started and still owns.
@@ -684,31 +720,11 @@ async fn a_lagging_server_whose_next_record_was_trimmed_rebootstraps() {
     let last = stream.get_info().await.unwrap().state.last_sequence;
     // a applies everything, leads (b's lease expired while it was stopped) and uploads a
     // checkpoint covering `last`; then the stream is trimmed to its last message.
-    let meta = js.get_key_value("inferencecache-meta").await.unwrap();
-    let start = Instant::now();
-    loop {
-        let covered = meta
-            .get("checkpoint")
-            .await
-            .ok()
-            .flatten()
-            .and_then(|v| String::from_utf8(v.to_vec()).ok())
-            .and_then(|n| n.strip_prefix("checkpoint-")?.parse::<u64>().ok())
-            .is_some_and(|seq| seq >= last);
-        if covered {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "no checkpoint at {last}: {}",
-            a.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_checkpoint(&nats, last, &[&a]).await;
     stream.purge().sequence(last).await.unwrap();
     // SAFETY: as above.
     unsafe { libc::kill(b.pid(), libc::SIGCONT) };
-    let d = converged(&[&a, &b], Duration::from_secs(20)).await;
+    let d = converged(&nats, &[&a, &b], Duration::from_secs(20)).await;
     assert_eq!(d.entries, 10 * 4 + 1200 * 2);
     assert!(metric(&b, "inferencecache_replication_gaps_total").await >= 1.0);
     assert!(metric(&b, "inferencecache_replication_bootstraps_total").await >= 2.0);

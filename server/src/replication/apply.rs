@@ -2,17 +2,17 @@
 //!
 //! The [`Consumer`] task reads the stream with an ordered consumer from the sequence after the
 //! last one applied and hands each message to the apply thread ([`spawn`]), which applies its
-//! records in order and then records the sequence. The leader's sweep, checkpoint cuts, digests
-//! and bootstraps run on the same thread between two messages, so each sees the index exactly
-//! at one stream sequence.
+//! records in order and then records the sequence. Checkpoint cuts, digests and bootstraps run
+//! on the same thread between two messages, so each sees the index exactly at one stream
+//! sequence.
 //!
 //! **Contiguity.** Stream sequences have no holes but those trimming makes at the head. A
 //! message whose sequence is not the next one means the records in between are gone: the
 //! server re-bootstraps from the newest checkpoint that the stream still continues.
 
 use super::Counters;
+use super::leader::Decisions;
 use super::leader::Stores;
-use super::outbox::Outbox;
 use super::record::{Batch, Body, Record};
 use crate::service::AppState;
 use futures_util::StreamExt;
@@ -53,7 +53,6 @@ enum Command {
     Skip {
         seq: u64,
     },
-    Sweep,
     Checkpoint(oneshot::Sender<anyhow::Result<Cut>>),
     Digest(oneshot::Sender<DigestAt>),
     Bootstrap {
@@ -78,10 +77,6 @@ impl Handle {
         let (tx, rx) = oneshot::channel();
         self.send(Command::Digest(tx)).await.then_some(())?;
         rx.await.ok()
-    }
-
-    pub async fn sweep(&self) {
-        self.send(Command::Sweep).await;
     }
 
     pub async fn checkpoint(&self) -> anyhow::Result<Cut> {
@@ -118,10 +113,9 @@ impl Handle {
 pub fn spawn(
     state: AppState,
     counters: Arc<Counters>,
-    outbox: Arc<Outbox>,
+    decisions: Arc<Decisions>,
 ) -> anyhow::Result<Handle> {
     let (tx, mut rx) = mpsc::channel::<Command>(QUEUE);
-    let decisions = Arc::new(super::leader::Decisions::new(outbox));
     super::leader::install_decisions(&state, decisions.clone());
     std::thread::Builder::new()
         .name("replication-apply".into())
@@ -152,9 +146,6 @@ fn run_command(state: &AppState, counters: &Counters, command: Command) {
                 .store(if behind { lag } else { 0 }, Ordering::Relaxed);
         }
         Command::Skip { seq } => counters.applied_seq.store(seq, Ordering::Release),
-        Command::Sweep => {
-            state.index().sweep_now();
-        }
         Command::Checkpoint(reply) => {
             let seq = counters.applied_seq.load(Ordering::Acquire);
             let policy = state.pushed_policy_body();

@@ -8,7 +8,7 @@
 //! since every decision is a conditional removal that all servers apply alike.
 //!
 //! **Duties of the leader** (only while it is caught up): local eviction (the cap and quotas
-//! on ingest, the TTL sweep every sweep interval, both run on the apply thread), publishing
+//! on ingest, on the apply thread; the TTL removal of the index's sweep thread), publishing
 //! those removals ([`Decisions`]), and a checkpoint every `--checkpoint-interval`, uploaded to
 //! the object store `<stream>-checkpoints` as `checkpoint-<seq>`, then named in the KV bucket
 //! `<stream>-meta` under `checkpoint`. The pointer moves only after the upload completed, so a
@@ -255,10 +255,7 @@ pub struct Duties {
 
 impl Duties {
     pub async fn run(self) {
-        let sweep_every =
-            Duration::from_millis(self.state.index().config().sweep_interval_ms.max(100) as u64);
         let mut revision: Option<u64> = None;
-        let mut next_sweep = tokio::time::Instant::now() + sweep_every;
         let mut next_checkpoint = tokio::time::Instant::now() + self.settings.checkpoint_interval;
         let mut tick = tokio::time::interval(LEASE_RENEW);
         let mut uploaded: Option<u64> = None;
@@ -306,10 +303,6 @@ impl Duties {
                 continue;
             }
             let now = tokio::time::Instant::now();
-            if now >= next_sweep {
-                next_sweep = now + sweep_every;
-                self.handle.sweep().await;
-            }
             // A checkpoint only when the stream moved since the last one.
             let applied = self.counters.applied_seq.load(Ordering::Acquire);
             if now >= next_checkpoint && uploaded != Some(applied) {

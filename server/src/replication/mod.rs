@@ -46,6 +46,8 @@ pub const DEFAULT_STREAM_MAX_BYTES: u64 = 8 << 30;
 /// Distinct (entry, replica) credits a server aggregates between two credit records; more in
 /// one interval are dropped (a miss of LFU protection, never a wrong entry).
 const MAX_PENDING_CREDITS: usize = 65_536;
+/// How often removals decided outside the apply thread (the TTL sweep) are published.
+const DECISION_FLUSH: Duration = Duration::from_millis(100);
 /// How often aggregated credits are published.
 const CREDIT_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -284,7 +286,17 @@ impl Replication {
         self.counters.connected.store(true, Ordering::Relaxed);
         let js = async_nats::jetstream::new(client);
         let stores = leader::Stores::open(&js, &self.settings).await?;
-        let handle = apply::spawn(state.clone(), self.counters.clone(), self.outbox.clone())?;
+        let decisions = Arc::new(leader::Decisions::new(self.outbox.clone()));
+        let handle = apply::spawn(state.clone(), self.counters.clone(), decisions.clone())?;
+        // The sweep thread's removals are published within DECISION_FLUSH (the apply thread
+        // publishes its own after each message).
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(DECISION_FLUSH);
+            loop {
+                tick.tick().await;
+                decisions.flush();
+            }
+        });
         *self.applier.lock() = Some(handle.clone());
         tokio::spawn(self.outbox.clone().run(
             js.clone(),
