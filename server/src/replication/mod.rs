@@ -219,7 +219,7 @@ impl Replication {
         });
     }
 
-    /// Counts the credits of a delivered LFU answer (published within [`CREDIT_INTERVAL`]).
+    /// Counts the credits of a delivered LFU answer (published within a second).
     pub fn credit(&self, hits: &CapturedHits) {
         if hits.is_empty() {
             return;
