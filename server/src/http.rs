@@ -31,8 +31,12 @@ async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
 async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
     let mut families = state.metrics().gather(state.index());
     families.extend(state.checkpoint_status().families());
-    if let Some(replication) = state.replication() {
-        families.extend(replication.families());
+    match state.replication() {
+        Some(replication) => families.extend(replication.families()),
+        None => families.extend(crate::replication::families(
+            &crate::replication::Counters::default(),
+            false,
+        )),
     }
     (
         [(

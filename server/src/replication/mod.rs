@@ -352,85 +352,94 @@ impl Replication {
 
     /// The `inferencecache_replication_*` families.
     pub fn families(&self) -> Vec<Family> {
-        let c = &self.counters;
-        let applied = c.applied_seq.load(Ordering::Relaxed);
-        let last = c.stream_last_seq.load(Ordering::Relaxed);
-        let gauge = |name: &str, help: &'static str, v: f64| Family::gauge(name, help, v);
-        let counter =
-            |name: &str, help: &'static str, v: u64| Family::counter(name, help, v as f64);
-        vec![
-            gauge(
-                "inferencecache_replication_applied_sequence",
-                "last stream sequence applied to this server's index",
-                applied as f64,
-            ),
-            gauge(
-                "inferencecache_replication_lag_messages",
-                "stream messages published but not yet applied here",
-                last.saturating_sub(applied) as f64,
-            ),
-            gauge(
-                "inferencecache_replication_lag_seconds",
-                "age of the oldest published message not yet applied here (0 when caught up)",
-                c.lag_seconds_micros.load(Ordering::Relaxed) as f64 / 1e6,
-            ),
-            counter(
-                "inferencecache_replication_published_records_total",
-                "records this server published to the stream (acked)",
-                c.published.load(Ordering::Relaxed),
-            ),
-            counter(
-                "inferencecache_replication_publish_errors_total",
-                "failed publish attempts (retried with the same message ids)",
-                c.publish_errors.load(Ordering::Relaxed),
-            ),
-            counter(
-                "inferencecache_replication_dropped_records_total",
-                "records dropped because the outbox was full (--nats-buffer) or too large",
-                c.dropped.load(Ordering::Relaxed),
-            ),
-            gauge(
-                "inferencecache_replication_buffered_records",
-                "records waiting in the outbox",
-                c.buffered.load(Ordering::Relaxed) as f64,
-            ),
-            counter(
-                "inferencecache_replication_bootstraps_total",
-                "checkpoint loads (startup and re-bootstraps)",
-                c.bootstraps.load(Ordering::Relaxed),
-            ),
-            counter(
-                "inferencecache_replication_gaps_total",
-                "times the next needed record was already trimmed from the stream",
-                c.gaps.load(Ordering::Relaxed),
-            ),
-            counter(
-                "inferencecache_replication_undecodable_total",
-                "stream messages that did not decode (skipped)",
-                c.undecodable.load(Ordering::Relaxed),
-            ),
-            counter(
-                "inferencecache_replication_checkpoint_uploads_total",
-                "checkpoints this server uploaded as leader",
-                c.checkpoint_uploads.load(Ordering::Relaxed),
-            ),
-            counter(
-                "inferencecache_replication_checkpoint_upload_failures_total",
-                "checkpoint uploads that failed",
-                c.checkpoint_upload_failures.load(Ordering::Relaxed),
-            ),
-            counter(
-                "inferencecache_replication_credits_dropped_total",
-                "LFU credits dropped because too many distinct entries were credited in one second",
-                c.credits_dropped.load(Ordering::Relaxed),
-            ),
-            gauge(
-                "inferencecache_replication_leader",
-                "1 while this server holds the lease (decides evictions, uploads checkpoints)",
-                f64::from(u8::from(c.leader.load(Ordering::Relaxed))),
-            ),
-        ]
+        families(&self.counters, true)
     }
+}
+
+/// The `inferencecache_replication_*` families, exported also without replication (zeros and
+/// `inferencecache_replication_enabled 0`), like the checkpoint families.
+pub fn families(c: &Counters, enabled: bool) -> Vec<Family> {
+    let applied = c.applied_seq.load(Ordering::Relaxed);
+    let last = c.stream_last_seq.load(Ordering::Relaxed);
+    let gauge = |name: &str, help: &'static str, v: f64| Family::gauge(name, help, v);
+    let counter = |name: &str, help: &'static str, v: u64| Family::counter(name, help, v as f64);
+    vec![
+        gauge(
+            "inferencecache_replication_enabled",
+            "1 when --nats-url is set (replicated mode)",
+            f64::from(u8::from(enabled)),
+        ),
+        gauge(
+            "inferencecache_replication_applied_sequence",
+            "last stream sequence applied to this server's index",
+            applied as f64,
+        ),
+        gauge(
+            "inferencecache_replication_lag_messages",
+            "stream messages published but not yet applied here",
+            last.saturating_sub(applied) as f64,
+        ),
+        gauge(
+            "inferencecache_replication_lag_seconds",
+            "age of the oldest published message not yet applied here (0 when caught up)",
+            c.lag_seconds_micros.load(Ordering::Relaxed) as f64 / 1e6,
+        ),
+        counter(
+            "inferencecache_replication_published_records_total",
+            "records this server published to the stream (acked)",
+            c.published.load(Ordering::Relaxed),
+        ),
+        counter(
+            "inferencecache_replication_publish_errors_total",
+            "failed publish attempts (retried with the same message ids)",
+            c.publish_errors.load(Ordering::Relaxed),
+        ),
+        counter(
+            "inferencecache_replication_dropped_records_total",
+            "records dropped because the outbox was full (--nats-buffer) or too large",
+            c.dropped.load(Ordering::Relaxed),
+        ),
+        gauge(
+            "inferencecache_replication_buffered_records",
+            "records waiting in the outbox",
+            c.buffered.load(Ordering::Relaxed) as f64,
+        ),
+        counter(
+            "inferencecache_replication_bootstraps_total",
+            "checkpoint loads (startup and re-bootstraps)",
+            c.bootstraps.load(Ordering::Relaxed),
+        ),
+        counter(
+            "inferencecache_replication_gaps_total",
+            "times the next needed record was already trimmed from the stream",
+            c.gaps.load(Ordering::Relaxed),
+        ),
+        counter(
+            "inferencecache_replication_undecodable_total",
+            "stream messages that did not decode (skipped)",
+            c.undecodable.load(Ordering::Relaxed),
+        ),
+        counter(
+            "inferencecache_replication_checkpoint_uploads_total",
+            "checkpoints this server uploaded as leader",
+            c.checkpoint_uploads.load(Ordering::Relaxed),
+        ),
+        counter(
+            "inferencecache_replication_checkpoint_upload_failures_total",
+            "checkpoint uploads that failed",
+            c.checkpoint_upload_failures.load(Ordering::Relaxed),
+        ),
+        counter(
+            "inferencecache_replication_credits_dropped_total",
+            "LFU credits dropped because too many distinct entries were credited in one second",
+            c.credits_dropped.load(Ordering::Relaxed),
+        ),
+        gauge(
+            "inferencecache_replication_leader",
+            "1 while this server holds the lease (decides evictions, uploads checkpoints)",
+            f64::from(u8::from(c.leader.load(Ordering::Relaxed))),
+        ),
+    ]
 }
 
 /// Connects to NATS with the configured credentials (retrying until it answers: a server may
