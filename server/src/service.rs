@@ -524,15 +524,7 @@ impl InferenceCache for CacheService {
             // A removal applied before a warm restart's load would be undone by it.
             self.state.wait_restored().await;
             self.state.metrics().observe_event(event.r#type);
-            self.state.index().apply_event(CacheEventInput {
-                event_type: event.r#type,
-                replica_id: &event.replica_id,
-                model_id: &event.model_id,
-                tenant_id: &event.tenant_id,
-                prefix_hash: &event.prefix_hash,
-                timestamp_us: event.timestamp_us,
-                adapter_id: &event.adapter_id,
-            });
+            apply_event(self.state.index(), &event);
         }
         Ok(Response::new(pb::Ack {
             accepted: true,
@@ -564,6 +556,22 @@ impl InferenceCache for CacheService {
             .subscribe_metrics(request.get_ref(), self.state.index().clone())?;
         Ok(Response::new(stream))
     }
+}
+
+/// Applies one `CacheEvent` (E1–E7); the reserved tenant is skipped silently (§8.3).
+pub fn apply_event(index: &Index, event: &pb::CacheEvent) {
+    if event.tenant_id == PROBE_TENANT {
+        return;
+    }
+    index.apply_event(CacheEventInput {
+        event_type: event.r#type,
+        replica_id: &event.replica_id,
+        model_id: &event.model_id,
+        tenant_id: &event.tenant_id,
+        prefix_hash: &event.prefix_hash,
+        timestamp_us: event.timestamp_us,
+        adapter_id: &event.adapter_id,
+    });
 }
 
 /// Applies one `CacheStateUpdate` (K3–K14); the reserved tenant is skipped silently.

@@ -16,8 +16,8 @@ use super::leader::Stores;
 use super::record::{Batch, Body, Record};
 use crate::service::AppState;
 use futures_util::StreamExt;
+use inferencecache_engine::IndexDigest;
 use inferencecache_engine::checkpoint::{read, write};
-use inferencecache_engine::{CacheEventInput, IndexDigest};
 use prost::Message;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -215,23 +215,13 @@ fn apply_record(state: &AppState, record: &Record) {
     let index = state.index();
     match &record.body {
         Some(Body::Update(update)) => crate::service::ingest(index, update),
-        Some(Body::Event(event)) if event.tenant_id != inferencecache_engine::PROBE_TENANT => {
-            index.apply_event(CacheEventInput {
-                event_type: event.r#type,
-                replica_id: &event.replica_id,
-                model_id: &event.model_id,
-                tenant_id: &event.tenant_id,
-                prefix_hash: &event.prefix_hash,
-                timestamp_us: event.timestamp_us,
-                adapter_id: &event.adapter_id,
-            });
-        }
-        Some(Body::Event(_)) => {}
+        Some(Body::Event(event)) => crate::service::apply_event(index, event),
         Some(Body::Policy(body)) => match crate::policy::decode_push(body) {
             Ok(layer) => state.push_policy(body, layer),
             Err(err) => warn!(err = %err, "replication_policy_refused"),
         },
         Some(Body::Evictions(e)) => {
+            let Some(h) = &e.holder else { return };
             let entries: Vec<(&[u8], i64)> = e
                 .keys
                 .iter()
@@ -239,22 +229,23 @@ fn apply_record(state: &AppState, record: &Record) {
                 .map(|(k, ms)| (k.as_slice(), *ms))
                 .collect();
             index.remove_decided(
-                &e.tenant_id,
-                &e.model_id,
-                &e.hash_scheme,
-                &e.adapter_id,
-                &e.replica_id,
+                &h.tenant_id,
+                &h.model_id,
+                &h.hash_scheme,
+                &h.adapter_id,
+                &h.replica_id,
                 &entries,
             );
         }
         Some(Body::Credits(c)) => {
+            let Some(h) = &c.holder else { return };
             for (key, times) in c.keys.iter().zip(&c.times) {
                 index.credit_entry(
-                    &c.tenant_id,
-                    &c.model_id,
-                    &c.hash_scheme,
-                    &c.adapter_id,
-                    &c.replica_id,
+                    &h.tenant_id,
+                    &h.model_id,
+                    &h.hash_scheme,
+                    &h.adapter_id,
+                    &h.replica_id,
                     key,
                     *times,
                 );

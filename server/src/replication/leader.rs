@@ -16,7 +16,7 @@
 
 use super::apply::Handle;
 use super::outbox::Outbox;
-use super::record::{Body, Evictions, Record};
+use super::record::{Body, Evictions, Holder, Record};
 use super::{Counters, Settings};
 use crate::service::AppState;
 use anyhow::Context as _;
@@ -213,20 +213,24 @@ impl DecisionLog for Decisions {
     fn removed(&self, d: &Decided<'_>) {
         let mut pending = self.pending.lock();
         let same = pending.last().is_some_and(|e| {
-            e.tenant_id == d.tenant_id
-                && e.model_id == d.model_id
-                && e.hash_scheme == d.hash_scheme
-                && e.adapter_id == d.adapter_id
-                && e.replica_id == d.replica_id
-                && e.keys.len() < 4096
+            e.keys.len() < 4096
+                && e.holder.as_ref().is_some_and(|h| {
+                    h.tenant_id == d.tenant_id
+                        && h.model_id == d.model_id
+                        && h.hash_scheme == d.hash_scheme
+                        && h.adapter_id == d.adapter_id
+                        && h.replica_id == d.replica_id
+                })
         });
         if !same {
             pending.push(Evictions {
-                tenant_id: d.tenant_id.into(),
-                model_id: d.model_id.into(),
-                hash_scheme: d.hash_scheme.into(),
-                adapter_id: d.adapter_id.into(),
-                replica_id: d.replica_id.into(),
+                holder: Some(Holder {
+                    tenant_id: d.tenant_id.into(),
+                    model_id: d.model_id.into(),
+                    hash_scheme: d.hash_scheme.into(),
+                    adapter_id: d.adapter_id.into(),
+                    replica_id: d.replica_id.into(),
+                }),
                 ..Default::default()
             });
         }

@@ -159,14 +159,12 @@ pub struct Counters {
     pub connected: AtomicBool,
 }
 
-type CreditKey = (Arc<str>, Arc<str>, Arc<str>, Arc<str>, Arc<str>);
-
 /// The running replication of one server.
 pub struct Replication {
     settings: Settings,
     outbox: Arc<outbox::Outbox>,
     counters: Arc<Counters>,
-    credits: parking_lot::Mutex<HashMap<(CreditKey, Vec<u8>), u32>>,
+    credits: parking_lot::Mutex<HashMap<(record::Holder, Vec<u8>), u32>>,
     applier: parking_lot::Mutex<Option<apply::Handle>>,
 }
 
@@ -226,15 +224,15 @@ impl Replication {
         }
         let mut pending = self.credits.lock();
         hits.for_each_hit(|tenant, model, scheme, adapter, replica, key| {
-            let id: CreditKey = (
-                tenant.into(),
-                model.into(),
-                scheme.into(),
-                adapter.into(),
-                replica.into(),
-            );
+            let holder = record::Holder {
+                tenant_id: tenant.into(),
+                model_id: model.into(),
+                hash_scheme: scheme.into(),
+                adapter_id: adapter.into(),
+                replica_id: replica.into(),
+            };
             let full = pending.len() >= MAX_PENDING_CREDITS;
-            match pending.get_mut(&(id.clone(), key.to_vec())) {
+            match pending.get_mut(&(holder.clone(), key.to_vec())) {
                 Some(n) => *n = n.saturating_add(1),
                 None if full => {
                     self.counters
@@ -242,7 +240,7 @@ impl Replication {
                         .fetch_add(1, Ordering::Relaxed);
                 }
                 None => {
-                    pending.insert((id, key.to_vec()), 1);
+                    pending.insert((holder, key.to_vec()), 1);
                 }
             }
         });
@@ -250,16 +248,12 @@ impl Replication {
 
     fn flush_credits(&self) {
         let pending = std::mem::take(&mut *self.credits.lock());
-        let mut grouped: HashMap<CreditKey, record::Credits> = HashMap::new();
-        for ((id, key), times) in pending {
+        let mut grouped: HashMap<record::Holder, record::Credits> = HashMap::new();
+        for ((holder, key), times) in pending {
             let c = grouped
-                .entry(id.clone())
+                .entry(holder.clone())
                 .or_insert_with(|| record::Credits {
-                    tenant_id: id.0.to_string(),
-                    model_id: id.1.to_string(),
-                    hash_scheme: id.2.to_string(),
-                    adapter_id: id.3.to_string(),
-                    replica_id: id.4.to_string(),
+                    holder: Some(holder),
                     ..Default::default()
                 });
             c.keys.push(key);

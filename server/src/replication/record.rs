@@ -62,10 +62,9 @@ pub enum Body {
     Credits(Credits),
 }
 
-/// The entries of one (partition, replica) that the leader evicted, each with the `last_seen`
-/// it had (an entry refreshed since is kept).
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct Evictions {
+/// One replica's entries in one partition: what eviction and credit records address.
+#[derive(Clone, PartialEq, Eq, Hash, prost::Message)]
+pub struct Holder {
     #[prost(string, tag = "1")]
     pub tenant_id: String,
     #[prost(string, tag = "2")]
@@ -76,28 +75,28 @@ pub struct Evictions {
     pub adapter_id: String,
     #[prost(string, tag = "5")]
     pub replica_id: String,
-    #[prost(bytes = "vec", repeated, tag = "6")]
+}
+
+/// Entries of one holder that the leader evicted, each with the `last_seen` it had (an entry
+/// refreshed since is kept).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Evictions {
+    #[prost(message, optional, tag = "1")]
+    pub holder: Option<Holder>,
+    #[prost(bytes = "vec", repeated, tag = "2")]
     pub keys: Vec<Vec<u8>>,
-    #[prost(int64, repeated, tag = "7")]
+    #[prost(int64, repeated, tag = "3")]
     pub last_seen_ms: Vec<i64>,
 }
 
-/// Credits of one (partition, replica): `keys[i]` was credited `times[i]` times.
+/// Credits of one holder: `keys[i]` was credited `times[i]` times.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Credits {
-    #[prost(string, tag = "1")]
-    pub tenant_id: String,
-    #[prost(string, tag = "2")]
-    pub model_id: String,
-    #[prost(string, tag = "3")]
-    pub hash_scheme: String,
-    #[prost(string, tag = "4")]
-    pub adapter_id: String,
-    #[prost(string, tag = "5")]
-    pub replica_id: String,
-    #[prost(bytes = "vec", repeated, tag = "6")]
+    #[prost(message, optional, tag = "1")]
+    pub holder: Option<Holder>,
+    #[prost(bytes = "vec", repeated, tag = "2")]
     pub keys: Vec<Vec<u8>>,
-    #[prost(uint32, repeated, tag = "7")]
+    #[prost(uint32, repeated, tag = "3")]
     pub times: Vec<u32>,
 }
 
