@@ -12,6 +12,7 @@
 # churn-fit (bin `churn --caps`: 3 caps × 3 minutes, RSS fitted against the cap),
 # churn-fit-mimalloc (the same under mimalloc, the server's allocator; not part of "all"),
 # checkpoint (bin `checkpoint`: warm-restart write, restore and lookups during a checkpoint),
+# replication (bin `replication`: 3 release servers + nats-server, ingest rates, lag, lookups),
 # rw (bin `rw`, P7), criterion (`cargo bench --bench engine`, table by criterion-table.awk), plus results/server.md, written by hand from the server benches
 # (`e2e-lookup`, `soak.sh`; bench/README.md has their commands).
 set -euo pipefail
@@ -101,8 +102,16 @@ section() {
         rm -f "$dd"
         echo '```'
       } >"$RES/checkpoint.tmp" && mv "$RES/checkpoint.tmp" "$RES/checkpoint.md" ;;
+    replication)
+      (cd "$ROOT" && CARGO_TARGET_DIR="$TARGET" nice -n 10 cargo build --release --quiet \
+        -p inferencecache-server -p inferencecache-bench --bin inferencecache-server --bin replication)
+      { header "Replicated mode: 3 servers and nats-server on loopback, ingest, lag, LookupRoute on vs off" \
+          "target/release/replication --rates 100000,300000,1000000 --seconds 10"
+        "$TARGET/release/replication" --server-bin "$TARGET/release/inferencecache-server" \
+          --rates 100000,300000,1000000 --seconds 10 || true
+      } >"$RES/replication.tmp" && mv "$RES/replication.tmp" "$RES/replication.md" ;;
     *)
-      echo "unknown section: $1 (w1m, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc, checkpoint)" >&2; exit 2 ;;
+      echo "unknown section: $1 (w1m, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc, checkpoint, replication)" >&2; exit 2 ;;
   esac
 }
 

@@ -730,3 +730,36 @@ async fn a_lagging_server_whose_next_record_was_trimmed_rebootstraps() {
     assert!(metric(&b, "inferencecache_replication_bootstraps_total").await >= 2.0);
     assert!(b.logs().contains("replication_history_lost_rebootstrap"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_beyond_the_buffer_during_an_outage_are_dropped_counted_and_missing_everywhere() {
+    let Some(bin) = nats_server_bin() else { return };
+    let dir = temp_dir("replication-buffer");
+    let mut nats = Nats::start(bin, &dir);
+    let a = server(&dir, &nats, "a", &["--nats-buffer", "5"]);
+    let b = server(&dir, &nats, "b", &[]);
+    wait_ready(&[&a, &b]).await;
+    let mut ca = a.client().await;
+    report(&mut ca, vec![chain_update("t", "r", 0, 4)]).await;
+    converged(&nats, &[&a, &b], Duration::from_secs(5)).await;
+    nats.kill();
+    for chain in 1..=20u64 {
+        // Every RPC is still acked.
+        report(&mut ca, vec![chain_update("t", "r", chain, 4)]).await;
+    }
+    let dropped = metric(&a, "inferencecache_replication_dropped_records_total").await;
+    nats.resume();
+    let d = converged(&nats, &[&a, &b], Duration::from_secs(20)).await;
+    let arrived = d.entries / 4 - 1;
+    assert_eq!(arrived as f64 + dropped, 20.0, "{d:?}, dropped {dropped}");
+    assert!(
+        (5..=6).contains(&arrived),
+        "the buffer (5) and at most one batch in flight: {arrived}"
+    );
+    // Dropped records are missing on every server alike: the same chains answer everywhere.
+    let mut cl = clients(&[&a, &b]).await;
+    for chain in 1..=20u64 {
+        let got = answers(&mut cl, "t", chain, 4).await;
+        assert_eq!(got[0], got[1], "chain {chain}");
+    }
+}

@@ -363,10 +363,6 @@ async fn main() -> Result<(), Error> {
     let mut report = String::new();
     writeln!(
         report,
-        "## Replicated mode: throughput, lag, LookupRoute on vs off (issue 25)\n"
-    )?;
-    writeln!(
-        report,
         "Machine: {} ({} logical CPUs), load {} at start; {}. {} servers + `nats-server` {} (JetStream, file store) on loopback, server binary `{}`, `--max-entries 0`.\n",
         cpu_model(),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
