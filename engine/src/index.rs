@@ -313,8 +313,9 @@ pub struct Index {
     /// Whether a sink is installed (lets writers skip the sink lock when none is).
     sink_set: AtomicBool,
     /// Whether the cap, quotas and the sweep's TTL removal run here (replicated mode turns it
-    /// off on every server but the one that decides: `replicate.rs`).
-    local_eviction: AtomicBool,
+    /// off on every server but the one that decides: `replicate.rs`). A setting, not part of
+    /// any concurrent protocol: a std atomic, outside the loom seam.
+    local_eviction: std::sync::atomic::AtomicBool,
     /// Receives the removals local eviction decides (replicated mode's leader).
     decision_log: RwLock<Option<Arc<dyn DecisionLog>>>,
     ready: AtomicBool,
@@ -360,7 +361,7 @@ impl Index {
             stats_bytes: AtomicI64::new(0),
             sink: RwLock::new(None),
             sink_set: AtomicBool::new(false),
-            local_eviction: AtomicBool::new(true),
+            local_eviction: std::sync::atomic::AtomicBool::new(true),
             decision_log: RwLock::new(None),
             ready: AtomicBool::new(false),
             ticker: Mutex::new(None),

@@ -27,10 +27,11 @@
 
 use super::{CapturedHits, Index, Pending};
 use crate::dir::Partition;
-use crate::sync::Ordering;
+// The switch is a setting outside the loom seam (see `Index::local_eviction`'s field).
 use crate::table::{KeyTable, Probe, SHARDS};
 use crossbeam_epoch as epoch;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use xxhash_rust::xxh3::xxh3_128;
 
 /// One entry the leader's cap, quota or sweep removed (reported to the decision log).
