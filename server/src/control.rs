@@ -330,7 +330,7 @@ async fn policy(State(s): State<ControlState>, req: Request) -> Response {
         Ok(_) if s.app.replication().is_some() => {
             // Replicated mode: every server applies the push at its stream position.
             if let Some(replication) = s.app.replication() {
-                replication.submit_policy(&body);
+                replication.submit_policy(&body).await;
             }
             StatusCode::NO_CONTENT.into_response()
         }

@@ -346,7 +346,9 @@ impl AppState {
                 .acquire(peer, cost, counters)
                 .await;
             let now_us = self.inner.index.now_us();
-            replication.submit_update(crate::replication::owned_update(admitted, now_us));
+            replication
+                .submit_update(crate::replication::owned_update(admitted, now_us))
+                .await;
             return;
         }
         // A warm restart's entries are older than anything a producer sends now.
@@ -515,7 +517,7 @@ impl InferenceCache for CacheService {
                 if event.timestamp_us == 0 {
                     event.timestamp_us = self.state.index().now_us();
                 }
-                replication.submit_event(event);
+                replication.submit_event(event).await;
                 return Ok(Response::new(pb::Ack {
                     accepted: true,
                     reason_code: String::new(),

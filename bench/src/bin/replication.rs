@@ -387,9 +387,66 @@ async fn main() -> Result<(), Error> {
         cli.seconds,
         cli.chain_blocks
     )?;
+    // LookupRoute: replicated server 0 vs a standalone server, the same chains.
+    let alone = start_server(&cli.server_bin, None, "standalone", &dir)?;
+    let mut rc = client(servers[0].grpc).await?;
+    let mut ac = client(alone.grpc).await?;
+    for batch in 0..(cli.lookup_chains / 100) {
+        let ups: Vec<_> = (0..100)
+            .map(|i| update("load", "r", batch * 100 + i, 16))
+            .collect();
+        rc.report_cache_state(tokio_stream::iter(ups.clone()))
+            .await?;
+        ac.report_cache_state(tokio_stream::iter(ups)).await?;
+    }
+    // Wait until the replicated servers hold them.
+    let start = Instant::now();
+    while rc
+        .lookup_route(lookup_req("load", cli.lookup_chains - 1, 16))
+        .await?
+        .into_inner()
+        .reason_code
+        != "PREFIX_MATCH"
+    {
+        if start.elapsed() > Duration::from_secs(60) {
+            return Err("lookup chains never arrived".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (mut on, mut off) = (hist(), hist());
+    for _ in 0..3 {
+        on.add(lookup_latency(&mut rc, cli.lookup_chains, cli.lookups, 16).await?)?;
+        off.add(lookup_latency(&mut ac, cli.lookup_chains, cli.lookups, 16).await?)?;
+    }
     writeln!(
         report,
-        "| offered blocks/s | applied blocks/s (per server, min) | lag p50 | lag p99 | lag max | stream bytes / 1M blocks | messages / 1M blocks |\n|---|---|---|---|---|---|---|"
+        "LookupRoute, client-side latency over loopback, before the ingest phases (one client, sequential, {} chains of 16 blocks held by both, 3 alternated rounds of {} lookups each):\n",
+        cli.lookup_chains, cli.lookups
+    )?;
+    writeln!(report, "| | p50 | p99 |\n|---|---|---|")?;
+    writeln!(
+        report,
+        "| replication on (server s0 of {}) | {} µs | {} µs |",
+        cli.servers,
+        on.value_at_quantile(0.5),
+        on.value_at_quantile(0.99)
+    )?;
+    writeln!(
+        report,
+        "| replication off (standalone server) | {} µs | {} µs |",
+        off.value_at_quantile(0.5),
+        off.value_at_quantile(0.99)
+    )?;
+    writeln!(
+        report,
+        "| ratio on / off | {:.2}× | {:.2}× |",
+        on.value_at_quantile(0.5) as f64 / off.value_at_quantile(0.5).max(1) as f64,
+        on.value_at_quantile(0.99) as f64 / off.value_at_quantile(0.99).max(1) as f64
+    )?;
+    drop(alone);
+    writeln!(
+        report,
+        "\n| offered blocks/s | sent blocks/s (producers, after backpressure) | applied blocks/s (per server, min) | lag p50 | lag p99 | lag max | dropped records | stream bytes / 1M blocks | messages / 1M blocks |\n|---|---|---|---|---|---|---|---|---|"
     )?;
     let mut next_chain = 0u64;
     for &rate in &cli.rates {
@@ -450,12 +507,17 @@ async fn main() -> Result<(), Error> {
         let min_applied = applied_s.iter().copied().fold(f64::INFINITY, f64::min);
         writeln!(
             report,
-            "| {} | {:.0} | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} MB | {:.0} |",
+            "| {} | {:.0} | {:.0} | {:.1} ms | {:.1} ms | {:.1} ms | {} | {:.1} MB | {:.0} |",
             rate,
+            target / offered_s,
             min_applied,
             lag.value_at_quantile(0.5) as f64 / 1e3,
             lag.value_at_quantile(0.99) as f64 / 1e3,
             lag.max() as f64 / 1e3,
+            servers
+                .iter()
+                .map(|s| metric(s.http, "inferencecache_replication_dropped_records_total"))
+                .sum::<f64>(),
             per_m(bytes1.saturating_sub(bytes0)) / 1e6,
             per_m(msgs1.saturating_sub(msgs0)),
         )?;
@@ -466,62 +528,6 @@ async fn main() -> Result<(), Error> {
         );
         next_chain += 1_000_000_000;
     }
-    // LookupRoute: replicated server 0 vs a standalone server, the same chains.
-    let alone = start_server(&cli.server_bin, None, "standalone", &dir)?;
-    let mut rc = client(servers[0].grpc).await?;
-    let mut ac = client(alone.grpc).await?;
-    for batch in 0..(cli.lookup_chains / 100) {
-        let ups: Vec<_> = (0..100)
-            .map(|i| update("load", "r", batch * 100 + i, 16))
-            .collect();
-        rc.report_cache_state(tokio_stream::iter(ups.clone()))
-            .await?;
-        ac.report_cache_state(tokio_stream::iter(ups)).await?;
-    }
-    // Wait until the replicated servers hold them.
-    let start = Instant::now();
-    while rc
-        .lookup_route(lookup_req("load", cli.lookup_chains - 1, 16))
-        .await?
-        .into_inner()
-        .reason_code
-        != "PREFIX_MATCH"
-    {
-        if start.elapsed() > Duration::from_secs(60) {
-            return Err("lookup chains never arrived".into());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let (mut on, mut off) = (hist(), hist());
-    for _ in 0..3 {
-        on.add(lookup_latency(&mut rc, cli.lookup_chains, cli.lookups, 16).await?)?;
-        off.add(lookup_latency(&mut ac, cli.lookup_chains, cli.lookups, 16).await?)?;
-    }
-    writeln!(
-        report,
-        "\nLookupRoute, client-side latency over loopback (one client, sequential, {} chains of 16 blocks held, 3 alternated rounds of {} lookups each):\n",
-        cli.lookup_chains, cli.lookups
-    )?;
-    writeln!(report, "| | p50 | p99 |\n|---|---|---|")?;
-    writeln!(
-        report,
-        "| replication on (server s0 of {}) | {} µs | {} µs |",
-        cli.servers,
-        on.value_at_quantile(0.5),
-        on.value_at_quantile(0.99)
-    )?;
-    writeln!(
-        report,
-        "| replication off (standalone server) | {} µs | {} µs |",
-        off.value_at_quantile(0.5),
-        off.value_at_quantile(0.99)
-    )?;
-    writeln!(
-        report,
-        "| ratio on / off | {:.2}× | {:.2}× |",
-        on.value_at_quantile(0.5) as f64 / off.value_at_quantile(0.5).max(1) as f64,
-        on.value_at_quantile(0.99) as f64 / off.value_at_quantile(0.99).max(1) as f64
-    )?;
     print!("{report}");
     if let Some(out) = &cli.out {
         std::fs::write(out, &report)?;

@@ -202,7 +202,7 @@ impl Decisions {
     pub fn flush(&self) {
         let pending = std::mem::take(&mut *self.pending.lock());
         for e in pending {
-            self.outbox.push(Record {
+            self.outbox.push_decided(Record {
                 body: Some(Body::Evictions(e)),
             });
         }

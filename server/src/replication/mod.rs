@@ -195,26 +195,32 @@ impl Replication {
     }
 
     /// Queues an admitted update (timestamp already resolved), split to fit a batch.
-    pub fn submit_update(&self, update: pb::CacheStateUpdate) {
+    pub async fn submit_update(&self, update: pb::CacheStateUpdate) {
         for part in record::split_update(update, record::MAX_BATCH_BYTES - 1024) {
-            self.outbox.push(Record {
-                body: Some(Body::Update(part)),
-            });
+            self.outbox
+                .push(Record {
+                    body: Some(Body::Update(part)),
+                })
+                .await;
         }
     }
 
     /// Queues an event (timestamp already resolved).
-    pub fn submit_event(&self, event: pb::CacheEvent) {
-        self.outbox.push(Record {
-            body: Some(Body::Event(event)),
-        });
+    pub async fn submit_event(&self, event: pb::CacheEvent) {
+        self.outbox
+            .push(Record {
+                body: Some(Body::Event(event)),
+            })
+            .await;
     }
 
     /// Queues an accepted `/policy` push body.
-    pub fn submit_policy(&self, body: &[u8]) {
-        self.outbox.push(Record {
-            body: Some(Body::Policy(body.to_vec())),
-        });
+    pub async fn submit_policy(&self, body: &[u8]) {
+        self.outbox
+            .push(Record {
+                body: Some(Body::Policy(body.to_vec())),
+            })
+            .await;
     }
 
     /// Counts the credits of a delivered LFU answer (published within a second).
@@ -260,7 +266,7 @@ impl Replication {
             c.times.push(times);
         }
         for (_, c) in grouped {
-            self.outbox.push(Record {
+            self.outbox.push_decided(Record {
                 body: Some(Body::Credits(c)),
             });
         }
@@ -276,7 +282,7 @@ impl Replication {
     /// runs; the state stays *restoring* until the backlog is applied.
     pub async fn start(self: &Arc<Self>, state: AppState) -> anyhow::Result<()> {
         state.begin_restore();
-        let client = connect(&self.settings).await?;
+        let client = connect(&self.settings, self.counters.clone()).await?;
         self.counters.connected.store(true, Ordering::Relaxed);
         let js = async_nats::jetstream::new(client);
         let stores = leader::Stores::open(&js, &self.settings).await?;
@@ -438,7 +444,10 @@ pub fn families(c: &Counters, enabled: bool) -> Vec<Family> {
 
 /// Connects to NATS with the configured credentials (retrying until it answers: a server may
 /// start before NATS does).
-async fn connect(settings: &Settings) -> anyhow::Result<async_nats::Client> {
+async fn connect(
+    settings: &Settings,
+    counters: Arc<Counters>,
+) -> anyhow::Result<async_nats::Client> {
     let mut options = async_nats::ConnectOptions::new()
         .name(format!("inferencecache-server {}", settings.server_id))
         .retry_on_initial_connect()
@@ -460,11 +469,20 @@ async fn connect(settings: &Settings) -> anyhow::Result<async_nats::Client> {
             .require_tls(true);
     }
     let client = options
-        .event_callback(|event| async move {
-            match event {
-                async_nats::Event::Disconnected => warn!("replication_nats_disconnected"),
-                async_nats::Event::Connected => info!("replication_nats_connected"),
-                other => info!(event = %other, "replication_nats_event"),
+        .event_callback(move |event| {
+            let counters = counters.clone();
+            async move {
+                match event {
+                    async_nats::Event::Disconnected => {
+                        counters.connected.store(false, Ordering::Relaxed);
+                        warn!("replication_nats_disconnected");
+                    }
+                    async_nats::Event::Connected => {
+                        counters.connected.store(true, Ordering::Relaxed);
+                        info!("replication_nats_connected");
+                    }
+                    other => info!(event = %other, "replication_nats_event"),
+                }
             }
         })
         .connect(settings.url.as_str())
