@@ -109,6 +109,12 @@ section() {
           "target/release/replication --rates 100000,300000,1000000 --seconds 10"
         "$TARGET/release/replication" --server-bin "$TARGET/release/inferencecache-server" \
           --rates 100000,300000,1000000 --seconds 10 || true
+        echo
+        echo "Marker lag: a one-block update every 100 ms through the servers in turn, from its Ack to the"
+        echo "last server answering it. Backlog left at the stop: records the producers had sent (and were"
+        echo "acked) that some server had not applied when the producers stopped, as the time until every"
+        echo "server had; it is the lag of the end of an overloaded phase. All processes share the 2 cores:"
+        echo "each server applies every block, so 3 servers at 1 M blocks/s are 3 M applied blocks/s."
       } >"$RES/replication.tmp" && mv "$RES/replication.tmp" "$RES/replication.md" ;;
     *)
       echo "unknown section: $1 (w1m, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc, checkpoint, replication)" >&2; exit 2 ;;

@@ -60,6 +60,9 @@ struct Cli {
     /// Lookups per round and server in the comparison.
     #[arg(long, default_value_t = 20_000)]
     lookups: u64,
+    /// Print each second's stream position, outbox and applied blocks of the first server.
+    #[arg(long)]
+    verbose: bool,
     /// Write the Markdown report here too.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -446,7 +449,7 @@ async fn main() -> Result<(), Error> {
     drop(alone);
     writeln!(
         report,
-        "\n| offered blocks/s | sent blocks/s (producers, after backpressure) | applied blocks/s (per server, min) | lag p50 | lag p99 | lag max | dropped records | stream bytes / 1M blocks | messages / 1M blocks |\n|---|---|---|---|---|---|---|---|---|"
+        "\n| offered blocks/s | sent blocks/s (producers, after backpressure) | applied blocks/s (per server, min, over the phase and its drain) | marker lag p50 | marker lag p99 | marker lag max | backlog left at the stop (s to drain) | dropped records | stream bytes / 1M blocks | messages / 1M blocks |\n|---|---|---|---|---|---|---|---|---|---|"
     )?;
     let mut next_chain = 0u64;
     for &rate in &cli.rates {
@@ -481,7 +484,21 @@ async fn main() -> Result<(), Error> {
         }
         let probe = tokio::spawn(probe_lag(probes, stop.clone()));
         let started = Instant::now();
-        tokio::time::sleep(Duration::from_secs(cli.seconds)).await;
+        for second in 0..cli.seconds {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if cli.verbose {
+                let s = &servers[0];
+                eprintln!(
+                    "  t={}s s0: applied seq {} of {}, outbox {}, blocks applied {}",
+                    second + 1,
+                    metric(s.http, "inferencecache_replication_applied_sequence"),
+                    metric(s.http, "inferencecache_replication_applied_sequence")
+                        + metric(s.http, "inferencecache_replication_lag_messages"),
+                    metric(s.http, "inferencecache_replication_buffered_records"),
+                    metric(s.http, "inferencecache_ingest_blocks_total"),
+                );
+            }
+        }
         stop.store(true, Ordering::Relaxed);
         for t in tasks {
             t.await??;
@@ -502,18 +519,20 @@ async fn main() -> Result<(), Error> {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
+        let drained_s = drain.elapsed().as_secs_f64();
         let (bytes1, msgs1) = jsz(monitor);
         let per_m = |d: u64| d as f64 / (target / 1e6).max(1e-9);
         let min_applied = applied_s.iter().copied().fold(f64::INFINITY, f64::min);
         writeln!(
             report,
-            "| {} | {:.0} | {:.0} | {:.1} ms | {:.1} ms | {:.1} ms | {} | {:.1} MB | {:.0} |",
+            "| {} | {:.0} | {:.0} | {:.1} ms | {:.1} ms | {:.1} ms | {:.2} s | {} | {:.1} MB | {:.0} |",
             rate,
             target / offered_s,
             min_applied,
             lag.value_at_quantile(0.5) as f64 / 1e3,
             lag.value_at_quantile(0.99) as f64 / 1e3,
             lag.max() as f64 / 1e3,
+            drained_s,
             servers
                 .iter()
                 .map(|s| metric(s.http, "inferencecache_replication_dropped_records_total"))
