@@ -466,28 +466,32 @@ impl Index {
                 },
             )
             .0;
-        let (rec, created) = self.models.get_or_insert(
+        // Absent under the record lock, which every creator holds: this call creates it.
+        let rec = Arc::new(ModelRec {
+            tenant: tenant.clone(),
+            name: m.into(),
+            keys: AtomicI64::new(0),
+            hot: AtomicI64::new(0),
+            gauge: gauge.clone(),
+            stats: crate::dir::Rcu::new(Vec::new()),
+            parts: Mutex::new(Vec::new()),
+            life: crate::dir::Life::new(),
+        });
+        // Listed before it is linked: a record reachable through the directory is in every
+        // list that walks its kind (see `enter_part`).
+        gauge.pairs.fetch_add(1, Ordering::Relaxed);
+        tenant.models.lock().push(rec.clone());
+        self.all_models.lock().push(rec.clone());
+        let (linked, created) = self.models.get_or_insert(
             hash_strs(&[t, m]),
             |r| same_str(&r.tenant.name, t) && same_str(&r.name, m),
-            || {
-                Arc::new(ModelRec {
-                    tenant: tenant.clone(),
-                    name: m.into(),
-                    keys: AtomicI64::new(0),
-                    hot: AtomicI64::new(0),
-                    gauge: gauge.clone(),
-                    stats: crate::dir::Rcu::new(Vec::new()),
-                    parts: Mutex::new(Vec::new()),
-                    life: crate::dir::Life::new(),
-                })
-            },
+            || rec.clone(),
         );
-        if created {
-            gauge.pairs.fetch_add(1, Ordering::Relaxed);
-            tenant.models.lock().push(rec.clone());
-            self.all_models.lock().push(rec.clone());
-        }
-        rec
+        debug_assert!(
+            created,
+            "(tenant, model) pairs are created under the record lock"
+        );
+        linked
     }
 
     /// The (tenant, model) record, entered for a stats write (see [`crate::dir::Life`]); the
@@ -543,7 +547,30 @@ impl Index {
                 || Arc::new(ScopeRec::new(t.into(), m.into(), s.into())),
             )
             .0;
-        let (p, created) = self.parts.get_or_insert(
+        let p = Arc::new(Partition {
+            tenant: model.tenant.clone(),
+            model: model.clone(),
+            scope: scope.clone(),
+            scheme: s.into(),
+            adapter: a.into(),
+            table: crate::table::KeyTable::new(),
+            keys: AtomicI64::new(0),
+            entries: AtomicI64::new(0),
+            life: crate::dir::Life::new(),
+        });
+        // Listed before it is linked. Once linked, any writer finds it without the record
+        // lock and may store entries in it; the walks that must see every such entry go
+        // through the lists (ALL_CLEARED and PREFIX_EVICTED through the model's, the sweep
+        // and the cap through `all_parts`). Linked first, a probe's cleanup could run between
+        // a second writer's ingest and the listing and miss that writer's entry for good.
+        scope.parts.fetch_add(1, Ordering::Relaxed);
+        model.parts.lock().push(p.clone());
+        {
+            let mut all = self.all_parts.lock();
+            all.push(p.clone());
+            self.all_parts_len.store(all.len(), Ordering::Release);
+        }
+        let (_, created) = self.parts.get_or_insert(
             hash_strs(&[t, m, s, a]),
             |p| {
                 same_str(&p.adapter, a)
@@ -551,27 +578,11 @@ impl Index {
                     && same_str(&p.model.name, m)
                     && same_str(&p.tenant.name, t)
             },
-            || {
-                Arc::new(Partition {
-                    tenant: model.tenant.clone(),
-                    model: model.clone(),
-                    scope: scope.clone(),
-                    scheme: s.into(),
-                    adapter: a.into(),
-                    table: crate::table::KeyTable::new(),
-                    keys: AtomicI64::new(0),
-                    entries: AtomicI64::new(0),
-                    life: crate::dir::Life::new(),
-                })
-            },
+            || p,
         );
-        if created {
-            scope.parts.fetch_add(1, Ordering::Relaxed);
-            model.parts.lock().push(p.clone());
-            let mut all = self.all_parts.lock();
-            all.push(p.clone());
-            self.all_parts_len.store(all.len(), Ordering::Release);
-        }
+        debug_assert!(created, "partitions are created under the record lock");
+        #[cfg(all(test, not(loom)))]
+        tests::after_partition_link();
         let p = self
             .part_ref(t, m, s, a, guard)
             .expect("partition just inserted is present");
@@ -3635,6 +3646,103 @@ mod tests {
             // SAFETY: our own run, no node names it (the boxed nodes hold no reference).
             assert!(unsafe { ChainRun::seal(run, 0, |_| false, &Default::default(), &guard) } > 0);
         }
+    }
+
+    std::thread_local! {
+        /// What `enter_part` runs on this thread right after it links a new partition.
+        static AFTER_PARTITION_LINK: std::cell::RefCell<Option<Box<dyn FnMut()>>> =
+            std::cell::RefCell::new(None);
+    }
+
+    /// Test hook of `enter_part`: the moment a new partition becomes reachable by other
+    /// writers (see `a_partition_is_listed_before_other_writers_can_reach_it`).
+    pub(super) fn after_partition_link() {
+        AFTER_PARTITION_LINK.with(|hook| {
+            if let Some(f) = hook.borrow_mut().as_mut() {
+                f();
+            }
+        });
+    }
+
+    /// The partition-creation race behind the reserved entries a concurrent `/probe` left
+    /// (issue 28): the creating writer stops right after the new partition becomes reachable
+    /// while a second writer finds it, stores its own entry and sends ALL_CLEARED for its
+    /// replica. The clear walks the (tenant, model) pair's partition list, so it must find
+    /// the partition there: with the partition linked before it was listed, the second
+    /// writer's entry survived its own clear (this test failed with 1 entry left).
+    #[test]
+    fn a_partition_is_listed_before_other_writers_can_reach_it() {
+        let ix = Arc::new(Index::new(
+            IndexConfig::default(),
+            Arc::new(DefaultResolvers),
+            Arc::new(ManualClock::new(NOW)),
+        ));
+        let ingest = |ix: &Index, rep: &str| {
+            ix.ingest(CacheStateUpdate {
+                replica_id: rep,
+                model_id: "m",
+                tenant_id: crate::config::PROBE_TENANT,
+                hash_scheme: "s",
+                timestamp_us: NOW,
+                adapter_id: "",
+                stats: None,
+                prefixes: std::iter::once(PrefixRef::<&[u8]> {
+                    prefix_hash: b"probe-key",
+                    token_count: 16,
+                    block_hashes: &[],
+                    block_token_counts: &[],
+                    tier: 0,
+                    adapter_id: "",
+                }),
+            })
+        };
+        let clear = |ix: &Index, rep: &str| {
+            ix.apply_event(CacheEventInput {
+                event_type: crate::types::event_type::ALL_CLEARED,
+                replica_id: rep,
+                model_id: "m",
+                tenant_id: crate::config::PROBE_TENANT,
+                prefix_hash: &[],
+                timestamp_us: NOW,
+                adapter_id: "",
+            })
+        };
+        let (to_second, second_starts) = std::sync::mpsc::channel::<()>();
+        let (to_first, second_done) = std::sync::mpsc::channel::<()>();
+        let second = {
+            let ix = ix.clone();
+            std::thread::spawn(move || {
+                second_starts
+                    .recv()
+                    .expect("the first writer linked the partition");
+                ingest(&ix, "b");
+                let stored = ix.reserved_storage_entries();
+                clear(&ix, "b");
+                to_first.send(()).expect("the first writer waits");
+                stored
+            })
+        };
+        AFTER_PARTITION_LINK.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                to_second.send(()).expect("the second writer waits");
+                second_done.recv().expect("the second writer cleared");
+            }))
+        });
+        ingest(&ix, "a");
+        AFTER_PARTITION_LINK.with(|hook| hook.borrow_mut().take());
+        assert_eq!(
+            second.join().expect("second writer"),
+            1,
+            "the second writer stored its entry in the new partition"
+        );
+        assert_eq!(
+            ix.entry(crate::config::PROBE_TENANT, "m", "s", "", b"probe-key", "b"),
+            None,
+            "ALL_CLEARED for b removed b's entry"
+        );
+        assert_eq!(ix.reserved_storage_entries(), 1, "a's entry only");
+        clear(&ix, "a");
+        assert_eq!(ix.reserved_storage_entries(), 0);
     }
 }
 
