@@ -469,7 +469,8 @@ impl Index {
         // Absent under the record lock, which every creator holds: this call creates it.
         let rec = Arc::new(ModelRec {
             tenant: tenant.clone(),
-            name: m.into(),
+            // The gauge's copy: one per model name, whatever the tenants.
+            name: gauge.model.clone(),
             keys: AtomicI64::new(0),
             hot: AtomicI64::new(0),
             gauge: gauge.clone(),
@@ -544,14 +545,21 @@ impl Index {
             .get_or_insert(
                 hash_strs(&[t, m, s]),
                 |r| same_str(&r.tenant, t) && same_str(&r.model, m) && same_str(&r.scheme, s),
-                || Arc::new(ScopeRec::new(t.into(), m.into(), s.into())),
+                // The names are the pair's (shared, not copied).
+                || {
+                    Arc::new(ScopeRec::new(
+                        model.tenant.name.clone(),
+                        model.name.clone(),
+                        s.into(),
+                    ))
+                },
             )
             .0;
         let p = Arc::new(Partition {
             tenant: model.tenant.clone(),
             model: model.clone(),
             scope: scope.clone(),
-            scheme: s.into(),
+            scheme: scope.scheme.clone(),
             adapter: a.into(),
             table: crate::table::KeyTable::new(),
             keys: AtomicI64::new(0),
