@@ -787,7 +787,7 @@ impl ScopeRec {
         let label = label_between(lo, hi);
         let id = ReplicaId::intern(name);
         let rec = Arc::new(ScopeReplica {
-            name: id,
+            name: id.clone(),
             serving: AtomicI64::new(0),
             stats_hint: StdAtomicU32::new(u32::MAX),
             label,
@@ -846,7 +846,7 @@ impl ScopeRec {
         let mut names = self.names.lock();
         let guard = epoch::pin();
         let mut gone = Vec::new();
-        for (&id, &i) in names.by_name.iter() {
+        for (id, &i) in names.by_name.iter() {
             let rec = self.slot(i);
             if rec.serving.load(Ordering::Acquire) != 0 || !rec.life.try_retire() {
                 continue;
@@ -855,16 +855,17 @@ impl ScopeRec {
                 rec.life.revive();
                 continue;
             }
-            gone.push((id, i));
+            gone.push((id.clone(), i));
         }
-        for &(id, i) in &gone {
+        let reclaimed = gone.len();
+        for (id, i) in gone {
             names.by_name.remove(&id);
             let rec: *const ScopeReplica = self.slot(i);
             self.lookup.remove(hash_strs(&[&id]), rec);
             let scope = self.clone();
             guard.defer(move || scope.free.lock().push(i));
         }
-        gone.len()
+        reclaimed
     }
     /// The replica named `name` (reader side, wait-free).
     #[inline]
@@ -1041,7 +1042,7 @@ mod tests {
                 None,
                 "four live replicas fill it"
             );
-            let [kept, busy, gone] = [got[0], got[1], got[2]].map(|i| scope.slot(i).name);
+            let [kept, busy, gone] = [got[0], got[1], got[2]].map(|i| scope.slot(i).name.clone());
             scope.slot(got[0]).serving.store(1, Ordering::Relaxed);
             let entered = scope.intern_within(&busy, 4).expect("named");
             assert_eq!(entered, got[1]);

@@ -98,7 +98,9 @@ struct Ranked {
     /// Order label of the replica's id (`ScopeReplica::label`; TENANT_HOT: its position in
     /// id order): the tie-break of R4 and R5, with `name` deciding equal labels.
     rank: u64,
-    name: ReplicaId,
+    /// The replica's id, borrowed from its scope slot or stats record under the lookup's
+    /// guard (see `BorrowedId`): only the returned scores count their ids.
+    name: crate::replica_id::BorrowedId,
 }
 
 /// Reusable scratch space for [`Index::match_chain_into`].
@@ -1123,7 +1125,7 @@ impl Index {
                 Ok(i) => {
                     let old = &v[i];
                     v2[i] = rec(
-                        old.replica,
+                        old.replica.clone(),
                         old.last_seen_ms.max(last_seen_ms),
                         old.reported_ms.max(reported_ms),
                     );
@@ -1984,7 +1986,7 @@ impl Index {
                     fresh: f,
                     tier: r.tier,
                     rank: rr.label,
-                    name: rr.name,
+                    name: rr.name.borrow_id(),
                 });
                 if capture {
                     for &np in buf.scratch.nodes[..r.blocks as usize].iter() {
@@ -1992,7 +1994,7 @@ impl Index {
                         let node = unsafe { &*(np as *const KeyNode) };
                         if let Some(h) = node.holder(r.rep) {
                             buf.hits.hits.push(Hit {
-                                replica: rr.name,
+                                replica: rr.name.clone(),
                                 rep: r.rep,
                                 key: own_key(node.key()),
                                 generation: h.generation(),
@@ -2048,11 +2050,11 @@ impl Index {
                     fresh: f,
                     tier: h.tier(),
                     rank: rr.label,
-                    name: rr.name,
+                    name: rr.name.borrow_id(),
                 });
                 if capture && h.tokens() > 0 {
                     buf.hits.hits.push(Hit {
-                        replica: rr.name,
+                        replica: rr.name.clone(),
                         rep: h.rep(),
                         key: own_key(node.key()),
                         generation: h.generation(),
@@ -2245,7 +2247,7 @@ impl Index {
                 fresh: st.hit_rate,
                 tier: 0,
                 rank: i as u64,
-                name: st.replica,
+                name: st.replica.borrow_id(),
             });
         }
         emit_ranked(ranked, out);
@@ -2308,7 +2310,7 @@ impl Index {
             .load(&guard)
             .iter()
             .filter(|r| r.serving.load(Ordering::Relaxed) > 0)
-            .map(|r| r.name)
+            .map(|r| r.name.clone())
             .collect();
         if cands.is_empty() {
             return None;
@@ -2318,7 +2320,7 @@ impl Index {
         let mut b = [0u8; 8];
         b.copy_from_slice(&d[..8]);
         let idx = (u64::from_be_bytes(b) % cands.len() as u64) as usize;
-        Some(cands[idx])
+        Some(cands.swap_remove(idx))
     }
 
     // ----------------------------------------------------------------------------------------
@@ -2418,10 +2420,10 @@ impl Index {
                         continue;
                     };
                     let row = rows
-                        .entry((p.tenant.name.clone(), rr.name))
+                        .entry((p.tenant.name.clone(), rr.name.clone()))
                         .or_insert_with(|| Row {
                             tenant: p.tenant.name.clone(),
-                            replica: rr.name,
+                            replica: rr.name.clone(),
                             prefix_count: 0,
                             last_event_ms: None,
                             stats: None,
@@ -2439,10 +2441,10 @@ impl Index {
         for m in models.iter().filter(|m| !m.tenant.reserved) {
             for st in m.stats.load(&guard).iter() {
                 let row = rows
-                    .entry((m.tenant.name.clone(), st.replica))
+                    .entry((m.tenant.name.clone(), st.replica.clone()))
                     .or_insert_with(|| Row {
                         tenant: m.tenant.name.clone(),
-                        replica: st.replica,
+                        replica: st.replica.clone(),
                         prefix_count: 0,
                         last_event_ms: None,
                         stats: None,
@@ -3297,7 +3299,8 @@ fn evict_slot(a: Algorithm, r: EvictionReason) -> usize {
 fn by_id(a: &Ranked, b: &Ranked) -> std::cmp::Ordering {
     a.rank
         .cmp(&b.rank)
-        .then_with(|| a.name.as_str().cmp(b.name.as_str()))
+        // SAFETY: ranked entries are compared within the lookup that borrowed their ids.
+        .then_with(|| unsafe { a.name.as_str().cmp(b.name.as_str()) })
 }
 
 /// R5 on ranked entries: score desc, then replica id asc.
@@ -3314,7 +3317,8 @@ fn sort_ranked(v: &mut [Ranked]) {
 fn emit_ranked(ranked: &mut [Ranked], out: &mut Vec<ScoredReplica>) {
     sort_ranked(ranked);
     out.extend(ranked.iter().map(|s| ScoredReplica {
-        replica_id: s.name,
+        // SAFETY: emitted within the lookup that borrowed the id (its guard still pinned).
+        replica_id: unsafe { s.name.to_owned() },
         score: s.score,
         matched_tokens: s.matched,
         estimated_cache_hit_prob: s.fresh,
@@ -3654,6 +3658,77 @@ mod tests {
             // SAFETY: our own run, no node names it (the boxed nodes hold no reference).
             assert!(unsafe { ChainRun::seal(run, 0, |_| false, &Default::default(), &guard) } > 0);
         }
+    }
+
+    /// Rolling restarts forever (issue 28): 64 pods of one scope, each renamed after holding
+    /// one entry, 20,000 names over time. Once a renamed pod's entry and stats are gone and
+    /// the sweep reclaimed its slot, its id leaves the interner (with the epoch that frees the
+    /// slot's record): the interner holds about the live fleet, not every name ever seen.
+    #[test]
+    fn renamed_pods_leave_the_interner() {
+        let clock = Arc::new(ManualClock::new(NOW));
+        let ix = Index::new(
+            IndexConfig::default(),
+            Arc::new(DefaultResolvers),
+            clock.clone(),
+        );
+        let pod = |k: usize| format!("rolling-pod-{k:06}");
+        let ingest = |name: &str, key: u64| {
+            ix.ingest(CacheStateUpdate {
+                replica_id: name,
+                model_id: "m",
+                tenant_id: "t",
+                hash_scheme: "s",
+                timestamp_us: NOW,
+                adapter_id: "",
+                stats: Some(ReplicaStatsInput::default()),
+                prefixes: std::iter::once(PrefixRef::<&[u8]> {
+                    prefix_hash: &key.to_be_bytes(),
+                    token_count: 16,
+                    block_hashes: &[],
+                    block_token_counts: &[],
+                    tier: 0,
+                    adapter_id: "",
+                }),
+            });
+        };
+        let mut most = 0;
+        for k in 0..20_000usize {
+            ingest(&pod(k), k as u64);
+            if k >= 64 {
+                // The pod renamed away: its entry and stats go (ALL_CLEARED).
+                ix.apply_event(CacheEventInput {
+                    event_type: crate::types::event_type::ALL_CLEARED,
+                    replica_id: &pod(k - 64),
+                    model_id: "m",
+                    tenant_id: "t",
+                    prefix_hash: &[],
+                    timestamp_us: NOW,
+                    adapter_id: "",
+                });
+            }
+            if k % 1_000 == 999 {
+                ix.sweep_now();
+                for _ in 0..4 {
+                    epoch::pin().flush();
+                }
+                most = most.max(crate::replica_id::interned_with_prefix("rolling-pod-"));
+            }
+        }
+        assert_eq!(ix.storage_entries(), 64);
+        assert!(
+            most <= 64 + 1_000 + 128,
+            "the interner holds about the live fleet: {most} ids (20,000 seen)"
+        );
+        drop(ix);
+        for _ in 0..8 {
+            epoch::pin().flush();
+        }
+        assert_eq!(
+            crate::replica_id::interned_with_prefix("rolling-pod-"),
+            0,
+            "nothing is left once the index is gone"
+        );
     }
 
     std::thread_local! {
