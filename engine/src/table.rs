@@ -1693,6 +1693,20 @@ impl KeyTable {
         }
     }
 
+    /// The writer of shard `i` if a writer created it: removal paths and walks, which have
+    /// nothing to do in a shard that holds no key and must not create it (a sweep that walked
+    /// all sixteen shards of every partition used to create the fifteen a one-key partition
+    /// lacks: ~10 KiB per partition, allocated by the sweep that was reclaiming it).
+    pub(crate) fn writer_if_created(&self, i: usize) -> Option<ShardWriter<'_>> {
+        let shard = self.shard(i)?;
+        self.reaper.free_all();
+        Some(ShardWriter {
+            shard,
+            table: self,
+            st: shard.w.lock(),
+        })
+    }
+
     /// Non-blocking walk over every live node (snapshot; may miss or repeat nodes moved by a
     /// concurrent rebuild; exact when writes quiesce).
     pub(crate) fn for_each_node<'g>(&self, guard: &'g Guard, mut f: impl FnMut(&'g KeyNode)) {
