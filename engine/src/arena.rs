@@ -10,9 +10,9 @@
 //!
 //! # Layout
 //!
-//! Memory comes in chunks: the first is 256 bytes and each new one doubles, up to 256 KiB (so
+//! Memory comes in chunks: the first is 128 bytes and each new one doubles, up to 256 KiB (so
 //! a partition with a handful of keys stays small: a new tenant's first entry used to take a
-//! 4 KiB first chunk, half of what that tenant cost). A node index is `chunk << 15 | offset`, the
+//! 4 KiB first chunk, half of what that tenant cost, then 256 bytes). A node index is `chunk << 15 | offset`, the
 //! offset in 8-byte units (2^15 units = 256 KiB), the chunk id up to 2^17. Chunk id 0 is never
 //! used, so index 0 means "no node". While the chunk ids stay below 2^9 (~128 MiB of nodes)
 //! every index fits in 24 bits, which is what lets a table pack a lane's tag and index into 4
@@ -64,8 +64,9 @@ const OFF_BITS: u32 = 15;
 const OFF_MASK: u32 = (1 << OFF_BITS) - 1;
 /// Largest chunk carved into nodes, in units.
 const MAX_CHUNK_UNITS: u32 = 1 << OFF_BITS;
-/// First chunk, in units (256 bytes).
-const FIRST_CHUNK_UNITS: u32 = 32;
+/// First chunk, in units (128 bytes: room for a few entries; a partition's first entry is
+/// part of what a new identity costs, issue 28's 1 KiB per record).
+const FIRST_CHUNK_UNITS: u32 = 16;
 /// Chunk ids are the upper 17 bits of an index.
 const MAX_CHUNKS: usize = 1 << (32 - OFF_BITS);
 /// Largest node carved from shared chunks (1 KiB: up to 63 holders with an 8-byte key); bigger
@@ -234,7 +235,12 @@ impl Arena {
             dir: StdAtomicPtr::new(Box::into_raw(Dir::with_capacity(4))),
             owner: Arc::new(Owner {
                 // Chunk id 0 stays unused: index 0 is "no node".
-                chunks: Mutex::new(vec![(0, 0)]),
+                // Room for the first chunk too, so a one-chunk arena does not regrow it.
+                chunks: Mutex::new({
+                    let mut v = Vec::with_capacity(2);
+                    v.push((0, 0));
+                    v
+                }),
                 freed: Mutex::new(Freed::default()),
                 has_freed: AtomicBool::new(false),
             }),
@@ -304,7 +310,9 @@ impl Drop for Arena {
 pub(crate) struct ArenaState {
     /// Free-list heads by size in units (intrusive: the next index is in a free node's first
     /// word; 0 ends a list).
-    heads: Box<[u32]>,
+    /// Allocated by the first node given back (a partition that never loses a node, like a
+    /// new tenant's first entry, does without its 516 bytes).
+    heads: Option<Box<[u32; MAX_CLASS_UNITS as usize + 1]>>,
     /// Bit `u` set: the free list of size `u` is not empty.
     avail: [u64; 3],
     /// Current chunk id, its next free unit and its size in units.
@@ -327,7 +335,7 @@ pub(crate) struct ArenaState {
 impl ArenaState {
     pub(crate) fn new() -> Self {
         Self {
-            heads: vec![0; MAX_CLASS_UNITS as usize + 1].into_boxed_slice(),
+            heads: None,
             avail: [0; 3],
             cur: 0,
             used: 0,
@@ -367,7 +375,7 @@ impl ArenaState {
             let idx = id << OFF_BITS;
             return (idx, a.node(idx));
         }
-        if self.heads[units as usize] == 0 {
+        if self.head(units) == 0 {
             self.take_back(a);
         }
         if let Some(idx) = self.pop(a, units) {
@@ -458,17 +466,26 @@ impl ArenaState {
     /// Pushes free node `idx` of `units` units (its epoch has passed) onto its list.
     fn push(&mut self, a: &Arena, idx: u32, units: u32) {
         let p = a.node(idx);
+        let heads = self
+            .heads
+            .get_or_insert_with(|| Box::new([0; MAX_CLASS_UNITS as usize + 1]));
         // SAFETY: a node of this arena that no reader can reach (its epoch has passed, or it is
         // the unused remainder of a split one): only the writer (us) touches it; its first word
         // becomes the free-list link.
-        unsafe { (p as *mut u32).write(self.heads[units as usize]) };
-        self.heads[units as usize] = idx;
+        unsafe { (p as *mut u32).write(heads[units as usize]) };
+        heads[units as usize] = idx;
         self.avail[units as usize / 64] |= 1 << (units % 64);
+    }
+
+    /// The first free node of `units` units (0: none).
+    #[inline]
+    fn head(&self, units: u32) -> u32 {
+        self.heads.as_ref().map_or(0, |h| h[units as usize])
     }
 
     /// Pops a free node of exactly `units` units.
     fn pop(&mut self, a: &Arena, units: u32) -> Option<u32> {
-        let head = self.heads[units as usize];
+        let head = self.head(units);
         if head == 0 {
             return None;
         }
@@ -477,7 +494,9 @@ impl ArenaState {
         // SAFETY: a free node of this class: its first word holds the next free index (written
         // by `push`); no reader can reach it.
         let next = unsafe { (a.node(head) as *const u32).read() };
-        self.heads[units as usize] = next;
+        if let Some(heads) = self.heads.as_mut() {
+            heads[units as usize] = next;
+        }
         if next == 0 {
             self.avail[units as usize / 64] &= !(1 << (units % 64));
         }

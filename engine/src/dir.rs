@@ -137,8 +137,9 @@ impl<T> DirTable<T> {
     }
 }
 
-/// Buckets of a new directory (one cache line of pointers).
-const DIR_MIN_BUCKETS: usize = 8;
+/// Buckets of a new directory (and the fewest a shrinking one keeps). Small, because every
+/// scope has a directory of its replicas, most of them with a handful.
+const DIR_MIN_BUCKETS: usize = 2;
 
 /// A directory of records keyed by a string-tuple hash: a hash table of singly linked bucket
 /// lists, read wait-free under an epoch guard, written under one mutex.
@@ -545,10 +546,11 @@ pub(crate) fn label_between(lo: Option<u64>, hi: Option<u64>) -> u64 {
     }
 }
 
-/// First slot chunk's length; chunk `k` holds `SLOT_BASE << k` slots.
-const SLOT_BASE: usize = 16;
-/// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^17 − 1) ≥ 2^20`.
-const SLOT_CHUNKS: usize = 17;
+/// First slot chunk's length; chunk `k` holds `SLOT_BASE << k` slots. (Small: most scopes
+/// name a handful of replicas, and every scope with one pays for its first chunk.)
+const SLOT_BASE: usize = 4;
+/// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^19 − 1) ≥ 2^20`.
+const SLOT_CHUNKS: usize = 19;
 
 /// Chunk and offset of slot `i`: chunk `k` starts at `SLOT_BASE · (2^k − 1)`.
 #[inline]
@@ -701,8 +703,10 @@ pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::table::REP_MASK as usize + 1
 /// Writer-side state of a scope's replica names.
 #[derive(Default)]
 pub(crate) struct ScopeNames {
-    /// Id → (local index, label), in id order (the neighbours give a new id's label).
-    by_name: std::collections::BTreeMap<ReplicaId, (u32, u64)>,
+    /// Id → local index, in id order (the neighbours' slots give a new id's label). Labels
+    /// are read from the slots rather than kept here: a map leaf of (id, index) pairs is 240
+    /// bytes, with the labels it was 384, and every scope has one.
+    by_name: std::collections::BTreeMap<ReplicaId, u32>,
 }
 
 /// A scope (tenant, model, scheme).
@@ -751,7 +755,7 @@ impl ScopeRec {
 
     fn intern_within(&self, name: &str, limit: usize) -> Option<u32> {
         let mut names = self.names.lock();
-        if let Some(&(i, _)) = names.by_name.get(name) {
+        if let Some(&i) = names.by_name.get(name) {
             // Slots are retired under the name lock, together with their name: a named slot
             // is live.
             let entered = self.slot(i).life.enter();
@@ -774,16 +778,16 @@ impl ScopeRec {
             .by_name
             .range::<str, _>((Unbounded, Excluded(name)))
             .next_back()
-            .map(|(_, &(_, l))| l);
+            .map(|(_, &j)| self.slot(j).label);
         let hi = names
             .by_name
             .range::<str, _>((Excluded(name), Unbounded))
             .next()
-            .map(|(_, &(_, l))| l);
+            .map(|(_, &j)| self.slot(j).label);
         let label = label_between(lo, hi);
         let id = ReplicaId::intern(name);
         let rec = Arc::new(ScopeReplica {
-            name: id,
+            name: id.clone(),
             serving: AtomicI64::new(0),
             stats_hint: StdAtomicU32::new(u32::MAX),
             label,
@@ -793,7 +797,7 @@ impl ScopeRec {
         self.replicas.set(i, rec.clone());
         self.lookup
             .get_or_insert(hash_strs(&[name]), |r| same_str(&r.name, name), || rec);
-        names.by_name.insert(id, (i as u32, label));
+        names.by_name.insert(id, i as u32);
         Some(i as u32)
     }
 
@@ -813,14 +817,14 @@ impl ScopeRec {
     /// be given to another id until the caller [`exit`](ScopeRec::exit)s).
     pub(crate) fn enter_existing(&self, name: &str) -> Option<u32> {
         let names = self.names.lock();
-        let &(i, _) = names.by_name.get(name)?;
+        let &i = names.by_name.get(name)?;
         self.slot(i).life.enter().then_some(i)
     }
 
     /// Local index of `name` if known (tests).
     #[cfg(all(test, not(loom)))]
     pub(crate) fn index_of(&self, name: &str) -> Option<u32> {
-        self.names.lock().by_name.get(name).map(|&(i, _)| i)
+        self.names.lock().by_name.get(name).copied()
     }
 
     /// Ids currently named by the scope.
@@ -842,7 +846,7 @@ impl ScopeRec {
         let mut names = self.names.lock();
         let guard = epoch::pin();
         let mut gone = Vec::new();
-        for (&id, &(i, _)) in names.by_name.iter() {
+        for (id, &i) in names.by_name.iter() {
             let rec = self.slot(i);
             if rec.serving.load(Ordering::Acquire) != 0 || !rec.life.try_retire() {
                 continue;
@@ -851,16 +855,17 @@ impl ScopeRec {
                 rec.life.revive();
                 continue;
             }
-            gone.push((id, i));
+            gone.push((id.clone(), i));
         }
-        for &(id, i) in &gone {
+        let reclaimed = gone.len();
+        for (id, i) in gone {
             names.by_name.remove(&id);
             let rec: *const ScopeReplica = self.slot(i);
             self.lookup.remove(hash_strs(&[&id]), rec);
             let scope = self.clone();
             guard.defer(move || scope.free.lock().push(i));
         }
-        gone.len()
+        reclaimed
     }
     /// The replica named `name` (reader side, wait-free).
     #[inline]
@@ -1037,7 +1042,7 @@ mod tests {
                 None,
                 "four live replicas fill it"
             );
-            let [kept, busy, gone] = [got[0], got[1], got[2]].map(|i| scope.slot(i).name);
+            let [kept, busy, gone] = [got[0], got[1], got[2]].map(|i| scope.slot(i).name.clone());
             scope.slot(got[0]).serving.store(1, Ordering::Relaxed);
             let entered = scope.intern_within(&busy, 4).expect("named");
             assert_eq!(entered, got[1]);

@@ -787,7 +787,7 @@ impl Index {
                                 p.scheme.clone(),
                                 p.adapter.clone(),
                                 node.key().to_vec(),
-                                reps[rep as usize].name,
+                                reps[rep as usize].name.clone(),
                             );
                             let v = Victim {
                                 rank,

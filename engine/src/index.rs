@@ -100,7 +100,9 @@ struct Ranked {
     /// Order label of the replica's id (`ScopeReplica::label`; TENANT_HOT: its position in
     /// id order): the tie-break of R4 and R5, with `name` deciding equal labels.
     rank: u64,
-    name: ReplicaId,
+    /// The replica's id, borrowed from its scope slot or stats record under the lookup's
+    /// guard (see `BorrowedId`): only the returned scores count their ids.
+    name: crate::replica_id::BorrowedId,
 }
 
 /// Reusable scratch space for [`Index::match_chain_into`].
@@ -476,28 +478,33 @@ impl Index {
                 },
             )
             .0;
-        let (rec, created) = self.models.get_or_insert(
+        // Absent under the record lock, which every creator holds: this call creates it.
+        let rec = Arc::new(ModelRec {
+            tenant: tenant.clone(),
+            // The gauge's copy: one per model name, whatever the tenants.
+            name: gauge.model.clone(),
+            keys: AtomicI64::new(0),
+            hot: AtomicI64::new(0),
+            gauge: gauge.clone(),
+            stats: crate::dir::Rcu::new(Vec::new()),
+            parts: Mutex::new(Vec::new()),
+            life: crate::dir::Life::new(),
+        });
+        // Listed before it is linked: a record reachable through the directory is in every
+        // list that walks its kind (see `enter_part`).
+        gauge.pairs.fetch_add(1, Ordering::Relaxed);
+        tenant.models.lock().push(rec.clone());
+        self.all_models.lock().push(rec.clone());
+        let (linked, created) = self.models.get_or_insert(
             hash_strs(&[t, m]),
             |r| same_str(&r.tenant.name, t) && same_str(&r.name, m),
-            || {
-                Arc::new(ModelRec {
-                    tenant: tenant.clone(),
-                    name: m.into(),
-                    keys: AtomicI64::new(0),
-                    hot: AtomicI64::new(0),
-                    gauge: gauge.clone(),
-                    stats: crate::dir::Rcu::new(Vec::new()),
-                    parts: Mutex::new(Vec::new()),
-                    life: crate::dir::Life::new(),
-                })
-            },
+            || rec.clone(),
         );
-        if created {
-            gauge.pairs.fetch_add(1, Ordering::Relaxed);
-            tenant.models.lock().push(rec.clone());
-            self.all_models.lock().push(rec.clone());
-        }
-        rec
+        debug_assert!(
+            created,
+            "(tenant, model) pairs are created under the record lock"
+        );
+        linked
     }
 
     /// The (tenant, model) record, entered for a stats write (see [`crate::dir::Life`]); the
@@ -550,10 +557,40 @@ impl Index {
             .get_or_insert(
                 hash_strs(&[t, m, s]),
                 |r| same_str(&r.tenant, t) && same_str(&r.model, m) && same_str(&r.scheme, s),
-                || Arc::new(ScopeRec::new(t.into(), m.into(), s.into())),
+                // The names are the pair's (shared, not copied).
+                || {
+                    Arc::new(ScopeRec::new(
+                        model.tenant.name.clone(),
+                        model.name.clone(),
+                        s.into(),
+                    ))
+                },
             )
             .0;
-        let (p, created) = self.parts.get_or_insert(
+        let p = Arc::new(Partition {
+            tenant: model.tenant.clone(),
+            model: model.clone(),
+            scope: scope.clone(),
+            scheme: scope.scheme.clone(),
+            adapter: a.into(),
+            table: crate::table::KeyTable::new(),
+            keys: AtomicI64::new(0),
+            entries: AtomicI64::new(0),
+            life: crate::dir::Life::new(),
+        });
+        // Listed before it is linked. Once linked, any writer finds it without the record
+        // lock and may store entries in it; the walks that must see every such entry go
+        // through the lists (ALL_CLEARED and PREFIX_EVICTED through the model's, the sweep
+        // and the cap through `all_parts`). Linked first, a probe's cleanup could run between
+        // a second writer's ingest and the listing and miss that writer's entry for good.
+        scope.parts.fetch_add(1, Ordering::Relaxed);
+        model.parts.lock().push(p.clone());
+        {
+            let mut all = self.all_parts.lock();
+            all.push(p.clone());
+            self.all_parts_len.store(all.len(), Ordering::Release);
+        }
+        let (_, created) = self.parts.get_or_insert(
             hash_strs(&[t, m, s, a]),
             |p| {
                 same_str(&p.adapter, a)
@@ -561,27 +598,11 @@ impl Index {
                     && same_str(&p.model.name, m)
                     && same_str(&p.tenant.name, t)
             },
-            || {
-                Arc::new(Partition {
-                    tenant: model.tenant.clone(),
-                    model: model.clone(),
-                    scope: scope.clone(),
-                    scheme: s.into(),
-                    adapter: a.into(),
-                    table: crate::table::KeyTable::new(),
-                    keys: AtomicI64::new(0),
-                    entries: AtomicI64::new(0),
-                    life: crate::dir::Life::new(),
-                })
-            },
+            || p,
         );
-        if created {
-            scope.parts.fetch_add(1, Ordering::Relaxed);
-            model.parts.lock().push(p.clone());
-            let mut all = self.all_parts.lock();
-            all.push(p.clone());
-            self.all_parts_len.store(all.len(), Ordering::Release);
-        }
+        debug_assert!(created, "partitions are created under the record lock");
+        #[cfg(all(test, not(loom)))]
+        tests::after_partition_link();
         let p = self
             .part_ref(t, m, s, a, guard)
             .expect("partition just inserted is present");
@@ -1119,7 +1140,7 @@ impl Index {
                 Ok(i) => {
                     let old = &v[i];
                     v2[i] = rec(
-                        old.replica,
+                        old.replica.clone(),
                         old.last_seen_ms.max(last_seen_ms),
                         old.reported_ms.max(reported_ms),
                     );
@@ -1220,7 +1241,9 @@ impl Index {
         let mut removed = 0u64;
         for s in 0..SHARDS {
             let mut start = 0usize;
-            let mut w = part.table.writer(s);
+            let Some(mut w) = part.table.writer_if_created(s) else {
+                continue;
+            };
             let mut rb = w.rebuilds();
             loop {
                 let guard = epoch::pin();
@@ -1244,7 +1267,10 @@ impl Index {
                 }
                 start = end;
                 drop(w);
-                w = part.table.writer(s);
+                w = part
+                    .table
+                    .writer_if_created(s)
+                    .expect("a created shard lives as long as its table");
                 if w.rebuilds() != rb {
                     rb = w.rebuilds();
                     start = 0;
@@ -1353,7 +1379,9 @@ impl Index {
                     continue;
                 }
                 let pr = Probe::new(key);
-                let mut w = p.table.writer(KeyTable::shard_of(pr));
+                let Some(mut w) = p.table.writer_if_created(KeyTable::shard_of(pr)) else {
+                    continue;
+                };
                 let Some((i, node)) = w.find_p(pr, &guard) else {
                     continue;
                 };
@@ -1980,7 +2008,7 @@ impl Index {
                     fresh: f,
                     tier: r.tier,
                     rank: rr.label,
-                    name: rr.name,
+                    name: rr.name.borrow_id(),
                 });
                 if capture {
                     for &np in buf.scratch.nodes[..r.blocks as usize].iter() {
@@ -1988,7 +2016,7 @@ impl Index {
                         let node = unsafe { &*(np as *const KeyNode) };
                         if let Some(h) = node.holder(r.rep) {
                             buf.hits.hits.push(Hit {
-                                replica: rr.name,
+                                replica: rr.name.clone(),
                                 rep: r.rep,
                                 key: own_key(node.key()),
                                 generation: h.generation(),
@@ -2044,11 +2072,11 @@ impl Index {
                     fresh: f,
                     tier: h.tier(),
                     rank: rr.label,
-                    name: rr.name,
+                    name: rr.name.borrow_id(),
                 });
                 if capture && h.tokens() > 0 {
                     buf.hits.hits.push(Hit {
-                        replica: rr.name,
+                        replica: rr.name.clone(),
                         rep: h.rep(),
                         key: own_key(node.key()),
                         generation: h.generation(),
@@ -2241,7 +2269,7 @@ impl Index {
                 fresh: st.hit_rate,
                 tier: 0,
                 rank: i as u64,
-                name: st.replica,
+                name: st.replica.borrow_id(),
             });
         }
         emit_ranked(ranked, out);
@@ -2304,7 +2332,7 @@ impl Index {
             .load(&guard)
             .iter()
             .filter(|r| r.serving.load(Ordering::Relaxed) > 0)
-            .map(|r| r.name)
+            .map(|r| r.name.clone())
             .collect();
         if cands.is_empty() {
             return None;
@@ -2314,7 +2342,7 @@ impl Index {
         let mut b = [0u8; 8];
         b.copy_from_slice(&d[..8]);
         let idx = (u64::from_be_bytes(b) % cands.len() as u64) as usize;
-        Some(cands[idx])
+        Some(cands.swap_remove(idx))
     }
 
     // ----------------------------------------------------------------------------------------
@@ -2424,10 +2452,10 @@ impl Index {
                         continue;
                     };
                     let row = rows
-                        .entry((p.tenant.name.clone(), rr.name))
+                        .entry((p.tenant.name.clone(), rr.name.clone()))
                         .or_insert_with(|| Row {
                             tenant: p.tenant.name.clone(),
-                            replica: rr.name,
+                            replica: rr.name.clone(),
                             prefix_count: 0,
                             last_event_ms: None,
                             stats: None,
@@ -2445,10 +2473,10 @@ impl Index {
         for m in models.iter().filter(|m| !m.tenant.reserved) {
             for st in m.stats.load(&guard).iter() {
                 let row = rows
-                    .entry((m.tenant.name.clone(), st.replica))
+                    .entry((m.tenant.name.clone(), st.replica.clone()))
                     .or_insert_with(|| Row {
                         tenant: m.tenant.name.clone(),
-                        replica: st.replica,
+                        replica: st.replica.clone(),
                         prefix_count: 0,
                         last_event_ms: None,
                         stats: None,
@@ -3309,7 +3337,8 @@ fn evict_slot(a: Algorithm, r: EvictionReason) -> usize {
 fn by_id(a: &Ranked, b: &Ranked) -> std::cmp::Ordering {
     a.rank
         .cmp(&b.rank)
-        .then_with(|| a.name.as_str().cmp(b.name.as_str()))
+        // SAFETY: ranked entries are compared within the lookup that borrowed their ids.
+        .then_with(|| unsafe { a.name.as_str().cmp(b.name.as_str()) })
 }
 
 /// R5 on ranked entries: score desc, then replica id asc.
@@ -3326,7 +3355,8 @@ fn sort_ranked(v: &mut [Ranked]) {
 fn emit_ranked(ranked: &mut [Ranked], out: &mut Vec<ScoredReplica>) {
     sort_ranked(ranked);
     out.extend(ranked.iter().map(|s| ScoredReplica {
-        replica_id: s.name,
+        // SAFETY: emitted within the lookup that borrowed the id (its guard still pinned).
+        replica_id: unsafe { s.name.to_owned() },
         score: s.score,
         matched_tokens: s.matched,
         estimated_cache_hit_prob: s.fresh,
@@ -3666,6 +3696,211 @@ mod tests {
             // SAFETY: our own run, no node names it (the boxed nodes hold no reference).
             assert!(unsafe { ChainRun::seal(run, 0, |_| false, &Default::default(), &guard) } > 0);
         }
+    }
+
+    /// Walks that remove (the sweep's TTL pass, ALL_CLEARED, PREFIX_EVICTED) visit only the
+    /// shards a writer created: a one-key partition keeps its one shard. (They used to create
+    /// all sixteen: a sweep over 100,000 one-entry tenants took the server from 340 MB to
+    /// 1.4 GB of RSS while it reclaimed them.)
+    #[test]
+    fn removal_walks_create_no_shards() {
+        let clock = Arc::new(ManualClock::new(NOW));
+        let ix = Index::new(
+            IndexConfig::default(),
+            Arc::new(DefaultResolvers),
+            clock.clone(),
+        );
+        chain(&ix, "a", &[*b"key-0001"]);
+        let held = ix.memory_bytes();
+        ix.apply_event(CacheEventInput {
+            event_type: crate::types::event_type::ALL_CLEARED,
+            replica_id: "b",
+            model_id: "m",
+            tenant_id: "t",
+            prefix_hash: &[],
+            timestamp_us: NOW,
+            adapter_id: "",
+        });
+        ix.apply_event(CacheEventInput {
+            event_type: crate::types::event_type::PREFIX_EVICTED,
+            replica_id: "a",
+            model_id: "m",
+            tenant_id: "t",
+            prefix_hash: b"not-a-key",
+            timestamp_us: NOW,
+            adapter_id: "",
+        });
+        ix.sweep_now();
+        assert_eq!(ix.memory_bytes(), held, "no shard was created");
+        assert_eq!(ix.storage_entries(), 1);
+    }
+
+    /// Rolling restarts forever (issue 28): 64 pods of one scope, each renamed after holding
+    /// one entry, 20,000 names over time. Once a renamed pod's entry and stats are gone and
+    /// the sweep reclaimed its slot, its id leaves the interner (with the epoch that frees the
+    /// slot's record): the interner holds about the live fleet, not every name ever seen.
+    #[test]
+    fn renamed_pods_leave_the_interner() {
+        let clock = Arc::new(ManualClock::new(NOW));
+        let ix = Index::new(
+            IndexConfig::default(),
+            Arc::new(DefaultResolvers),
+            clock.clone(),
+        );
+        let pod = |k: usize| format!("rolling-pod-{k:06}");
+        let ingest = |name: &str, key: u64| {
+            ix.ingest(CacheStateUpdate {
+                replica_id: name,
+                model_id: "m",
+                tenant_id: "t",
+                hash_scheme: "s",
+                timestamp_us: NOW,
+                adapter_id: "",
+                stats: Some(ReplicaStatsInput::default()),
+                prefixes: std::iter::once(PrefixRef::<&[u8]> {
+                    prefix_hash: &key.to_be_bytes(),
+                    token_count: 16,
+                    block_hashes: &[],
+                    block_token_counts: &[],
+                    tier: 0,
+                    adapter_id: "",
+                }),
+            });
+        };
+        let mut most = 0;
+        for k in 0..20_000usize {
+            ingest(&pod(k), k as u64);
+            if k >= 64 {
+                // The pod renamed away: its entry and stats go (ALL_CLEARED).
+                ix.apply_event(CacheEventInput {
+                    event_type: crate::types::event_type::ALL_CLEARED,
+                    replica_id: &pod(k - 64),
+                    model_id: "m",
+                    tenant_id: "t",
+                    prefix_hash: &[],
+                    timestamp_us: NOW,
+                    adapter_id: "",
+                });
+            }
+            if k % 1_000 == 999 {
+                ix.sweep_now();
+                for _ in 0..4 {
+                    epoch::pin().flush();
+                }
+                most = most.max(crate::replica_id::interned_with_prefix("rolling-pod-"));
+            }
+        }
+        assert_eq!(ix.storage_entries(), 64);
+        assert!(
+            most <= 64 + 1_000 + 128,
+            "the interner holds about the live fleet: {most} ids (20,000 seen)"
+        );
+        drop(ix);
+        for _ in 0..8 {
+            epoch::pin().flush();
+        }
+        assert_eq!(
+            crate::replica_id::interned_with_prefix("rolling-pod-"),
+            0,
+            "nothing is left once the index is gone"
+        );
+    }
+
+    std::thread_local! {
+        /// What `enter_part` runs on this thread right after it links a new partition.
+        static AFTER_PARTITION_LINK: std::cell::RefCell<Option<Box<dyn FnMut()>>> =
+            std::cell::RefCell::new(None);
+    }
+
+    /// Test hook of `enter_part`: the moment a new partition becomes reachable by other
+    /// writers (see `a_partition_is_listed_before_other_writers_can_reach_it`).
+    pub(super) fn after_partition_link() {
+        AFTER_PARTITION_LINK.with(|hook| {
+            if let Some(f) = hook.borrow_mut().as_mut() {
+                f();
+            }
+        });
+    }
+
+    /// The partition-creation race behind the reserved entries a concurrent `/probe` left
+    /// (issue 28): the creating writer stops right after the new partition becomes reachable
+    /// while a second writer finds it, stores its own entry and sends ALL_CLEARED for its
+    /// replica. The clear walks the (tenant, model) pair's partition list, so it must find
+    /// the partition there: with the partition linked before it was listed, the second
+    /// writer's entry survived its own clear (this test failed with 1 entry left).
+    #[test]
+    fn a_partition_is_listed_before_other_writers_can_reach_it() {
+        let ix = Arc::new(Index::new(
+            IndexConfig::default(),
+            Arc::new(DefaultResolvers),
+            Arc::new(ManualClock::new(NOW)),
+        ));
+        let ingest = |ix: &Index, rep: &str| {
+            ix.ingest(CacheStateUpdate {
+                replica_id: rep,
+                model_id: "m",
+                tenant_id: crate::config::PROBE_TENANT,
+                hash_scheme: "s",
+                timestamp_us: NOW,
+                adapter_id: "",
+                stats: None,
+                prefixes: std::iter::once(PrefixRef::<&[u8]> {
+                    prefix_hash: b"probe-key",
+                    token_count: 16,
+                    block_hashes: &[],
+                    block_token_counts: &[],
+                    tier: 0,
+                    adapter_id: "",
+                }),
+            })
+        };
+        let clear = |ix: &Index, rep: &str| {
+            ix.apply_event(CacheEventInput {
+                event_type: crate::types::event_type::ALL_CLEARED,
+                replica_id: rep,
+                model_id: "m",
+                tenant_id: crate::config::PROBE_TENANT,
+                prefix_hash: &[],
+                timestamp_us: NOW,
+                adapter_id: "",
+            })
+        };
+        let (to_second, second_starts) = std::sync::mpsc::channel::<()>();
+        let (to_first, second_done) = std::sync::mpsc::channel::<()>();
+        let second = {
+            let ix = ix.clone();
+            std::thread::spawn(move || {
+                second_starts
+                    .recv()
+                    .expect("the first writer linked the partition");
+                ingest(&ix, "b");
+                let stored = ix.reserved_storage_entries();
+                clear(&ix, "b");
+                to_first.send(()).expect("the first writer waits");
+                stored
+            })
+        };
+        AFTER_PARTITION_LINK.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                to_second.send(()).expect("the second writer waits");
+                second_done.recv().expect("the second writer cleared");
+            }))
+        });
+        ingest(&ix, "a");
+        AFTER_PARTITION_LINK.with(|hook| hook.borrow_mut().take());
+        assert_eq!(
+            second.join().expect("second writer"),
+            1,
+            "the second writer stored its entry in the new partition"
+        );
+        assert_eq!(
+            ix.entry(crate::config::PROBE_TENANT, "m", "s", "", b"probe-key", "b"),
+            None,
+            "ALL_CLEARED for b removed b's entry"
+        );
+        assert_eq!(ix.reserved_storage_entries(), 1, "a's entry only");
+        clear(&ix, "a");
+        assert_eq!(ix.reserved_storage_entries(), 0);
     }
 }
 

@@ -875,6 +875,27 @@ impl ShardTable {
             Ordering::Relaxed,
         );
     }
+
+    /// Places node `n` (hash `h`) in the first free lane from its home group, in a table not
+    /// yet published (a rebuild: Relaxed stores, the table's publication orders them).
+    fn place(&self, h: u64, n: u32) {
+        self.mark(h);
+        let mut g = self.home(h);
+        loop {
+            let e = zero_bytes(self.read(g, Ordering::Relaxed).tags);
+            if e != 0 {
+                let lane = (e.trailing_zeros() / 8) as usize;
+                debug_assert!(
+                    self.wide || n <= NARROW_MASK,
+                    "narrow table sized for its arena"
+                );
+                self.set(g, lane, fingerprint(h), n, Ordering::Relaxed);
+                return;
+            }
+            g = self.step(g);
+        }
+    }
+
     fn slots(&self) -> usize {
         self.groups.len() * self.lanes()
     }
@@ -1276,6 +1297,9 @@ enum Compact {
     Never,
 }
 
+/// A shard's key sums by key (see [`ShardState::ksums`]).
+type KeySums = HashMap<Box<[u8]>, *mut KeySum>;
+
 struct ShardState {
     /// Arena indices at or above this need a wide table ([`NARROW_BITS`]; lower in tests).
     narrow_limit: u64,
@@ -1290,8 +1314,10 @@ struct ShardState {
     next_gen: u32,
     lfu_live: usize,
     lfu_used: usize,
-    /// Key sums by key (writer side).
-    ksums: HashMap<Box<[u8]>, *mut KeySum>,
+    /// Key sums by key (writer side; LFU namespaces only). Boxed on first use, so a shard of
+    /// an LRU tenant (most of them) does not carry an empty map: with it inline the shard took
+    /// 384 bytes padded instead of 256.
+    ksums: Option<Box<KeySums>>,
     /// The writer half of the current table's node arena.
     arena: ArenaState,
     /// Arena units of the live nodes.
@@ -1434,7 +1460,7 @@ impl KeyTable {
                 next_gen: 1,
                 lfu_live: 0,
                 lfu_used: 0,
-                ksums: HashMap::new(),
+                ksums: None,
                 arena: ArenaState::new(),
                 node_units: 0,
                 peak_units: 0,
@@ -1667,6 +1693,20 @@ impl KeyTable {
         }
     }
 
+    /// The writer of shard `i` if a writer created it: removal paths and walks, which have
+    /// nothing to do in a shard that holds no key and must not create it (a sweep that walked
+    /// all sixteen shards of every partition used to create the fifteen a one-key partition
+    /// lacks: ~10 KiB per partition, allocated by the sweep that was reclaiming it).
+    pub(crate) fn writer_if_created(&self, i: usize) -> Option<ShardWriter<'_>> {
+        let shard = self.shard(i)?;
+        self.reaper.free_all();
+        Some(ShardWriter {
+            shard,
+            table: self,
+            st: shard.w.lock(),
+        })
+    }
+
     /// Non-blocking walk over every live node (snapshot; may miss or repeat nodes moved by a
     /// concurrent rebuild; exact when writes quiesce).
     pub(crate) fn for_each_node<'g>(&self, guard: &'g Guard, mut f: impl FnMut(&'g KeyNode)) {
@@ -1823,7 +1863,7 @@ impl Drop for KeyTable {
                         }
                     }
                 }
-                for (_, k) in shard.w.lock().ksums.drain() {
+                for (_, k) in shard.w.lock().ksums.take().into_iter().flat_map(|m| *m) {
                     #[cfg(loom)]
                     crate::loom_api::destroyed(crate::loom_api::Kind::KeySum, k as usize);
                     drop(Box::from_raw(k));
@@ -2181,27 +2221,30 @@ impl ShardWriter<'_> {
                     held > 4 * live_bytes + COMPACT_SLACK || self.st.live == 0 && held > 0
                 }
             };
-        // Narrow lanes while every index fits in 24 bits: the arena's chunk ids so far, or,
-        // for a fresh arena, live nodes of at most half that space (chunk ids cover 2^15 units
-        // each whatever their size, and each chunk may end in an unused tail).
+        // Narrow lanes while every index of the table's arena is below the limit (24 bits):
+        // the arena's chunk ids so far. Moving nodes keeps the arena, so the width is known
+        // now. A compaction decides it from the fresh arena's chunk ids once the live nodes
+        // are copied (their places are kept until then): an estimate from the live bytes
+        // alone missed the ids a fresh arena's small first chunks take, so a compacted shard
+        // could get a width its next rebuild undid (narrow, then wide again with no node
+        // added), or a wide table it did not need.
         let limit = self.st.narrow_limit;
-        let wide = if compact {
-            self.st.node_units as u64 * 2 + (1 << 16) >= limit
-        } else {
-            self.st.arena.index_bound() > limit
+        let groups_for = |wide: bool| {
+            slots
+                .div_ceil(if wide { WIDE_LANES } else { NARROW_LANES })
+                .max(MIN_GROUPS)
         };
-        let lanes = if wide { WIDE_LANES } else { NARROW_LANES };
-        let groups = slots.div_ceil(lanes).max(MIN_GROUPS);
         let mut fresh = compact.then(ArenaState::new);
-        let new = ShardTable::new(
-            groups,
-            if compact {
-                Arc::new(Arena::new())
-            } else {
-                old.arena.clone()
-            },
-            wide,
-        );
+        let new_arena = if compact {
+            Arc::new(Arena::new())
+        } else {
+            old.arena.clone()
+        };
+        let moved_into = (!compact).then(|| {
+            let wide = self.st.arena.index_bound() > limit;
+            ShardTable::new(groups_for(wide), new_arena.clone(), wide)
+        });
+        let mut copied: Vec<(u64, u32)> = Vec::new();
         let arena = &old.arena;
         for gi in 0..old.groups.len() {
             // Each move reads the node's digest: prefetch the nodes of a group 4 ahead, and the
@@ -2244,7 +2287,7 @@ impl ShardWriter<'_> {
                     Some(st) => {
                         // SAFETY: live node (we hold the mutex).
                         let units = unsafe { (*node).units() };
-                        let (i, p) = st.alloc(&new.arena, units, guard);
+                        let (i, p) = st.alloc(&new_arena, units, guard);
                         // SAFETY: `p` has room for `units` units and is not yet published;
                         // `node` stays valid (its arena lives until the old table is freed).
                         unsafe {
@@ -2258,20 +2301,24 @@ impl ShardWriter<'_> {
                     }
                     None => n,
                 };
-                new.mark(h);
-                let mut g = new.home(h);
-                loop {
-                    let e = zero_bytes(new.read(g, Ordering::Relaxed).tags);
-                    if e != 0 {
-                        let lane = (e.trailing_zeros() / 8) as usize;
-                        debug_assert!(wide || n <= NARROW_MASK, "narrow table sized for its arena");
-                        new.set(g, lane, fingerprint(h), n, Ordering::Relaxed);
-                        break;
-                    }
-                    g = new.step(g);
+                match &moved_into {
+                    Some(new) => new.place(h, n),
+                    None => copied.push((h, n)),
                 }
             }
         }
+        let new = match (moved_into, &fresh) {
+            (Some(new), _) => new,
+            (None, Some(st)) => {
+                let wide = st.index_bound() > limit;
+                let new = ShardTable::new(groups_for(wide), new_arena, wide);
+                for (h, n) in copied {
+                    new.place(h, n);
+                }
+                new
+            }
+            (None, None) => unreachable!("a rebuild either moves or compacts"),
+        };
         let mut delta = new.bytes() as i64 - old.bytes() as i64;
         if let Some(st) = fresh {
             // The old arena's memory goes back when the old table (and every pending deferred
@@ -2317,7 +2364,8 @@ impl ShardWriter<'_> {
         }
         // Key sum.
         let mut added = 0usize;
-        let ks = match self.st.ksums.get(key) {
+        let ksums = self.st.ksums.get_or_insert_with(Box::default);
+        let ks = match ksums.get(key) {
             Some(&k) => k,
             None => {
                 let k = Box::into_raw(Box::new(KeySum {
@@ -2326,7 +2374,7 @@ impl ShardWriter<'_> {
                 }));
                 #[cfg(loom)]
                 crate::loom_api::created(crate::loom_api::Kind::KeySum, k as usize);
-                self.st.ksums.insert(key.into(), k);
+                ksums.insert(key.into(), k);
                 added += chunk(16) + chunk(key.len()) + 32;
                 k
             }
@@ -2398,7 +2446,9 @@ impl ShardWriter<'_> {
         let mut freed = (LFU_CELL_BYTES + stripe_bytes) as i64;
         // SAFETY: `ks` is linked in `ksums` while refs > 0.
         if unsafe { (*ks).refs.fetch_sub(1, Ordering::Relaxed) } == 1 {
-            self.st.ksums.remove(key);
+            if let Some(ksums) = self.st.ksums.as_mut() {
+                ksums.remove(key);
+            }
             freed += (chunk(16) + chunk(key.len()) + 32) as i64;
             let kp = ks as usize;
             // SAFETY: the key sum is unlinked from `ksums` and no live cell points to it;
@@ -2570,8 +2620,14 @@ mod tests {
     }
 
     /// Random inserts, holder changes and removals against a map, on a table whose shards
-    /// switch to the wide format after a few chunks; then most keys go and compaction brings
-    /// the shards back to narrow tables. Every key is found with its last holders throughout.
+    /// switch to the wide format after a few chunks; then most keys go and compaction gives the
+    /// shards fresh arenas, and every table's lane width is then exactly what its arena's
+    /// indices need (wide iff they reach the limit); once the shards are emptied they are narrow
+    /// again and stay so for new keys. Every key is found with its last holders throughout.
+    /// (The width of a compacted shard used to be estimated from its live bytes, which missed
+    /// the chunk ids of a fresh arena's small first chunks: depending on which rebuild came
+    /// last, a shard ended narrow over indices past the limit or wide again with no new node,
+    /// so a "narrow again at 1 key in 40" check failed about one run in four.)
     #[test]
     fn narrow_and_wide_tables_agree_with_a_map_across_the_switch() {
         // 3 chunk ids of 2^15 units: wide from the fourth chunk on.
@@ -2640,17 +2696,46 @@ mod tests {
             (0..SHARDS).all(|s| t.is_wide(s)),
             "every shard outgrew 3 chunk ids and went wide"
         );
-        // Keep 1 key in 40: removals shrink the tables and compact the arenas, whose fresh
-        // indices fit narrow lanes again.
+        let bound = |s: usize| t.writer(s).st.arena.index_bound();
+        let grown: Vec<u64> = (0..SHARDS).map(bound).collect();
+        // Keep 1 key in 40: removals shrink the tables and compact the arenas.
         let doomed: Vec<u64> = model.keys().copied().filter(|k| k % 40 != 0).collect();
         remove_keys(&t, doomed.iter().copied());
         model.retain(|k, _| k % 40 == 0);
         check(&t, &model);
-        // Whether every compacted shard is narrow again is not asserted: that final check failed
-        // about one run in four (alone and next to other tests), for a reason not found yet,
-        // and is an open defect (see the session note). The map agreement above is exact.
-        let narrow = (0..SHARDS).filter(|&s| !t.is_wide(s)).count();
-        eprintln!("narrow again after compaction: {narrow} of {SHARDS} shards");
+        for (s, &before) in grown.iter().enumerate() {
+            assert!(
+                bound(s) < before,
+                "shard {s} was compacted into a fresh arena"
+            );
+            assert_eq!(
+                t.is_wide(s),
+                bound(s) > 3 << 15,
+                "shard {s}: lane width follows its arena's indices ({} chunk ids)",
+                bound(s) >> 15
+            );
+        }
+        // The last keys go: each shard's empty arena is replaced, and the tables are narrow
+        // again, also for new keys.
+        remove_keys(&t, model.keys().copied());
+        model.clear();
+        assert!(
+            (0..SHARDS).all(|s| !t.is_wide(s)),
+            "emptied shards are narrow"
+        );
+        for k in 0..16u64 {
+            let key = k.to_be_bytes();
+            let p = Probe::new(&key);
+            let hs = vec![Holder::new(1, 1, 16, 1, 1)];
+            t.writer(KeyTable::shard_of(p))
+                .insert_p(p, &hs, None, &guard);
+            model.insert(k, hs);
+        }
+        check(&t, &model);
+        assert!(
+            (0..SHARDS).all(|s| !t.is_wide(s)),
+            "a few new keys fit narrow lanes"
+        );
     }
 
     /// Readers keep finding a fixed set of keys while a writer's inserts move their shards

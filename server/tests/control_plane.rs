@@ -962,20 +962,19 @@ async fn sv61_concurrent_probes_pass() {
 
 /// The race behind a one-time `sv61_concurrent_probes_pass` failure (2 reserved entries left).
 /// Probes of different backends for one model share the reserved tenant's partition. The first
-/// ingest into a new partition publishes it in the index's directory before adding it to the
-/// model's partition list, which is what a probe's cleanup (ALL_CLEARED) walks: a second probe
-/// that found the partition in that window, ingested and cleaned up saw no partition to clear,
-/// and its entry stayed. Threads run `run_probe` for distinct backends of a fresh model each
-/// round (so every round creates the partition concurrently), without any lock: 3,000 rounds of
-/// 4 left 9 entries in the first run. Ignored because the window is in the engine
-/// (`Index::ensure_part`), which the server cannot close; the handler serializes runs per model
-/// instead (next test).
+/// ingest into a new partition used to publish it in the index's directory before adding it to
+/// the model's partition list, which is what a probe's cleanup (ALL_CLEARED) walks: a second
+/// probe that found the partition in that window, ingested and cleaned up saw no partition to
+/// clear, and its entry stayed (4 threads × 3,000 rounds left 9 entries). The engine now lists
+/// a partition before linking it (`Index::enter_part`; the deterministic reproducer is the
+/// engine test `a_partition_is_listed_before_other_writers_can_reach_it`). Here threads run
+/// `run_probe` for distinct backends of a fresh model each round (so every round creates the
+/// partition concurrently) without the handler's per-model lock, and nothing may be left.
 #[test]
-#[ignore = "reproduces the engine's partition-listing race; run with --ignored"]
 fn unserialized_probe_runs_of_one_model_race_on_partition_creation() {
     use inferencecache_server::control::{decode_probe, run_probe};
     const THREADS: usize = 4;
-    const ROUNDS: usize = 3_000;
+    const ROUNDS: usize = 1_500;
     let (state, _) = manual_state(IndexConfig::default());
     let index = state.index().clone();
     let barrier = Arc::new(std::sync::Barrier::new(THREADS));
@@ -999,8 +998,9 @@ fn unserialized_probe_runs_of_one_model_race_on_partition_creation() {
     assert_eq!(index.reserved_storage_entries(), 0);
 }
 
-/// The fix: `/probe` runs go through `ProbeLocks::run`, which serializes runs of one model
-/// across backends. The same concurrent pattern (four backends on a fresh model each round,
+/// The handler's path: `/probe` runs go through `ProbeLocks::run`, which serializes runs of one
+/// model across backends (a probe's ingest, lookups and cleanup then never interleave with
+/// another probe's of that model, whatever the engine allows). The same concurrent pattern (four backends on a fresh model each round,
 /// several models in flight) leaves nothing, under any interleaving the scheduler produces.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn serialized_probe_runs_never_leave_reserved_entries() {

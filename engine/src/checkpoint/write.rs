@@ -206,7 +206,7 @@ fn encode_shard(part: &DumpPartition, part_no: u64, shard: usize) -> (Vec<Vec<u8
         }
         let (_, g) = groups[slot].get_or_insert_with(|| {
             (
-                replica,
+                replica.clone(),
                 Group {
                     body: Vec::new(),
                     count: 0,
@@ -226,7 +226,7 @@ fn encode_shard(part: &DumpPartition, part_no: u64, shard: usize) -> (Vec<Vec<u8
         .flatten()
         .filter(|(_, g)| g.count > 0)
         .collect();
-    rest.sort_by_key(|(replica, _)| *replica);
+    rest.sort_by(|(a, _), (b, _)| a.cmp(b));
     let mut payload = Vec::new();
     for (replica, g) in rest {
         if payload.is_empty() {

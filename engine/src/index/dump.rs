@@ -118,7 +118,7 @@ impl DumpPartition {
                 f(
                     key,
                     h.rep(),
-                    replica.name,
+                    replica.name.clone(),
                     DumpedEntry {
                         tokens: h.tokens(),
                         tier: tier_wire(h.tier()),
@@ -197,7 +197,7 @@ impl Index {
                 out.push(DumpedStats {
                     tenant: m.tenant.name.clone(),
                     model: m.name.clone(),
-                    replica: s.replica,
+                    replica: s.replica.clone(),
                     stats: ReplicaStatsInput {
                         cache_memory_bytes: s.cache_memory_bytes,
                         hit_rate: s.hit_rate,
