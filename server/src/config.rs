@@ -140,7 +140,8 @@ pub struct Cli {
     /// Oldest record the stream keeps (created with it; ≥ 3 × --checkpoint-interval).
     #[arg(long, default_value = "15m")]
     pub nats_max_age: String,
-    /// Bytes the stream keeps at most (0 = no limit).
+    /// Bytes the stream keeps at most (0 = no limit: trimmed by age alone; a limit must hold
+    /// two checkpoint intervals of ingest).
     #[arg(long, default_value_t = crate::replication::DEFAULT_STREAM_MAX_BYTES)]
     pub nats_max_bytes: u64,
     /// This server's name in the stream (record ids, the leader lease); default: a random one.

@@ -15,6 +15,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 
+/// The bar: every server ends with the same digest within 2 s after the producers stop (or
+/// after a restarted server reports ready).
+const AFTER_PRODUCERS: Duration = Duration::from_secs(2);
+
 /// Everything a digest answer holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Digest {
@@ -369,7 +373,7 @@ async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates(
     let clear = event(pb::cache_event::Type::AllCleared, "t", "r2", Vec::new());
     cl[2].publish_event(clear).await.unwrap();
     report(&mut cl[2], vec![chain_update("t", "r2", 1000, 4)]).await;
-    let d = converged(&nats, &all, Duration::from_secs(10)).await;
+    let d = converged(&nats, &all, AFTER_PRODUCERS).await;
     // r0 and r1 hold 20 chains each (8 blocks, minus 2 evicted last blocks); r2 only chain 1000.
     assert_eq!(d.entries, 2 * (20 * 8 - 2) + 4, "{d:?}");
     assert_eq!(all.iter().len(), 3);
@@ -405,7 +409,7 @@ async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates(
         r#"{"version":7,"policies":[{"namespace":"t","minimumMatchedTokens":256}]}"#,
     )
     .await;
-    converged(&nats, &all, Duration::from_secs(5)).await;
+    converged(&nats, &all, AFTER_PRODUCERS).await;
     let got = answers(&mut cl, "t", 0, 8).await;
     assert!(
         got.iter().all(|g| g.0 != "PREFIX_MATCH" && g == &got[0]),
@@ -435,7 +439,7 @@ async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates(
         .get("Nats-Msg-Id")
         .map(|v| v.as_str().to_owned())
         .unwrap_or_default();
-    let before = converged(&nats, &all, Duration::from_secs(5)).await;
+    let before = converged(&nats, &all, AFTER_PRODUCERS).await;
     let ack = js
         .send_publish(
             "inferencecache.records",
@@ -460,7 +464,7 @@ async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates(
         .await
         .unwrap();
     assert!(!ack.duplicate);
-    let after = converged(&nats, &all, Duration::from_secs(5)).await;
+    let after = converged(&nats, &all, AFTER_PRODUCERS).await;
     assert_eq!(after.seq, before.seq + 1, "{before:?} {after:?}");
     assert_eq!((after.entries, &after.hash), (before.entries, &before.hash));
 }
@@ -511,7 +515,7 @@ async fn the_cap_lfu_credits_and_ttl_decide_the_same_entries_everywhere() {
         )
         .await;
     }
-    let d = converged(&nats, &all, Duration::from_secs(10)).await;
+    let d = converged(&nats, &all, AFTER_PRODUCERS).await;
     assert_eq!(d.entries, 200, "the cap holds everywhere: {d:?}");
     // The credited LFU chains survived on every server, alike.
     for chain in 0..5u64 {
@@ -560,11 +564,11 @@ async fn kill9_restart_a_new_server_and_a_trimmed_stream_bootstrap_from_the_chec
         report(&mut cb, vec![chain_update("t", "r1", chain, 6)]).await;
     }
     // A brand-new server joins: it loads the object-store checkpoint, then the stream.
-    let now = converged(&nats, &[&a, &b], Duration::from_secs(10)).await;
+    let now = converged(&nats, &[&a, &b], AFTER_PRODUCERS).await;
     wait_checkpoint(&nats, now.seq, &[&a, &b, &c]).await;
     let d = server(&dir, &nats, "d", &[]);
     wait_ready(&[&c, &d]).await;
-    let digest4 = converged(&nats, &[&a, &b, &c, &d], Duration::from_secs(10)).await;
+    let digest4 = converged(&nats, &[&a, &b, &c, &d], AFTER_PRODUCERS).await;
     assert_eq!(digest4.entries, 40 * 6);
     assert!(
         d.logs().contains("replication_checkpoint_loaded"),
@@ -579,7 +583,7 @@ async fn kill9_restart_a_new_server_and_a_trimmed_stream_bootstrap_from_the_chec
     }
     let remove = event(pb::cache_event::Type::AllCleared, "t", "r0", Vec::new());
     ca.publish_event(remove).await.unwrap();
-    let live = converged(&nats, &[&a, &b, &c], Duration::from_secs(10)).await;
+    let live = converged(&nats, &[&a, &b, &c], AFTER_PRODUCERS).await;
     // One more record, then wait for a checkpoint upload (which covers it: a leader uploads
     // only when the stream moved), and trim everything up to `live`.
     let before = uploads(&[&a, &b, &c]).await;
@@ -603,7 +607,7 @@ async fn kill9_restart_a_new_server_and_a_trimmed_stream_bootstrap_from_the_chec
     assert_eq!(first, live.seq + 1, "trimmed");
     let d = server(&dir, &nats, "d", &[]);
     wait_ready(&[&d]).await;
-    let d4 = converged(&nats, &[&a, &b, &c, &d], Duration::from_secs(15)).await;
+    let d4 = converged(&nats, &[&a, &b, &c, &d], AFTER_PRODUCERS).await;
     assert_eq!(
         d4.entries,
         10 * 6 + 11 * 6,
@@ -724,7 +728,7 @@ async fn a_lagging_server_whose_next_record_was_trimmed_rebootstraps() {
     stream.purge().sequence(last).await.unwrap();
     // SAFETY: as above.
     unsafe { libc::kill(b.pid(), libc::SIGCONT) };
-    let d = converged(&nats, &[&a, &b], Duration::from_secs(20)).await;
+    let d = converged(&nats, &[&a, &b], AFTER_PRODUCERS).await;
     assert_eq!(d.entries, 10 * 4 + 1200 * 2);
     assert!(metric(&b, "inferencecache_replication_gaps_total").await >= 1.0);
     assert!(metric(&b, "inferencecache_replication_bootstraps_total").await >= 2.0);
@@ -790,7 +794,7 @@ async fn a_producer_faster_than_the_stream_waits_for_room_and_nothing_is_dropped
     for s in streams {
         s.await.unwrap();
     }
-    let d = converged(&nats, &[&a, &b], Duration::from_secs(20)).await;
+    let d = converged(&nats, &[&a, &b], AFTER_PRODUCERS).await;
     assert_eq!(d.entries, (2000 + 1000) * 2);
     assert_eq!(
         metric(&a, "inferencecache_replication_dropped_records_total").await,

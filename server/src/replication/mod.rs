@@ -41,8 +41,9 @@ use tracing::{error, info, warn};
 
 /// Default of `--nats-buffer`: records held while NATS is unreachable.
 pub const DEFAULT_BUFFER_RECORDS: u64 = 100_000;
-/// Default of `--nats-max-bytes`: 8 GiB of stream.
-pub const DEFAULT_STREAM_MAX_BYTES: u64 = 8 << 30;
+/// Default of `--nats-max-bytes`: no byte limit, so the stream is trimmed by age alone, and
+/// `--nats-max-age` ≥ 2 × `--checkpoint-interval` keeps every record the newest checkpoint needs.
+pub const DEFAULT_STREAM_MAX_BYTES: u64 = 0;
 /// Distinct (entry, replica) credits a server aggregates between two credit records; more in
 /// one interval are dropped (a miss of LFU protection, never a wrong entry).
 const MAX_PENDING_CREDITS: usize = 65_536;
