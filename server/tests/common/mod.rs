@@ -118,13 +118,23 @@ pub async fn http_request(
     (status, head.to_string(), body.to_string())
 }
 
-/// A free loopback port (free when asked; the caller binds it soon after).
+/// A free loopback port (free when asked; the caller binds it soon after), never one this test
+/// process was given before: the OS may offer a just-released port again, and two listeners of
+/// one server given the same port would fail to start.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// A fresh, empty directory for one test, unique to this test binary's process.
