@@ -417,53 +417,51 @@ async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates(
     );
 
     // A record published twice: the same message id is deduplicated by the stream; the same
-    // records under a new id change nothing (updates and removals are idempotent).
+    // records again under a new id (nothing changed them since) change nothing.
+    use inferencecache_server::replication::record::{Batch, Body, Record};
+    use prost::Message;
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
-    let stream = js.get_stream("inferencecache").await.unwrap();
-    let last = stream.get_info().await.unwrap().state.last_sequence;
-    // The largest message is a batch of chain updates.
-    let mut again: Option<async_nats::jetstream::message::StreamMessage> = None;
-    for seq in 1..=last {
-        let m = stream.get_raw_message(seq).await.unwrap();
-        if again
-            .as_ref()
-            .is_none_or(|a| m.payload.len() > a.payload.len())
-        {
-            again = Some(m);
+    let batch = Batch {
+        origin: "harness".into(),
+        epoch: 7,
+        seq: 1,
+        records: vec![Record {
+            body: Some(Body::Update(pb::CacheStateUpdate {
+                timestamp_us: 1_900_000_000_000_000,
+                ..chain_update("t", "r5", 5000, 8)
+            })),
+        }],
+    };
+    let payload: bytes::Bytes = batch.encode_to_vec().into();
+    let publish = |id: String| {
+        let js = js.clone();
+        let payload = payload.clone();
+        async move {
+            js.send_publish(
+                "inferencecache.records",
+                async_nats::jetstream::message::PublishMessage::build()
+                    .payload(payload)
+                    .message_id(id),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap()
         }
-    }
-    let m = again.expect("a batch with updates");
-    let id = m
-        .headers
-        .get("Nats-Msg-Id")
-        .map(|v| v.as_str().to_owned())
-        .unwrap_or_default();
+    };
+    assert!(!publish(batch.message_id()).await.duplicate);
     let before = converged(&nats, &all, AFTER_PRODUCERS).await;
-    let ack = js
-        .send_publish(
-            "inferencecache.records",
-            async_nats::jetstream::message::PublishMessage::build()
-                .payload(m.payload.clone())
-                .message_id(&id),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(ack.duplicate, "the stream deduplicates a retried id");
-    let ack = js
-        .send_publish(
-            "inferencecache.records",
-            async_nats::jetstream::message::PublishMessage::build()
-                .payload(m.payload.clone())
-                .message_id(format!("{id}-replayed")),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(!ack.duplicate);
+    assert_eq!(before.entries, d.entries + 8);
+    assert!(
+        publish(batch.message_id()).await.duplicate,
+        "the stream deduplicates a retried id"
+    );
+    assert!(
+        !publish(format!("{}-replayed", batch.message_id()))
+            .await
+            .duplicate
+    );
     let after = converged(&nats, &all, AFTER_PRODUCERS).await;
     assert_eq!(after.seq, before.seq + 1, "{before:?} {after:?}");
     assert_eq!((after.entries, &after.hash), (before.entries, &before.hash));
