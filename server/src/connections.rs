@@ -53,8 +53,8 @@ pub struct ConnectionGate {
 
 /// The right of one accepted connection to be served: a permit and its preface deadline.
 pub struct Admission {
-    /// Returned to the gate when the admission drops.
-    _permit: Option<OwnedSemaphorePermit>,
+    /// Returned to the gate when the admission drops, before the open gauge goes down.
+    permit: Option<OwnedSemaphorePermit>,
     metrics: Arc<Metrics>,
     deadline: Instant,
 }
@@ -90,7 +90,7 @@ impl ConnectionGate {
             .grpc_connections_open
             .fetch_add(1, Ordering::Relaxed);
         Some(Admission {
-            _permit: permit,
+            permit,
             metrics: self.metrics.clone(),
             deadline: Instant::now() + PREFACE_TIMEOUT,
         })
@@ -119,6 +119,8 @@ impl Admission {
 
 impl Drop for Admission {
     fn drop(&mut self) {
+        // The permit first: whoever reads the gauge lower may rely on the room being free.
+        drop(self.permit.take());
         self.metrics
             .grpc_connections_open
             .fetch_sub(1, Ordering::Relaxed);

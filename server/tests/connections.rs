@@ -68,6 +68,13 @@ async fn connection_cap_preface_deadline_and_drain_order() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
+    // The start-up probe's socket may still wait in the listen backlog: a served health check
+    // on a later connection proves the accept loop took it, so the gauge then counts it.
+    let started = Instant::now();
+    while health(server.grpc).await.ok() != Some(ServingStatus::Serving as i32) {
+        assert!(started.elapsed() < Duration::from_secs(10), "never SERVING");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let text = open_is(0.0).await;
     let refused_before = metric(&text, "inferencecache_grpc_connections_refused_total").unwrap();
 
