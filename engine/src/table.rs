@@ -92,7 +92,7 @@ use crate::runs::{ChainRun, Reaper};
 use crate::sync::{
     AtomicI64, AtomicPtr, AtomicU16, AtomicU64, Mutex, MutexGuard, Ordering, thread_local,
 };
-use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
+use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
 use crossbeam_utils::CachePadded;
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -1517,7 +1517,7 @@ impl KeyTable {
             // SAFETY: shard tables are never null and are retired through the epoch.
             let t = unsafe { t.deref() };
             let live = (st.node_units * crate::arena::UNIT) as i64;
-            out.key_tables += t.bytes() as i64;
+            out.key_tables += table_bytes(t) as i64;
             out.nodes_live += live;
             out.nodes_free += st.arena.carved() - live;
             out.arena_unused += st.arena.bytes() - st.arena.carved();
@@ -1826,7 +1826,7 @@ impl Drop for KeyTable {
                 }
                 let shard = Box::from_raw(p);
                 let t = shard.table.load(Ordering::Relaxed, guard);
-                if !t.is_null() {
+                if !t.is_null() && !is_shared_empty(t.deref()) {
                     // The nodes still linked live in the arena, which frees its chunks when
                     // its last reference (this table's, or a pending deferred free's) goes.
                     // Their chain runs are freed with their last node (a table whose runs are
@@ -1873,19 +1873,35 @@ impl Drop for KeyTable {
     }
 }
 
-/// The table readers probe in a shard no writer has created: one empty group, never written.
+/// The table readers probe in a shard no writer has created, and the table of a shard its
+/// writers emptied: one empty group, never written.
 fn empty_table() -> &'static ShardTable {
     /// The table is only read: a probe finds an EMPTY lane, and walks find no node.
-    struct Shared(ShardTable);
-    // SAFETY: nothing ever writes to the shared empty table (writers go through
-    // `shard_or_create`, which never hands it out), so sharing it is sharing immutable data.
-    unsafe impl Sync for Shared {}
+    struct SharedEmpty(ShardTable);
+    // SAFETY: nothing ever writes to the shared empty table: a writer whose shard holds it
+    // leaves it before building its first node (`ShardWriter::build`), and every other write
+    // (replace, remove) names a live key, which the empty table has none of. Sharing it is
+    // sharing immutable data.
+    unsafe impl Sync for SharedEmpty {}
     // SAFETY: as above.
-    unsafe impl Send for Shared {}
-    static EMPTY: std::sync::OnceLock<Shared> = std::sync::OnceLock::new();
+    unsafe impl Send for SharedEmpty {}
+    static EMPTY: std::sync::OnceLock<SharedEmpty> = std::sync::OnceLock::new();
     &EMPTY
-        .get_or_init(|| Shared(ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false)))
+        .get_or_init(|| SharedEmpty(ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false)))
         .0
+}
+
+/// Whether `t` is the shared empty table (held by uncreated and emptied shards alike).
+#[inline]
+fn is_shared_empty(t: &ShardTable) -> bool {
+    // Loom models never reach the shared table (they keep every shard and table of their own),
+    // and must not initialize it: its atomics would be loom objects outside a model.
+    !cfg!(loom) && std::ptr::eq(t, empty_table())
+}
+
+/// Bytes a shard's table holds: none for the shared empty table.
+fn table_bytes(t: &ShardTable) -> usize {
+    if is_shared_empty(t) { 0 } else { t.bytes() }
 }
 
 /// Exclusive writer access to one shard.
@@ -2040,6 +2056,10 @@ impl ShardWriter<'_> {
         run: Option<u64>,
         guard: &Guard,
     ) -> (u32, NonNull<KeyNode>) {
+        if is_shared_empty(self.current(guard)) {
+            // An emptied shard's first new node: a table and arena of its own first.
+            self.rebuild(guard, Compact::Never);
+        }
         let t = self.current(guard);
         let before = self.st.arena.bytes();
         let built = KeyNode::build_in(&mut self.st.arena, &t.arena, key, d, holders, run, guard);
@@ -2120,7 +2140,8 @@ impl ShardWriter<'_> {
     pub(crate) fn maybe_shrink(&mut self, guard: &Guard) {
         let t = self.current(guard);
         let held = self.st.arena.carved();
-        let empty_arena = self.st.live == 0 && held > 0;
+        // An empty shard gives back its table and arena (not under loom: see `rebuild_for`).
+        let empty_arena = self.st.live == 0 && (held > 0 || !cfg!(loom) && !is_shared_empty(t));
         let peak_bytes = (self.st.peak_units * crate::arena::UNIT) as i64;
         let bloated = held > peak_bytes * 3 / 2 + COMPACT_SLACK;
         if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() || empty_arena || bloated {
@@ -2199,6 +2220,7 @@ impl ShardWriter<'_> {
         let old_shared = self.shard.table.load(Ordering::Acquire, guard);
         // SAFETY: non-null, see `current`.
         let old = unsafe { old_shared.deref() };
+        let from_shared = is_shared_empty(old);
         // Rebuilt at 17/20 of the slots used (live or tombstone), shrunk below 1/8 live, with no
         // power-of-two rounding. Growth (a quarter more live keys than at the last rebuild):
         // load 1/2 after the rebuild, so a growing table is rebuilt every ×1.7 (each key moved
@@ -2214,6 +2236,7 @@ impl ShardWriter<'_> {
         // reuses the table-retirement protocol they already check.
         let held = self.st.arena.carved();
         let compact = !cfg!(loom)
+            && !from_shared
             && match compact {
                 Compact::Never => false,
                 Compact::Force => true,
@@ -2234,8 +2257,25 @@ impl ShardWriter<'_> {
                 .div_ceil(if wide { WIDE_LANES } else { NARROW_LANES })
                 .max(MIN_GROUPS)
         };
+        // A shard left empty by a compaction keeps no table: it goes back to the shared empty
+        // table readers of an uncreated shard probe (an empty-but-live partition then holds its
+        // shard's shell only). Loom models keep their tables: the shared table is a static.
+        if compact && self.st.live == 0 && min_keys == 0 {
+            let held_before = table_bytes(old) as i64 + self.st.arena.bytes();
+            self.add_bytes(-held_before);
+            self.st.arena = ArenaState::new();
+            self.st.peak_units = 0;
+            self.publish(
+                old_shared,
+                Shared::from(empty_table() as *const ShardTable),
+                guard,
+            );
+            return;
+        }
         let mut fresh = compact.then(ArenaState::new);
-        let new_arena = if compact {
+        // The shared empty table's arena is never written: leaving it takes a fresh one (the
+        // shard's arena state was reset when it moved onto the shared table).
+        let new_arena = if compact || from_shared {
             Arc::new(Arena::new())
         } else {
             old.arena.clone()
@@ -2319,7 +2359,7 @@ impl ShardWriter<'_> {
             }
             (None, None) => unreachable!("a rebuild either moves or compacts"),
         };
-        let mut delta = new.bytes() as i64 - old.bytes() as i64;
+        let mut delta = new.bytes() as i64 - table_bytes(old) as i64;
         if let Some(st) = fresh {
             // The old arena's memory goes back when the old table (and every pending deferred
             // free into it) is gone.
@@ -2328,13 +2368,27 @@ impl ShardWriter<'_> {
             self.st.peak_units = self.st.node_units;
         }
         self.add_bytes(delta);
+        self.publish(old_shared, Owned::new(new).into_shared(guard), guard);
+    }
+
+    /// Publishes `new` as the shard's table and retires `old` (unless it is the shared empty
+    /// table, which is never freed).
+    fn publish<'g>(
+        &mut self,
+        old: Shared<'g, ShardTable>,
+        new: Shared<'g, ShardTable>,
+        guard: &'g Guard,
+    ) {
         // Release: publishes the fully built table.
-        self.shard.table.store(Owned::new(new), Ordering::Release);
-        // SAFETY: the old table is unlinked; pinned readers may still probe it. Dropping a
-        // `ShardTable` frees its group array and its reference to the arena: the nodes (moved
-        // or copied) are never freed with it, and a replaced arena is freed by its last
-        // reference.
-        unsafe { guard.defer_destroy(old_shared) };
+        self.shard.table.store(new, Ordering::Release);
+        // SAFETY: `old` is non-null (see `current`).
+        if !is_shared_empty(unsafe { old.deref() }) {
+            // SAFETY: the old table is unlinked; pinned readers may still probe it. Dropping a
+            // `ShardTable` frees its group array and its reference to the arena: the nodes
+            // (moved or copied) are never freed with it, and a replaced arena is freed by its
+            // last reference.
+            unsafe { guard.defer_destroy(old) };
+        }
         self.st.used = self.st.live;
         self.st.rebuilds += 1;
     }
@@ -2575,7 +2629,27 @@ mod tests {
         }
         drop(guard);
         remove_keys(&t, N - 1_000..N);
-        assert_eq!(t.bytes(), base, "an emptied shard gives its arena back");
+        let min_table = ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false).bytes();
+        assert_eq!(
+            t.bytes(),
+            base - (SHARDS * min_table) as i64,
+            "an emptied shard gives its table and arena back (it reads the shared empty table)"
+        );
+        let mut breakdown = MemoryBreakdown::default();
+        t.breakdown(&mut breakdown);
+        assert_eq!(breakdown.key_tables, 0, "no shard holds a table of its own");
+        // Writers leave the shared table on their first node; readers find every key again.
+        put_keys(&t, 0..1_000, 2);
+        let guard = epoch::pin();
+        for k in 0..1_000u64 {
+            let n = t.find(&k.to_be_bytes(), &guard).expect("re-inserted key");
+            assert_eq!(n.holders().len(), 2);
+            assert_eq!(n.holders()[1].last_seen_ms(), k as i64);
+        }
+        assert!(t.find(&5_000u64.to_be_bytes(), &guard).is_none());
+        drop(guard);
+        remove_keys(&t, 0..1_000);
+        assert_eq!(t.bytes(), base - (SHARDS * min_table) as i64);
     }
 
     #[test]

@@ -30,6 +30,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// `--features mimalloc`: the server's allocator (system malloc by default).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(about = "New tenants / models / replica ids per second through the engine API")]
 struct Args {
