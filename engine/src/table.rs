@@ -2905,4 +2905,95 @@ mod tests {
         assert!(c.credit_striped(4, &t));
         assert_eq!(c.count(), COUNT_MAX, "the sum is clamped");
     }
+
+    #[test]
+    fn node_layout_roundtrip() {
+        for key in [&b"12345678"[..], b"", b"x", b"a-much-longer-key-than-eight"] {
+            let hs = [
+                Holder::new(1, 1, 16, -5, 7),
+                Holder::new(3, 4, -2, (1 << 42) - 1, (1 << 28) - 1),
+            ];
+            let buf = KeyNode::build_boxed(key, crate::table::digest(key), &hs, None);
+            // SAFETY: `buf` holds a node written by `build_boxed`, alive for this iteration.
+            let r = unsafe { &*(buf.as_ptr() as *const KeyNode) };
+            assert_eq!(r.key(), key);
+            assert_eq!(r.holders().len(), 2);
+            assert!(r.holders()[0].same_data(&hs[0]) && r.holders()[1].same_data(&hs[1]));
+            assert_eq!(r.holders()[1].last_seen_ms(), (1 << 42) - 1);
+            assert!(!r.is_member());
+            assert_eq!(r.holders()[1].tier(), 4);
+            assert_eq!(r.holders()[1].tokens(), -2);
+            assert_eq!(r.holders()[0].last_seen_ms(), -5);
+            assert!(r.matches(key, crate::table::digest(key)));
+            let exact = 8 + 2 * 16 + if key.len() == 8 { 0 } else { 4 + key.len() };
+            assert_eq!(
+                r.units() as usize,
+                exact.div_ceil(8),
+                "exact size in 8-byte units"
+            );
+        }
+        assert_eq!(
+            Holder::new(0, 1, 0, i64::MAX, 0).last_seen_ms(),
+            crate::table::clamp_ts(i64::MAX)
+        );
+    }
+
+    /// A run node of one holder takes the 16-byte member form exactly when its holder is the
+    /// run's member (same replica and `last_seen`), and reads back the same either way; no
+    /// plain node ever looks like a member node, whatever its first holder's timestamp.
+    #[test]
+    fn member_nodes_roundtrip_and_never_alias_plain_nodes() {
+        use crate::table::clamp_ts;
+        let guard = epoch::pin();
+        let keys: Vec<[u8; 8]> = (0..8u64).map(|k| (k * 31 + 5).to_be_bytes()).collect();
+        for ts in [
+            0,
+            -5,
+            1_700_000_000_000,
+            i64::MAX,
+            i64::MIN,
+            (1 << 42) - 1,
+            -(1 << 42),
+        ] {
+            let member = Holder::member_word(9, ts);
+            let run = ChainRun::create(keys.iter().copied(), member).unwrap();
+            for (h, member_form) in [
+                (Holder::new(9, 2, 48, ts, 77), true),
+                (
+                    Holder::new(9, 2, 48, ts.saturating_add(1), 77),
+                    clamp_ts(ts.saturating_add(1)) == clamp_ts(ts),
+                ),
+                (Holder::new(8, 2, 48, ts, 77), false),
+            ] {
+                let w = crate::runs::run_word(run, 3);
+                let buf =
+                    KeyNode::build_boxed(&keys[3], u64::from_be_bytes(keys[3]), &[h], Some(w));
+                // SAFETY: `buf` holds a node written by `build_boxed`; its run is alive.
+                let r = unsafe { &*(buf.as_ptr() as *const KeyNode) };
+                assert_eq!(r.is_member(), member_form, "ts {ts}, {h:?}");
+                assert_eq!(r.units(), if member_form { 2 } else { 3 });
+                assert_eq!(r.holders().len(), 1);
+                assert!(r.holders()[0].same_data(&h), "ts {ts}");
+                assert_eq!(r.holder(h.rep()).map(|x| x.generation()), Some(77));
+                assert_eq!(r.key(), &keys[3]);
+                assert_eq!(r.run(), Some((run, 3)));
+                assert!(r.matches(&keys[3], u64::from_be_bytes(keys[3])));
+                assert!(!r.matches(&keys[4], u64::from_be_bytes(keys[4])));
+            }
+            for key in [&keys[0][..], b"long key, stored inline"] {
+                let plain = KeyNode::build_boxed(
+                    key,
+                    crate::table::digest(key),
+                    &[Holder::new(crate::table::REP_MASK, 4, -1, ts, 1)],
+                    None,
+                );
+                // SAFETY: as above.
+                let r = unsafe { &*(plain.as_ptr() as *const KeyNode) };
+                assert!(!r.is_member(), "plain node at ts {ts}");
+                assert_eq!(r.key(), key);
+            }
+            // SAFETY: our own run, no node names it (the boxed nodes hold no reference).
+            assert!(unsafe { ChainRun::seal(run, 0, |_| false, &Default::default(), &guard) } > 0);
+        }
+    }
 }

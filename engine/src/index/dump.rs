@@ -15,7 +15,8 @@
 //! is anything beyond the global cap (`max_entries`); reserved tenants are never dumped or
 //! loaded. Loading never publishes change notifications and does not count as ingest.
 
-use super::{Index, Pending, SLICE};
+use super::ingest::Pending;
+use super::{Index, SLICE};
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
 use crate::dir::Partition;

@@ -25,7 +25,8 @@
 //! - **Clearing** ([`Index::remove_everything`]): a server that must re-bootstrap drops what
 //!   it holds before it loads a checkpoint.
 
-use super::{CapturedHits, Index, Pending};
+use super::ingest::Pending;
+use super::{CapturedHits, Index};
 use crate::dir::Partition;
 // The switch is a setting outside the loom seam (see `Index::local_eviction`'s field).
 use crate::table::{KeyTable, Probe, SHARDS};

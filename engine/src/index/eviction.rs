@@ -62,11 +62,12 @@
 //! once, before the unlink (loom m8a). The partition weights of the sampling count the held
 //! entries; eviction counts are summed per enforcement.
 
-use super::{Carry, EVICT_SLOTS, Index, KeyBytesOwned, Pending, evict_slot, own_key};
+use super::Index;
+use super::ingest::{Carry, Pending};
+use super::route::{KeyBytesOwned, own_key};
 use crate::ReplicaId;
 use crate::config::Algorithm;
 use crate::dir::{Partition, TenantRec};
-use crate::index::EvictionReason;
 use crate::runs::ChainRun;
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
@@ -74,6 +75,28 @@ use crate::table::{Holder, KeyNode, KeyTable, Probe, SHARDS};
 use crossbeam_epoch::{self as epoch, Guard};
 use std::collections::VecDeque;
 use std::sync::Arc;
+
+/// Eviction reason for `index_evictions_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EvictionReason {
+    /// Global cap (V2).
+    Cap,
+    /// TTL sweep (V1).
+    Ttl,
+}
+
+/// Eviction counters: (LRU, LFU) × (cap, TTL), indexed by [`evict_slot`].
+pub(super) const EVICT_SLOTS: usize = 4;
+
+pub(super) fn evict_slot(a: Algorithm, r: EvictionReason) -> usize {
+    (match a {
+        Algorithm::Lru => 0,
+        Algorithm::Lfu => 2,
+    }) + match r {
+        EvictionReason::Cap => 0,
+        EvictionReason::Ttl => 1,
+    }
+}
 
 /// Populations up to this size are enumerated and evicted in the exact ideal order.
 pub(crate) const EXACT_MAX: i64 = 64;

@@ -1,0 +1,220 @@
+//! Published cache events (E1–E7): PREFIX_EVICTED removes a replica's entries of the named
+//! keys, ALL_CLEARED all of a replica's entries (both through the (tenant, model) pair's
+//! partition list), REPLICA_UPDATED refreshes a replica's stats clock; PREFIX_ADDED and unknown
+//! types are ignored. Events never run quota or cap enforcement (E7).
+
+use super::ingest::Pending;
+use super::lookahead::Lookahead;
+use super::{Index, STATS_RECORD_BYTES};
+use crate::clock::us_to_ms;
+use crate::dir::{ModelRec, Partition};
+use crate::sink::{ChangeEvent, ChangeKind};
+use crate::sync::Ordering;
+use crate::table::{KeyTable, Probe};
+use crate::types::*;
+use crossbeam_epoch::{self as epoch, Guard};
+use std::sync::Arc;
+
+impl Index {
+    /// Applies one published `CacheEvent` (E1–E6). Never runs quota or cap enforcement (E7).
+    pub fn apply_event(&self, ev: CacheEventInput<'_>) {
+        let t = ev.tenant_id;
+        let m = ev.model_id;
+        match ev.event_type {
+            event_type::PREFIX_EVICTED => self.evict_prefix(&ev),
+            event_type::REPLICA_UPDATED => {
+                let ts_us = self.resolve_now_us(ev.timestamp_us);
+                let ts_ms = us_to_ms(ts_us);
+                let guard = epoch::pin();
+                let Some(model) = self.model_ref(t, m, &guard) else {
+                    return;
+                };
+                let refreshed = model.stats.update(|v| {
+                    match v.binary_search_by(|r| (*r.replica).cmp(ev.replica_id)) {
+                        Ok(i) => {
+                            let mut v2 = v.clone();
+                            v2[i].last_seen_ms = v2[i].last_seen_ms.max(ts_ms);
+                            (Some(v2), true)
+                        }
+                        Err(_) => (None, false),
+                    }
+                });
+                if refreshed && let Some(s) = self.active_sink(model.tenant.reserved) {
+                    s.publish(&ChangeEvent {
+                        kind: ChangeKind::Stats,
+                        tenant_id: t,
+                        model_id: m,
+                        replica_id: ev.replica_id,
+                        prefix_hash: &[],
+                        adapter_id: "",
+                        timestamp_us: ts_us,
+                    });
+                }
+            }
+            event_type::ALL_CLEARED => self.clear_replica(&ev),
+            _ => {} // E5 PREFIX_ADDED, E6 unknown
+        }
+    }
+
+    /// E3, cost O(partitions of (tenant, model) + matches).
+    fn evict_prefix(&self, ev: &CacheEventInput<'_>) {
+        if ev.prefix_hash.is_empty() {
+            return; // D8
+        }
+        self.evict_prefixes(
+            ev.tenant_id,
+            ev.model_id,
+            ev.replica_id,
+            ev.adapter_id,
+            std::slice::from_ref(&ev.prefix_hash),
+            ev.timestamp_us,
+        );
+    }
+
+    /// Batch E3: the effect of one PREFIX_EVICTED event per key of `prefix_hashes` (same
+    /// tenant, model, replica, adapter filter and timestamp), resolving the pair, its partitions
+    /// and the replica index once. Empty keys are skipped (D8). Change notifications (N1) are
+    /// published per removed entry, partition by partition. Returns the entries removed.
+    pub fn evict_prefixes<H: AsRef<[u8]>>(
+        &self,
+        tenant_id: &str,
+        model_id: &str,
+        replica_id: &str,
+        adapter_id: &str,
+        prefix_hashes: &[H],
+        timestamp_us: i64,
+    ) -> u64 {
+        let records = epoch::pin();
+        let Some(model) = self.model_ref(tenant_id, model_id, &records) else {
+            return 0;
+        };
+        let ts_us = self.resolve_now_us(timestamp_us);
+        let sink = self.active_sink(model.tenant.reserved);
+        let mut removed = 0u64;
+        self.for_each_part(model, &records, |p| {
+            if !adapter_id.is_empty() && *p.adapter != *adapter_id {
+                return;
+            }
+            let Some(rep) = p.scope.enter_existing(replica_id) else {
+                return;
+            };
+            let guard = epoch::pin();
+            let mut pend = Pending::default();
+            let n = prefix_hashes.len();
+            let probe = |j: usize| Probe::new(prefix_hashes[j].as_ref());
+            let mut ahead = Lookahead::start(&p.table, n, probe, &guard);
+            for (j, key) in prefix_hashes.iter().enumerate() {
+                ahead.step(&p.table, j, n, probe, &guard);
+                let key = key.as_ref();
+                if key.is_empty() {
+                    continue;
+                }
+                let pr = Probe::new(key);
+                let Some(mut w) = p.table.writer_if_created(KeyTable::shard_of(pr)) else {
+                    continue;
+                };
+                let Some((i, node)) = w.find_p(pr, &guard) else {
+                    continue;
+                };
+                if self
+                    .remove_holder(&mut w, p, i, node, rep, &guard, &mut pend)
+                    .is_some()
+                {
+                    removed += 1;
+                    w.maybe_shrink(&guard);
+                    drop(w);
+                    if let Some(s) = &sink {
+                        s.publish(&ChangeEvent {
+                            kind: ChangeKind::Removed,
+                            tenant_id,
+                            model_id,
+                            replica_id,
+                            prefix_hash: key,
+                            adapter_id: &p.adapter,
+                            timestamp_us: ts_us,
+                        });
+                    }
+                }
+            }
+            // Counters once per partition (they may lag the batch, exact after it, C3).
+            self.flush_pending(p, rep, &mut pend, &guard);
+            p.scope.exit(rep);
+        });
+        removed
+    }
+
+    /// Calls `f` on every partition of a (tenant, model) pair without allocating for ≤ 8.
+    /// `guard` stays pinned across the calls: a partition the sweep unlinks meanwhile is freed
+    /// only after it.
+    fn for_each_part(&self, model: &ModelRec, _guard: &Guard, mut f: impl FnMut(&Partition)) {
+        const N: usize = 8;
+        let mut small: [*const Partition; N] = [std::ptr::null(); N];
+        let big: Vec<Arc<Partition>>;
+        let n;
+        {
+            let l = model.parts.lock();
+            n = l.len();
+            if n <= N {
+                for (d, p) in small.iter_mut().zip(l.iter()) {
+                    *d = Arc::as_ptr(p);
+                }
+                big = Vec::new();
+            } else {
+                big = l.clone();
+            }
+        }
+        if n <= N {
+            for &p in &small[..n] {
+                // SAFETY: the partition was in `model.parts` while `_guard` was pinned; a
+                // reclaimed partition's last `Arc` (its directory node's) is dropped through
+                // the epoch, so it outlives the guard.
+                f(unsafe { &*p });
+            }
+        } else {
+            for p in big.iter() {
+                f(p);
+            }
+        }
+    }
+
+    /// E4: sliced walk over the pair's partitions; never blocks readers or other pairs.
+    fn clear_replica(&self, ev: &CacheEventInput<'_>) {
+        let ts_us = self.resolve_now_us(ev.timestamp_us);
+        let reserved = self.is_reserved(ev.tenant_id);
+        if let Some(model) = self.model_arc(ev.tenant_id, ev.model_id) {
+            let parts: Vec<Arc<Partition>> = model.parts.lock().clone();
+            for p in parts.iter() {
+                let Some(rep) = p.scope.enter_existing(ev.replica_id) else {
+                    continue;
+                };
+                self.walk_remove(p, |h| h.rep() == rep, |_, _| {});
+                p.scope.exit(rep);
+            }
+            let removed = model.stats.update(|v| {
+                match v.binary_search_by(|r| (*r.replica).cmp(ev.replica_id)) {
+                    Ok(i) => {
+                        let mut v2 = v.clone();
+                        v2.remove(i);
+                        (Some(v2), true)
+                    }
+                    Err(_) => (None, false),
+                }
+            });
+            if removed {
+                self.stats_bytes
+                    .fetch_sub(STATS_RECORD_BYTES, Ordering::Relaxed);
+            }
+        }
+        if let Some(s) = self.active_sink(reserved) {
+            s.publish(&ChangeEvent {
+                kind: ChangeKind::Cleared,
+                tenant_id: ev.tenant_id,
+                model_id: ev.model_id,
+                replica_id: ev.replica_id,
+                prefix_hash: &[],
+                adapter_id: "",
+                timestamp_us: ts_us,
+            });
+        }
+    }
+}

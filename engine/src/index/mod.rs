@@ -1,0 +1,214 @@
+//! The index: ingest (K), stats and events (S, E), lookups (L), ranking (R), orchestration (O),
+//! TTL sweep (V1), aggregates (G) and change notifications (N).
+//!
+//! Concurrency summary (details in `table.rs` and `docs/engine.md`): readers pin an epoch guard,
+//! resolve the partition through a wait-free directory, probe the partition's key table and read
+//! immutable key nodes; they take no lock and never retry. Writers lock one table shard at a time
+//! (per key, or per shard group of a chain), build a replacement node and publish it with a
+//! Release store. Derived counters are atomics whose deltas writers apply once per (partition,
+//! replica) run of an ingest or eviction batch; they may lag an in-flight write and are exact once
+//! writes quiesce (C3). The chain walk is software-pipelined (prefetch, candidate, resolve), and
+//! steps over the blocks of a chain run (`runs.rs`) whose keys follow the request's: every chain
+//! ingest builds one over its blocks.
+//!
+//! This file holds the [`Index`] itself, its constructor and its configuration; each area of
+//! its work is one child module, each an `impl Index` block with the types it owns:
+//! `resolution` (records: lookup and creation), `ingest`, `removal` (one entry, and sliced
+//! removal walks), `events`, `walk` (the longest-prefix match) with `lookahead` (writers'
+//! prefetch), `route` (lookups, ranking, LFU crediting), `reports` (aggregates, reads, memory),
+//! `sweep` (TTL and lifecycle), `eviction` (cap and quotas), `dump` (checkpoints) and
+//! `replicate` (replicated mode).
+
+mod dump;
+mod events;
+pub(crate) mod eviction;
+mod ingest;
+mod lookahead;
+mod removal;
+mod replicate;
+mod reports;
+mod resolution;
+mod route;
+mod sweep;
+#[cfg(test)]
+mod testing;
+mod walk;
+
+pub use dump::{DumpPartition, DumpedEntry, DumpedStats, LoadEntry, LoadOutcome, LoadTarget};
+pub use eviction::EvictionReason;
+pub use replicate::{Decided, DecisionLog, IndexDigest};
+pub use reports::{MemoryBreakdown, RecordCounts};
+pub use resolution::PartitionHandle;
+pub use route::{CapturedHits, RouteBuffer, RouteResult};
+pub use sweep::SweepOutcome;
+pub use walk::{ChainMatch, MatchScratch};
+
+use crate::clock::Clock;
+use crate::config::{IndexConfig, Resolvers};
+use crate::dir::{Dir, GaugeRec, ModelRec, Partition, ScopeRec, StatsRecord, TenantRec};
+use crate::sink::ChangeSink;
+use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+#[cfg(loom)]
+use crossbeam_epoch as epoch;
+use eviction::EVICT_SLOTS;
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use sweep::Ticker;
+
+/// Largest number of slots a sliced walk processes under one shard lock (V1, C5).
+pub const SLICE: usize = 4096;
+
+/// The cache-aware routing index.
+pub struct Index {
+    cfg: IndexConfig,
+    resolvers: Arc<dyn Resolvers>,
+    clock: Arc<dyn Clock>,
+    tenants: Dir<TenantRec>,
+    models: Dir<ModelRec>,
+    scopes: Dir<ScopeRec>,
+    parts: Dir<Partition>,
+    gauges: Dir<GaugeRec>,
+    all_parts: Mutex<Vec<Arc<Partition>>>,
+    /// `all_parts.len()`, published after each push, so the cap can see that it has every
+    /// partition without taking the mutex on each enforcement.
+    all_parts_len: AtomicUsize,
+    all_models: Mutex<Vec<Arc<ModelRec>>>,
+    /// Held while records are created or reclaimed (sync seam: creation runs loom operations),
+    /// so the sweep never retires a record a creator is linking a child to.
+    records: crate::sync::Mutex<()>,
+    /// `tenant_evictions` of reclaimed tenants (V5's counter must not go back; record lock).
+    retired_quota_evictions: Mutex<HashMap<Arc<str>, u64>>,
+    /// Distinct keys in the whole index, reserved included (O3 step 1).
+    total_keys: AtomicI64,
+    storage_entries: AtomicI64,
+    reserved_entries: AtomicI64,
+    /// `[lru_cap, lru_ttl, lfu_cap, lfu_ttl]`.
+    evictions: [AtomicU64; EVICT_SLOTS],
+    ingest_blocks: AtomicU64,
+    stats_bytes: AtomicI64,
+    sink: RwLock<Option<Arc<dyn ChangeSink>>>,
+    /// Whether a sink is installed (lets writers skip the sink lock when none is).
+    sink_set: AtomicBool,
+    /// Whether the cap, quotas and the sweep's TTL removal run here (replicated mode turns it
+    /// off on every server but the one that decides: `replicate.rs`). A setting, not part of
+    /// any concurrent protocol: a std atomic, outside the loom seam.
+    local_eviction: std::sync::atomic::AtomicBool,
+    /// Receives the removals local eviction decides (replicated mode's leader).
+    decision_log: RwLock<Option<Arc<dyn DecisionLog>>>,
+    ready: AtomicBool,
+    ticker: Mutex<Option<Ticker>>,
+    sweep_lock: Mutex<()>,
+    /// Victim-selection state of the global cap (V2; see `eviction.rs`).
+    cap_hand: Mutex<eviction::Hand>,
+    /// Lanes per LFU stripe set (see `table::LfuCell`).
+    stripe_lanes: usize,
+}
+
+const STATS_RECORD_BYTES: i64 = std::mem::size_of::<StatsRecord>() as i64 + 48;
+
+impl Index {
+    /// A new, empty index. The config is normalized (≤ 0 TTL / interval → defaults).
+    pub fn new(config: IndexConfig, resolvers: Arc<dyn Resolvers>, clock: Arc<dyn Clock>) -> Self {
+        let config_seed = config.eviction_seed;
+        Self {
+            cfg: config.normalized(),
+            resolvers,
+            clock,
+            tenants: Dir::new(),
+            models: Dir::new(),
+            scopes: Dir::new(),
+            parts: Dir::new(),
+            gauges: Dir::new(),
+            all_parts: Mutex::new(Vec::new()),
+            all_parts_len: AtomicUsize::new(0),
+            all_models: Mutex::new(Vec::new()),
+            records: crate::sync::Mutex::new(()),
+            retired_quota_evictions: Mutex::new(HashMap::new()),
+            total_keys: AtomicI64::new(0),
+            storage_entries: AtomicI64::new(0),
+            reserved_entries: AtomicI64::new(0),
+            evictions: Default::default(),
+            ingest_blocks: AtomicU64::new(0),
+            stats_bytes: AtomicI64::new(0),
+            sink: RwLock::new(None),
+            sink_set: AtomicBool::new(false),
+            local_eviction: std::sync::atomic::AtomicBool::new(true),
+            decision_log: RwLock::new(None),
+            ready: AtomicBool::new(false),
+            ticker: Mutex::new(None),
+            sweep_lock: Mutex::new(()),
+            cap_hand: Mutex::new(eviction::Hand::new(eviction::seed_of(config_seed, 0))),
+            stripe_lanes: crate::table::stripe_lanes(),
+        }
+    }
+
+    /// The normalized configuration.
+    pub fn config(&self) -> &IndexConfig {
+        &self.cfg
+    }
+
+    pub(super) fn active_sink(&self, reserved: bool) -> Option<Arc<dyn ChangeSink>> {
+        if reserved || !self.sink_set.load(Ordering::Acquire) {
+            return None;
+        }
+        let s = self.sink.read();
+        match &*s {
+            Some(s) if s.is_active() => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    /// Installs the change sink (N1). With an inactive sink no event is constructed (N4).
+    pub fn set_change_sink(&self, sink: Arc<dyn ChangeSink>) {
+        let mut s = self.sink.write();
+        *s = Some(sink);
+        self.sink_set.store(true, Ordering::Release);
+    }
+
+    /// Removes the change sink.
+    pub fn clear_change_sink(&self) {
+        let mut s = self.sink.write();
+        *s = None;
+        self.sink_set.store(false, Ordering::Release);
+    }
+}
+
+impl Drop for Index {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticker.get_mut().take() {
+            *t.stop.0.lock() = true;
+            t.stop.1.notify_all();
+        }
+        // `TenantRec::models` ↔ `ModelRec::tenant`, `ModelRec::parts` ↔ `Partition::model` and
+        // `TenantRec::quota_hand` → `Partition::tenant` are reference cycles: without breaking them a dropped index never frees its records,
+        // partitions and tables (found by the `engine_ops` fuzz target, which builds an index per
+        // input).
+        // A tenant's quota hand holds its partitions, which hold the tenant: a third cycle.
+        for t in self.tenants.all() {
+            t.models.lock().clear();
+            t.quota_hand.lock().release();
+        }
+        for m in self.all_models.get_mut().drain(..) {
+            m.parts.lock().clear();
+        }
+    }
+}
+
+/// Loom models only (`loom-tests/`): internal counters without a public accessor.
+#[cfg(loom)]
+impl Index {
+    /// `serving_n` of scope (tenant, model, scheme): replicas with a serving count > 0.
+    pub fn loom_serving_n(&self, tenant: &str, model: &str, scheme: &str) -> i64 {
+        self.scope_ref(tenant, model, scheme, &epoch::pin())
+            .map_or(0, |s| s.serving_n.load(Ordering::Relaxed))
+    }
+
+    /// Frees the chain runs the epoch has handed to every partition's reaper (what a writer
+    /// does when it takes a shard lock); returns how many.
+    pub fn loom_reap(&self) -> usize {
+        let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
+        parts.iter().map(|p| p.table.reaper().free_all()).sum()
+    }
+}

@@ -1,0 +1,841 @@
+//! Lookups (L1–L10), ranking (R1–R9) and LFU crediting (V3, V4, D4): a `LookupRoute` walks
+//! the partition (see `walk.rs`), scores each replica's run, ranks them (R5: score desc, then
+//! replica id asc) and classifies a miss (O3). In an LFU namespace a PREFIX_MATCH captures its
+//! hits; they are credited only once the answer is delivered, and only to the entry they saw
+//! (generation-checked, L9).
+
+use super::Index;
+use super::walk::MatchScratch;
+use crate::ReplicaId;
+use crate::clock::us_to_ms;
+use crate::config::Algorithm;
+use crate::dir::{ModelRec, Partition, ScopeRec, ScopeReplica, TenantRec, hash_strs};
+use crate::rank::{
+    distinguishing_power, freshness, prefix_score, pressure_factor, recency, slo_c,
+    tenant_hot_score,
+};
+use crate::sync::Ordering;
+use crate::table::{Credited, KeyNode, KeyTable, Probe, tier_wire};
+use crate::types::*;
+use crossbeam_epoch::{self as epoch, Guard};
+use sha2::{Digest, Sha256};
+use std::sync::Arc;
+
+/// A replica's chain-path score before ranking (see `Index::prefix_scores`).
+#[derive(Clone, Copy)]
+pub(super) struct Ranked {
+    score: f32,
+    matched: i32,
+    fresh: f32,
+    tier: u8,
+    /// Order label of the replica's id (`ScopeReplica::label`; TENANT_HOT: its position in
+    /// id order): the tie-break of R4 and R5, with `name` deciding equal labels.
+    rank: u64,
+    /// The replica's id, borrowed from its scope slot or stats record under the lookup's
+    /// guard (see `BorrowedId`): only the returned scores count their ids.
+    name: crate::replica_id::BorrowedId,
+}
+
+/// One captured LFU hit (L9): identifies one storage entry by key, replica and generation.
+#[derive(Clone)]
+pub(super) struct Hit {
+    pub(super) replica: ReplicaId,
+    pub(super) rep: u32,
+    pub(super) key: KeyBytesOwned,
+    pub(super) generation: u32,
+}
+
+#[derive(Clone)]
+pub(super) enum KeyBytesOwned {
+    Short([u8; 8]),
+    Long(Box<[u8]>),
+}
+
+impl KeyBytesOwned {
+    pub(super) fn as_bytes(&self) -> &[u8] {
+        match self {
+            KeyBytesOwned::Short(a) => a,
+            KeyBytesOwned::Long(b) => b,
+        }
+    }
+}
+
+/// Hits captured by a PREFIX_MATCH lookup in an LFU namespace, not yet credited (L9, V4).
+#[derive(Clone, Default)]
+pub struct CapturedHits {
+    pub(super) part: Option<Arc<Partition>>,
+    pub(super) hits: Vec<Hit>,
+}
+
+impl std::fmt::Debug for CapturedHits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CapturedHits")
+            .field("len", &self.hits.len())
+            .finish()
+    }
+}
+
+impl CapturedHits {
+    /// Number of captured entries.
+    pub fn len(&self) -> usize {
+        self.hits.len()
+    }
+    /// No captured entry.
+    pub fn is_empty(&self) -> bool {
+        self.hits.is_empty()
+    }
+    /// Captured entries of one replica.
+    pub fn count_for(&self, replica: &str) -> usize {
+        self.hits.iter().filter(|h| &*h.replica == replica).count()
+    }
+    /// Drops every hit.
+    pub fn clear(&mut self) {
+        self.hits.clear();
+        self.part = None;
+    }
+    /// Keeps only the hits of replicas for which `keep` returns true.
+    pub fn retain_replicas(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.hits.retain(|h| keep(&h.replica));
+    }
+}
+
+/// A LookupRoute result (O1).
+#[derive(Debug, Clone, Default)]
+pub struct RouteResult {
+    /// Result kind.
+    pub strategy: Strategy,
+    /// Ranked replicas, best first.
+    pub scores: Vec<ScoredReplica>,
+    /// LFU hits to credit if the answer is delivered.
+    pub hits: CapturedHits,
+}
+
+impl RouteResult {
+    /// Prunes scores and hits together (H10): keeps replicas for which `keep` is true.
+    pub fn retain_replicas(&mut self, mut keep: impl FnMut(&ScoredReplica) -> bool) {
+        self.scores.retain(&mut keep);
+        let scores = &self.scores;
+        self.hits
+            .retain_replicas(|r| scores.iter().any(|s| &*s.replica_id == r));
+    }
+}
+
+/// Caller-owned buffer for the allocation-free [`Index::lookup_route_into`].
+#[derive(Default)]
+pub struct RouteBuffer {
+    /// Result kind of the last call.
+    pub strategy: Strategy,
+    /// Ranked replicas of the last call.
+    pub scores: Vec<ScoredReplica>,
+    /// Captured hits (LFU only; allocates in proportion to the run).
+    pub hits: CapturedHits,
+    scratch: MatchScratch,
+}
+
+impl RouteBuffer {
+    /// An empty buffer.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Moves the contents out as a [`RouteResult`].
+    pub fn take(&mut self) -> RouteResult {
+        RouteResult {
+            strategy: self.strategy,
+            scores: std::mem::take(&mut self.scores),
+            hits: std::mem::take(&mut self.hits),
+        }
+    }
+}
+
+pub(super) fn own_key(k: &[u8]) -> KeyBytesOwned {
+    match <[u8; 8]>::try_from(k) {
+        Ok(a) => KeyBytesOwned::Short(a),
+        Err(_) => KeyBytesOwned::Long(k.into()),
+    }
+}
+
+/// Replica id order of two ranked entries: their labels, then (equal labels) the ids.
+#[inline]
+fn by_id(a: &Ranked, b: &Ranked) -> std::cmp::Ordering {
+    a.rank
+        .cmp(&b.rank)
+        // SAFETY: ranked entries are compared within the lookup that borrowed their ids.
+        .then_with(|| unsafe { a.name.as_str().cmp(b.name.as_str()) })
+}
+
+/// R5 on ranked entries: score desc, then replica id asc.
+fn sort_ranked(v: &mut [Ranked]) {
+    v.sort_unstable_by(|a, b| {
+        b.score
+            .partial_cmp(&a.score)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(by_id(a, b))
+    });
+}
+
+/// Sorts `ranked` (R5) and appends the scores to `out` in that order.
+fn emit_ranked(ranked: &mut [Ranked], out: &mut Vec<ScoredReplica>) {
+    sort_ranked(ranked);
+    out.extend(ranked.iter().map(|s| ScoredReplica {
+        // SAFETY: emitted within the lookup that borrowed the id (its guard still pinned).
+        replica_id: unsafe { s.name.to_owned() },
+        score: s.score,
+        matched_tokens: s.matched,
+        estimated_cache_hit_prob: s.fresh,
+        tier: tier_wire(s.tier),
+    }));
+}
+
+impl Index {
+    fn pressure_pf(
+        &self,
+        model: &ModelRec,
+        replica: &ScopeReplica,
+        now_ms: i64,
+        ttl: i64,
+        guard: &Guard,
+    ) -> f32 {
+        let p = match model.stats_for(replica, guard) {
+            Some(s) if freshness(now_ms, s.reported_ms, ttl) > 0.0 => s.pressure,
+            _ => 0.0,
+        };
+        pressure_factor(self.cfg.ranker.pressure_weight, p)
+    }
+
+    /// Prefix scores (exact or chain path) into `buf.scores`, capturing LFU hits if `capture`.
+    #[allow(clippy::too_many_arguments)]
+    fn prefix_scores<H: AsRef<[u8]>>(
+        &self,
+        part: &Partition,
+        req: &LookupRequest<'_, H>,
+        chain: bool,
+        now_ms: i64,
+        ttl: i64,
+        capture: bool,
+        buf: &mut RouteBuffer,
+        guard: &Guard,
+    ) {
+        let c = slo_c(&self.cfg.ranker, req.ttft_ms);
+        let n = part.scope.serving_n.load(Ordering::Relaxed);
+        if chain {
+            Self::walk_chain(
+                part,
+                req.block_hashes,
+                req.block_token_counts,
+                now_ms,
+                ttl,
+                guard,
+                &mut buf.scratch,
+                capture,
+            );
+            if buf.scratch.runs.is_empty() {
+                return;
+            }
+            let reps = part.scope.replicas.load(guard);
+            let ranked = &mut buf.scratch.ranked;
+            ranked.clear();
+            for r in buf.scratch.runs.iter() {
+                if r.matched <= 0 {
+                    continue;
+                }
+                let f = freshness(now_ms, r.oldest, ttl);
+                if f <= 0.0 {
+                    continue;
+                }
+                let Some(rr) = reps.get(r.rep as usize) else {
+                    continue;
+                };
+                let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, guard);
+                ranked.push(Ranked {
+                    score: prefix_score(r.matched, f, pf, c),
+                    matched: r.matched,
+                    fresh: f,
+                    tier: r.tier,
+                    rank: rr.label,
+                    name: rr.name.borrow_id(),
+                });
+                if capture {
+                    for &np in buf.scratch.nodes[..r.blocks as usize].iter() {
+                        // SAFETY: the node pointers were read under `guard`, still pinned.
+                        let node = unsafe { &*(np as *const KeyNode) };
+                        if let Some(h) = node.holder(r.rep) {
+                            buf.hits.hits.push(Hit {
+                                replica: rr.name.clone(),
+                                rep: r.rep,
+                                key: own_key(node.key()),
+                                generation: h.generation(),
+                            });
+                        }
+                    }
+                }
+            }
+            buf.scratch.nodes.clear();
+            // Ties are ordered by replica id through the ids' labels (R4, R5): integer
+            // compares, the ids themselves only for equal labels.
+            if n > 1 && !ranked.is_empty() {
+                // R4 chain grouping.
+                ranked.sort_unstable_by(|a, b| b.matched.cmp(&a.matched).then(by_id(a, b)));
+                let mut i = 0;
+                while i < ranked.len() {
+                    let mut j = i;
+                    while j < ranked.len() && ranked[j].matched == ranked[i].matched {
+                        j += 1;
+                    }
+                    let dp = distinguishing_power(j as i64, n);
+                    if dp != 1.0 {
+                        for s in &mut ranked[i..j] {
+                            s.score *= dp as f32;
+                        }
+                    }
+                    i = j;
+                }
+            }
+            emit_ranked(ranked, &mut buf.scores);
+        } else {
+            if req.prefix_hash.is_empty() {
+                return;
+            }
+            let Some(node) = part.table.find(req.prefix_hash, guard) else {
+                return;
+            };
+            let reps = part.scope.replicas.load(guard);
+            let ranked = &mut buf.scratch.ranked;
+            ranked.clear();
+            for h in node.holders().iter() {
+                let f = freshness(now_ms, h.last_seen_ms(), ttl);
+                if f <= 0.0 {
+                    continue;
+                }
+                let Some(rr) = reps.get(h.rep() as usize) else {
+                    continue;
+                };
+                let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, guard);
+                ranked.push(Ranked {
+                    score: prefix_score(h.tokens(), f, pf, c),
+                    matched: h.tokens(),
+                    fresh: f,
+                    tier: h.tier(),
+                    rank: rr.label,
+                    name: rr.name.borrow_id(),
+                });
+                if capture && h.tokens() > 0 {
+                    buf.hits.hits.push(Hit {
+                        replica: rr.name.clone(),
+                        rep: h.rep(),
+                        key: own_key(node.key()),
+                        generation: h.generation(),
+                    });
+                }
+            }
+            let dp = distinguishing_power(ranked.len() as i64, n);
+            if dp != 1.0 {
+                for s in ranked.iter_mut() {
+                    s.score *= dp as f32;
+                }
+            }
+            emit_ranked(ranked, &mut buf.scores);
+        }
+    }
+
+    /// Bare lookup (L1–L10): prefix scores only, never credits, no fallbacks.
+    pub fn lookup<H: AsRef<[u8]>>(&self, req: &LookupRequest<'_, H>) -> Vec<ScoredReplica> {
+        let mut buf = RouteBuffer::default();
+        if req.hash_scheme.is_empty() {
+            return Vec::new();
+        }
+        let chain = !req.block_hashes.is_empty() || !req.block_token_counts.is_empty();
+        if chain && req.block_hashes.len() != req.block_token_counts.len() {
+            return Vec::new();
+        }
+        let guard = epoch::pin();
+        let Some(part) = self.part_ref(
+            req.tenant_id,
+            req.model_id,
+            req.hash_scheme,
+            req.adapter_id,
+            &guard,
+        ) else {
+            return Vec::new();
+        };
+        let now_ms = us_to_ms(self.clock.now_us());
+        let ttl = self.ttl_for(req.tenant_id);
+        self.prefix_scores(part, req, chain, now_ms, ttl, false, &mut buf, &guard);
+        buf.scores
+    }
+
+    /// LookupRoute at the index level (O1): prefix match, TENANT_HOT, classifier.
+    ///
+    /// Runs in a per-thread [`RouteBuffer`] (its walk scratch is reused across calls) and
+    /// allocates only the result's score vector, at its exact size.
+    pub fn lookup_route<H: AsRef<[u8]>>(&self, req: &LookupRequest<'_, H>) -> RouteResult {
+        #[cfg(not(loom))]
+        {
+            std::thread_local! {
+                static BUF: std::cell::RefCell<RouteBuffer> =
+                    std::cell::RefCell::new(RouteBuffer::default());
+            }
+            let reused = BUF.with(|b| {
+                // A re-entrant call (a sink or resolver calling back) takes the fresh path.
+                let mut buf = b.try_borrow_mut().ok()?;
+                self.lookup_route_into(req, &mut buf);
+                Some(RouteResult {
+                    strategy: buf.strategy,
+                    scores: buf.scores.drain(..).collect(),
+                    hits: std::mem::take(&mut buf.hits),
+                })
+            });
+            if let Some(r) = reused {
+                return r;
+            }
+        }
+        let mut buf = RouteBuffer::default();
+        self.lookup_route_into(req, &mut buf);
+        buf.take()
+    }
+
+    /// [`Index::lookup_route`] into a caller buffer: allocation-free in LRU namespaces once the
+    /// buffer has grown (T93); returns the strategy (also stored in `buf.strategy`).
+    pub fn lookup_route_into<H: AsRef<[u8]>>(
+        &self,
+        req: &LookupRequest<'_, H>,
+        buf: &mut RouteBuffer,
+    ) -> Strategy {
+        buf.scores.clear();
+        buf.hits.clear();
+        let s = self.route_inner(req, buf);
+        if s != Strategy::PrefixMatch {
+            buf.hits.clear();
+        }
+        buf.strategy = s;
+        s
+    }
+
+    fn route_inner<H: AsRef<[u8]>>(
+        &self,
+        req: &LookupRequest<'_, H>,
+        buf: &mut RouteBuffer,
+    ) -> Strategy {
+        let (t, m, s) = (req.tenant_id, req.model_id, req.hash_scheme);
+        if t.is_empty() || m.is_empty() || s.is_empty() {
+            return Strategy::None;
+        }
+        let chain = !req.block_hashes.is_empty() || !req.block_token_counts.is_empty();
+        if chain && req.block_hashes.len() != req.block_token_counts.len() {
+            return Strategy::None;
+        }
+        let now_ms = us_to_ms(self.clock.now_us());
+        let ttl = self.ttl_for(t);
+        let guard = epoch::pin();
+        let part = self.part_ref(t, m, s, req.adapter_id, &guard);
+        if let Some(part) = part {
+            let capture = self.resolvers.algorithm(t) == Algorithm::Lfu;
+            self.prefix_scores(part, req, chain, now_ms, ttl, capture, buf, &guard);
+            if !buf.scores.is_empty() {
+                if capture && !buf.hits.hits.is_empty() {
+                    buf.hits.part = self
+                        .parts
+                        .get_arc(hash_strs(&[t, m, s, req.adapter_id]), &|p: &Partition| {
+                            std::ptr::eq(p, part)
+                        });
+                }
+                return Strategy::PrefixMatch;
+            }
+        }
+        if !chain
+            && self.tenant_hot(
+                req,
+                part,
+                now_ms,
+                &mut buf.scratch.ranked,
+                &mut buf.scores,
+                &guard,
+            )
+        {
+            return Strategy::TenantHot;
+        }
+        match part {
+            // The partition names the same directory records the lookups by name would find
+            // (a live partition's parents are live: the sweep reclaims a parent only once its
+            // children are gone): no string hashing on the common miss.
+            Some(p) => {
+                self.classify_with(|| Some(&*p.tenant), || Some(&*p.model), || Some(&*p.scope))
+            }
+            None => self.classify_in(t, m, s, &guard),
+        }
+    }
+
+    /// O2: TENANT_HOT candidates into `out`; true if any.
+    /// `part` is the request's partition when it exists: its (tenant, model) and scope records
+    /// are the ones the lookups by name would find (a live partition's parents are live).
+    fn tenant_hot<H: AsRef<[u8]>>(
+        &self,
+        req: &LookupRequest<'_, H>,
+        part: Option<&Partition>,
+        now_ms: i64,
+        ranked: &mut Vec<Ranked>,
+        out: &mut Vec<ScoredReplica>,
+        guard: &Guard,
+    ) -> bool {
+        let rc = &self.cfg.ranker;
+        if rc.tenant_hot_max_age_ms <= 0 || req.hash_scheme.is_empty() {
+            return false;
+        }
+        let records = match part {
+            Some(p) => Some((&*p.model, &*p.scope)),
+            None => self
+                .model_ref(req.tenant_id, req.model_id, guard)
+                .zip(self.scope_ref(req.tenant_id, req.model_id, req.hash_scheme, guard)),
+        };
+        let Some((model, scope)) = records else {
+            return false;
+        };
+        let c = slo_c(rc, req.ttft_ms);
+        let stats = model.stats.load(guard);
+        ranked.clear();
+        for (i, st) in stats.iter().enumerate() {
+            let age = now_ms - st.reported_ms;
+            if age >= rc.tenant_hot_max_age_ms || st.hit_rate < rc.tenant_hot_min_hit_rate {
+                continue;
+            }
+            if scope
+                .find(&st.replica, guard)
+                .is_none_or(|r| r.serving.load(Ordering::Relaxed) <= 0)
+            {
+                continue;
+            }
+            let rec = recency(age, rc.tenant_hot_max_age_ms);
+            let pf = pressure_factor(rc.pressure_weight, st.pressure);
+            // Stats records are kept sorted by replica id, so a record's position is its id's
+            // rank among them: R5's tie-break without comparing ids.
+            ranked.push(Ranked {
+                score: tenant_hot_score(st.hit_rate, rec, pf, c),
+                matched: 0,
+                fresh: st.hit_rate,
+                tier: 0,
+                rank: i as u64,
+                name: st.replica.borrow_id(),
+            });
+        }
+        emit_ranked(ranked, out);
+        !out.is_empty()
+    }
+
+    /// O3 miss classifier (O(1) counter reads).
+    pub fn classify(&self, tenant: &str, model: &str, scheme: &str) -> Strategy {
+        self.classify_in(tenant, model, scheme, &epoch::pin())
+    }
+
+    fn classify_in(&self, tenant: &str, model: &str, scheme: &str, guard: &Guard) -> Strategy {
+        self.classify_with(
+            || self.tenant_ref(tenant, guard),
+            || self.model_ref(tenant, model, guard),
+            || self.scope_ref(tenant, model, scheme, guard),
+        )
+    }
+
+    /// The classifier over directory records, each looked up only when the previous test
+    /// passed.
+    fn classify_with<'a>(
+        &'a self,
+        tenant: impl FnOnce() -> Option<&'a TenantRec>,
+        model: impl FnOnce() -> Option<&'a ModelRec>,
+        scope: impl FnOnce() -> Option<&'a ScopeRec>,
+    ) -> Strategy {
+        if self.total_keys.load(Ordering::Relaxed) <= 0 {
+            return Strategy::None;
+        }
+        match tenant() {
+            Some(t) if t.keys.load(Ordering::Relaxed) > 0 => {}
+            _ => return Strategy::UnknownTenant,
+        }
+        match model() {
+            Some(m) if m.keys.load(Ordering::Relaxed) > 0 => {}
+            _ => return Strategy::UnknownModel,
+        }
+        match scope() {
+            Some(s) if s.serving_n.load(Ordering::Relaxed) > 0 => Strategy::None,
+            _ => Strategy::UnknownHashScheme,
+        }
+    }
+
+    /// O4 affinity pick: SHA-256(seed) modulo the sorted serving replicas of the scope.
+    pub fn affinity_hint(
+        &self,
+        tenant: &str,
+        model: &str,
+        scheme: &str,
+        seed: &[u8],
+    ) -> Option<ReplicaId> {
+        if seed.is_empty() || scheme.is_empty() {
+            return None;
+        }
+        let guard = epoch::pin();
+        let scope = self.scope_ref(tenant, model, scheme, &guard)?;
+        let mut cands: Vec<ReplicaId> = scope
+            .replicas
+            .load(&guard)
+            .iter()
+            .filter(|r| r.serving.load(Ordering::Relaxed) > 0)
+            .map(|r| r.name.clone())
+            .collect();
+        if cands.is_empty() {
+            return None;
+        }
+        cands.sort_unstable();
+        let d = Sha256::digest(seed);
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&d[..8]);
+        let idx = (u64::from_be_bytes(b) % cands.len() as u64) as usize;
+        Some(cands.swap_remove(idx))
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // LFU crediting (V3, V4, D4)
+
+    /// Credits captured hits (lock-free). Hits whose entry was removed (or replaced by a new
+    /// entry with the same key and replica) are ignored (L9, T92).
+    pub fn credit_hits(&self, hits: &CapturedHits) {
+        let Some(part) = hits.part.as_deref() else {
+            return;
+        };
+        let guard = epoch::pin();
+        for hit in hits.hits.iter() {
+            self.credit_one(part, hit.key.as_bytes(), hit.rep, hit.generation, &guard);
+        }
+    }
+
+    /// One LFU credit of the entry `(key, rep)` if it is still the `generation` credited.
+    pub(crate) fn credit_one(
+        &self,
+        part: &Partition,
+        key: &[u8],
+        rep: u32,
+        generation: u32,
+        guard: &Guard,
+    ) {
+        let p = Probe::new(key);
+        let Some(node) = part.table.find_p(p, guard) else {
+            return;
+        };
+        match node.holder(rep) {
+            Some(h) if h.generation() == generation => {}
+            _ => return,
+        }
+        // Lock-free once the entry has an LFU cell; the first credit creates it under the
+        // shard mutex after re-validating the entry there (removals kill cells under the
+        // same mutex, so a cell is never created for a removed entry).
+        let cell = match part.table.lfu_cell(p, rep, generation, guard) {
+            Some(c) => c,
+            None => {
+                let mut w = part.table.writer(KeyTable::shard_of(p));
+                let Some((_, node)) = w.find_p(p, guard) else {
+                    return;
+                };
+                match node.holder(rep) {
+                    Some(h) if h.generation() == generation => {}
+                    _ => return,
+                }
+                w.lfu_cell_or_create(key, rep, generation, guard)
+            }
+        };
+        // Counts above the threshold go to per-core stripes under contention and leave the
+        // key sum alone: it only needs min(count, threshold) per cell to decide "hot" (D4).
+        let lanes = self.stripe_lanes;
+        if cell.credit(self.hot_threshold(), lanes, &part.table) == Credited::BelowThreshold {
+            self.add_key_access(&part.model, cell.ksum(), 1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::config::{DefaultResolvers, IndexConfig};
+    use crate::index::testing::NOW;
+
+    /// O3 on a partition that exists but was emptied: the route classifies its miss from the
+    /// partition's own directory records, with the same answers as the lookups by name.
+    #[test]
+    fn o3_classifies_misses_in_an_emptied_known_partition() {
+        let ix = Index::new(
+            IndexConfig::default(),
+            Arc::new(DefaultResolvers),
+            Arc::new(ManualClock::new(NOW)),
+        );
+        let put = |t: &str, m: &str, s: &str, key: [u8; 8]| {
+            ix.ingest(CacheStateUpdate {
+                replica_id: "r",
+                model_id: m,
+                tenant_id: t,
+                hash_scheme: s,
+                timestamp_us: NOW,
+                adapter_id: "",
+                stats: None,
+                prefixes: std::iter::once(PrefixRef {
+                    prefix_hash: b"",
+                    token_count: 0,
+                    block_hashes: &[key],
+                    block_token_counts: &[16],
+                    tier: 0,
+                    adapter_id: "",
+                }),
+            });
+        };
+        let route = |t: &str, m: &str, s: &str| {
+            let hashes = [[0xEE; 8]];
+            ix.lookup_route(&LookupRequest {
+                block_hashes: &hashes[..],
+                block_token_counts: &[16],
+                ..LookupRequest::new(t, m, s)
+            })
+            .strategy
+        };
+        let k = |i: u8| [i; 8];
+        put("a", "m", "s", k(1));
+        put("b", "m", "s", k(2));
+        put("b", "m2", "s", k(3));
+        put("c", "m", "s2", k(4));
+        put("c", "m", "s", k(5));
+        assert_eq!(route("a", "m", "s"), Strategy::None, "O3.5: novel prefix");
+        // Tenant a has no key left; b's (b, m) and c's (c, m, s) neither, but each still has
+        // keys one level up.
+        ix.evict_prefixes("a", "m", "r", "", &[k(1)], 0);
+        ix.evict_prefixes("b", "m", "r", "", &[k(2)], 0);
+        ix.evict_prefixes("c", "m", "r", "", &[k(5)], 0);
+        for (t, m, s, want) in [
+            ("a", "m", "s", Strategy::UnknownTenant),
+            ("b", "m", "s", Strategy::UnknownModel),
+            ("c", "m", "s", Strategy::UnknownHashScheme),
+            ("c", "m", "s2", Strategy::None),
+        ] {
+            assert!(ix.partition(t, m, s, "").is_some(), "{t}/{m}/{s} exists");
+            assert_eq!(route(t, m, s), want, "{t}/{m}/{s}");
+            assert_eq!(ix.classify(t, m, s), want, "{t}/{m}/{s} by name");
+        }
+    }
+}
+
+#[cfg(test)]
+mod lfu_race_tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::config::{IndexConfig, Resolvers};
+    use crate::sync::AtomicBool;
+
+    struct Lfu;
+    impl Resolvers for Lfu {
+        fn ttl_ms(&self, _: &str) -> Option<i64> {
+            None
+        }
+        fn algorithm(&self, _: &str) -> Algorithm {
+            Algorithm::Lfu
+        }
+        fn quota(&self, _: &str) -> Option<i64> {
+            None
+        }
+    }
+
+    const NOW: i64 = 1_700_000_000_000_000;
+
+    fn put(ix: &Index, rep: &str, key: &[u8]) {
+        ix.ingest(CacheStateUpdate {
+            replica_id: rep,
+            model_id: "m",
+            tenant_id: "t",
+            hash_scheme: "s",
+            timestamp_us: NOW,
+            adapter_id: "",
+            stats: None,
+            prefixes: std::iter::once(PrefixRef::<&[u8]> {
+                prefix_hash: key,
+                token_count: 16,
+                block_hashes: &[],
+                block_token_counts: &[],
+                tier: 0,
+                adapter_id: "",
+            }),
+        });
+    }
+
+    /// Credits racing with evictions and re-creations: once everything quiesces, the hot-key
+    /// counter equals the number of keys whose live holders' access counts sum to ≥ threshold.
+    #[test]
+    fn credits_racing_removals_keep_hot_exact() {
+        let cfg = IndexConfig {
+            hot_access_threshold: 3,
+            ..IndexConfig::default()
+        };
+        let ix = Arc::new(Index::new(
+            cfg,
+            Arc::new(Lfu),
+            Arc::new(ManualClock::new(NOW)),
+        ));
+        let keys: Vec<Vec<u8>> = (0..16u32)
+            .map(|i| format!("key-{i}").into_bytes())
+            .collect();
+        let reps = ["a", "b", "c"];
+        for k in &keys {
+            for r in reps {
+                put(&ix, r, k);
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut hs = Vec::new();
+        for t in 0..3 {
+            let (ix, keys, stop) = (ix.clone(), keys.clone(), stop.clone());
+            hs.push(std::thread::spawn(move || {
+                let mut i = t;
+                while !stop.load(Ordering::Relaxed) {
+                    let k = &keys[i % keys.len()];
+                    i += 7;
+                    let req = LookupRequest::<&[u8]> {
+                        prefix_hash: k,
+                        ..LookupRequest::new("t", "m", "s")
+                    };
+                    let r = ix.lookup_route(&req);
+                    ix.credit_hits(&r.hits);
+                }
+            }));
+        }
+        {
+            let (ix, keys) = (ix.clone(), keys.clone());
+            hs.push(std::thread::spawn(move || {
+                for round in 0..300 {
+                    let k = &keys[round % keys.len()];
+                    let r = reps[round % 3];
+                    ix.apply_event(CacheEventInput {
+                        event_type: event_type::PREFIX_EVICTED,
+                        replica_id: r,
+                        model_id: "m",
+                        tenant_id: "t",
+                        prefix_hash: k,
+                        timestamp_us: NOW,
+                        adapter_id: "",
+                    });
+                    if round % 2 == 0 {
+                        put(&ix, r, k);
+                    }
+                }
+            }));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        stop.store(true, Ordering::Relaxed);
+        for h in hs {
+            h.join().unwrap();
+        }
+        let mut want = 0;
+        for k in &keys {
+            let sum: u64 = reps
+                .iter()
+                .filter_map(|r| ix.entry("t", "m", "s", "", k, r))
+                .map(|e| e.access_count as u64)
+                .sum();
+            if sum >= 3 {
+                want += 1;
+            }
+        }
+        assert_eq!(ix.cache_state("t", "m").hot_prefixes, want);
+        assert!(want > 0);
+    }
+}

@@ -1,0 +1,374 @@
+//! The TTL sweep (V1) and the index's lifecycle: the sweep removes expired entries and stats
+//! records slice by slice, then reclaims the records that hold nothing (children first, under
+//! the record lock, freed through the epoch); `start` runs it on a std ticker thread.
+
+use super::eviction::{EvictionReason, evict_slot};
+use super::{Index, STATS_RECORD_BYTES};
+use crate::clock::us_to_ms;
+use crate::config::Algorithm;
+use crate::dir::{ModelRec, Partition, StatsRecord, TenantRec, hash_strs};
+use crate::sink::{ChangeEvent, ChangeKind};
+use crate::sync::Ordering;
+use crossbeam_epoch as epoch;
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+
+/// What a sweep removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepOutcome {
+    /// Storage entries removed.
+    pub entries_removed: u64,
+    /// Stats records removed.
+    pub stats_removed: u64,
+    /// Records reclaimed because they held nothing: partitions, scopes, (tenant, model) pairs,
+    /// per-model gauges and tenants.
+    pub records_reclaimed: u64,
+    /// Scope replica slots reclaimed (replicas that held no entry in their scope).
+    pub replica_slots_reclaimed: u64,
+}
+
+pub(super) struct Ticker {
+    pub(super) stop: Arc<(Mutex<bool>, Condvar)>,
+    pub(super) handle: std::thread::JoinHandle<()>,
+}
+
+impl Index {
+    /// Runs one TTL sweep now (V1). Sliced: ≤ [`SLICE`](super::SLICE) slots per shard lock.
+    pub fn sweep_now(&self) -> SweepOutcome {
+        let _l = self.sweep_lock.lock();
+        // Entries expire here only when this index decides its evictions (`replicate.rs`).
+        let local = self.local_eviction();
+        let t_us = self.clock.now_us();
+        let t_ms = us_to_ms(t_us);
+        let mut out = SweepOutcome::default();
+        let mut policy: HashMap<*const TenantRec, (i64, Algorithm)> = HashMap::new();
+        let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
+        for p in parts.iter() {
+            let (ttl, alg) = *policy.entry(Arc::as_ptr(&p.tenant)).or_insert_with(|| {
+                (
+                    self.ttl_for(&p.tenant.name),
+                    self.resolvers.algorithm(&p.tenant.name),
+                )
+            });
+            if ttl <= 0 || !local {
+                continue;
+            }
+            let sink = self.active_sink(p.tenant.reserved);
+            let logged = self.decision_log_installed();
+            // No guard held across the walk: it pins per slice, and a sweep-long pin would stall
+            // the epoch (and the reuse of every node retired meanwhile) for the whole sweep.
+            let n = self.walk_remove(
+                p,
+                |h| t_ms - h.last_seen_ms() >= ttl,
+                |node, h| {
+                    if sink.is_some() || logged {
+                        let guard = epoch::pin();
+                        let reps = p.scope.replicas.load(&guard);
+                        if let Some(rr) = reps.get(h.rep() as usize) {
+                            if let Some(s) = &sink {
+                                s.publish(&ChangeEvent {
+                                    kind: ChangeKind::Removed,
+                                    tenant_id: &p.tenant.name,
+                                    model_id: &p.model.name,
+                                    replica_id: &rr.name,
+                                    prefix_hash: node.key(),
+                                    adapter_id: &p.adapter,
+                                    timestamp_us: t_us,
+                                });
+                            }
+                            self.log_decision(p, node.key(), &rr.name, h.last_seen_ms());
+                        }
+                    }
+                },
+            );
+            out.entries_removed += n;
+            self.evictions[evict_slot(alg, EvictionReason::Ttl)].fetch_add(n, Ordering::Relaxed);
+        }
+        let models: Vec<Arc<ModelRec>> = self.all_models.lock().clone();
+        for m in models.iter() {
+            let (ttl, _) = *policy.entry(Arc::as_ptr(&m.tenant)).or_insert_with(|| {
+                (
+                    self.ttl_for(&m.tenant.name),
+                    self.resolvers.algorithm(&m.tenant.name),
+                )
+            });
+            let removed = m.stats.update(|v| {
+                if v.iter().any(|s| t_ms - s.last_seen_ms >= ttl) {
+                    let v2: Vec<StatsRecord> = v
+                        .iter()
+                        .filter(|s| t_ms - s.last_seen_ms < ttl)
+                        .cloned()
+                        .collect();
+                    let n = v.len() - v2.len();
+                    (Some(v2), n)
+                } else {
+                    (None, 0)
+                }
+            });
+            out.stats_removed += removed as u64;
+            self.stats_bytes
+                .fetch_sub(STATS_RECORD_BYTES * removed as i64, Ordering::Relaxed);
+        }
+        drop(models);
+        drop(parts);
+        self.reclaim(&mut out);
+        out
+    }
+
+    /// Reclaims every record that holds nothing (sweep; see `dir::Life` for the protocol),
+    /// children first, under the record lock: partitions with no key and no entry, replica
+    /// slots whose replica holds no entry in its scope, scopes with no partition, (tenant,
+    /// model) pairs with no partition and no stats record, gauges of no pair, tenants with no
+    /// pair. Each unlinked record is freed through the epoch, so readers that resolved it
+    /// keep a valid (empty) record until they unpin; writers that find it retired resolve
+    /// again and create a new one.
+    fn reclaim(&self, out: &mut SweepOutcome) {
+        let _records = self.records.lock();
+        let mut gone_parts: Vec<Arc<Partition>> = Vec::new();
+        {
+            // The cap hand's list is a prefix of `all_parts` (it appends what it lacks): both
+            // lose the same partitions while the hand is locked, so that stays true.
+            let mut cap_hand = self.cap_hand.lock();
+            let mut all = self.all_parts.lock();
+            all.retain(|p| {
+                let empty = |p: &Partition| {
+                    p.keys.load(Ordering::Acquire) == 0 && p.entries.load(Ordering::Acquire) == 0
+                };
+                if !empty(p) || !p.life.try_retire() {
+                    return true;
+                }
+                if !empty(p) {
+                    p.life.revive();
+                    return true;
+                }
+                gone_parts.push(p.clone());
+                false
+            });
+            self.all_parts_len.store(all.len(), Ordering::Release);
+            if !gone_parts.is_empty() {
+                cap_hand.forget_parts(|p| p.life.is_dead());
+            }
+        }
+        for p in &gone_parts {
+            let h = hash_strs(&[&p.tenant.name, &p.model.name, &p.scheme, &p.adapter]);
+            self.parts.remove(h, Arc::as_ptr(p));
+            p.model.parts.lock().retain(|q| !Arc::ptr_eq(q, p));
+            p.scope.parts.fetch_sub(1, Ordering::Relaxed);
+        }
+        // The quota hands hold partitions too (refreshed per enforcement): drop the reclaimed
+        // ones now, so an idle tenant does not keep them.
+        let mut tenants: Vec<&Arc<TenantRec>> = gone_parts.iter().map(|p| &p.tenant).collect();
+        tenants.sort_unstable_by_key(|t| Arc::as_ptr(t));
+        tenants.dedup_by_key(|t| Arc::as_ptr(t));
+        for t in tenants {
+            t.quota_hand.lock().forget_parts(|p| p.life.is_dead());
+        }
+        out.records_reclaimed += gone_parts.len() as u64;
+        drop(gone_parts);
+        for scope in self.scopes.all() {
+            if scope.parts.load(Ordering::Relaxed) == 0 {
+                let h = hash_strs(&[&scope.tenant, &scope.model, &scope.scheme]);
+                self.scopes.remove(h, Arc::as_ptr(&scope));
+                out.records_reclaimed += 1;
+            } else {
+                out.replica_slots_reclaimed += scope.reclaim_slots() as u64;
+            }
+        }
+        let mut gone_models: Vec<Arc<ModelRec>> = Vec::new();
+        self.all_models.lock().retain(|m| {
+            let empty =
+                |m: &ModelRec| m.parts.lock().is_empty() && m.stats.load(&epoch::pin()).is_empty();
+            if !empty(m) || !m.life.try_retire() {
+                return true;
+            }
+            if !empty(m) {
+                m.life.revive();
+                return true;
+            }
+            gone_models.push(m.clone());
+            false
+        });
+        for m in &gone_models {
+            self.models
+                .remove(hash_strs(&[&m.tenant.name, &m.name]), Arc::as_ptr(m));
+            m.tenant.models.lock().retain(|q| !Arc::ptr_eq(q, m));
+            if m.gauge.pairs.fetch_sub(1, Ordering::Relaxed) == 1 {
+                self.gauges
+                    .remove(hash_strs(&[&m.gauge.model]), Arc::as_ptr(&m.gauge));
+                out.records_reclaimed += 1;
+            }
+        }
+        out.records_reclaimed += gone_models.len() as u64;
+        for m in &gone_models {
+            let t = &m.tenant;
+            if t.models.lock().is_empty()
+                && self.tenants.remove(hash_strs(&[&t.name]), Arc::as_ptr(t))
+            {
+                // The quota hand holds the tenant's partitions, which hold the tenant.
+                t.quota_hand.lock().release();
+                // `tenant_evictions_total` is a counter: it outlives the record (and goes
+                // back to the tenant if it returns).
+                let n = t.quota_evictions.load(Ordering::Relaxed);
+                if n > 0 {
+                    self.retired_quota_evictions
+                        .lock()
+                        .insert(t.name.clone(), n);
+                }
+                out.records_reclaimed += 1;
+            }
+        }
+    }
+
+    /// Sets `ready` and starts a std thread that runs [`Index::sweep_now`] every sweep interval
+    /// (no async runtime). Idempotent.
+    pub fn start(self: &Arc<Self>) {
+        let mut tk = self.ticker.lock();
+        self.ready.store(true, Ordering::SeqCst);
+        if tk.is_some() {
+            return;
+        }
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let weak: Weak<Index> = Arc::downgrade(self);
+        let interval = std::time::Duration::from_millis(self.cfg.sweep_interval_ms as u64);
+        let stop2 = stop.clone();
+        let handle = std::thread::Builder::new()
+            .name("inferencecache-sweep".into())
+            .spawn(move || {
+                loop {
+                    {
+                        let mut s = stop2.0.lock();
+                        if !*s {
+                            stop2.1.wait_for(&mut s, interval);
+                        }
+                        if *s {
+                            return;
+                        }
+                    }
+                    match weak.upgrade() {
+                        Some(ix) => {
+                            ix.sweep_now();
+                        }
+                        None => return,
+                    }
+                }
+            })
+            .expect("spawn sweep thread");
+        *tk = Some(Ticker { stop, handle });
+    }
+
+    /// Marks the index ready without a sweep thread (the caller drives [`Index::sweep_now`]).
+    pub fn start_without_ticker(&self) {
+        self.ready.store(true, Ordering::SeqCst);
+    }
+
+    /// Clears `ready` and stops the sweep thread (if any).
+    pub fn stop(&self) {
+        self.ready.store(false, Ordering::SeqCst);
+        let t = self.ticker.lock().take();
+        if let Some(t) = t {
+            *t.stop.0.lock() = true;
+            t.stop.1.notify_all();
+            if t.handle.thread().id() != std::thread::current().id() {
+                let _ = t.handle.join();
+            }
+        }
+    }
+
+    /// Whether `start` ran and `stop` did not since.
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::config::{DefaultResolvers, IndexConfig};
+    use crate::index::testing::NOW;
+    use crate::types::*;
+    use crossbeam_epoch as epoch;
+
+    /// Rolling restarts forever (issue 28): 64 pods of one scope, each renamed after holding
+    /// one entry, 20,000 names over time. Once a renamed pod's entry and stats are gone and
+    /// the sweep reclaimed its slot, its id leaves the interner (with the epoch that frees the
+    /// slot's record): the interner holds about the live fleet, not every name ever seen.
+    #[test]
+    fn renamed_pods_leave_the_interner() {
+        let clock = Arc::new(ManualClock::new(NOW));
+        let ix = Index::new(
+            IndexConfig::default(),
+            Arc::new(DefaultResolvers),
+            clock.clone(),
+        );
+        let pod = |k: usize| format!("rolling-pod-{k:06}");
+        let ingest = |name: &str, key: u64| {
+            ix.ingest(CacheStateUpdate {
+                replica_id: name,
+                model_id: "m",
+                tenant_id: "t",
+                hash_scheme: "s",
+                timestamp_us: NOW,
+                adapter_id: "",
+                stats: Some(ReplicaStatsInput::default()),
+                prefixes: std::iter::once(PrefixRef::<&[u8]> {
+                    prefix_hash: &key.to_be_bytes(),
+                    token_count: 16,
+                    block_hashes: &[],
+                    block_token_counts: &[],
+                    tier: 0,
+                    adapter_id: "",
+                }),
+            });
+        };
+        let mut most = 0;
+        for k in 0..20_000usize {
+            ingest(&pod(k), k as u64);
+            if k >= 64 {
+                // The pod renamed away: its entry and stats go (ALL_CLEARED).
+                ix.apply_event(CacheEventInput {
+                    event_type: crate::types::event_type::ALL_CLEARED,
+                    replica_id: &pod(k - 64),
+                    model_id: "m",
+                    tenant_id: "t",
+                    prefix_hash: &[],
+                    timestamp_us: NOW,
+                    adapter_id: "",
+                });
+            }
+            if k % 1_000 == 999 {
+                ix.sweep_now();
+                // Freed names wait for the epoch: other tests' threads pinned meanwhile delay
+                // it, so flush until the count settles (bounded) before sampling.
+                let live = || crate::replica_id::interned_with_prefix("rolling-pod-");
+                for _ in 0..256 {
+                    if live() <= 64 + 1_000 + 128 {
+                        break;
+                    }
+                    epoch::pin().flush();
+                    std::thread::yield_now();
+                }
+                most = most.max(live());
+            }
+        }
+        assert_eq!(ix.storage_entries(), 64);
+        assert!(
+            most <= 64 + 1_000 + 128,
+            "the interner holds about the live fleet: {most} ids (20,000 seen)"
+        );
+        drop(ix);
+        for _ in 0..1_024 {
+            if crate::replica_id::interned_with_prefix("rolling-pod-") == 0 {
+                break;
+            }
+            epoch::pin().flush();
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            crate::replica_id::interned_with_prefix("rolling-pod-"),
+            0,
+            "nothing is left once the index is gone"
+        );
+    }
+}
