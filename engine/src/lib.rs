@@ -8,20 +8,15 @@
 pub mod checkpoint;
 pub mod fingerprint;
 
-mod arena;
 mod clock;
 mod config;
 mod dir;
 mod index;
-#[cfg(loom)]
-pub mod loom_api;
-mod pages;
 pub mod rank;
+mod raw;
 mod replica_id;
-mod runs;
 mod sink;
 mod sync;
-mod table;
 mod types;
 
 pub use clock::{Clock, ManualClock, SystemClock};
@@ -34,6 +29,8 @@ pub use index::{
     EvictionReason, Index, IndexDigest, LoadEntry, LoadOutcome, LoadTarget, MatchScratch,
     MemoryBreakdown, PartitionHandle, RecordCounts, RouteBuffer, RouteResult, SLICE, SweepOutcome,
 };
+#[cfg(loom)]
+pub use raw::loom_api;
 pub use replica_id::ReplicaId;
 pub use sink::{ChangeEvent, ChangeKind, ChangeSink};
 pub use types::*;

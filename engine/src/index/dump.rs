@@ -16,12 +16,12 @@
 //! loaded. Loading never publishes change notifications and does not count as ingest.
 
 use super::ingest::Pending;
+use super::records::Partition;
 use super::{Index, SLICE};
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
-use crate::dir::Partition;
+use crate::raw::table::{KeyTable, Probe, SHARDS, clamp_ts, tier_code, tier_wire};
 use crate::sync::Ordering;
-use crate::table::{KeyTable, Probe, SHARDS, clamp_ts, tier_code, tier_wire};
 use crate::types::{IngestOutcome, ReplicaStatsInput};
 use crossbeam_epoch as epoch;
 use std::sync::Arc;

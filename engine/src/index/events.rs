@@ -5,12 +5,12 @@
 
 use super::ingest::Pending;
 use super::lookahead::Lookahead;
+use super::records::{ModelRec, Partition};
 use super::{Index, STATS_RECORD_BYTES};
 use crate::clock::us_to_ms;
-use crate::dir::{ModelRec, Partition};
+use crate::raw::table::{KeyTable, Probe};
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
-use crate::table::{KeyTable, Probe};
 use crate::types::*;
 use crossbeam_epoch::{self as epoch, Guard};
 use std::sync::Arc;

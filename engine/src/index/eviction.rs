@@ -64,14 +64,14 @@
 
 use super::Index;
 use super::ingest::{Carry, Pending};
+use super::records::{Partition, TenantRec};
 use super::route::{KeyBytesOwned, own_key};
 use crate::ReplicaId;
 use crate::config::Algorithm;
-use crate::dir::{Partition, TenantRec};
-use crate::runs::ChainRun;
+use crate::raw::runs::ChainRun;
+use crate::raw::table::{Holder, KeyNode, KeyTable, Probe, SHARDS};
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
-use crate::table::{Holder, KeyNode, KeyTable, Probe, SHARDS};
 use crossbeam_epoch::{self as epoch, Guard};
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -8,14 +8,15 @@
 
 use super::eviction::RecentEntry;
 use super::lookahead::Lookahead;
+use super::records::{ModelRec, Partition, StatsRecord};
 use super::{Index, STATS_RECORD_BYTES};
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
-use crate::dir::{ModelRec, Partition, StatsRecord, same_str};
-use crate::runs::{ChainRun, MAX_RUN, MIN_RUN};
+use crate::dir::same_str;
+use crate::raw::runs::{ChainRun, MAX_RUN, MIN_RUN};
+use crate::raw::table::{Holder, KeyNode, KeyTable, Probe, SHARDS, ShardWriter, tier_code};
 use crate::sink::{ChangeEvent, ChangeKind, ChangeSink};
 use crate::sync::Ordering;
-use crate::table::{Holder, KeyNode, KeyTable, Probe, SHARDS, ShardWriter, tier_code};
 use crate::types::*;
 use crossbeam_epoch::{self as epoch, Guard};
 
@@ -35,7 +36,7 @@ impl RunPlan {
     /// The run word for block `j` of the chain, if the run covers it.
     #[inline]
     fn word(&self, j: usize) -> Option<u64> {
-        (j < self.nodes.len()).then(|| crate::runs::run_word(self.run, j))
+        (j < self.nodes.len()).then(|| crate::raw::runs::run_word(self.run, j))
     }
 
     /// Records what the upsert of block `j` published.
@@ -446,7 +447,7 @@ impl Index {
         }
     }
 
-    /// The chain run for a chain ingest (see [`crate::runs`]): its leading blocks with 8-byte
+    /// The chain run for a chain ingest (see [`crate::raw::runs`]): its leading blocks with 8-byte
     /// keys (at most [`MAX_RUN`]), `None` when fewer than [`MIN_RUN`]. The blocks this ingest
     /// leaves with several holders get run nodes of their usual size, and those it leaves with
     /// only its own entry get 16-byte member nodes, so a lookup steps over both the shared

@@ -2,7 +2,7 @@
 //! ahead of its single-key probes (hints only; every write probes again under its shard lock).
 
 use super::walk::PREFETCH;
-use crate::table::{Cand, KeyTable, Probe};
+use crate::raw::table::{Cand, KeyTable, Probe};
 use crossbeam_epoch::Guard;
 
 /// Writers' look-ahead (see [`Lookahead`]): candidates are read this many keys ahead...

@@ -24,6 +24,7 @@ mod events;
 pub(crate) mod eviction;
 mod ingest;
 mod lookahead;
+mod records;
 mod removal;
 mod replicate;
 mod reports;
@@ -34,10 +35,11 @@ mod sweep;
 mod testing;
 mod walk;
 
+pub use crate::raw::table::MemoryBreakdown;
 pub use dump::{DumpPartition, DumpedEntry, DumpedStats, LoadEntry, LoadOutcome, LoadTarget};
 pub use eviction::EvictionReason;
 pub use replicate::{Decided, DecisionLog, IndexDigest};
-pub use reports::{MemoryBreakdown, RecordCounts};
+pub use reports::RecordCounts;
 pub use resolution::PartitionHandle;
 pub use route::{CapturedHits, RouteBuffer, RouteResult};
 pub use sweep::SweepOutcome;
@@ -45,13 +47,14 @@ pub use walk::{ChainMatch, MatchScratch};
 
 use crate::clock::Clock;
 use crate::config::{IndexConfig, Resolvers};
-use crate::dir::{Dir, GaugeRec, ModelRec, Partition, ScopeRec, StatsRecord, TenantRec};
+use crate::dir::Dir;
 use crate::sink::ChangeSink;
 use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 #[cfg(loom)]
 use crossbeam_epoch as epoch;
 use eviction::EVICT_SLOTS;
 use parking_lot::{Mutex, RwLock};
+use records::{GaugeRec, ModelRec, Partition, ScopeRec, StatsRecord, TenantRec};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
@@ -140,7 +143,7 @@ impl Index {
             ticker: Mutex::new(None),
             sweep_lock: Mutex::new(()),
             cap_hand: Mutex::new(eviction::Hand::new(eviction::seed_of(config_seed, 0))),
-            stripe_lanes: crate::table::stripe_lanes(),
+            stripe_lanes: crate::raw::table::stripe_lanes(),
         }
     }
 

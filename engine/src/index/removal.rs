@@ -5,10 +5,10 @@
 //! with it (V3), taking its share out of the key's hot-access sum (D4).
 
 use super::ingest::{Pending, with_holders_removed};
+use super::records::{ModelRec, Partition};
 use super::{Index, SLICE};
-use crate::dir::{ModelRec, Partition};
+use crate::raw::table::{Holder, KeyNode, KeySum, SHARDS, ShardWriter};
 use crate::sync::Ordering;
-use crate::table::{Holder, KeyNode, KeySum, SHARDS, ShardWriter};
 use crossbeam_epoch::{self as epoch, Guard};
 
 impl Index {

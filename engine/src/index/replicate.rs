@@ -26,10 +26,10 @@
 //!   it holds before it loads a checkpoint.
 
 use super::ingest::Pending;
+use super::records::Partition;
 use super::{CapturedHits, Index};
-use crate::dir::Partition;
 // The switch is a setting outside the loom seam (see `Index::local_eviction`'s field).
-use crate::table::{KeyTable, Probe, SHARDS};
+use crate::raw::table::{KeyTable, Probe, SHARDS};
 use crossbeam_epoch as epoch;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -5,11 +5,12 @@
 
 use super::Index;
 use super::eviction::{EvictionReason, evict_slot};
+use super::records::{ModelRec, Partition, StatsRecord};
 use crate::ReplicaId;
 use crate::config::Algorithm;
-use crate::dir::{ModelRec, Partition, StatsRecord, hash_strs, same_str};
+use crate::dir::{hash_strs, same_str};
+use crate::raw::table::{MemoryBreakdown, Probe, tier_wire};
 use crate::sync::Ordering;
-use crate::table::{Probe, tier_wire};
 use crate::types::*;
 use crossbeam_epoch as epoch;
 use std::collections::HashMap;
@@ -30,27 +31,6 @@ pub struct RecordCounts {
     pub gauges: usize,
     /// Replica ids named by the scopes (one per (scope, replica)).
     pub scope_replicas: usize,
-}
-
-/// Where [`Index::memory_bytes`] goes, by component (bytes; a diagnostic, taken shard by shard
-/// under each shard's lock, so not one atomic snapshot under concurrent writes).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MemoryBreakdown {
-    /// The key tables' group and presence-summary arrays (current tables only).
-    pub key_tables: i64,
-    /// Live key nodes.
-    pub nodes_live: i64,
-    /// Node memory the arenas hold but no live key uses: free lists, nodes waiting for their
-    /// epoch, split remainders.
-    pub nodes_free: i64,
-    /// Arena chunk bytes not carved into nodes yet (the tail of each current chunk), plus the
-    /// chunk directories.
-    pub arena_unused: i64,
-    /// Chain runs (lookup shortcuts over shared chain prefixes, see `docs/engine.md`).
-    pub chain_runs: i64,
-    /// Everything else `memory_bytes` counts: LFU cells and tables, retired tables still
-    /// waiting for their epoch, partition and stats records.
-    pub other: i64,
 }
 
 const PARTITION_BYTES: i64 = 512;

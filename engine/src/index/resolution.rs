@@ -7,7 +7,8 @@
 //! every entry (ALL_CLEARED, PREFIX_EVICTED, the sweep, the cap) never miss one.
 
 use super::Index;
-use crate::dir::{GaugeRec, ModelRec, Partition, ScopeRec, TenantRec, hash_strs, same_str};
+use super::records::{GaugeRec, ModelRec, Partition, ScopeRec, TenantRec};
+use crate::dir::{hash_strs, same_str};
 use crate::sync::{AtomicI64, AtomicU64, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
 use parking_lot::Mutex;
@@ -217,7 +218,7 @@ impl Index {
             scope: scope.clone(),
             scheme: scope.scheme.clone(),
             adapter: a.into(),
-            table: crate::table::KeyTable::new(),
+            table: crate::raw::table::KeyTable::new(),
             keys: AtomicI64::new(0),
             entries: AtomicI64::new(0),
             life: crate::dir::Life::new(),

@@ -5,17 +5,18 @@
 //! (generation-checked, L9).
 
 use super::Index;
+use super::records::{ModelRec, Partition, ScopeRec, ScopeReplica, TenantRec};
 use super::walk::MatchScratch;
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
 use crate::config::Algorithm;
-use crate::dir::{ModelRec, Partition, ScopeRec, ScopeReplica, TenantRec, hash_strs};
+use crate::dir::hash_strs;
 use crate::rank::{
     distinguishing_power, freshness, prefix_score, pressure_factor, recency, slo_c,
     tenant_hot_score,
 };
+use crate::raw::table::{Credited, KeyNode, KeyTable, Probe, tier_wire};
 use crate::sync::Ordering;
-use crate::table::{Credited, KeyNode, KeyTable, Probe, tier_wire};
 use crate::types::*;
 use crossbeam_epoch::{self as epoch, Guard};
 use sha2::{Digest, Sha256};

@@ -3,10 +3,11 @@
 //! the record lock, freed through the epoch); `start` runs it on a std ticker thread.
 
 use super::eviction::{EvictionReason, evict_slot};
+use super::records::{ModelRec, Partition, StatsRecord, TenantRec};
 use super::{Index, STATS_RECORD_BYTES};
 use crate::clock::us_to_ms;
 use crate::config::Algorithm;
-use crate::dir::{ModelRec, Partition, StatsRecord, TenantRec, hash_strs};
+use crate::dir::hash_strs;
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
 use crossbeam_epoch as epoch;

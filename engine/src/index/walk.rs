@@ -5,12 +5,12 @@
 //! has a scope-local index below 64, and the general path.
 
 use super::Index;
+use super::records::Partition;
 use super::resolution::PartitionHandle;
 use super::route::Ranked;
 use crate::clock::us_to_ms;
-use crate::dir::Partition;
 use crate::rank::{freshness, is_live};
-use crate::table::{Cand, KeyNode, KeyTable, Probe, tier_wire};
+use crate::raw::table::{Cand, KeyNode, KeyTable, Probe, tier_wire};
 use crossbeam_epoch::{self as epoch, Guard};
 
 /// One run of the core longest-prefix match (L4 steps 1–4).
@@ -50,7 +50,7 @@ pub struct MatchScratch {
 
 /// How many blocks after block `i` of the request the chain run named by `node` covers:
 /// blocks whose keys continue the run's and that still carry exactly `node`'s holders (see
-/// [`crate::runs`]); 0 if `node` names no run. Also whether the skip reached the run's last
+/// [`crate::raw::runs`]); 0 if `node` names no run. Also whether the skip reached the run's last
 /// block: the request then goes on past the ingested chain, block by block unless it meets
 /// another run (its prefetch pipeline is primed at once). A skip that ends inside the run lands
 /// on a block whose holders changed, usually the start of the run's next stretch, or where the

@@ -1,4 +1,4 @@
-//! Per-shard node arena: where a key table's [`KeyNode`](crate::table::KeyNode)s live.
+//! Per-shard node arena: where a key table's [`KeyNode`](crate::raw::table::KeyNode)s live.
 //!
 //! # Why
 //!
@@ -50,7 +50,7 @@
 //! before any index into its chunk is published, so the lane's (loom-checked) Release/Acquire
 //! pair already orders it, and modelling it would only multiply loom's interleavings.
 
-use crate::pages;
+use crate::raw::pages;
 use crate::sync::{AtomicBool, Mutex, Ordering};
 use crossbeam_epoch::Guard;
 use std::ptr::NonNull;
@@ -288,7 +288,7 @@ impl Arena {
                 let mut b = Box::from_raw(raw as *mut Batch);
                 #[cfg(loom)]
                 for r in &b.items {
-                    crate::loom_api::destroyed(crate::loom_api::Kind::Node, r.addr);
+                    crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::Node, r.addr);
                 }
                 if let Some(owner) = b.owner.take() {
                     owner.give(b);
@@ -490,7 +490,7 @@ impl ArenaState {
             return None;
         }
         #[cfg(loom)]
-        crate::loom_api::note_reuse();
+        crate::raw::loom_api::note_reuse();
         // SAFETY: a free node of this class: its first word holds the next free index (written
         // by `push`); no reader can reach it.
         let next = unsafe { (a.node(head) as *const u32).read() };

@@ -7,7 +7,7 @@
 //! owns an epoch-protected [`ShardTable`]: an array of 32-byte [`Group`]s (two per cache line) of
 //! any length (the home group is the hash's low 32 bits scaled to the length, so a rebuild sizes
 //! the table to its keys without power-of-two rounding). A lane names a node of the shard's
-//! [`Arena`](crate::arena) by its index and carries a 1-byte tag: [`EMPTY`] (never used: ends a
+//! [`Arena`](crate::raw::arena) by its index and carries a 1-byte tag: [`EMPTY`] (never used: ends a
 //! probe), [`TOMB`] (deleted: probe continues; reused by inserts) or `0x80 | 7 bits of the hash`
 //! (a fingerprint). Probing is linear over groups; a probe ends at the first group holding an
 //! empty lane, so a miss usually reads one cache line (P2). A 16-bit presence summary per 6
@@ -27,7 +27,7 @@
 //! other lengths, the big-endian XXH3-64 digest), then its holders inline (16 bytes each, sorted
 //! by scope-local replica index, the last one flagged), then for non-8-byte keys `u32 len` + the
 //! key bytes. A single-holder node with an 8-byte key is 24 bytes, with no allocator header. A
-//! node built by a chain ingest inside a chain run ([`crate::runs`]) holds the run word in the
+//! node built by a chain ingest inside a chain run ([`crate::raw::runs`]) holds the run word in the
 //! key's place (its holders are flagged; the key is read from the run), at the same size.
 //!
 //! A **member node** is the 16-byte form of a run node with one holder whose first word
@@ -85,10 +85,9 @@
 //! arena's free lists only from a deferred function, i.e. after every reader that could hold its
 //! index has unpinned; a reused node is therefore never visible to a reader of its old self.
 
-use crate::arena::{Arena, ArenaState, BATCH_CAPACITY, Batch, units_for};
-use crate::index::MemoryBreakdown;
-use crate::pages::{PageArray, heap_chunk as chunk};
-use crate::runs::{ChainRun, Reaper};
+use crate::raw::arena::{Arena, ArenaState, BATCH_CAPACITY, Batch, units_for};
+use crate::raw::pages::{PageArray, heap_chunk as chunk};
+use crate::raw::runs::{ChainRun, Reaper};
 use crate::sync::{
     AtomicI64, AtomicPtr, AtomicU16, AtomicU64, Mutex, MutexGuard, Ordering, thread_local,
 };
@@ -141,7 +140,7 @@ const TS_MAX: i64 = (1 << (TS_BITS - 1)) - 1;
 const TS_MIN: i64 = -(1 << (TS_BITS - 1));
 /// Per-entry generations are 27-bit.
 pub(crate) const GEN_MASK: u32 = (1 << 27) - 1;
-/// On every holder: the node's first word is a run word, not the key (see [`crate::runs`]).
+/// On every holder: the node's first word is a run word, not the key (see [`crate::raw::runs`]).
 const F_RUN: u64 = 1 << 61;
 const F_LONG: u64 = 1 << 62;
 const F_LAST: u64 = 1 << 63;
@@ -287,7 +286,10 @@ impl KeyNode {
     #[inline]
     fn second_word(&self) -> u64 {
         #[cfg(loom)]
-        crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
+        crate::raw::loom_api::read(
+            crate::raw::loom_api::Kind::Node,
+            self as *const KeyNode as usize,
+        );
         // SAFETY: every node has at least 16 bytes (a member node is the smallest).
         unsafe { ((self as *const KeyNode as *const u8).add(HDR) as *const u64).read() }
     }
@@ -301,7 +303,7 @@ impl KeyNode {
     /// A member node's holder: the run's member word and the node's own second word `b`.
     #[inline]
     fn member_holder(&self, b: u64) -> Holder {
-        let (r, _) = crate::runs::unpack(u64::from_ne_bytes(self.k));
+        let (r, _) = crate::raw::runs::unpack(u64::from_ne_bytes(self.k));
         // SAFETY: a member node names a run, alive while the node can be reached (see `run`).
         let a = unsafe { (*r).member() };
         Holder { a, b }
@@ -313,7 +315,10 @@ impl KeyNode {
     fn holders_ptr(&self) -> *const Holder {
         debug_assert!(!self.is_member());
         #[cfg(loom)]
-        crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
+        crate::raw::loom_api::read(
+            crate::raw::loom_api::Kind::Node,
+            self as *const KeyNode as usize,
+        );
         // SAFETY: a plain node is always allocated with at least one holder right after the
         // header (see `build`); the offset stays inside that allocation.
         unsafe { (self as *const KeyNode as *const u8).add(HDR) as *const Holder }
@@ -323,7 +328,10 @@ impl KeyNode {
     #[inline]
     pub(crate) fn digest(&self) -> u64 {
         #[cfg(loom)]
-        crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
+        crate::raw::loom_api::read(
+            crate::raw::loom_api::Kind::Node,
+            self as *const KeyNode as usize,
+        );
         match self.run() {
             // SAFETY: see `run_ref`.
             Some((r, o)) => unsafe { (*r).key(o) },
@@ -367,7 +375,7 @@ impl KeyNode {
         Holders::Slice(unsafe { std::slice::from_raw_parts(self.holders_ptr(), self.plain_len()) })
     }
 
-    /// The run this node names and its offset in it (see [`crate::runs`]). A run node keeps
+    /// The run this node names and its offset in it (see [`crate::raw::runs`]). A run node keeps
     /// its key in the run (the run word takes the key's place), so it is no larger than a
     /// plain node. The run is alive as long as the node can be reached: a node holds a
     /// reference to its run until it is unlinked, and readers that reach it are pinned.
@@ -376,7 +384,7 @@ impl KeyNode {
         if self.first_b() & F_RUN == 0 {
             return None;
         }
-        Some(crate::runs::unpack(u64::from_ne_bytes(self.k)))
+        Some(crate::raw::runs::unpack(u64::from_ne_bytes(self.k)))
     }
 
     /// The second word of the first holder (its flags); a member node's own second word.
@@ -419,7 +427,10 @@ impl KeyNode {
     #[inline]
     pub(crate) fn matches(&self, key: &[u8], d: u64) -> bool {
         #[cfg(loom)]
-        crate::loom_api::read(crate::loom_api::Kind::Node, self as *const KeyNode as usize);
+        crate::raw::loom_api::read(
+            crate::raw::loom_api::Kind::Node,
+            self as *const KeyNode as usize,
+        );
         let b = self.first_b();
         if b & F_RUN != 0 {
             return self.run_matches(key, d);
@@ -452,7 +463,7 @@ impl KeyNode {
     fn member_form(holders: &[Holder], key: &[u8], run: Option<u64>) -> bool {
         match run {
             Some(w) if holders.len() == 1 && key.len() == 8 => {
-                let (r, _) = crate::runs::unpack(w);
+                let (r, _) = crate::raw::runs::unpack(w);
                 // SAFETY: a run word handed to a build names a live run: the building
                 // ingest's, which holds its own reference until the seal.
                 unsafe { (*r).member() == holders[0].a }
@@ -542,7 +553,7 @@ impl KeyNode {
                 (p.add(HDR) as *mut u64).write(b);
             }
             #[cfg(loom)]
-            crate::loom_api::created(crate::loom_api::Kind::Node, p as usize);
+            crate::raw::loom_api::created(crate::raw::loom_api::Kind::Node, p as usize);
             return nn.cast();
         }
         // SAFETY: per the contract: we write the key or run word, `n` holders and (long keys)
@@ -574,7 +585,7 @@ impl KeyNode {
             }
         }
         #[cfg(loom)]
-        crate::loom_api::created(crate::loom_api::Kind::Node, p as usize);
+        crate::raw::loom_api::created(crate::raw::loom_api::Kind::Node, p as usize);
         nn.cast()
     }
 
@@ -1089,7 +1100,7 @@ impl LfuCell {
     /// The key sum.
     pub(crate) fn ksum(&self) -> &KeySum {
         #[cfg(loom)]
-        crate::loom_api::read(crate::loom_api::Kind::KeySum, self.ksum as usize);
+        crate::raw::loom_api::read(crate::raw::loom_api::Kind::KeySum, self.ksum as usize);
         // SAFETY: a key sum is retired (through the epoch) only after every cell pointing to it
         // was unlinked, and a cell reference implies a guard pinned before that.
         unsafe { &*self.ksum }
@@ -1261,7 +1272,7 @@ impl LfuTable {
             }
             if c != ltomb() {
                 #[cfg(loom)]
-                crate::loom_api::read(crate::loom_api::Kind::LfuCell, c as usize);
+                crate::raw::loom_api::read(crate::raw::loom_api::Kind::LfuCell, c as usize);
                 // SAFETY: live cell (published with Release, retired through the epoch).
                 let r = unsafe { &*c };
                 if r.digest == d && r.rep == rep && r.generation == generation {
@@ -1397,12 +1408,33 @@ impl<'k> Probe<'k> {
     }
 }
 
+/// Where [`Index::memory_bytes`](crate::Index::memory_bytes) goes, by component (bytes; a diagnostic, taken shard by shard
+/// under each shard's lock, so not one atomic snapshot under concurrent writes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryBreakdown {
+    /// The key tables' group and presence-summary arrays (current tables only).
+    pub key_tables: i64,
+    /// Live key nodes.
+    pub nodes_live: i64,
+    /// Node memory the arenas hold but no live key uses: free lists, nodes waiting for their
+    /// epoch, split remainders.
+    pub nodes_free: i64,
+    /// Arena chunk bytes not carved into nodes yet (the tail of each current chunk), plus the
+    /// chunk directories.
+    pub arena_unused: i64,
+    /// Chain runs (lookup shortcuts over shared chain prefixes, see `docs/engine.md`).
+    pub chain_runs: i64,
+    /// Everything else `memory_bytes` counts: LFU cells and tables, retired tables still
+    /// waiting for their epoch, partition and stats records.
+    pub other: i64,
+}
+
 impl KeyTable {
     pub(crate) fn new() -> Self {
         // Loom models can ask for wide tables from the start (limit 0: every index is "too
         // large" for a narrow lane).
         #[cfg(loom)]
-        let narrow_limit = if crate::loom_api::wide_tables() {
+        let narrow_limit = if crate::raw::loom_api::wide_tables() {
             0
         } else {
             1 << NARROW_BITS
@@ -1516,7 +1548,7 @@ impl KeyTable {
             let t = shard.table.load(Ordering::Acquire, &guard);
             // SAFETY: shard tables are never null and are retired through the epoch.
             let t = unsafe { t.deref() };
-            let live = (st.node_units * crate::arena::UNIT) as i64;
+            let live = (st.node_units * crate::raw::arena::UNIT) as i64;
             out.key_tables += table_bytes(t) as i64;
             out.nodes_live += live;
             out.nodes_free += st.arena.carved() - live;
@@ -1846,7 +1878,10 @@ impl Drop for KeyTable {
                                 ChainRun::release_now(r);
                             }
                             #[cfg(loom)]
-                            crate::loom_api::destroyed(crate::loom_api::Kind::Node, node as usize);
+                            crate::raw::loom_api::destroyed(
+                                crate::raw::loom_api::Kind::Node,
+                                node as usize,
+                            );
                         }
                     }
                     drop(tab);
@@ -1858,14 +1893,17 @@ impl Drop for KeyTable {
                         let c = s.load(Ordering::Relaxed);
                         if !c.is_null() && c != ltomb() {
                             #[cfg(loom)]
-                            crate::loom_api::destroyed(crate::loom_api::Kind::LfuCell, c as usize);
+                            crate::raw::loom_api::destroyed(
+                                crate::raw::loom_api::Kind::LfuCell,
+                                c as usize,
+                            );
                             drop(Box::from_raw(c));
                         }
                     }
                 }
                 for (_, k) in shard.w.lock().ksums.take().into_iter().flat_map(|m| *m) {
                     #[cfg(loom)]
-                    crate::loom_api::destroyed(crate::loom_api::Kind::KeySum, k as usize);
+                    crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::KeySum, k as usize);
                     drop(Box::from_raw(k));
                 }
             }
@@ -1990,7 +2028,7 @@ impl ShardWriter<'_> {
     }
 
     /// Replaces the node at slot id `i` (same key) with a node built from `holders` (naming
-    /// `run`'s offset, see [`crate::runs`]); retires the old node. Returns the new node.
+    /// `run`'s offset, see [`crate::raw::runs`]); retires the old node. Returns the new node.
     pub(crate) fn replace(
         &mut self,
         i: usize,
@@ -2142,7 +2180,7 @@ impl ShardWriter<'_> {
         let held = self.st.arena.carved();
         // An empty shard gives back its table and arena (not under loom: see `rebuild_for`).
         let empty_arena = self.st.live == 0 && (held > 0 || !cfg!(loom) && !is_shared_empty(t));
-        let peak_bytes = (self.st.peak_units * crate::arena::UNIT) as i64;
+        let peak_bytes = (self.st.peak_units * crate::raw::arena::UNIT) as i64;
         let bloated = held > peak_bytes * 3 / 2 + COMPACT_SLACK;
         if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() || empty_arena || bloated {
             self.rebuild(
@@ -2231,7 +2269,7 @@ impl ShardWriter<'_> {
         let growing = min_keys > 0 || live * 4 > self.st.live_at_rebuild * 5;
         self.st.live_at_rebuild = live;
         let slots = if growing { live * 2 } else { live * 3 / 2 };
-        let live_bytes = (self.st.node_units * crate::arena::UNIT) as i64;
+        let live_bytes = (self.st.node_units * crate::raw::arena::UNIT) as i64;
         // Loom models stay on the move-only path: their tables are tiny, and the compaction
         // reuses the table-retirement protocol they already check.
         let held = self.st.arena.carved();
@@ -2334,7 +2372,7 @@ impl ShardWriter<'_> {
                             std::ptr::copy_nonoverlapping(
                                 node as *const u8,
                                 p,
-                                units as usize * crate::arena::UNIT,
+                                units as usize * crate::raw::arena::UNIT,
                             )
                         };
                         i
@@ -2427,7 +2465,7 @@ impl ShardWriter<'_> {
                     refs: AtomicI64::new(0),
                 }));
                 #[cfg(loom)]
-                crate::loom_api::created(crate::loom_api::Kind::KeySum, k as usize);
+                crate::raw::loom_api::created(crate::raw::loom_api::Kind::KeySum, k as usize);
                 ksums.insert(key.into(), k);
                 added += chunk(16) + chunk(key.len()) + 32;
                 k
@@ -2444,7 +2482,7 @@ impl ShardWriter<'_> {
             ksum: ks,
         }));
         #[cfg(loom)]
-        crate::loom_api::created(crate::loom_api::Kind::LfuCell, cell as usize);
+        crate::raw::loom_api::created(crate::raw::loom_api::Kind::LfuCell, cell as usize);
         added += LFU_CELL_BYTES;
         // Grow / create the table (load ≤ 1/2 including tombstones).
         let cap = self.lfu_table(guard).map_or(0, |t| t.slots.len());
@@ -2510,7 +2548,7 @@ impl ShardWriter<'_> {
             unsafe {
                 guard.defer_unchecked(move || {
                     #[cfg(loom)]
-                    crate::loom_api::destroyed(crate::loom_api::Kind::KeySum, kp);
+                    crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::KeySum, kp);
                     drop(Box::from_raw(kp as *mut KeySum))
                 })
             };
@@ -2520,7 +2558,7 @@ impl ShardWriter<'_> {
         unsafe {
             guard.defer_unchecked(move || {
                 #[cfg(loom)]
-                crate::loom_api::destroyed(crate::loom_api::Kind::LfuCell, cp);
+                crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::LfuCell, cp);
                 drop(Box::from_raw(cp as *mut LfuCell))
             })
         };
@@ -2913,7 +2951,7 @@ mod tests {
                 Holder::new(1, 1, 16, -5, 7),
                 Holder::new(3, 4, -2, (1 << 42) - 1, (1 << 28) - 1),
             ];
-            let buf = KeyNode::build_boxed(key, crate::table::digest(key), &hs, None);
+            let buf = KeyNode::build_boxed(key, crate::raw::table::digest(key), &hs, None);
             // SAFETY: `buf` holds a node written by `build_boxed`, alive for this iteration.
             let r = unsafe { &*(buf.as_ptr() as *const KeyNode) };
             assert_eq!(r.key(), key);
@@ -2924,7 +2962,7 @@ mod tests {
             assert_eq!(r.holders()[1].tier(), 4);
             assert_eq!(r.holders()[1].tokens(), -2);
             assert_eq!(r.holders()[0].last_seen_ms(), -5);
-            assert!(r.matches(key, crate::table::digest(key)));
+            assert!(r.matches(key, crate::raw::table::digest(key)));
             let exact = 8 + 2 * 16 + if key.len() == 8 { 0 } else { 4 + key.len() };
             assert_eq!(
                 r.units() as usize,
@@ -2934,7 +2972,7 @@ mod tests {
         }
         assert_eq!(
             Holder::new(0, 1, 0, i64::MAX, 0).last_seen_ms(),
-            crate::table::clamp_ts(i64::MAX)
+            crate::raw::table::clamp_ts(i64::MAX)
         );
     }
 
@@ -2943,7 +2981,7 @@ mod tests {
     /// plain node ever looks like a member node, whatever its first holder's timestamp.
     #[test]
     fn member_nodes_roundtrip_and_never_alias_plain_nodes() {
-        use crate::table::clamp_ts;
+        use crate::raw::table::clamp_ts;
         let guard = epoch::pin();
         let keys: Vec<[u8; 8]> = (0..8u64).map(|k| (k * 31 + 5).to_be_bytes()).collect();
         for ts in [
@@ -2965,7 +3003,7 @@ mod tests {
                 ),
                 (Holder::new(8, 2, 48, ts, 77), false),
             ] {
-                let w = crate::runs::run_word(run, 3);
+                let w = crate::raw::runs::run_word(run, 3);
                 let buf =
                     KeyNode::build_boxed(&keys[3], u64::from_be_bytes(keys[3]), &[h], Some(w));
                 // SAFETY: `buf` holds a node written by `build_boxed`; its run is alive.
@@ -2983,8 +3021,8 @@ mod tests {
             for key in [&keys[0][..], b"long key, stored inline"] {
                 let plain = KeyNode::build_boxed(
                     key,
-                    crate::table::digest(key),
-                    &[Holder::new(crate::table::REP_MASK, 4, -1, ts, 1)],
+                    crate::raw::table::digest(key),
+                    &[Holder::new(crate::raw::table::REP_MASK, 4, -1, ts, 1)],
                     None,
                 );
                 // SAFETY: as above.

@@ -199,12 +199,12 @@ const COLLECT_ROUNDS: usize = 16;
 
 /// The shard (0..16) of a key in its partition's table (to build same-shard key sets).
 pub fn shard_of(key: &[u8]) -> usize {
-    crate::table::KeyTable::shard_of(crate::table::Probe::new(key))
+    crate::raw::table::KeyTable::shard_of(crate::raw::table::Probe::new(key))
 }
 
 /// Model m11: the chain-run reaper's lock-free stack on its own (see `runs::Reaper`): two
 /// threads push retired runs while the calling thread frees the stack; every run is freed
 /// exactly once (the ledger checks it).
 pub fn reaper_push_vs_free_all() {
-    crate::runs::loom_reaper_push_vs_free_all();
+    crate::raw::runs::loom_reaper_push_vs_free_all();
 }

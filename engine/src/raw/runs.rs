@@ -163,7 +163,7 @@ impl ChainRun {
             return None;
         }
         #[cfg(loom)]
-        crate::loom_api::created(crate::loom_api::Kind::Run, p as usize);
+        crate::raw::loom_api::created(crate::raw::loom_api::Kind::Run, p as usize);
         Some(p)
     }
 
@@ -186,14 +186,17 @@ impl ChainRun {
 
     /// Bytes this run holds (for `memory_bytes`; glibc chunk sizes, see `pages::heap_chunk`).
     pub(crate) fn bytes(&self) -> usize {
-        crate::pages::heap_chunk(Self::layout(self.len()).size())
+        crate::raw::pages::heap_chunk(Self::layout(self.len()).size())
     }
 
     /// The member word (see the field).
     #[inline]
     pub(crate) fn member(&self) -> u64 {
         #[cfg(loom)]
-        crate::loom_api::read(crate::loom_api::Kind::Run, self as *const ChainRun as usize);
+        crate::raw::loom_api::read(
+            crate::raw::loom_api::Kind::Run,
+            self as *const ChainRun as usize,
+        );
         self.member
     }
 
@@ -226,7 +229,10 @@ impl ChainRun {
     #[inline]
     pub(crate) fn key_bytes(&self, o: usize) -> &[u8; 8] {
         #[cfg(loom)]
-        crate::loom_api::read(crate::loom_api::Kind::Run, self as *const ChainRun as usize);
+        crate::raw::loom_api::read(
+            crate::raw::loom_api::Kind::Run,
+            self as *const ChainRun as usize,
+        );
         // Not checked in release builds: reading the length would cost a probe whose
         // fingerprint matched a run node one more cache line (see the struct docs).
         debug_assert!(o < self.len());
@@ -304,7 +310,7 @@ impl ChainRun {
             debug_assert_eq!(r.refs.load(Ordering::Relaxed), BIAS);
             let bytes = r.bytes();
             #[cfg(loom)]
-            crate::loom_api::destroyed(crate::loom_api::Kind::Run, p as usize);
+            crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::Run, p as usize);
             // SAFETY: see above: unreachable and unreferenced.
             unsafe { Self::free(p as *mut ChainRun) };
             return bytes;
@@ -319,7 +325,10 @@ impl ChainRun {
     #[inline]
     pub(crate) fn stretch_end(&self, o: usize) -> usize {
         #[cfg(loom)]
-        crate::loom_api::read(crate::loom_api::Kind::Run, self as *const ChainRun as usize);
+        crate::raw::loom_api::read(
+            crate::raw::loom_api::Kind::Run,
+            self as *const ChainRun as usize,
+        );
         if !self.sealed.load(Ordering::Acquire) {
             return o + 1;
         }
@@ -382,7 +391,7 @@ impl ChainRun {
         }
         let bytes = r.bytes();
         #[cfg(loom)]
-        crate::loom_api::destroyed(crate::loom_api::Kind::Run, p as usize);
+        crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::Run, p as usize);
         // SAFETY: last reference, and nobody else can reach it.
         unsafe { Self::free(p as *mut ChainRun) };
         bytes
@@ -437,7 +446,7 @@ impl Reaper {
             // list; each was retired once and pushed once.
             let next = unsafe { (*p).refs.load(Ordering::Relaxed) } as usize as *mut ChainRun;
             #[cfg(loom)]
-            crate::loom_api::destroyed(crate::loom_api::Kind::Run, p as usize);
+            crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::Run, p as usize);
             // SAFETY: as above; no reader can reach it (its grace period has passed).
             unsafe { ChainRun::free(p) };
             p = next;

@@ -1,0 +1,653 @@
+//! Interned records: tenants, (tenant, model) pairs, scopes, partitions, per-model gauges.
+//!
+//! Records are created on first use (`resolution.rs`) and reclaimed by the sweep once they hold
+//! nothing (see [`Life`] for the protocol and `Index::sweep_now` for the order); they live in
+//! the directories of [`crate::dir`], so a reference to one is bound to the caller's epoch
+//! guard. A scope's replicas live in slots recycled the same way
+//! ([`ScopeRec::reclaim_slots`]).
+
+use crate::ReplicaId;
+use crate::dir::{Dir, Life, Rcu, hash_strs, same_str};
+use crate::raw::table::KeyTable;
+use crate::sync::{AtomicI64, AtomicU64, Ordering};
+use crossbeam_epoch::{self as epoch, Guard};
+use parking_lot::Mutex;
+use std::sync::Arc;
+use std::sync::atomic::{
+    AtomicU32 as StdAtomicU32, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering,
+};
+
+/// A tenant.
+pub(crate) struct TenantRec {
+    pub(crate) name: Arc<str>,
+    pub(crate) reserved: bool,
+    /// Distinct keys of the tenant (all models), stale-unswept included.
+    pub(crate) keys: AtomicI64,
+    pub(crate) models: Mutex<Vec<Arc<ModelRec>>>,
+    /// Keys removed by the tenant quota (V5, `tenant_evictions_total{over_entries}`).
+    pub(crate) quota_evictions: AtomicU64,
+    /// Victim-selection state of the tenant quota (V5; see `eviction.rs`).
+    pub(crate) quota_hand: Mutex<super::eviction::Hand>,
+}
+
+/// Per-model gauge (V7): distinct non-reserved keys across tenants.
+pub(crate) struct GaugeRec {
+    pub(crate) model: Arc<str>,
+    pub(crate) keys: AtomicI64,
+    /// (tenant, model) pairs counting into this gauge (changed under the record lock).
+    pub(crate) pairs: StdAtomicUsize,
+}
+
+/// One stats record (S1–S3).
+#[derive(Clone, Debug)]
+pub(crate) struct StatsRecord {
+    pub(crate) replica: ReplicaId,
+    pub(crate) cache_memory_bytes: i64,
+    pub(crate) hit_rate: f32,
+    pub(crate) pressure: f32,
+    pub(crate) t2_hit_tokens: i64,
+    pub(crate) t2_query_tokens: i64,
+    /// Liveness clock (ms).
+    pub(crate) last_seen_ms: i64,
+    /// Payload freshness clock (ms).
+    pub(crate) reported_ms: i64,
+}
+
+/// A (tenant, model) pair.
+pub(crate) struct ModelRec {
+    pub(crate) tenant: Arc<TenantRec>,
+    pub(crate) name: Arc<str>,
+    /// Distinct keys of (tenant, model).
+    pub(crate) keys: AtomicI64,
+    /// Keys whose access sum ≥ the hot threshold (D4).
+    pub(crate) hot: AtomicI64,
+    pub(crate) gauge: Arc<GaugeRec>,
+    /// Stats records sorted by replica id.
+    pub(crate) stats: Rcu<Vec<StatsRecord>>,
+    /// Partitions of this pair (E3/E4 cost).
+    pub(crate) parts: Mutex<Vec<Arc<Partition>>>,
+    /// Reclamation gate of the stats writers (see [`Life`]).
+    pub(crate) life: Life,
+}
+
+impl ModelRec {
+    pub(crate) fn stats_of<'g>(&self, replica: &str, guard: &'g Guard) -> Option<&'g StatsRecord> {
+        let v = self.stats.load(guard);
+        v.binary_search_by(|r| (*r.replica).cmp(replica))
+            .ok()
+            .map(|i| &v[i])
+    }
+
+    /// The stats record of scope replica `rep` (same as `stats_of(&rep.name)`). Ranking asks
+    /// this for every scored replica; a binary search compares long ids (~11 `memcmp`s of
+    /// 40-byte pod names in a 2,048-replica fleet), so each replica remembers where its record
+    /// was last found and checks that position first. Records only move when a replica's
+    /// first report inserts one before them, so the hint is almost always right.
+    #[inline]
+    pub(crate) fn stats_for<'g>(
+        &self,
+        rep: &ScopeReplica,
+        guard: &'g Guard,
+    ) -> Option<&'g StatsRecord> {
+        let v = self.stats.load(guard);
+        let hint = rep.stats_hint.load(StdOrdering::Relaxed) as usize;
+        if let Some(r) = v.get(hint)
+            && r.replica == rep.name
+        {
+            return Some(r);
+        }
+        let i = v.binary_search_by(|r| (*r.replica).cmp(&*rep.name)).ok()?;
+        rep.stats_hint.store(i as u32, StdOrdering::Relaxed);
+        Some(&v[i])
+    }
+}
+
+/// A replica known in a scope, with its serving count (K16).
+pub(crate) struct ScopeReplica {
+    pub(crate) name: ReplicaId,
+    pub(crate) serving: AtomicI64,
+    /// Where this replica's record was last found in its model's stats (see
+    /// [`ModelRec::stats_for`]). Only a hint, checked by id (a pointer compare) before use, so
+    /// any reader may overwrite it and a stale or racing value only costs a search: `std`
+    /// atomics even in loom builds, as nothing is ordered by it.
+    stats_hint: StdAtomicU32,
+    /// Order label: for any two replicas of the scope, a smaller label means a smaller id in
+    /// byte order (labels never decrease along the id order; equal labels say nothing, and the
+    /// ids decide). Ranking orders equal scores (R4, R5) by it (see [`label_between`]).
+    pub(crate) label: u64,
+    /// Reclamation gate of the slot (see [`Life`] and [`ScopeRec::reclaim_slots`]).
+    life: Life,
+}
+
+/// Where appended labels go: a label below/above every other one is this far from its
+/// neighbour (or half the room left, when less), so ids that keep arriving in ascending (or
+/// descending) order, like numbered pods, get 2^31 distinct labels before they start to tie.
+const LABEL_STEP: u64 = 1 << 32;
+
+/// A label for a new id between the labels of its neighbours in id order (`None`: no neighbour
+/// on that side): the midpoint, or the lower label when they are adjacent. Any label within
+/// `[lo, hi]` keeps the invariant of [`ScopeReplica::label`]; a tie only costs an id compare.
+pub(crate) fn label_between(lo: Option<u64>, hi: Option<u64>) -> u64 {
+    match (lo, hi) {
+        (None, None) => 1 << 63,
+        (Some(lo), None) => lo + LABEL_STEP.min((u64::MAX - lo) / 2),
+        (None, Some(hi)) => hi - LABEL_STEP.min(hi / 2),
+        (Some(lo), Some(hi)) => lo + (hi - lo) / 2,
+    }
+}
+
+/// First slot chunk's length; chunk `k` holds `SLOT_BASE << k` slots. (Small: most scopes
+/// name a handful of replicas, and every scope with one pays for its first chunk.)
+const SLOT_BASE: usize = 4;
+/// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^19 − 1) ≥ 2^20`.
+const SLOT_CHUNKS: usize = 19;
+
+/// Chunk and offset of slot `i`: chunk `k` starts at `SLOT_BASE · (2^k − 1)`.
+#[inline]
+fn slot_place(i: usize) -> (usize, usize) {
+    let x = i / SLOT_BASE + 1;
+    let k = (usize::BITS - 1 - x.leading_zeros()) as usize;
+    (k, i - SLOT_BASE * ((1 << k) - 1))
+}
+
+/// A scope's replicas by scope-local index: chunks of doubling length, allocated when the first
+/// index in them is handed out, so appending a replica is O(1) (no copy of the earlier ones)
+/// and an empty scope costs one small array of chunk pointers.
+///
+/// Invariants: a slot is written once, by the interning writer (scope name lock held), with a
+/// Release store of a fully built record, before any key node naming the index is published;
+/// it then never changes while the scope lives. A chunk pointer is stored (Release) before any
+/// of its slots. A reader reaches a slot through a holder it loaded with Acquire, so it sees
+/// the chunk and the record.
+pub(crate) struct ReplicaSlots {
+    chunks: [crate::sync::AtomicPtr<crate::sync::AtomicPtr<ScopeReplica>>; SLOT_CHUNKS],
+    /// Slots handed out so far (indices `0..len` are set or being set).
+    len: crate::sync::AtomicU64,
+}
+
+impl ReplicaSlots {
+    fn new() -> Self {
+        Self {
+            chunks: std::array::from_fn(|_| crate::sync::AtomicPtr::new(std::ptr::null_mut())),
+            len: crate::sync::AtomicU64::new(0),
+        }
+    }
+
+    /// The reader's view under `guard`.
+    #[inline]
+    pub(crate) fn load<'g>(&'g self, _guard: &'g Guard) -> ReplicaView<'g> {
+        ReplicaView { slots: self }
+    }
+
+    /// Stores `rec` at index `i` (writer, name lock held; `i` is the next index).
+    fn set(&self, i: usize, rec: Arc<ScopeReplica>) {
+        let (k, off) = slot_place(i);
+        let mut chunk = self.chunks[k].load(Ordering::Acquire);
+        if chunk.is_null() {
+            let slots: Box<[crate::sync::AtomicPtr<ScopeReplica>]> = (0..SLOT_BASE << k)
+                .map(|_| crate::sync::AtomicPtr::new(std::ptr::null_mut()))
+                .collect();
+            chunk = Box::into_raw(slots) as *mut crate::sync::AtomicPtr<ScopeReplica>;
+            self.chunks[k].store(chunk, Ordering::Release);
+        }
+        // SAFETY: `off < SLOT_BASE << k`, the chunk's length; chunks live as long as `self`.
+        let slot = unsafe { &*chunk.add(off) };
+        let old = slot.swap(Arc::into_raw(rec) as *mut ScopeReplica, Ordering::AcqRel);
+        if !old.is_null() {
+            // A recycled slot: its previous record is unreachable through holders (none names
+            // the index any more, see `ScopeRec::reclaim_slots`), but a reader iterating the
+            // slots may hold it until its guard drops.
+            let old = old as usize;
+            let guard = epoch::pin();
+            // SAFETY: the slot owned one `Arc` count of `old`, given up here after the epoch.
+            unsafe {
+                guard.defer_unchecked(move || drop(Arc::from_raw(old as *const ScopeReplica)));
+            }
+        }
+        if i as u64 >= self.len.load(Ordering::Relaxed) {
+            self.len.store(i as u64 + 1, Ordering::Release);
+        }
+    }
+
+    #[inline]
+    fn get(&self, i: usize) -> Option<&ScopeReplica> {
+        if i >= MAX_SCOPE_REPLICAS {
+            return None;
+        }
+        let (k, off) = slot_place(i);
+        let chunk = self.chunks[k].load(Ordering::Acquire);
+        if chunk.is_null() {
+            return None;
+        }
+        // SAFETY: as in `set`; a non-null slot holds a record owned by the slot (one `Arc`
+        // count), freed only when the scope is dropped.
+        unsafe {
+            let rec = (*chunk.add(off)).load(Ordering::Acquire);
+            rec.as_ref()
+        }
+    }
+}
+
+impl Drop for ReplicaSlots {
+    fn drop(&mut self) {
+        for (k, c) in self.chunks.iter().enumerate() {
+            let chunk = c.load(Ordering::Relaxed);
+            if chunk.is_null() {
+                continue;
+            }
+            let n = SLOT_BASE << k;
+            // SAFETY: exclusive access; the chunk was a boxed slice of `n` slots, and each
+            // non-null slot owns one `Arc` count of its record.
+            unsafe {
+                let slots = Box::from_raw(std::ptr::slice_from_raw_parts_mut(chunk, n));
+                for s in slots.iter() {
+                    let r = s.load(Ordering::Relaxed);
+                    if !r.is_null() {
+                        drop(Arc::from_raw(r as *const ScopeReplica));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A reader's view of a scope's replicas (see [`ReplicaSlots`]).
+#[derive(Clone, Copy)]
+pub(crate) struct ReplicaView<'g> {
+    slots: &'g ReplicaSlots,
+}
+
+impl<'g> ReplicaView<'g> {
+    /// Replica `i`, if that index was handed out.
+    #[inline]
+    pub(crate) fn get(&self, i: usize) -> Option<&'g ScopeReplica> {
+        self.slots.get(i)
+    }
+
+    /// Indices handed out so far.
+    pub(crate) fn len(&self) -> usize {
+        self.slots.len.load(Ordering::Acquire) as usize
+    }
+
+    /// Every replica, by index.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &'g ScopeReplica> + 'g {
+        let slots = self.slots;
+        (0..self.len()).filter_map(move |i| slots.get(i))
+    }
+}
+
+impl std::ops::Index<usize> for ReplicaView<'_> {
+    type Output = ScopeReplica;
+    /// Replica `i` of a holder: holders only name indices whose slot was set before the holder
+    /// was published (see [`ReplicaSlots`]).
+    fn index(&self, i: usize) -> &ScopeReplica {
+        self.slots
+            .get(i)
+            .expect("a holder names a replica slot set before it")
+    }
+}
+
+/// Most replicas one scope can name: a holder stores the scope-local index in 20 bits.
+pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::raw::table::REP_MASK as usize + 1;
+
+/// Writer-side state of a scope's replica names.
+#[derive(Default)]
+pub(crate) struct ScopeNames {
+    /// Id → local index, in id order (the neighbours' slots give a new id's label). Labels
+    /// are read from the slots rather than kept here: a map leaf of (id, index) pairs is 240
+    /// bytes, with the labels it was 384, and every scope has one.
+    by_name: std::collections::BTreeMap<ReplicaId, u32>,
+}
+
+/// A scope (tenant, model, scheme).
+pub(crate) struct ScopeRec {
+    pub(crate) tenant: Arc<str>,
+    pub(crate) model: Arc<str>,
+    pub(crate) scheme: Arc<str>,
+    /// Replicas by scope-local index (append only).
+    pub(crate) replicas: ReplicaSlots,
+    /// Replicas by id, for readers (serving counts by name: TENANT_HOT, tests).
+    lookup: Dir<ScopeReplica>,
+    /// Writer-side names (sync seam: held across the slot stores).
+    names: crate::sync::Mutex<ScopeNames>,
+    /// Indices of reclaimed slots whose grace period has passed, ready for new ids. Its own
+    /// lock, taken by epoch-deferred functions: nothing pins while holding it (a pin may run
+    /// deferred functions, which must not wait for a lock their thread holds).
+    free: crate::sync::Mutex<Vec<u32>>,
+    /// Replicas with serving > 0.
+    pub(crate) serving_n: AtomicI64,
+    /// Partitions of the scope (changed under the record lock).
+    pub(crate) parts: StdAtomicUsize,
+}
+
+impl ScopeRec {
+    pub(crate) fn new(tenant: Arc<str>, model: Arc<str>, scheme: Arc<str>) -> Self {
+        Self {
+            tenant,
+            model,
+            scheme,
+            replicas: ReplicaSlots::new(),
+            lookup: Dir::new(),
+            names: crate::sync::Mutex::new(ScopeNames::default()),
+            free: crate::sync::Mutex::new(Vec::new()),
+            serving_n: AtomicI64::new(0),
+            parts: StdAtomicUsize::new(0),
+        }
+    }
+
+    /// Local index of `name`, creating it, with its slot entered (the caller calls
+    /// [`ScopeRec::exit`] after its last counter update for it); `None` once the scope has
+    /// [`MAX_SCOPE_REPLICAS`] replicas at once (a holder stores the index in 20 bits), so a
+    /// producer inventing ids cannot crash the index: its entries for new ids are dropped.
+    pub(crate) fn intern(&self, name: &str) -> Option<u32> {
+        self.intern_within(name, MAX_SCOPE_REPLICAS)
+    }
+
+    fn intern_within(&self, name: &str, limit: usize) -> Option<u32> {
+        let mut names = self.names.lock();
+        if let Some(&i) = names.by_name.get(name) {
+            // Slots are retired under the name lock, together with their name: a named slot
+            // is live.
+            let entered = self.slot(i).life.enter();
+            debug_assert!(entered, "a named slot is never retired");
+            return entered.then_some(i);
+        }
+        let recycled = self.free.lock().pop();
+        let i = match recycled {
+            Some(i) => i as usize,
+            None => {
+                let next = self.replicas.len.load(Ordering::Relaxed) as usize;
+                if next >= limit {
+                    return None;
+                }
+                next
+            }
+        };
+        use std::ops::Bound::{Excluded, Unbounded};
+        let lo = names
+            .by_name
+            .range::<str, _>((Unbounded, Excluded(name)))
+            .next_back()
+            .map(|(_, &j)| self.slot(j).label);
+        let hi = names
+            .by_name
+            .range::<str, _>((Excluded(name), Unbounded))
+            .next()
+            .map(|(_, &j)| self.slot(j).label);
+        let label = label_between(lo, hi);
+        let id = ReplicaId::intern(name);
+        let rec = Arc::new(ScopeReplica {
+            name: id.clone(),
+            serving: AtomicI64::new(0),
+            stats_hint: StdAtomicU32::new(u32::MAX),
+            label,
+            life: Life::new(),
+        });
+        rec.life.enter();
+        self.replicas.set(i, rec.clone());
+        self.lookup
+            .get_or_insert(hash_strs(&[name]), |r| same_str(&r.name, name), || rec);
+        names.by_name.insert(id, i as u32);
+        Some(i as u32)
+    }
+
+    /// The record in slot `i` (writer side: `i` was handed out).
+    fn slot(&self, i: u32) -> &ScopeReplica {
+        self.replicas
+            .get(i as usize)
+            .expect("a handed-out index has a slot")
+    }
+
+    /// Ends an [`intern`](ScopeRec::intern) or [`enter_existing`](ScopeRec::enter_existing).
+    pub(crate) fn exit(&self, i: u32) {
+        self.slot(i).life.exit();
+    }
+
+    /// Local index of `name` if known, with its slot entered (removal paths: the index cannot
+    /// be given to another id until the caller [`exit`](ScopeRec::exit)s).
+    pub(crate) fn enter_existing(&self, name: &str) -> Option<u32> {
+        let names = self.names.lock();
+        let &i = names.by_name.get(name)?;
+        self.slot(i).life.enter().then_some(i)
+    }
+
+    /// Local index of `name` if known (tests).
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn index_of(&self, name: &str) -> Option<u32> {
+        self.names.lock().by_name.get(name).copied()
+    }
+
+    /// Ids currently named by the scope.
+    pub(crate) fn named(&self) -> usize {
+        self.names.lock().by_name.len()
+    }
+
+    /// Reclaims the slots of replicas that hold nothing in the scope (serving count 0, no
+    /// writer in): the id leaves the name maps at once, and the index becomes available to
+    /// new ids once every reader pinned now has unpinned (an epoch-deferred push onto `free`),
+    /// so no reader can map a holder it read before the removal to the slot's next replica.
+    ///
+    /// Why serving 0 means no key node names the index: the count is the replica's entries
+    /// in the scope; ingests add to it only while entered (so not after the retirement), and
+    /// removals subtract after their unlink (AcqRel, read here with Acquire), so the unlinks
+    /// of all its entries happen before this check and before the deferral. Returns the slots
+    /// reclaimed.
+    pub(crate) fn reclaim_slots(self: &Arc<Self>) -> usize {
+        let mut names = self.names.lock();
+        let guard = epoch::pin();
+        let mut gone = Vec::new();
+        for (id, &i) in names.by_name.iter() {
+            let rec = self.slot(i);
+            if rec.serving.load(Ordering::Acquire) != 0 || !rec.life.try_retire() {
+                continue;
+            }
+            if rec.serving.load(Ordering::Acquire) != 0 {
+                rec.life.revive();
+                continue;
+            }
+            gone.push((id.clone(), i));
+        }
+        let reclaimed = gone.len();
+        for (id, i) in gone {
+            names.by_name.remove(&id);
+            let rec: *const ScopeReplica = self.slot(i);
+            self.lookup.remove(hash_strs(&[&id]), rec);
+            let scope = self.clone();
+            guard.defer(move || scope.free.lock().push(i));
+        }
+        reclaimed
+    }
+    /// The replica named `name` (reader side, wait-free).
+    #[inline]
+    pub(crate) fn find<'g>(&self, name: &str, guard: &'g Guard) -> Option<&'g ScopeReplica> {
+        self.lookup
+            .get(hash_strs(&[name]), |r| same_str(&r.name, name), guard)
+    }
+
+    /// Serving count of `name` (reader side).
+    pub(crate) fn serving_of(&self, name: &str, guard: &Guard) -> i64 {
+        self.find(name, guard)
+            .map_or(0, |r| r.serving.load(Ordering::Relaxed))
+    }
+}
+
+/// A partition: scope + adapter, with its key table.
+pub(crate) struct Partition {
+    pub(crate) tenant: Arc<TenantRec>,
+    pub(crate) model: Arc<ModelRec>,
+    pub(crate) scope: Arc<ScopeRec>,
+    pub(crate) scheme: Arc<str>,
+    pub(crate) adapter: Arc<str>,
+    pub(crate) table: KeyTable,
+    /// Distinct keys of the partition (eviction sampling weights, V5).
+    pub(crate) keys: AtomicI64,
+    /// Storage entries of the partition (eviction sampling weights, V2).
+    pub(crate) entries: AtomicI64,
+    /// Reclamation gate of the ingests writing into the partition (see [`Life`]).
+    pub(crate) life: Life,
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Checks the label invariant over every pair of a scope's replicas, and that indices,
+    /// names and lookups by name agree.
+    fn check_scope(scope: &ScopeRec, names: &[String]) {
+        let guard = epoch::pin();
+        let reps = scope.replicas.load(&guard);
+        assert_eq!(reps.len(), names.len());
+        for (i, a) in names.iter().enumerate() {
+            let ra = &reps[i];
+            assert_eq!(&*ra.name, a.as_str(), "index order");
+            assert_eq!(scope.index_of(a), Some(i as u32));
+            assert!(std::ptr::eq(
+                scope.find(a, &guard).expect("found by name"),
+                ra
+            ));
+            for (j, b) in names.iter().enumerate() {
+                let rb = &reps[j];
+                if ra.label < rb.label {
+                    assert!(a < b, "label order {a:?} < {b:?}");
+                }
+            }
+        }
+    }
+
+    /// Labels never contradict byte order, whatever the insertion order: mixed ids, ascending
+    /// and descending numbered pods (the append paths) and ids squeezed into one gap until
+    /// the labels tie (ties are allowed; an inversion is not).
+    #[test]
+    fn replica_labels_follow_byte_order() {
+        let mixed = [
+            "r-07", "r-10", "a", "r-1", "", "zz", "r-07x", "Z", "é", "r-0", "b", "r-100",
+        ];
+        let scope = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let mut names = Vec::new();
+        for name in mixed {
+            scope.intern(name);
+            names.push(name.to_string());
+            check_scope(&scope, &names);
+        }
+        for absent in ["r-07y", "zzz", "r-", "\u{0}"] {
+            assert!(
+                scope.find(absent, &epoch::pin()).is_none(),
+                "{absent:?} is not a replica"
+            );
+            assert_eq!(scope.index_of(absent), None);
+        }
+        let up = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let down = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let squeeze = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        let (mut nu, mut nd, mut ns) = (Vec::new(), Vec::new(), Vec::new());
+        for k in 0..100 {
+            nu.push(format!("pod-{k:04}"));
+            up.intern(&nu[k]);
+            nd.push(format!("pod-{:04}", 1000 - k));
+            down.intern(&nd[k]);
+            // "m", "mm", "mmm", ...: each new id sorts between the last one and "n".
+            if k == 0 {
+                ns.push("n".to_string());
+            } else {
+                ns.push("m".repeat(k));
+            }
+            squeeze.intern(&ns[k]);
+        }
+        check_scope(&up, &nu);
+        check_scope(&down, &nd);
+        check_scope(&squeeze, &ns);
+        let guard = epoch::pin();
+        let labels = |s: &ScopeRec| {
+            let mut v: Vec<u64> = s.replicas.load(&guard).iter().map(|r| r.label).collect();
+            v.sort_unstable();
+            v.dedup();
+            v.len()
+        };
+        assert_eq!(labels(&up), 100, "ascending ids get distinct labels");
+        assert_eq!(labels(&down), 100, "descending ids get distinct labels");
+        assert!(labels(&squeeze) < 100, "one gap halved 99 times ties");
+    }
+
+    /// Slot chunks double: every index maps to one place, chunk by chunk, up to the limit.
+    #[test]
+    fn slot_places_tile_the_index_space() {
+        let mut want = (0usize, 0usize);
+        for i in 0..MAX_SCOPE_REPLICAS {
+            let got = slot_place(i);
+            assert_eq!(got, want, "slot {i}");
+            want.1 += 1;
+            if want.1 == SLOT_BASE << want.0 {
+                want = (want.0 + 1, 0);
+            }
+        }
+        assert!(slot_place(MAX_SCOPE_REPLICAS - 1).0 < SLOT_CHUNKS);
+    }
+
+    /// A replica that holds nothing gives its slot back once every reader pinned at its
+    /// reclamation has left: a scope that names at most 4 replicas at once takes 400 over
+    /// time. A replica still counted (serving > 0) or entered by a writer keeps its slot.
+    #[test]
+    fn reclaimed_slots_are_reused_after_the_epoch() {
+        let scope = Arc::new(ScopeRec::new("t".into(), "m".into(), "vllm".into()));
+        let intern = |name: &str| {
+            // The freed indices come back through the epoch: help it along until they do
+            // (bounded in time, not in attempts: other tests' pinned threads hold the epoch
+            // back for as long as they run when the machine is loaded).
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            loop {
+                let got = scope.intern_within(name, 4);
+                if got.is_some() || std::time::Instant::now() > deadline {
+                    return got;
+                }
+                epoch::pin().flush();
+                std::thread::yield_now();
+            }
+        };
+        for round in 0..100 {
+            let mut got = Vec::new();
+            for k in 0..4 {
+                let i = intern(&format!("r{round}-{k}")).expect("a slot comes back");
+                scope.exit(i);
+                got.push(i);
+            }
+            got.sort_unstable();
+            assert_eq!(got, [0, 1, 2, 3], "round {round}");
+            assert_eq!(
+                scope.intern_within("extra", 4),
+                None,
+                "four live replicas fill it"
+            );
+            let [kept, busy, gone] = [got[0], got[1], got[2]].map(|i| scope.slot(i).name.clone());
+            scope.slot(got[0]).serving.store(1, Ordering::Relaxed);
+            let entered = scope.intern_within(&busy, 4).expect("named");
+            assert_eq!(entered, got[1]);
+            assert_eq!(scope.reclaim_slots(), 2, "round {round}");
+            assert_eq!(scope.named(), 2);
+            assert!(scope.find(&kept, &epoch::pin()).is_some());
+            assert!(scope.find(&busy, &epoch::pin()).is_some());
+            assert!(scope.find(&gone, &epoch::pin()).is_none());
+            scope.slot(got[0]).serving.store(0, Ordering::Relaxed);
+            scope.exit(entered);
+            assert_eq!(scope.reclaim_slots(), 2);
+            assert_eq!(scope.named(), 0);
+        }
+        assert_eq!(
+            scope.replicas.load(&epoch::pin()).len(),
+            4,
+            "never more than 4 slots"
+        );
+    }
+
+    /// A full scope refuses new ids (no panic) and still resolves the ones it has.
+    #[test]
+    fn a_full_scope_refuses_new_replicas() {
+        let scope = ScopeRec::new("t".into(), "m".into(), "vllm".into());
+        for k in 0..4 {
+            assert_eq!(scope.intern_within(&format!("r{k}"), 4), Some(k));
+        }
+        assert_eq!(scope.intern_within("r4", 4), None);
+        assert_eq!(scope.intern_within("r2", 4), Some(2));
+        assert_eq!(scope.index_of("r4"), None);
+        assert_eq!(MAX_SCOPE_REPLICAS, 1 << 20);
+    }
+}

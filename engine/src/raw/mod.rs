@@ -1,0 +1,15 @@
+//! The lock-free storage under the index: per-partition key tables (groups, key nodes, the
+//! shard writers, LFU cells), the chain runs lookups step over, the node arenas and the page
+//! arrays they are carved from.
+//!
+//! Readers reach everything here through atomic pointers under an epoch guard and never wait;
+//! writers serialize per table shard. This room knows nothing of tenants, models, ranking or
+//! eviction policy: it stores keys, holders and counts, and reports its own memory. It never
+//! imports `index`.
+
+pub(crate) mod arena;
+#[cfg(loom)]
+pub mod loom_api;
+pub(crate) mod pages;
+pub(crate) mod runs;
+pub(crate) mod table;
