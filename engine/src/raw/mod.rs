@@ -5,7 +5,7 @@
 //! Readers reach everything here through atomic pointers under an epoch guard and never wait;
 //! writers serialize per table shard. This room knows nothing of tenants, models, ranking or
 //! eviction policy: it stores keys, holders and counts, and reports its own memory. It never
-//! imports `index`.
+//! imports `index` (checked by `engine/tests/module_graph.rs`).
 
 pub(crate) mod arena;
 #[cfg(loom)]
