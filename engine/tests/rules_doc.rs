@@ -166,14 +166,18 @@ fn is_skipped_directory(path: &Path) -> bool {
 
 /// Every scanned file below `directory`, in a stable order.
 fn collect_files(directory: &Path, files: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = fs::read_dir(directory)
-        .unwrap_or_else(|e| panic!("read directory {}: {e}", directory.display()))
-        .map(|entry| entry.expect("directory entry").path())
+    // A directory or entry that vanishes under the walk (another test's scratch files) is
+    // skipped; the count checks in the test catch a walk that found nothing.
+    let Ok(listing) = fs::read_dir(directory) else {
+        return;
+    };
+    let mut entries: Vec<PathBuf> = listing
+        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
         .collect();
     entries.sort();
     for path in entries {
-        // `file_type` of the entry would not follow symlinks; a link into `target/` or out of
-        // the repository is not ours to scan.
+        // Links are not followed (a link into `target/` or out of the repository is not ours
+        // to scan): their metadata is neither a file nor a directory here.
         let Ok(metadata) = fs::symlink_metadata(&path) else {
             continue;
         };
@@ -187,22 +191,27 @@ fn collect_files(directory: &Path, files: &mut Vec<PathBuf>) {
     }
 }
 
-/// The IDs `docs/rules.md` has a row for, and the IDs that have more than one row.
-fn documented_ids(text: &str) -> (BTreeSet<String>, Vec<String>) {
-    let mut ids = BTreeSet::new();
-    let mut duplicates = Vec::new();
-    for line in text.lines() {
-        let Some(row) = line.strip_prefix('|') else {
-            continue;
-        };
-        let first_cell = row.split('|').next().unwrap_or("").trim();
-        if let Some(id) = parse_id(first_cell)
-            && !ids.insert(id.clone())
-        {
-            duplicates.push(id);
-        }
-    }
-    (ids, duplicates)
+/// The IDs of `docs/rules.md`'s rows, in document order.
+fn documented_ids(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|line| line.strip_prefix('|'))
+        .filter_map(|row| parse_id(row.split('|').next().unwrap_or("").trim()))
+        .collect()
+}
+
+/// Family letters and number of an ID that [`parse_id`] accepted.
+fn family_and_number(id: &str) -> (&str, u32) {
+    let digits_at = id
+        .find(|c: char| c.is_ascii_digit())
+        .expect("an ID has digits");
+    let (family, digits) = id.split_at(digits_at);
+    (family, digits.parse().expect("an ID's digits are a number"))
+}
+
+fn read_rules_doc() -> (PathBuf, String) {
+    let path = repository_root().join(RULES_DOC);
+    let text = fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    (path, text)
 }
 
 #[test]
@@ -223,14 +232,8 @@ fn the_pattern_finds_citations_and_only_citations() {
 #[test]
 fn every_cited_rule_id_has_a_row_in_docs_rules_md() {
     let root = repository_root();
-    let rules_path = root.join(RULES_DOC);
-    let rules_text = fs::read_to_string(&rules_path)
-        .unwrap_or_else(|e| panic!("read {}: {e}", rules_path.display()));
-    let (documented, duplicates) = documented_ids(&rules_text);
-    assert!(
-        duplicates.is_empty(),
-        "{RULES_DOC} has more than one row for {duplicates:?}"
-    );
+    let (rules_path, rules_text) = read_rules_doc();
+    let documented: BTreeSet<String> = documented_ids(&rules_text).into_iter().collect();
 
     let mut files = Vec::new();
     collect_files(&root, &mut files);
@@ -272,4 +275,35 @@ fn every_cited_rule_id_has_a_row_in_docs_rules_md() {
         missing.is_empty(),
         "{RULES_DOC} lacks a row for these cited IDs (ID: citing files): {missing:#?}"
     );
+}
+
+/// One section per family, rows in ascending order without repeats, so a reader finds an ID
+/// where it belongs and an ID has exactly one statement.
+#[test]
+fn docs_rules_md_rows_are_grouped_by_family_and_ordered() {
+    let (_, rules_text) = read_rules_doc();
+    let ids = documented_ids(&rules_text);
+    assert!(ids.len() > 100, "only {} rows in {RULES_DOC}", ids.len());
+    let mut closed_families: BTreeSet<&str> = BTreeSet::new();
+    let mut previous: Option<(&str, u32)> = None;
+    for id in &ids {
+        let (family, number) = family_and_number(id);
+        match previous {
+            Some((previous_family, previous_number)) if previous_family == family => assert!(
+                number > previous_number,
+                "{RULES_DOC}: {id} follows {previous_family}{previous_number} (rows must ascend, \
+                 one per ID)"
+            ),
+            _ => {
+                if let Some((previous_family, _)) = previous {
+                    closed_families.insert(previous_family);
+                }
+                assert!(
+                    !closed_families.contains(family),
+                    "{RULES_DOC}: {id} is outside its family's section"
+                );
+            }
+        }
+        previous = Some((family, number));
+    }
 }
