@@ -769,7 +769,7 @@ fn t35_pressure() {
 #[test]
 fn t35_pressure_follows_each_replica_as_stats_records_move() {
     let e = env();
-    // A key nobody else holds keeps R6's dp below 1 but equal for every holder.
+    // A key nobody else holds keeps R4's dp below 1 but equal for every holder.
     e.put("a-bystander", b"other", 16);
     let blocks: Vec<Vec<u8>> = (0..8u8).map(|i| vec![b'c', i]).collect();
     let chain: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();

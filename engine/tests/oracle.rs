@@ -184,7 +184,7 @@ fn stats_op_s() -> impl proptest::strategy::Strategy<Value = Op> {
         (RefSpec::Legacy(0, 64), 1, 0),
         (RefSpec::Chain(chain.clone(), counts.clone(), None), 1, 0),
     ];
-    // Replicas that hold only another key keep R6's dp above 0 (with every serving replica
+    // Replicas that hold only another key keep R4's dp above 0 (with every serving replica
     // holding a key, every score is 0 whatever the pressure).
     let other = vec![(RefSpec::Legacy(1, 64), 1, 0)];
     prop_oneof![

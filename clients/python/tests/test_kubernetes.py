@@ -6,11 +6,13 @@ temporary files, bind addresses moved to free loopback ports); its gRPC health c
 SERVING and its control listener must refuse a request without the controller token. The vLLM
 pod's sidecar then runs with its own arguments (the downward-API variables expanded as the
 kubelet would, the engine replaced by the fake engine) and a lookup must find the fake engine's
-blocks under the pod's name and namespace.
+blocks under the pod's name and namespace. The replicated manifest's NATS and two of its servers
+run with their own arguments too, and must converge.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import time
@@ -25,7 +27,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import REPO, Server, fake_engine_bin, free_port, server_bin, sidecar_bin, stop, wait_ready
-from inferencecache import Router
+from inferencecache import Producer, Router
 
 MANIFESTS = sorted((REPO / "deploy" / "kubernetes").glob("*.yaml"))
 KUBERNETES_VERSION = "1.33.0"
@@ -51,7 +53,7 @@ def container(deployment: dict, name: str) -> dict:
 
 
 def test_manifests_exist():
-    assert {p.name for p in MANIFESTS} >= {"server.yaml", "vllm-with-sidecar.yaml"}
+    assert {p.name for p in MANIFESTS} >= {"server.yaml", "vllm-with-sidecar.yaml", "replicated.yaml"}
 
 
 @pytest.mark.parametrize("doc", documents(), ids=lambda d: f'{d["kind"]}/{d["metadata"]["name"]}')
@@ -184,3 +186,90 @@ def test_manifest_arguments_run_on_the_real_binaries(tmp_path):
         for p in (sidecar, engine, process):
             if p is not None:
                 stop(p)
+
+
+def nats_server_bin() -> pathlib.Path:
+    """Debian's ``nats-server`` (``.ci/run`` installs it); the test is skipped without it."""
+    for candidate in ("/usr/sbin/nats-server", "/usr/bin/nats-server"):
+        if pathlib.Path(candidate).exists():
+            return pathlib.Path(candidate)
+    pytest.skip("nats-server is not installed")
+
+
+def digest(server: Server, token: str) -> dict:
+    request = urllib.request.Request(f"{server.control_url}/digest", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        return json.loads(reply.read())
+
+
+def test_replicated_manifest_runs_two_servers_that_converge_through_its_nats(tmp_path):
+    """NATS with the StatefulSet's arguments (its token from the Secret, bound to loopback), then
+    two index servers with the replicated Deployment's arguments (pod names expanded, the NATS
+    Service mapped to the local NATS): an update sent to one is answered by the other, and both
+    report the same digest."""
+    nats_set = find("StatefulSet", "inferencecache-nats")
+    nats_container = nats_set["spec"]["template"]["spec"]["containers"][0]
+    nats_token = find("Secret", "inferencecache-nats-token")["stringData"]["token"]
+    nats_port = free_port()
+    nats_args = [
+        a.replace("$(NATS_TOKEN)", nats_token)
+        for a in localize(
+            nats_container["args"],
+            {"/data": tmp_path / "nats"},
+            {"--port": str(nats_port), "--http_port": str(free_port())},
+        )
+    ]
+    (tmp_path / "nats").mkdir()
+    nats = subprocess.Popen(
+        [str(nats_server_bin()), "--addr=127.0.0.1", *nats_args],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "nats.log").open("wb"),
+    )
+    deployment = find("Deployment", "inferencecache-replicated")
+    servers: List[Server] = []
+    try:
+        for pod in ("inferencecache-replicated-7c9d-a1", "inferencecache-replicated-7c9d-b2"):
+            grpc_port, http_port, control_port = free_port(), free_port(), free_port()
+            args = [
+                a.replace("$(POD_NAME)", pod)
+                for a in localize(
+                    container(deployment, "server")["args"],
+                    mounted_files(deployment, "server", tmp_path / pod),
+                    {
+                        "--grpc-bind-address": f"127.0.0.1:{grpc_port}",
+                        "--http-bind-address": f"127.0.0.1:{http_port}",
+                        "--snapshot-bind-address": f"127.0.0.1:{control_port}",
+                        "--nats-url": f"nats://127.0.0.1:{nats_port}",
+                    },
+                )
+            ]
+            log = tmp_path / f"{pod}.log"
+            process = subprocess.Popen([str(server_bin()), *args], stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+            servers.append(Server(process, grpc_port, http_port, control_port, log))
+        for server in servers:
+            wait_ready(server)
+        tokens = find("Secret", "inferencecache-tokens")["stringData"]
+        tokens_in = list(range(64))
+        with Producer(
+            servers[0].target, replica_id="vllm-0", model_id="llama", tenant_id="team-a", token=tokens["producer"]
+        ) as producer:
+            assert producer.report_token_chains([tokens_in], timeout=5).accepted
+        deadline = time.monotonic() + 15
+        with Router(servers[1].target, timeout=5) as router:
+            while True:
+                result = router.lookup("llama", tenant_id="team-a", token_ids=tokens_in)
+                if result.hit:
+                    break
+                assert time.monotonic() < deadline, f"no hit on the second server: {result}\n{servers[1].logs()}"
+                time.sleep(0.1)
+        assert [(s.replica_id, s.matched_tokens) for s in result.replica_scores] == [("vllm-0", 64)]
+        while True:
+            first, second = (digest(s, tokens["controller"]) for s in servers)
+            head = max(first["stream_last_seq"], second["stream_last_seq"])
+            if first["stream_seq"] == second["stream_seq"] == head and first["buffered_records"] == 0:
+                break
+            assert time.monotonic() < deadline, f"{first} vs {second}"
+            time.sleep(0.1)
+        assert first["digest"] == second["digest"] and first["entries"] == second["entries"] == 4
+    finally:
+        for process in [s.process for s in servers] + [nats]:
+            stop(process)

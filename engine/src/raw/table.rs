@@ -1359,7 +1359,10 @@ struct Shard {
 /// Shards are created by their first writer (a partition of one key costs one shard, not
 /// sixteen: a new tenant's or model's first entry used to allocate ~28 KiB of shard shells),
 /// published with a compare-and-swap (Release) and freed only with the table. Readers of a
-/// shard that does not exist yet probe a shared empty table instead (every probe misses).
+/// shard that does not exist yet probe a shared empty table instead (every probe misses). A
+/// shard whose last key goes publishes that same shared table (its own table and arena are
+/// retired through the epoch, like any replaced table), so an emptied shard holds its shell
+/// only; the shared table is never written (see [`empty_table`]).
 pub(crate) struct KeyTable {
     shards: [StdAtomicPtr<CachePadded<Shard>>; SHARDS],
     /// Arena index limit of narrow lanes for the shards created from now on.
