@@ -143,7 +143,7 @@ impl Index {
             ticker: Mutex::new(None),
             sweep_lock: Mutex::new(()),
             cap_hand: Mutex::new(eviction::Hand::new(eviction::seed_of(config_seed, 0))),
-            stripe_lanes: crate::raw::table::stripe_lanes(),
+            stripe_lanes: crate::raw::lfu::stripe_lanes(),
         }
     }
 

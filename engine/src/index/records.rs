@@ -288,7 +288,7 @@ impl std::ops::Index<usize> for ReplicaView<'_> {
 }
 
 /// Most replicas one scope can name: a holder stores the scope-local index in 20 bits.
-pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::raw::table::REP_MASK as usize + 1;
+pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::raw::node::REP_MASK as usize + 1;
 
 /// Writer-side state of a scope's replica names.
 #[derive(Default)]

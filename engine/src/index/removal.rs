@@ -7,7 +7,10 @@
 use super::ingest::{Pending, with_holders_removed};
 use super::records::{ModelRec, Partition};
 use super::{Index, SLICE};
-use crate::raw::table::{Holder, KeyNode, KeySum, SHARDS, ShardWriter};
+use crate::raw::lfu::KeySum;
+use crate::raw::node::{Holder, KeyNode};
+use crate::raw::table::SHARDS;
+use crate::raw::writer::ShardWriter;
 use crate::sync::Ordering;
 use crossbeam_epoch::{self as epoch, Guard};
 

@@ -15,7 +15,9 @@ use crate::rank::{
     distinguishing_power, freshness, prefix_score, pressure_factor, recency, slo_c,
     tenant_hot_score,
 };
-use crate::raw::table::{Credited, KeyNode, KeyTable, Probe, tier_wire};
+use crate::raw::lfu::Credited;
+use crate::raw::node::{KeyNode, tier_wire};
+use crate::raw::table::{KeyTable, Probe};
 use crate::sync::Ordering;
 use crate::types::*;
 use crossbeam_epoch::{self as epoch, Guard};

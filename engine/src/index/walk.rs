@@ -10,7 +10,8 @@ use super::resolution::PartitionHandle;
 use super::route::Ranked;
 use crate::clock::us_to_ms;
 use crate::rank::{freshness, is_live};
-use crate::raw::table::{Cand, KeyNode, KeyTable, Probe, tier_wire};
+use crate::raw::node::{KeyNode, tier_wire};
+use crate::raw::table::{Cand, KeyTable, Probe};
 use crossbeam_epoch::{self as epoch, Guard};
 
 /// One run of the core longest-prefix match (L4 steps 1–4).

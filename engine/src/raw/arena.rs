@@ -1,4 +1,4 @@
-//! Per-shard node arena: where a key table's [`KeyNode`](crate::raw::table::KeyNode)s live.
+//! Per-shard node arena: where a key table's [`KeyNode`](crate::raw::node::KeyNode)s live.
 //!
 //! # Why
 //!

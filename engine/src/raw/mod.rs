@@ -8,8 +8,11 @@
 //! imports `index` (checked by `engine/tests/module_graph.rs`).
 
 pub(crate) mod arena;
+pub(crate) mod lfu;
 #[cfg(loom)]
 pub mod loom_api;
+pub(crate) mod node;
 pub(crate) mod pages;
 pub(crate) mod runs;
 pub(crate) mod table;
+pub(crate) mod writer;
