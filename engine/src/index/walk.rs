@@ -101,6 +101,31 @@ const AHEAD: usize = 4;
 /// Chain walk: probes kept ahead of the block being resolved (a power of two > PREFETCH).
 const PROBES: usize = 16;
 
+/// What one chain walk reads and never changes: the partition's table, the request (its
+/// hashes and counts, `n` blocks of both), the clock and TTL that decide liveness, the guard
+/// every node read is made under, and whether the walk records each visited node (which also
+/// turns run skips off: every block is visited).
+struct Walk<'w, 'k, H> {
+    table: &'w KeyTable,
+    hashes: &'k [H],
+    counts: &'w [i32],
+    /// Blocks to walk at most: `min(hashes.len(), counts.len())`, > 0.
+    n: usize,
+    now_ms: i64,
+    ttl_ms: i64,
+    guard: &'w Guard,
+    capture_nodes: bool,
+}
+
+/// Where a chain walk starts, as `walk_chain` found it: block 0's node, the blocks after it a
+/// chain run covers (see `walk_skip`), and whether the prefetch pipeline already runs ahead
+/// (see `land`).
+struct FirstBlock<'w> {
+    node: &'w KeyNode,
+    skip: usize,
+    primed: bool,
+}
+
 impl Index {
     /// L4 steps 1–4: the longest common leading run of every replica fresh at block 0. Leaves
     /// the closed runs in `scratch.runs`, sorted by replica index (and, with `capture_nodes`, the
@@ -148,60 +173,52 @@ impl Index {
         } else {
             Self::land(t, hashes, n, skip0 + 1, tail0, guard, &mut probes)
         };
+        let walk = Walk {
+            table: t,
+            hashes,
+            counts,
+            n,
+            now_ms,
+            ttl_ms,
+            guard,
+            capture_nodes,
+        };
+        let first = FirstBlock {
+            node: n0,
+            skip: skip0,
+            primed,
+        };
         let hs0 = n0.holders();
         if hs0[hs0.len() - 1].rep() < 64 {
-            Self::walk_fast(
-                t,
-                n0,
-                skip0,
-                primed,
-                hashes,
-                counts,
-                n,
-                now_ms,
-                ttl_ms,
-                guard,
-                scratch,
-                capture_nodes,
-                &mut probes,
-            )
+            Self::walk_fast(walk, first, scratch, &mut probes)
         } else {
-            Self::walk_general(
-                t,
-                n0,
-                skip0,
-                primed,
-                hashes,
-                counts,
-                n,
-                now_ms,
-                ttl_ms,
-                guard,
-                scratch,
-                capture_nodes,
-                &mut probes,
-            )
+            Self::walk_general(walk, first, scratch, &mut probes)
         }
     }
 
     /// Bitset path: every replica fresh at block 0 has a scope-local index < 64.
-    #[allow(clippy::too_many_arguments)]
     #[inline]
     fn walk_fast<'k, H: AsRef<[u8]>>(
-        t: &KeyTable,
-        n0: &KeyNode,
-        skip0: usize,
-        primed0: bool,
-        hashes: &'k [H],
-        counts: &[i32],
-        n: usize,
-        now_ms: i64,
-        ttl_ms: i64,
-        guard: &Guard,
+        walk: Walk<'_, 'k, H>,
+        first: FirstBlock<'_>,
         scratch: &mut MatchScratch,
-        capture_nodes: bool,
         probes: &mut [Probe<'k>; PROBES],
     ) {
+        let Walk {
+            table: t,
+            hashes,
+            counts,
+            n,
+            now_ms,
+            ttl_ms,
+            guard,
+            capture_nodes,
+        } = walk;
+        let FirstBlock {
+            node: n0,
+            skip: skip0,
+            primed: primed0,
+        } = first;
         if scratch.fast.len() < 64 {
             scratch.fast.resize(64, Run::default());
         }
@@ -352,22 +369,27 @@ impl Index {
 
     /// General path (any replica indices): merge the sorted open runs with each node's sorted
     /// holders.
-    #[allow(clippy::too_many_arguments)]
     fn walk_general<'k, H: AsRef<[u8]>>(
-        t: &KeyTable,
-        n0: &KeyNode,
-        skip0: usize,
-        primed0: bool,
-        hashes: &'k [H],
-        counts: &[i32],
-        n: usize,
-        now_ms: i64,
-        ttl_ms: i64,
-        guard: &Guard,
+        walk: Walk<'_, 'k, H>,
+        first: FirstBlock<'_>,
         scratch: &mut MatchScratch,
-        capture_nodes: bool,
         probes: &mut [Probe<'k>; PROBES],
     ) {
+        let Walk {
+            table: t,
+            hashes,
+            counts,
+            n,
+            now_ms,
+            ttl_ms,
+            guard,
+            capture_nodes,
+        } = walk;
+        let FirstBlock {
+            node: n0,
+            skip: skip0,
+            primed: primed0,
+        } = first;
         let runs = &mut scratch.runs;
         for h in n0.holders().iter() {
             if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
