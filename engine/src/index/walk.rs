@@ -11,7 +11,7 @@ use super::route::Ranked;
 use crate::clock::us_to_ms;
 use crate::rank::{freshness, is_live};
 use crate::raw::node::{KeyNode, tier_wire};
-use crate::raw::table::{Cand, KeyTable, Probe};
+use crate::raw::table::{Candidate, KeyTable, Probe};
 use crossbeam_epoch::{self as epoch, Guard};
 
 /// One run of the core longest-prefix match (L4 steps 1–4).
@@ -250,17 +250,17 @@ impl Index {
         let mut acc = counts[0];
         // Pipeline: home groups are prefetched PREFETCH blocks ahead; the candidates of blocks
         // i+1 ..= i+AHEAD are read (and their nodes prefetched) before block i is processed.
-        let cand_at = |j: usize, probes: &[Probe<'_>; PROBES]| -> Cand {
+        let cand_at = |j: usize, probes: &[Probe<'_>; PROBES]| -> Candidate {
             if j < n {
                 t.candidate(probes[j % PROBES], guard)
             } else {
-                Cand::Miss
+                Candidate::Miss
             }
         };
-        // After a run skip the ring restarts with full probes (`Cand::Probe`): the candidates'
+        // After a run skip the ring restarts with full probes (`Candidate::Probe`): the candidates'
         // group reads would stall on lines whose prefetch has only just been issued, and the
         // block after a skip often starts another run, which would skip them again.
-        let mut ring = [Cand::Probe; 8];
+        let mut ring = [Candidate::Probe; 8];
         let mut i = 1 + skip0;
         // Whether the prefetch pipeline runs ahead of block `i`. After a skip that ends inside
         // its run it does not: the block the walk lands on usually starts the run's next
@@ -298,7 +298,7 @@ impl Index {
                 } else {
                     // Full probes until the candidates catch up with the fresh prefetches.
                     Self::reprime(t, hashes, n, i + 1, guard, probes);
-                    ring[(i + AHEAD) & 7] = Cand::Probe;
+                    ring[(i + AHEAD) & 7] = Candidate::Probe;
                     primed = true;
                 }
             }
@@ -337,7 +337,7 @@ impl Index {
                 }
                 i += skip;
                 for j in i + 1..i + 1 + AHEAD {
-                    ring[j & 7] = Cand::Probe;
+                    ring[j & 7] = Candidate::Probe;
                 }
                 primed = Self::land(t, hashes, n, i + 1, tail, guard, probes);
             }

@@ -539,7 +539,7 @@ pub(crate) struct KeyTable {
 
 /// Result of [`KeyTable::candidate`].
 #[derive(Clone, Copy)]
-pub(crate) enum Cand {
+pub(crate) enum Candidate {
     /// Definitely absent (the home group has an empty lane and no fingerprint match).
     Miss,
     /// First fingerprint match in the home group (not yet verified).
@@ -773,7 +773,7 @@ impl KeyTable {
     /// First stage of a pipelined lookup: reads only the home group of `p` (no node
     /// dereference) and prefetches the candidate node. Resolve with [`KeyTable::resolve`].
     #[inline]
-    pub(crate) fn candidate(&self, p: Probe<'_>, guard: &Guard) -> Cand {
+    pub(crate) fn candidate(&self, p: Probe<'_>, guard: &Guard) -> Candidate {
         let t = self.table_of(p.shard(), guard);
         // No presence-summary check here: candidates are taken for the blocks after a match,
         // which usually match too, and the summary would cost one more line per block.
@@ -794,13 +794,13 @@ impl KeyTable {
                 prefetch(n);
                 prefetch((n as *const u8).wrapping_add(64));
                 prefetch((n as *const u8).wrapping_add(128));
-                return Cand::Node(n);
+                return Candidate::Node(n);
             }
         }
         if zero_bytes(tags) != 0 {
-            Cand::Miss
+            Candidate::Miss
         } else {
-            Cand::Probe
+            Candidate::Probe
         }
     }
 
@@ -808,8 +808,8 @@ impl KeyTable {
     /// is a run node, prefetches the line of its key in the run, which the probe's key compare
     /// reads (a fourth dependent line per block otherwise: summary and group, node, run key).
     #[inline]
-    pub(crate) fn prefetch_key(c: Cand) {
-        if let Cand::Node(n) = c {
+    pub(crate) fn prefetch_key(c: Candidate) {
+        if let Candidate::Node(n) = c {
             // SAFETY: `n` was read (Acquire) from a lane under a guard the caller still holds
             // (every look-ahead runs inside one pinned section); a node is retired through the
             // epoch, so its memory stays valid, and a stale node only costs a useless prefetch.
@@ -821,18 +821,18 @@ impl KeyTable {
         }
     }
 
-    /// Second stage: the node of `p` given its [`Cand`] (a full probe when the candidate was
+    /// Second stage: the node of `p` given its [`Candidate`] (a full probe when the candidate was
     /// not conclusive or was a fingerprint false positive).
     #[inline]
     pub(crate) fn resolve<'g>(
         &self,
-        c: Cand,
+        c: Candidate,
         p: Probe<'_>,
         guard: &'g Guard,
     ) -> Option<&'g KeyNode> {
         match c {
-            Cand::Miss => None,
-            Cand::Node(n) => {
+            Candidate::Miss => None,
+            Candidate::Node(n) => {
                 // SAFETY: `n` was read (Acquire) from a lane under `guard`, which is still
                 // pinned; nodes are retired through the epoch, so it is valid.
                 let r = unsafe { &*n };
@@ -842,7 +842,7 @@ impl KeyTable {
                     self.find_p(p, guard)
                 }
             }
-            Cand::Probe => self.find_p(p, guard),
+            Candidate::Probe => self.find_p(p, guard),
         }
     }
 
