@@ -10,7 +10,7 @@ pub mod fingerprint;
 
 mod clock;
 mod config;
-mod dir;
+mod directory;
 mod index;
 pub mod rank;
 mod raw;

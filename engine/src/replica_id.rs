@@ -11,7 +11,7 @@
 //! counted by every handle: the scope slot and the stats records that name it, and any result
 //! a caller still holds. The last handle's drop frees the text and takes it out of the
 //! interner, so a fleet that renames its pods at every rollout keeps only the ids that some
-//! record or result still names (the records go once they hold nothing, `dir.rs`); the
+//! record or result still names (the records go once they hold nothing, `index/records.rs`); the
 //! interner used to leak every id it had ever seen.
 //!
 //! Invariants: the interner maps a text to its live copy (count ≥ 1) or to a dying one (count

@@ -235,7 +235,7 @@ impl Index {
         })
     }
 
-    /// Enters `target`'s partition (see [`crate::dir::Life`]); the caller exits it.
+    /// Enters `target`'s partition (see [`crate::directory::Life`]); the caller exits it.
     fn enter_target<'g>(&self, target: &LoadTarget<'_>, guard: &'g epoch::Guard) -> &'g Partition {
         self.enter_part(
             target.tenant,

@@ -469,8 +469,8 @@ impl Index {
     pub(super) fn enforce_quota(&self, t: &str, now_us: i64, carry: &mut Option<Carry<'_>>) {
         let Some(tr) = self
             .tenants
-            .get_arc(crate::dir::hash_strs(&[t]), &|r: &TenantRec| {
-                crate::dir::same_str(&r.name, t)
+            .get_arc(crate::directory::hash_strs(&[t]), &|r: &TenantRec| {
+                crate::directory::same_str(&r.name, t)
             })
         else {
             return;

@@ -12,7 +12,7 @@ use super::records::{ModelRec, Partition, StatsRecord};
 use super::{Index, STATS_RECORD_BYTES};
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
-use crate::dir::same_str;
+use crate::directory::same_str;
 use crate::raw::node::{Holder, KeyNode, tier_code};
 use crate::raw::runs::{ChainRun, MAX_RUN, MIN_RUN};
 use crate::raw::table::{KeyTable, Probe, SHARDS};

@@ -47,7 +47,7 @@ pub use walk::{ChainMatch, MatchScratch};
 
 use crate::clock::Clock;
 use crate::config::{IndexConfig, Resolvers};
-use crate::dir::Dir;
+use crate::directory::Directory;
 use crate::sink::ChangeSink;
 use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 #[cfg(loom)]
@@ -68,11 +68,11 @@ pub struct Index {
     cfg: IndexConfig,
     resolvers: Arc<dyn Resolvers>,
     clock: Arc<dyn Clock>,
-    tenants: Dir<TenantRec>,
-    models: Dir<ModelRec>,
-    scopes: Dir<ScopeRec>,
-    parts: Dir<Partition>,
-    gauges: Dir<GaugeRec>,
+    tenants: Directory<TenantRec>,
+    models: Directory<ModelRec>,
+    scopes: Directory<ScopeRec>,
+    parts: Directory<Partition>,
+    gauges: Directory<GaugeRec>,
     all_parts: Mutex<Vec<Arc<Partition>>>,
     /// `all_parts.len()`, published after each push, so the cap can see that it has every
     /// partition without taking the mutex on each enforcement.
@@ -119,11 +119,11 @@ impl Index {
             cfg: config.normalized(),
             resolvers,
             clock,
-            tenants: Dir::new(),
-            models: Dir::new(),
-            scopes: Dir::new(),
-            parts: Dir::new(),
-            gauges: Dir::new(),
+            tenants: Directory::new(),
+            models: Directory::new(),
+            scopes: Directory::new(),
+            parts: Directory::new(),
+            gauges: Directory::new(),
             all_parts: Mutex::new(Vec::new()),
             all_parts_len: AtomicUsize::new(0),
             all_models: Mutex::new(Vec::new()),

@@ -2,12 +2,12 @@
 //!
 //! Records are created on first use (`resolution.rs`) and reclaimed by the sweep once they hold
 //! nothing (see [`Life`] for the protocol and `Index::sweep_now` for the order); they live in
-//! the directories of [`crate::dir`], so a reference to one is bound to the caller's epoch
+//! the directories of [`crate::directory`], so a reference to one is bound to the caller's epoch
 //! guard. A scope's replicas live in slots recycled the same way
 //! ([`ScopeRec::reclaim_slots`]).
 
 use crate::ReplicaId;
-use crate::dir::{Dir, Life, Rcu, hash_strs, same_str};
+use crate::directory::{Directory, Life, Rcu, hash_strs, same_str};
 use crate::raw::table::KeyTable;
 use crate::sync::{AtomicI64, AtomicU64, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
@@ -307,7 +307,7 @@ pub(crate) struct ScopeRec {
     /// Replicas by scope-local index (append only).
     pub(crate) replicas: ReplicaSlots,
     /// Replicas by id, for readers (serving counts by name: TENANT_HOT, tests).
-    lookup: Dir<ScopeReplica>,
+    lookup: Directory<ScopeReplica>,
     /// Writer-side names (sync seam: held across the slot stores).
     names: crate::sync::Mutex<ScopeNames>,
     /// Indices of reclaimed slots whose grace period has passed, ready for new ids. Its own
@@ -327,7 +327,7 @@ impl ScopeRec {
             model,
             scheme,
             replicas: ReplicaSlots::new(),
-            lookup: Dir::new(),
+            lookup: Directory::new(),
             names: crate::sync::Mutex::new(ScopeNames::default()),
             free: crate::sync::Mutex::new(Vec::new()),
             serving_n: AtomicI64::new(0),

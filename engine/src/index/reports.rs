@@ -8,7 +8,7 @@ use super::eviction::{EvictionReason, evict_slot};
 use super::records::{ModelRec, Partition, StatsRecord};
 use crate::ReplicaId;
 use crate::config::Algorithm;
-use crate::dir::{hash_strs, same_str};
+use crate::directory::{hash_strs, same_str};
 use crate::raw::node::tier_wire;
 use crate::raw::table::{MemoryBreakdown, Probe};
 use crate::sync::Ordering;

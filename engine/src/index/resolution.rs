@@ -8,7 +8,7 @@
 
 use super::Index;
 use super::records::{GaugeRec, ModelRec, Partition, ScopeRec, TenantRec};
-use crate::dir::{hash_strs, same_str};
+use crate::directory::{hash_strs, same_str};
 use crate::sync::{AtomicI64, AtomicU64, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
 use parking_lot::Mutex;
@@ -131,9 +131,9 @@ impl Index {
             keys: AtomicI64::new(0),
             hot: AtomicI64::new(0),
             gauge: gauge.clone(),
-            stats: crate::dir::Rcu::new(Vec::new()),
+            stats: crate::directory::Rcu::new(Vec::new()),
             parts: Mutex::new(Vec::new()),
-            life: crate::dir::Life::new(),
+            life: crate::directory::Life::new(),
         });
         // Listed before it is linked: a record reachable through the directory is in every
         // list that walks its kind (see `enter_part`).
@@ -152,7 +152,7 @@ impl Index {
         linked
     }
 
-    /// The (tenant, model) record, entered for a stats write (see [`crate::dir::Life`]); the
+    /// The (tenant, model) record, entered for a stats write (see [`crate::directory::Life`]); the
     /// caller exits it.
     pub(super) fn enter_model(&self, t: &str, m: &str) -> Arc<ModelRec> {
         if let Some(r) = self.model_arc(t, m)
@@ -173,7 +173,7 @@ impl Index {
     }
 
     /// The partition, created with its records if needed, entered for an ingest (see
-    /// [`crate::dir::Life`]); the caller exits it after its last counter update.
+    /// [`crate::directory::Life`]); the caller exits it after its last counter update.
     pub(super) fn enter_part<'g>(
         &self,
         t: &str,
@@ -221,7 +221,7 @@ impl Index {
             table: crate::raw::table::KeyTable::new(),
             keys: AtomicI64::new(0),
             entries: AtomicI64::new(0),
-            life: crate::dir::Life::new(),
+            life: crate::directory::Life::new(),
         });
         // Listed before it is linked. Once linked, any writer finds it without the record
         // lock and may store entries in it; the walks that must see every such entry go

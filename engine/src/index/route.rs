@@ -10,7 +10,7 @@ use super::walk::MatchScratch;
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
 use crate::config::Algorithm;
-use crate::dir::hash_strs;
+use crate::directory::hash_strs;
 use crate::rank::{
     distinguishing_power, freshness, prefix_score, pressure_factor, recency, slo_c,
     tenant_hot_score,

@@ -7,7 +7,7 @@ use super::records::{ModelRec, Partition, StatsRecord, TenantRec};
 use super::{Index, STATS_RECORD_BYTES};
 use crate::clock::us_to_ms;
 use crate::config::Algorithm;
-use crate::dir::hash_strs;
+use crate::directory::hash_strs;
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
 use crossbeam_epoch as epoch;

@@ -5,7 +5,7 @@
 //! A reference obtained from a directory is bound to the caller's epoch guard: an unlinked
 //! record is freed only after every guard pinned before its unlink. A directory is a hash table
 //! of bucket lists read wait-free under an epoch guard; writers link and unlink records under a
-//! mutex in O(1) amortized (see [`Dir`]).
+//! mutex in O(1) amortized (see [`Directory`]).
 
 use crate::sync::{AtomicU64, Ordering};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
@@ -104,19 +104,19 @@ impl<T> Drop for Rcu<T> {
     }
 }
 
-/// One record of a [`Dir`], in its bucket's list.
-struct DirNode<T> {
+/// One record of a [`Directory`], in its bucket's list.
+struct DirectoryNode<T> {
     hash: u64,
     rec: Arc<T>,
-    next: Atomic<DirNode<T>>,
+    next: Atomic<DirectoryNode<T>>,
 }
 
-/// A [`Dir`]'s bucket array (a power of two long), published whole.
-struct DirTable<T> {
-    buckets: Box<[Atomic<DirNode<T>>]>,
+/// A [`Directory`]'s bucket array (a power of two long), published whole.
+struct DirectoryTable<T> {
+    buckets: Box<[Atomic<DirectoryNode<T>>]>,
 }
 
-impl<T> DirTable<T> {
+impl<T> DirectoryTable<T> {
     fn with_buckets(n: usize) -> Self {
         Self {
             buckets: (0..n).map(|_| Atomic::null()).collect(),
@@ -124,7 +124,7 @@ impl<T> DirTable<T> {
     }
 
     #[inline]
-    fn bucket(&self, h: u64) -> &Atomic<DirNode<T>> {
+    fn bucket(&self, h: u64) -> &Atomic<DirectoryNode<T>> {
         // Lengths are powers of two; the hash is xxh3's, whose low bits are as good as any.
         &self.buckets[(h as usize) & (self.buckets.len() - 1)]
     }
@@ -132,7 +132,7 @@ impl<T> DirTable<T> {
 
 /// Buckets of a new directory (and the fewest a shrinking one keeps). Small, because every
 /// scope has a directory of its replicas, most of them with a handful.
-const DIR_MIN_BUCKETS: usize = 2;
+const DIRECTORY_MIN_BUCKETS: usize = 2;
 
 /// A directory of records keyed by a string-tuple hash: a hash table of singly linked bucket
 /// lists, read wait-free under an epoch guard, written under one mutex.
@@ -148,22 +148,22 @@ const DIR_MIN_BUCKETS: usize = 2;
 /// So an insertion or removal costs O(1) amortized (the copy that made every new record cost
 /// O(records) is gone), and a record reached under a guard lives at least as long as the
 /// guard: the `Arc`s of every table version it is linked in are dropped after it.
-pub(crate) struct Dir<T> {
-    table: Atomic<DirTable<T>>,
+pub(crate) struct Directory<T> {
+    table: Atomic<DirectoryTable<T>>,
     /// Writer lock (sync seam) and the number of records.
     lock: crate::sync::Mutex<usize>,
 }
 
-impl<T> Dir<T> {
+impl<T> Directory<T> {
     pub(crate) fn new() -> Self {
         Self {
-            table: Atomic::new(DirTable::with_buckets(DIR_MIN_BUCKETS)),
+            table: Atomic::new(DirectoryTable::with_buckets(DIRECTORY_MIN_BUCKETS)),
             lock: crate::sync::Mutex::new(0),
         }
     }
 
     #[inline]
-    fn table<'g>(&self, guard: &'g Guard) -> &'g DirTable<T> {
+    fn table<'g>(&self, guard: &'g Guard) -> &'g DirectoryTable<T> {
         // SAFETY: never null (set in `new`, replaced only by non-null tables); old tables are
         // retired through the epoch, so they outlive `guard`.
         unsafe { self.table.load(Ordering::Acquire, guard).deref() }
@@ -186,7 +186,7 @@ impl<T> Dir<T> {
 
     /// Finds the record with hash `h` satisfying `pred`. Wait-free. The record stays valid
     /// while `guard` is pinned: a removed record's last directory reference is dropped
-    /// through the epoch (see [`Dir::remove`]).
+    /// through the epoch (see [`Directory::remove`]).
     #[inline]
     pub(crate) fn get<'g>(
         &self,
@@ -223,7 +223,7 @@ impl<T> Dir<T> {
             link = &n.next;
         }
         *count -= 1;
-        if *count * 8 < table.buckets.len() && table.buckets.len() > DIR_MIN_BUCKETS {
+        if *count * 8 < table.buckets.len() && table.buckets.len() > DIRECTORY_MIN_BUCKETS {
             self.rebuild(table.buckets.len() / 2, &guard);
         }
         true
@@ -235,7 +235,7 @@ impl<T> Dir<T> {
         let shared = self.table.load(Ordering::Acquire, guard);
         // SAFETY: non-null, current (writer lock held).
         let table = unsafe { shared.deref() };
-        let grown = DirTable::with_buckets(buckets);
+        let grown = DirectoryTable::with_buckets(buckets);
         for b in table.buckets.iter() {
             let mut cur = b.load(Ordering::Acquire, guard);
             // SAFETY: as in `find`; only this (locked) writer links nodes.
@@ -290,9 +290,9 @@ impl<T> Dir<T> {
 
     /// Links a new node at the head of its bucket in `table` (writer lock held, or `table` not
     /// yet published).
-    fn link(table: &DirTable<T>, h: u64, rec: Arc<T>, guard: &Guard) {
+    fn link(table: &DirectoryTable<T>, h: u64, rec: Arc<T>, guard: &Guard) {
         let bucket = table.bucket(h);
-        let node = Owned::new(DirNode {
+        let node = Owned::new(DirectoryNode {
             hash: h,
             rec,
             next: Atomic::null(),
@@ -303,7 +303,7 @@ impl<T> Dir<T> {
     }
 
     /// Frees the nodes of a table no reader can reach.
-    fn free_nodes(table: &DirTable<T>) {
+    fn free_nodes(table: &DirectoryTable<T>) {
         // SAFETY: the caller owns the table exclusively (unlinked and past its epoch, or the
         // directory is being dropped).
         unsafe {
@@ -340,7 +340,7 @@ impl<T> Dir<T> {
     }
 }
 
-impl<T> Drop for Dir<T> {
+impl<T> Drop for Directory<T> {
     fn drop(&mut self) {
         // SAFETY: exclusive access; the current table is owned by the directory (older ones
         // were handed to the epoch with their nodes).
