@@ -88,13 +88,13 @@ pub(crate) fn units_for(bytes: usize) -> u32 {
 }
 
 /// The readers' view: chunk base pointers by chunk id.
-struct Dir {
+struct ChunkDirectory {
     chunks: Box<[StdAtomicPtr<u8>]>,
 }
 
-impl Dir {
+impl ChunkDirectory {
     fn with_capacity(n: usize) -> Box<Self> {
-        Box::new(Dir {
+        Box::new(ChunkDirectory {
             chunks: (0..n)
                 .map(|_| StdAtomicPtr::new(std::ptr::null_mut()))
                 .collect(),
@@ -225,14 +225,14 @@ impl Drop for Owner {
 
 /// The shared half of a shard's arena (lives in the shard, next to its table pointer).
 pub(crate) struct Arena {
-    dir: StdAtomicPtr<Dir>,
+    dir: StdAtomicPtr<ChunkDirectory>,
     owner: Arc<Owner>,
 }
 
 impl Arena {
     pub(crate) fn new() -> Self {
         Self {
-            dir: StdAtomicPtr::new(Box::into_raw(Dir::with_capacity(4))),
+            dir: StdAtomicPtr::new(Box::into_raw(ChunkDirectory::with_capacity(4))),
             owner: Arc::new(Owner {
                 // Chunk id 0 stays unused: index 0 is "no node".
                 // Room for the first chunk too, so a one-chunk arena does not regrow it.
@@ -566,7 +566,7 @@ impl ArenaState {
         if (id as usize) < dir.chunks.len() {
             dir.chunks[id as usize].store(base, Ordering::Release);
         } else {
-            let grown = Dir::with_capacity((dir.chunks.len() * 2).max(id as usize + 1));
+            let grown = ChunkDirectory::with_capacity((dir.chunks.len() * 2).max(id as usize + 1));
             for (i, c) in dir.chunks.iter().enumerate() {
                 grown.chunks[i].store(c.load(Ordering::Relaxed), Ordering::Relaxed);
             }
@@ -577,7 +577,9 @@ impl ArenaState {
             let old = old as usize;
             // SAFETY: the old directory is unlinked; readers pinned before the swap may still
             // read it, so it is freed through the epoch.
-            unsafe { guard.defer_unchecked(move || drop(Box::from_raw(old as *mut Dir))) };
+            unsafe {
+                guard.defer_unchecked(move || drop(Box::from_raw(old as *mut ChunkDirectory)))
+            };
         }
         id
     }
