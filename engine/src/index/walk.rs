@@ -119,7 +119,7 @@ struct Walk<'w, 'k, H> {
 
 /// Where a chain walk starts, as `walk_chain` found it: block 0's node, the blocks after it a
 /// chain run covers (see `walk_skip`), and whether the prefetch pipeline already runs ahead
-/// (see `land`).
+/// (see `land_after_skip`).
 struct FirstBlock<'w> {
     node: &'w KeyNode,
     skip: usize,
@@ -171,7 +171,7 @@ impl Index {
             Self::reprime(t, hashes, n, 1, guard, &mut probes);
             true
         } else {
-            Self::land(t, hashes, n, skip0 + 1, tail0, guard, &mut probes)
+            Self::land_after_skip(t, hashes, n, skip0 + 1, tail0, guard, &mut probes)
         };
         let walk = Walk {
             table: t,
@@ -266,7 +266,7 @@ impl Index {
         // its run it does not: the block the walk lands on usually starts the run's next
         // stretch, and primed lines past it would be wasted (W1M Q50 lands on block 16, then
         // on the miss at 32); it is primed at the first landing block that takes no skip, or
-        // at once where a tail likely follows (see `land`).
+        // at once where a tail likely follows (see `land_after_skip`).
         let mut primed = primed0;
         if skip0 == 0 {
             for (j, c) in ring.iter_mut().enumerate().take(AHEAD + 1).skip(1) {
@@ -339,7 +339,7 @@ impl Index {
                 for j in i + 1..i + 1 + AHEAD {
                     ring[j & 7] = Candidate::Probe;
                 }
-                primed = Self::land(t, hashes, n, i + 1, tail, guard, probes);
+                primed = Self::land_after_skip(t, hashes, n, i + 1, tail, guard, probes);
             }
             acc = acc.wrapping_add(counts[i]);
             i += 1;
@@ -476,7 +476,7 @@ impl Index {
             };
             if m > 0 {
                 advance(i, m, runs);
-                primed = Self::land(t, hashes, n, i + m + 1, tail, guard, probes);
+                primed = Self::land_after_skip(t, hashes, n, i + m + 1, tail, guard, probes);
             } else if !primed {
                 Self::reprime(t, hashes, n, i + 1, guard, probes);
                 primed = true;
@@ -490,7 +490,7 @@ impl Index {
     /// may exist, the pipeline is primed from it at once (returns true): the request goes on
     /// past the chain the run covers. Otherwise it is primed only if that block takes no skip.
     #[inline]
-    fn land<'k, H: AsRef<[u8]>>(
+    fn land_after_skip<'k, H: AsRef<[u8]>>(
         t: &KeyTable,
         hashes: &'k [H],
         n: usize,
