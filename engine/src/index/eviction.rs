@@ -55,7 +55,7 @@
 //! cost below it at N = 100k (bar 2×). Quotas, which have no cost bar, sample at the 7th of 64
 //! (≈ 11%): V5's N/2 quality is then 96.5–99.0% over 16 seeds (94.5–98.3% at the cap's rank).
 //!
-//! **Counters.** The cap runs holding the calling ingest's key and entry deltas ([`Carry`]): a
+//! **Counters.** The cap runs holding the calling ingest's key and entry deltas ([`HeldBackDeltas`]): a
 //! victim of the same partition folds its own deltas into them (and of the same replica, its
 //! entry and serving deltas too), and the sum is applied once at the end, so an insert and its
 //! victim in one namespace touch no shared counter but the entry count, which removals lower at
@@ -63,7 +63,7 @@
 //! entries; eviction counts are summed per enforcement.
 
 use super::Index;
-use super::ingest::{Carry, Pending};
+use super::ingest::{HeldBackDeltas, Pending};
 use super::records::{Partition, TenantRec};
 use super::route::{KeyBytesOwned, own_key};
 use crate::ReplicaId;
@@ -276,8 +276,8 @@ struct Cx<'a> {
     /// (tenant record address, algorithm) resolved in this enforcement.
     algs: Vec<(usize, Algorithm)>,
     now_us: i64,
-    /// The calling ingest's held-back deltas (cap mode; see [`Carry`]).
-    carry: Option<Carry<'a>>,
+    /// The calling ingest's held-back deltas (cap mode; see [`HeldBackDeltas`]).
+    carry: Option<HeldBackDeltas<'a>>,
     /// Cap evictions per `evict_slot`, counted once at the end of the enforcement.
     evicted: [u64; EVICT_SLOTS],
 }
@@ -405,7 +405,7 @@ impl Index {
     /// entries the calling ingest just created; when the index is over the cap, those of LFU
     /// namespaces join the recent-entries ring *after* this enforcement, so an entry is never a
     /// ring victim of its own ingest.
-    pub(super) fn enforce_cap(&self, created: &[RecentEntry], carry: Option<Carry<'_>>) {
+    pub(super) fn enforce_cap(&self, created: &[RecentEntry], carry: Option<HeldBackDeltas<'_>>) {
         let cap = self.cfg.max_entries;
         if !self.over_cap() {
             if let Some(c) = carry {
@@ -466,7 +466,12 @@ impl Index {
     ///
     /// `carry` holds the ingest's own key delta (its tenant is `t`): it counts here, and is
     /// applied before any removal, which reads the counters as they are.
-    pub(super) fn enforce_quota(&self, t: &str, now_us: i64, carry: &mut Option<Carry<'_>>) {
+    pub(super) fn enforce_quota(
+        &self,
+        t: &str,
+        now_us: i64,
+        carry: &mut Option<HeldBackDeltas<'_>>,
+    ) {
         let Some(tr) = self
             .tenants
             .get_arc(crate::directory::hash_strs(&[t]), &|r: &TenantRec| {

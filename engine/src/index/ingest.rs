@@ -106,13 +106,13 @@ impl Pending {
 /// an ingest and its victim in one namespace mostly cancel and touch no shared counter but the
 /// entry count. Until the flush, the partition's counters lag by at most this one ingest (C3);
 /// the enforcement that holds the carry accounts for it where it reads them.
-pub(super) struct Carry<'a> {
+pub(super) struct HeldBackDeltas<'a> {
     pub(super) part: &'a Partition,
     pub(super) rep: u32,
     pub(super) pend: Pending,
 }
 
-impl Carry<'_> {
+impl HeldBackDeltas<'_> {
     /// Applies the held-back deltas.
     pub(super) fn apply(mut self, ix: &Index) {
         let guard = epoch::pin();
@@ -217,7 +217,7 @@ impl Index {
     {
         let mut out = IngestOutcome::default();
         let mut created = Created::default();
-        let mut carry: Option<Carry<'_>> = None;
+        let mut carry: Option<HeldBackDeltas<'_>> = None;
         let ts_us = self.resolve_now_us(update.timestamp_us);
         let ts_ms = us_to_ms(ts_us);
         let t = update.tenant_id;
@@ -347,7 +347,7 @@ impl Index {
                 // them.
                 self.flush_added(p, &mut pend);
                 if self.over_cap() {
-                    carry = Some(Carry { part: p, rep, pend });
+                    carry = Some(HeldBackDeltas { part: p, rep, pend });
                 } else {
                     self.flush_derived(p, rep, &mut pend, &guard);
                 }
