@@ -7,7 +7,7 @@
 use super::ingest::{Pending, with_holders_removed};
 use super::records::{ModelRec, Partition};
 use super::{Index, SLICE};
-use crate::raw::lfu::KeySum;
+use crate::raw::lfu::KeyAccessSum;
 use crate::raw::node::{Holder, KeyNode};
 use crate::raw::table::SHARDS;
 use crate::raw::writer::ShardWriter;
@@ -24,7 +24,7 @@ impl Index {
     /// Adds `delta` to a key sum, which holds Σ min(count, threshold) over the key's cells: the
     /// key is hot exactly when that reaches the threshold (if one cell reaches it alone, the
     /// sum does; otherwise every term is the count itself).
-    pub(super) fn add_key_access(&self, model: &ModelRec, ks: &KeySum, delta: i64) {
+    pub(super) fn add_key_access(&self, model: &ModelRec, ks: &KeyAccessSum, delta: i64) {
         let thr = self.hot_threshold() as i64;
         let old = ks.sum.fetch_add(delta, Ordering::AcqRel);
         let new = old + delta;

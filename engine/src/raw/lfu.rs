@@ -40,14 +40,14 @@ pub(crate) struct LfuCell {
     pub(super) access: AtomicU64,
     /// Null, a live [`Stripes`] (owned by this cell, freed with it) or [`stripes_dead`].
     pub(super) stripes: AtomicPtr<Stripes>,
-    pub(super) ksum: *const KeySum,
+    pub(super) ksum: *const KeyAccessSum,
 }
 
 /// Marks an LFU cell whose entry was removed (credits become no-ops).
 pub(crate) const DEAD: u64 = 1 << 63;
 
 /// Per-key access sum (G1 hot keys), shared by the key's LFU cells: Σ min(count, threshold).
-pub(crate) struct KeySum {
+pub(crate) struct KeyAccessSum {
     pub(crate) sum: AtomicI64,
     /// Cells pointing here (writer-side, under the shard mutex).
     pub(super) refs: AtomicI64,
@@ -145,7 +145,7 @@ fn bump(word: &AtomicU64) -> bool {
 
 impl LfuCell {
     /// The key sum.
-    pub(crate) fn ksum(&self) -> &KeySum {
+    pub(crate) fn ksum(&self) -> &KeyAccessSum {
         #[cfg(loom)]
         crate::raw::loom_api::read(crate::raw::loom_api::Kind::KeySum, self.ksum as usize);
         // SAFETY: a key sum is retired (through the epoch) only after every cell pointing to it
@@ -354,7 +354,7 @@ unsafe impl Sync for LfuCell {}
 mod tests {
     use super::*;
 
-    fn cell(ksum: &KeySum) -> LfuCell {
+    fn cell(ksum: &KeyAccessSum) -> LfuCell {
         LfuCell {
             digest: 1,
             rep: 0,
@@ -365,8 +365,8 @@ mod tests {
         }
     }
 
-    fn key_sum() -> KeySum {
-        KeySum {
+    fn key_sum() -> KeyAccessSum {
+        KeyAccessSum {
             sum: AtomicI64::new(0),
             refs: AtomicI64::new(0),
         }

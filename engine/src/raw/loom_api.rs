@@ -30,7 +30,7 @@ pub enum Kind {
     Node,
     /// An LFU cell (`table::LfuCell`).
     LfuCell,
-    /// A per-key access sum (`table::KeySum`).
+    /// A per-key access sum (`lfu::KeyAccessSum`).
     KeySum,
     /// A chain run (`runs::ChainRun`).
     Run,

@@ -67,7 +67,7 @@
 //! arena's free lists only from a deferred function, i.e. after every reader that could hold its
 //! index has unpinned; a reused node is therefore never visible to a reader of its old self.
 
-use super::lfu::{KeySum, LfuCell, LfuTable, ltomb};
+use super::lfu::{KeyAccessSum, LfuCell, LfuTable, ltomb};
 use super::node::{KeyNode, digest};
 use super::writer::ShardWriter;
 use crate::raw::arena::{Arena, ArenaState, Batch};
@@ -471,7 +471,7 @@ pub(super) enum Compact {
 }
 
 /// A shard's key sums by key (see [`ShardState::ksums`]).
-type KeySums = HashMap<Box<[u8]>, *mut KeySum>;
+type KeyAccessSums = HashMap<Box<[u8]>, *mut KeyAccessSum>;
 
 pub(super) struct ShardState {
     /// Arena indices at or above this need a wide table ([`NARROW_BITS`]; lower in tests).
@@ -490,7 +490,7 @@ pub(super) struct ShardState {
     /// Key sums by key (writer side; LFU namespaces only). Boxed on first use, so a shard of
     /// an LRU tenant (most of them) does not carry an empty map: with it inline the shard took
     /// 384 bytes padded instead of 256.
-    pub(super) ksums: Option<Box<KeySums>>,
+    pub(super) ksums: Option<Box<KeyAccessSums>>,
     /// The writer half of the current table's node arena.
     pub(super) arena: ArenaState,
     /// Arena units of the live nodes.

@@ -2,7 +2,7 @@
 //! rebuilds and the LFU kills, under the shard mutex (invariant 3 of `table.rs`), publishing
 //! with the stores its memory-ordering section describes.
 
-use super::lfu::{KeySum, LFU_CELL_BYTES, LfuCell, LfuTable, ltomb};
+use super::lfu::{KeyAccessSum, LFU_CELL_BYTES, LfuCell, LfuTable, ltomb};
 use super::node::{GEN_MASK, Holder, KeyNode, digest};
 use super::table::{
     COMPACT_SLACK, Compact, EMPTY, KeyTable, LO, MIN_GROUPS, NARROW_LANES, Probe, Shard,
@@ -537,7 +537,7 @@ impl ShardWriter<'_> {
         let ks = match ksums.get(key) {
             Some(&k) => k,
             None => {
-                let k = Box::into_raw(Box::new(KeySum {
+                let k = Box::into_raw(Box::new(KeyAccessSum {
                     sum: AtomicI64::new(0),
                     refs: AtomicI64::new(0),
                 }));
@@ -603,7 +603,7 @@ impl ShardWriter<'_> {
         rep: u32,
         generation: u32,
         guard: &'g Guard,
-    ) -> Option<(u64, &'g KeySum)> {
+    ) -> Option<(u64, &'g KeyAccessSum)> {
         let t = self.lfu_table(guard)?;
         let (i, c) = t.find(digest(key), rep, generation)?;
         t.slots[i].store(ltomb(), Ordering::Release);
@@ -626,7 +626,7 @@ impl ShardWriter<'_> {
                 guard.defer_unchecked(move || {
                     #[cfg(loom)]
                     crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::KeySum, kp);
-                    drop(Box::from_raw(kp as *mut KeySum))
+                    drop(Box::from_raw(kp as *mut KeyAccessSum))
                 })
             };
         }
