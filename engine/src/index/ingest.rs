@@ -4,7 +4,7 @@
 //! Derived counters (keys, entries, serving counts) are not touched per block: their deltas
 //! collect in a [`Pending`] per (partition, replica) run and are applied once, after the
 //! entries are published (C3). A chain ingest also builds the chain run its blocks share
-//! ([`RunPlan`], `runs.rs`), which lookups then step over.
+//! ([`RunPlan`], `raw/runs.rs`), which lookups then step over.
 
 use super::eviction::RecentEntry;
 use super::lookahead::Lookahead;

@@ -1,23 +1,23 @@
-//! The index: ingest (K), stats and events (S, E), lookups (L), ranking (R), orchestration (O),
-//! TTL sweep (V1), aggregates (G) and change notifications (N).
+//! The index: ingest (K), stats and events (S, E), lookups (L), ranking (R), orchestration (O), TTL
+//! sweep (V1), aggregates (G) and change notifications (N).
 //!
-//! Concurrency summary (details in `table.rs` and `docs/engine.md`): readers pin an epoch guard,
-//! resolve the partition through a wait-free directory, probe the partition's key table and read
-//! immutable key nodes; they take no lock and never retry. Writers lock one table shard at a time
-//! (per key, or per shard group of a chain), build a replacement node and publish it with a
+//! Concurrency summary (details in `raw/table.rs` and `docs/engine.md`): readers pin an epoch
+//! guard, resolve the partition through a wait-free directory, probe the partition's key table and
+//! read immutable key nodes; they take no lock and never retry. Writers lock one table shard at a
+//! time (per key, or per shard group of a chain), build a replacement node and publish it with a
 //! Release store. Derived counters are atomics whose deltas writers apply once per (partition,
 //! replica) run of an ingest or eviction batch; they may lag an in-flight write and are exact once
 //! writes quiesce (C3). The chain walk is software-pipelined (prefetch, candidate, resolve), and
-//! steps over the blocks of a chain run (`runs.rs`) whose keys follow the request's: every chain
-//! ingest builds one over its blocks.
+//! steps over the blocks of a chain run (`raw/runs.rs`) whose keys follow the request's: every
+//! chain ingest builds one over its blocks.
 //!
-//! This file holds the [`Index`] itself, its constructor and its configuration; each area of
-//! its work is one child module, each an `impl Index` block with the types it owns:
-//! `resolution` (records: lookup and creation), `ingest`, `removal` (one entry, and sliced
-//! removal walks), `events`, `walk` (the longest-prefix match) with `lookahead` (writers'
-//! prefetch), `route` (lookups, ranking, LFU crediting), `reports` (aggregates, reads, memory),
-//! `sweep` (TTL and lifecycle), `eviction` (cap and quotas), `dump` (checkpoints) and
-//! `replicate` (replicated mode).
+//! This file holds the [`Index`] itself: its fields, constructor, configuration and change sink.
+//! Each area of its work is one child module with the types it owns, most of them adding an `impl
+//! Index` block: `records` (tenants, models, scopes, partitions), `resolution` (finding and
+//! creating them), `ingest`, `removal` (one entry, and sliced removal walks), `events`, `walk` (the
+//! longest-prefix match) with `lookahead` (writers' prefetch), `route` (lookups, ranking, LFU
+//! crediting), `reports` (aggregates, reads, memory), `sweep` (TTL and lifecycle), `eviction` (cap
+//! and quotas), `dump` (checkpoints) and `replicate` (replicated mode).
 
 mod dump;
 mod events;

@@ -934,7 +934,7 @@ impl KeyTable {
     }
 
     /// Number of slot ids (`group << 3 | lane`) of shard `s`'s current table (lock-free; the
-    /// eviction hand's walk and sampler, `eviction.rs`).
+    /// eviction hand's walk and sampler, `index/eviction.rs`).
     pub(crate) fn slot_ids(&self, s: usize, guard: &Guard) -> usize {
         self.table_of(s, guard).groups.len() << 3
     }
