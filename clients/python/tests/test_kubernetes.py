@@ -210,13 +210,19 @@ def test_replicated_manifest_runs_two_servers_that_converge_through_its_nats(tmp
     nats_set = find("StatefulSet", "inferencecache-nats")
     nats_container = nats_set["spec"]["template"]["spec"]["containers"][0]
     nats_token = find("Secret", "inferencecache-nats-token")["stringData"]["token"]
+    (data_mount,) = nats_container["volumeMounts"]
+    assert f"--store_dir={data_mount['mountPath']}" in nats_container["args"], "JetStream stores on the volume"
     nats_port = free_port()
     nats_args = [
         a.replace("$(NATS_TOKEN)", nats_token)
         for a in localize(
             nats_container["args"],
-            {"/data": tmp_path / "nats"},
-            {"--port": str(nats_port), "--http_port": str(free_port())},
+            {},
+            {
+                "--store_dir": str(tmp_path / "nats"),
+                "--port": str(nats_port),
+                "--http_port": str(free_port()),
+            },
         )
     ]
     (tmp_path / "nats").mkdir()
