@@ -72,8 +72,8 @@ const MAX_CHUNKS: usize = 1 << (32 - OFF_BITS);
 /// Largest node carved from shared chunks (1 KiB: up to 63 holders with an 8-byte key); bigger
 /// nodes get a chunk of their own.
 pub(crate) const MAX_CLASS_UNITS: u32 = 128;
-/// Nodes per retirement batch (the writer flushes a full batch).
-pub(crate) const BATCH_CAPACITY: usize = 64;
+/// Nodes per retirement batch (the writer flushes a full batch; see `hooks::BATCH_CAPACITY`).
+pub(crate) const BATCH_CAPACITY: usize = crate::raw::hooks::BATCH_CAPACITY;
 /// Units of a member node (`table::KeyNode`), the smallest node.
 const MEMBER_UNITS: u32 = 2;
 /// The even sizes in a word of `ArenaState::avail`.
@@ -288,7 +288,7 @@ impl Arena {
                 let mut b = Box::from_raw(raw as *mut Batch);
                 #[cfg(loom)]
                 for r in &b.items {
-                    crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::Node, r.addr);
+                    crate::raw::hooks::destroyed(crate::raw::hooks::Kind::Node, r.addr);
                 }
                 if let Some(owner) = b.owner.take() {
                     owner.give(b);
@@ -489,8 +489,7 @@ impl ArenaState {
         if head == 0 {
             return None;
         }
-        #[cfg(loom)]
-        crate::raw::loom_api::note_reuse();
+        crate::raw::hooks::reused();
         // SAFETY: a free node of this class: its first word holds the next free index (written
         // by `push`); no reader can reach it.
         let next = unsafe { (a.node(head) as *const u32).read() };

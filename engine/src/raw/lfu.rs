@@ -146,8 +146,7 @@ fn bump(word: &AtomicU64) -> bool {
 impl LfuCell {
     /// The key sum.
     pub(crate) fn ksum(&self) -> &KeyAccessSum {
-        #[cfg(loom)]
-        crate::raw::loom_api::read(crate::raw::loom_api::Kind::KeySum, self.ksum as usize);
+        crate::raw::hooks::read(crate::raw::hooks::Kind::KeySum, self.ksum as usize);
         // SAFETY: a key sum is retired (through the epoch) only after every cell pointing to it
         // was unlinked, and a cell reference implies a guard pinned before that.
         unsafe { &*self.ksum }
@@ -318,8 +317,7 @@ impl LfuTable {
                 return None;
             }
             if c != ltomb() {
-                #[cfg(loom)]
-                crate::raw::loom_api::read(crate::raw::loom_api::Kind::LfuCell, c as usize);
+                crate::raw::hooks::read(crate::raw::hooks::Kind::LfuCell, c as usize);
                 // SAFETY: live cell (published with Release, retired through the epoch).
                 let r = unsafe { &*c };
                 if r.digest == d && r.rep == rep && r.generation == generation {

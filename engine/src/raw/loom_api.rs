@@ -23,18 +23,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-/// Kind of a tracked object.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Kind {
-    /// A key node (`table::KeyNode`).
-    Node,
-    /// An LFU cell (`table::LfuCell`).
-    LfuCell,
-    /// A per-key access sum (`lfu::KeyAccessSum`).
-    KeySum,
-    /// A chain run (`runs::ChainRun`).
-    Run,
-}
+pub use crate::raw::hooks::Kind;
 
 struct Entry {
     kind: Kind,
@@ -206,5 +195,29 @@ pub fn shard_of(key: &[u8]) -> usize {
 /// threads push retired runs while the calling thread frees the stack; every run is freed
 /// exactly once (the ledger checks it).
 pub fn reaper_push_vs_free_all() {
-    crate::raw::runs::loom_reaper_push_vs_free_all();
+    use crate::raw::runs::{ChainRun, Reaper};
+    use std::sync::Arc;
+    let reaper = Arc::new(Reaper::default());
+    let new_run = || {
+        let p = ChainRun::create((0..4u32).map(|k| u64::from(k).to_be_bytes()), 0)
+            .expect("run address");
+        p as usize
+    };
+    let (r1, r2, r3) = (new_run(), new_run(), new_run());
+    let pusher = |runs: Vec<usize>| {
+        let reaper = Arc::clone(&reaper);
+        loom::thread::spawn(move || {
+            for r in runs {
+                reaper.push(r as *mut ChainRun);
+            }
+        })
+    };
+    let a = pusher(vec![r1, r2]);
+    let b = pusher(vec![r3]);
+    let mut freed = reaper.free_all();
+    a.join().expect("pusher");
+    b.join().expect("pusher");
+    freed += reaper.free_all();
+    assert_eq!(freed, 3, "every run freed once");
+    assert!(reaper.is_empty());
 }

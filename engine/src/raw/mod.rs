@@ -8,6 +8,7 @@
 //! imports `index` (checked by `engine/tests/module_graph.rs`).
 
 pub(crate) mod arena;
+pub(crate) mod hooks;
 pub(crate) mod lfu;
 #[cfg(loom)]
 pub mod loom_api;

@@ -185,9 +185,8 @@ impl KeyNode {
     /// holder `b`.
     #[inline]
     fn second_word(&self) -> u64 {
-        #[cfg(loom)]
-        crate::raw::loom_api::read(
-            crate::raw::loom_api::Kind::Node,
+        crate::raw::hooks::read(
+            crate::raw::hooks::Kind::Node,
             self as *const KeyNode as usize,
         );
         // SAFETY: every node has at least 16 bytes (a member node is the smallest).
@@ -214,9 +213,8 @@ impl KeyNode {
     #[inline]
     fn holders_ptr(&self) -> *const Holder {
         debug_assert!(!self.is_member());
-        #[cfg(loom)]
-        crate::raw::loom_api::read(
-            crate::raw::loom_api::Kind::Node,
+        crate::raw::hooks::read(
+            crate::raw::hooks::Kind::Node,
             self as *const KeyNode as usize,
         );
         // SAFETY: a plain node is always allocated with at least one holder right after the
@@ -227,9 +225,8 @@ impl KeyNode {
     /// The digest of the key (see [`digest`]).
     #[inline]
     pub(crate) fn digest(&self) -> u64 {
-        #[cfg(loom)]
-        crate::raw::loom_api::read(
-            crate::raw::loom_api::Kind::Node,
+        crate::raw::hooks::read(
+            crate::raw::hooks::Kind::Node,
             self as *const KeyNode as usize,
         );
         match self.run() {
@@ -326,9 +323,8 @@ impl KeyNode {
     /// Whether this node's key is `key` (whose digest is `d`).
     #[inline]
     pub(crate) fn matches(&self, key: &[u8], d: u64) -> bool {
-        #[cfg(loom)]
-        crate::raw::loom_api::read(
-            crate::raw::loom_api::Kind::Node,
+        crate::raw::hooks::read(
+            crate::raw::hooks::Kind::Node,
             self as *const KeyNode as usize,
         );
         let b = self.first_b();
@@ -452,8 +448,7 @@ impl KeyNode {
                 let b = (holders[0].b & !(F_RUN | F_LONG | F_LAST)) | F_RUN | F_LAST;
                 (p.add(HDR) as *mut u64).write(b);
             }
-            #[cfg(loom)]
-            crate::raw::loom_api::created(crate::raw::loom_api::Kind::Node, p as usize);
+            crate::raw::hooks::created(crate::raw::hooks::Kind::Node, p as usize);
             return nn.cast();
         }
         // SAFETY: per the contract: we write the key or run word, `n` holders and (long keys)
@@ -484,8 +479,7 @@ impl KeyNode {
                 std::ptr::copy_nonoverlapping(key.as_ptr(), kp.add(4), key.len());
             }
         }
-        #[cfg(loom)]
-        crate::raw::loom_api::created(crate::raw::loom_api::Kind::Node, p as usize);
+        crate::raw::hooks::created(crate::raw::hooks::Kind::Node, p as usize);
         nn.cast()
     }
 

@@ -162,8 +162,7 @@ impl ChainRun {
             unsafe { Self::free(p) };
             return None;
         }
-        #[cfg(loom)]
-        crate::raw::loom_api::created(crate::raw::loom_api::Kind::Run, p as usize);
+        crate::raw::hooks::created(crate::raw::hooks::Kind::Run, p as usize);
         Some(p)
     }
 
@@ -192,9 +191,8 @@ impl ChainRun {
     /// The member word (see the field).
     #[inline]
     pub(crate) fn member(&self) -> u64 {
-        #[cfg(loom)]
-        crate::raw::loom_api::read(
-            crate::raw::loom_api::Kind::Run,
+        crate::raw::hooks::read(
+            crate::raw::hooks::Kind::Run,
             self as *const ChainRun as usize,
         );
         self.member
@@ -228,9 +226,8 @@ impl ChainRun {
     /// Block `o`'s key.
     #[inline]
     pub(crate) fn key_bytes(&self, o: usize) -> &[u8; 8] {
-        #[cfg(loom)]
-        crate::raw::loom_api::read(
-            crate::raw::loom_api::Kind::Run,
+        crate::raw::hooks::read(
+            crate::raw::hooks::Kind::Run,
             self as *const ChainRun as usize,
         );
         // Not checked in release builds: reading the length would cost a probe whose
@@ -309,8 +306,7 @@ impl ChainRun {
             // the only one.
             debug_assert_eq!(r.refs.load(Ordering::Relaxed), BIAS);
             let bytes = r.bytes();
-            #[cfg(loom)]
-            crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::Run, p as usize);
+            crate::raw::hooks::destroyed(crate::raw::hooks::Kind::Run, p as usize);
             // SAFETY: see above: unreachable and unreferenced.
             unsafe { Self::free(p as *mut ChainRun) };
             return bytes;
@@ -324,9 +320,8 @@ impl ChainRun {
     /// sealed yet).
     #[inline]
     pub(crate) fn stretch_end(&self, o: usize) -> usize {
-        #[cfg(loom)]
-        crate::raw::loom_api::read(
-            crate::raw::loom_api::Kind::Run,
+        crate::raw::hooks::read(
+            crate::raw::hooks::Kind::Run,
             self as *const ChainRun as usize,
         );
         if !self.sealed.load(Ordering::Acquire) {
@@ -390,8 +385,7 @@ impl ChainRun {
             return 0;
         }
         let bytes = r.bytes();
-        #[cfg(loom)]
-        crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::Run, p as usize);
+        crate::raw::hooks::destroyed(crate::raw::hooks::Kind::Run, p as usize);
         // SAFETY: last reference, and nobody else can reach it.
         unsafe { Self::free(p as *mut ChainRun) };
         bytes
@@ -412,7 +406,7 @@ pub(crate) struct Reaper {
 
 impl Reaper {
     /// Adds a retired run (called from its epoch-deferred function).
-    fn push(&self, run: *mut ChainRun) {
+    pub(super) fn push(&self, run: *mut ChainRun) {
         let mut head = self.head.load(Ordering::Relaxed);
         loop {
             // SAFETY: the run is retired and its grace period has passed: only this stack
@@ -430,6 +424,12 @@ impl Reaper {
     }
 
     /// Frees every run on the stack; returns how many. One load when it is empty.
+    /// Whether no retired run waits (the loom model's final check).
+    #[cfg(loom)]
+    pub(super) fn is_empty(&self) -> bool {
+        self.head.load(Ordering::Relaxed).is_null()
+    }
+
     pub(crate) fn free_all(&self) -> usize {
         if self.head.load(Ordering::Relaxed).is_null() {
             return 0;
@@ -445,8 +445,7 @@ impl Reaper {
             // SAFETY: taken off the stack by the swap, so this thread owns every run of the
             // list; each was retired once and pushed once.
             let next = unsafe { (*p).refs.load(Ordering::Relaxed) } as usize as *mut ChainRun;
-            #[cfg(loom)]
-            crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::Run, p as usize);
+            crate::raw::hooks::destroyed(crate::raw::hooks::Kind::Run, p as usize);
             // SAFETY: as above; no reader can reach it (its grace period has passed).
             unsafe { ChainRun::free(p) };
             p = next;
@@ -460,36 +459,6 @@ impl Drop for Reaper {
     fn drop(&mut self) {
         self.free_all();
     }
-}
-
-/// Loom model body (`loom-tests`, m11): two collecting threads hand retired runs to a reaper
-/// while a writer frees what is there; every run is freed exactly once and only after its
-/// links were written (the ledger panics on a double free or a read of a freed run).
-#[cfg(loom)]
-pub(crate) fn loom_reaper_push_vs_free_all() {
-    let reaper = Arc::new(Reaper::default());
-    let new_run = || {
-        let p = ChainRun::create((0..4u32).map(|k| u64::from(k).to_be_bytes()), 0)
-            .expect("run address");
-        p as usize
-    };
-    let (r1, r2, r3) = (new_run(), new_run(), new_run());
-    let pusher = |runs: Vec<usize>| {
-        let reaper = Arc::clone(&reaper);
-        loom::thread::spawn(move || {
-            for r in runs {
-                reaper.push(r as *mut ChainRun);
-            }
-        })
-    };
-    let a = pusher(vec![r1, r2]);
-    let b = pusher(vec![r3]);
-    let mut freed = reaper.free_all();
-    a.join().expect("pusher");
-    b.join().expect("pusher");
-    freed += reaper.free_all();
-    assert_eq!(freed, 3, "every run freed once");
-    assert!(reaper.head.load(Ordering::Relaxed).is_null());
 }
 
 /// The run word of a node built for offset `o` of run `p`.

@@ -73,12 +73,11 @@ use super::writer::ShardWriter;
 use crate::raw::arena::{Arena, ArenaState, Batch};
 use crate::raw::pages::{PageArray, heap_chunk as chunk};
 use crate::raw::runs::{ChainRun, Reaper};
-use crate::sync::{AtomicI64, AtomicU16, AtomicU64, Mutex, Ordering, thread_local};
+use crate::sync::{AtomicI64, AtomicPtr, AtomicU16, AtomicU64, Mutex, Ordering, thread_local};
 use crossbeam_epoch::{self as epoch, Atomic, Guard};
 use crossbeam_utils::CachePadded;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicPtr as StdAtomicPtr, Ordering as StdOrdering};
 
 pub(crate) const SHARDS: usize = 16;
 const SHARD_SHIFT: u32 = 60;
@@ -230,6 +229,10 @@ pub(super) struct ShardTable {
     /// Wide format (6 lanes of full `u32` indices per group) instead of narrow (8 lanes of
     /// 24-bit indices); fixed for the table's life.
     pub(super) wide: bool,
+    /// The shared empty table ([`empty_table`]), never written and never freed. A flag, not an
+    /// address compare, so that a table's drop never reaches the static (under loom the static
+    /// is gone while the epoch collector drops what it still held).
+    shared: bool,
     /// Where the nodes named by this table's lanes live. A table and its arena are published
     /// together: a compacting rebuild moves the nodes into a new arena and publishes a new table
     /// pointing at it, so a reader translates every index it read through the right directory.
@@ -277,6 +280,7 @@ impl ShardTable {
         Self {
             groups,
             wide,
+            shared: false,
             arena,
             summary,
             ns,
@@ -498,8 +502,8 @@ pub(super) struct ShardState {
     /// Most arena units live at once since the arena was last replaced (see `maybe_shrink`).
     pub(super) peak_units: usize,
     /// Nodes unlinked by writers of this shard, not yet handed to the epoch (one deferred
-    /// function per batch, flushed when full and before a compaction; see the `Drop` of
-    /// [`ShardWriter`] for loom builds).
+    /// function per batch, flushed when full and before a compaction; a batch holds one node
+    /// under loom, see `hooks::BATCH_CAPACITY`).
     pub(super) retired: Option<Box<Batch>>,
 }
 
@@ -526,7 +530,7 @@ pub(super) struct Shard {
 /// retired through the epoch, like any replaced table), so an emptied shard holds its shell
 /// only; the shared table is never written (see [`empty_table`]).
 pub(crate) struct KeyTable {
-    shards: [StdAtomicPtr<CachePadded<Shard>>; SHARDS],
+    shards: [AtomicPtr<CachePadded<Shard>>; SHARDS],
     /// Arena index limit of narrow lanes for the shards created from now on.
     narrow_limit: u64,
     /// Bytes held (nodes, cells, tables); Relaxed, exact once writes quiesce.
@@ -596,30 +600,14 @@ pub struct MemoryBreakdown {
 
 impl KeyTable {
     pub(crate) fn new() -> Self {
-        // Loom models can ask for wide tables from the start (limit 0: every index is "too
-        // large" for a narrow lane).
-        #[cfg(loom)]
-        let narrow_limit = if crate::raw::loom_api::wide_tables() {
-            0
-        } else {
-            1 << NARROW_BITS
-        };
-        #[cfg(not(loom))]
-        let narrow_limit = 1 << NARROW_BITS;
-        let t = Self {
-            shards: std::array::from_fn(|_| StdAtomicPtr::new(std::ptr::null_mut())),
+        let narrow_limit = crate::raw::hooks::narrow_limit(1 << NARROW_BITS);
+        Self {
+            shards: std::array::from_fn(|_| AtomicPtr::new(std::ptr::null_mut())),
             narrow_limit,
             bytes: AtomicI64::new(0),
             run_bytes: AtomicI64::new(0),
             reaper: Arc::default(),
-        };
-        // Loom models keep every shard from the start: the empty table readers fall back to
-        // is a process-wide static, which loom objects cannot be.
-        #[cfg(loom)]
-        for i in 0..SHARDS {
-            t.shard_or_create(i);
         }
-        t
     }
 
     /// Shard `i`, if a writer created it.
@@ -627,7 +615,7 @@ impl KeyTable {
     fn shard(&self, i: usize) -> Option<&Shard> {
         // SAFETY: a non-null shard pointer is a published, fully built shard (Release CAS,
         // Acquire load), freed only by `Drop` (exclusive access).
-        unsafe { self.shards[i].load(StdOrdering::Acquire).as_ref() }.map(|s| &**s)
+        unsafe { self.shards[i].load(Ordering::Acquire).as_ref() }.map(|s| &**s)
     }
 
     /// Every shard created so far.
@@ -667,8 +655,8 @@ impl KeyTable {
         match self.shards[i].compare_exchange(
             std::ptr::null_mut(),
             fresh,
-            StdOrdering::AcqRel,
-            StdOrdering::Acquire,
+            Ordering::AcqRel,
+            Ordering::Acquire,
         ) {
             Ok(_) => {
                 // SAFETY: just published; lives until the table is dropped.
@@ -1017,7 +1005,7 @@ impl Drop for KeyTable {
         unsafe {
             let guard = epoch::unprotected();
             for slot in self.shards.iter() {
-                let p = slot.load(StdOrdering::Relaxed);
+                let p = slot.load(Ordering::Relaxed);
                 if p.is_null() {
                     continue;
                 }
@@ -1029,7 +1017,8 @@ impl Drop for KeyTable {
                     // Their chain runs are freed with their last node (a table whose runs are
                     // all gone, `run_bytes` 0, has no node naming one).
                     let tab = t.into_owned();
-                    let walk = cfg!(loom) || self.run_bytes.load(Ordering::Relaxed) != 0;
+                    let walk = crate::raw::hooks::TRACKS_OBJECTS
+                        || self.run_bytes.load(Ordering::Relaxed) != 0;
                     let groups = if walk { tab.groups.len() } else { 0 };
                     for g in 0..groups {
                         let grp = tab.read(g, Ordering::Relaxed);
@@ -1042,9 +1031,8 @@ impl Drop for KeyTable {
                             if let Some((r, _)) = (*node).run() {
                                 ChainRun::release_now(r);
                             }
-                            #[cfg(loom)]
-                            crate::raw::loom_api::destroyed(
-                                crate::raw::loom_api::Kind::Node,
+                            crate::raw::hooks::destroyed(
+                                crate::raw::hooks::Kind::Node,
                                 node as usize,
                             );
                         }
@@ -1057,9 +1045,8 @@ impl Drop for KeyTable {
                     for s in lt.slots.iter() {
                         let c = s.load(Ordering::Relaxed);
                         if !c.is_null() && c != ltomb() {
-                            #[cfg(loom)]
-                            crate::raw::loom_api::destroyed(
-                                crate::raw::loom_api::Kind::LfuCell,
+                            crate::raw::hooks::destroyed(
+                                crate::raw::hooks::Kind::LfuCell,
                                 c as usize,
                             );
                             drop(Box::from_raw(c));
@@ -1067,8 +1054,7 @@ impl Drop for KeyTable {
                     }
                 }
                 for (_, k) in shard.w.lock().ksums.take().into_iter().flat_map(|m| *m) {
-                    #[cfg(loom)]
-                    crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::KeySum, k as usize);
+                    crate::raw::hooks::destroyed(crate::raw::hooks::Kind::KeySum, k as usize);
                     drop(Box::from_raw(k));
                 }
             }
@@ -1088,18 +1074,30 @@ pub(super) fn empty_table() -> &'static ShardTable {
     unsafe impl Sync for SharedEmpty {}
     // SAFETY: as above.
     unsafe impl Send for SharedEmpty {}
-    static EMPTY: std::sync::OnceLock<SharedEmpty> = std::sync::OnceLock::new();
-    &EMPTY
-        .get_or_init(|| SharedEmpty(ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false)))
-        .0
+    fn build() -> SharedEmpty {
+        let mut table = ShardTable::new(MIN_GROUPS, Arc::new(Arena::new()), false);
+        table.shared = true;
+        SharedEmpty(table)
+    }
+    #[cfg(not(loom))]
+    {
+        static EMPTY: std::sync::OnceLock<SharedEmpty> = std::sync::OnceLock::new();
+        &EMPTY.get_or_init(build).0
+    }
+    // Loom: one per model execution (its atomics are loom objects, which live within one).
+    #[cfg(loom)]
+    {
+        loom::lazy_static! {
+            static ref EMPTY: SharedEmpty = build();
+        }
+        &EMPTY.0
+    }
 }
 
 /// Whether `t` is the shared empty table (held by uncreated and emptied shards alike).
 #[inline]
 pub(super) fn is_shared_empty(t: &ShardTable) -> bool {
-    // Loom models never reach the shared table (they keep every shard and table of their own),
-    // and must not initialize it: its atomics would be loom objects outside a model.
-    !cfg!(loom) && std::ptr::eq(t, empty_table())
+    t.shared
 }
 
 /// Bytes a shard's table holds: none for the shared empty table.

@@ -10,11 +10,10 @@ use super::table::{
     note_retired, prefetch, table_bytes, zero_bytes,
 };
 use crate::raw::arena::{Arena, ArenaState, BATCH_CAPACITY};
+use crate::raw::hooks;
 use crate::raw::pages::heap_chunk as chunk;
 use crate::raw::runs::ChainRun;
 use crate::sync::{AtomicI64, AtomicPtr, AtomicU64, MutexGuard, Ordering};
-#[cfg(loom)]
-use crossbeam_epoch as epoch;
 use crossbeam_epoch::{Guard, Owned, Shared};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -24,22 +23,6 @@ pub(crate) struct ShardWriter<'a> {
     pub(super) shard: &'a Shard,
     pub(super) table: &'a KeyTable,
     pub(super) st: MutexGuard<'a, ShardState>,
-}
-
-/// Loom builds hand a writer session's retirements to the epoch when the session ends, so the
-/// models' leak checks see every unlinked node freed once the threads are done. Normal builds
-/// keep a partial batch in the shard state across sessions until it fills (a removal touches a
-/// few keys per shard, and a deferred function per session would cost more than the removals):
-/// the nodes are handed to the epoch later than they were unlinked, which only delays their
-/// reuse.
-#[cfg(loom)]
-impl Drop for ShardWriter<'_> {
-    fn drop(&mut self) {
-        if self.st.retired.is_some() {
-            let guard = epoch::pin();
-            self.flush_retired(&guard);
-        }
-    }
 }
 
 /// Slot index encoding for writers: `group << 3 | lane` (lanes 6 and 7 of a wide group never
@@ -255,8 +238,8 @@ impl ShardWriter<'_> {
     pub(crate) fn maybe_shrink(&mut self, guard: &Guard) {
         let t = self.current(guard);
         let held = self.st.arena.carved();
-        // An empty shard gives back its table and arena (not under loom: see `rebuild_for`).
-        let empty_arena = self.st.live == 0 && (held > 0 || !cfg!(loom) && !is_shared_empty(t));
+        // An empty shard gives back its table and arena.
+        let empty_arena = self.st.live == 0 && (held > 0 || !is_shared_empty(t));
         let peak_bytes = (self.st.peak_units * crate::raw::arena::UNIT) as i64;
         let bloated = held > peak_bytes * 3 / 2 + COMPACT_SLACK;
         if t.groups.len() > MIN_GROUPS && self.st.live * 8 < t.slots() || empty_arena || bloated {
@@ -347,11 +330,8 @@ impl ShardWriter<'_> {
         self.st.live_at_rebuild = live;
         let slots = if growing { live * 2 } else { live * 3 / 2 };
         let live_bytes = (self.st.node_units * crate::raw::arena::UNIT) as i64;
-        // Loom models stay on the move-only path: their tables are tiny, and the compaction
-        // reuses the table-retirement protocol they already check.
         let held = self.st.arena.carved();
-        let compact = !cfg!(loom)
-            && !from_shared
+        let compact = !from_shared
             && match compact {
                 Compact::Never => false,
                 Compact::Force => true,
@@ -374,7 +354,7 @@ impl ShardWriter<'_> {
         };
         // A shard left empty by a compaction keeps no table: it goes back to the shared empty
         // table readers of an uncreated shard probe (an empty-but-live partition then holds its
-        // shard's shell only). Loom models keep their tables: the shared table is a static.
+        // shard's shell only).
         if compact && self.st.live == 0 && min_keys == 0 {
             let held_before = table_bytes(old) as i64 + self.st.arena.bytes();
             self.add_bytes(-held_before);
@@ -388,6 +368,9 @@ impl ShardWriter<'_> {
             return;
         }
         let mut fresh = compact.then(ArenaState::new);
+        // The nodes a compaction copies (tracked builds only: their old copies end with the
+        // old table, after the epoch).
+        let mut moved_from: Vec<usize> = Vec::new();
         // The shared empty table's arena is never written: leaving it takes a fresh one (the
         // shard's arena state was reset when it moved onto the shared table).
         let new_arena = if compact || from_shared {
@@ -452,6 +435,10 @@ impl ShardWriter<'_> {
                                 units as usize * crate::raw::arena::UNIT,
                             )
                         };
+                        hooks::created(hooks::Kind::Node, p as usize);
+                        if hooks::TRACKS_OBJECTS {
+                            moved_from.push(node as usize);
+                        }
                         i
                     }
                     None => n,
@@ -483,6 +470,7 @@ impl ShardWriter<'_> {
             self.st.peak_units = self.st.node_units;
         }
         self.add_bytes(delta);
+        hooks::destroyed_after_epoch(hooks::Kind::Node, moved_from, guard);
         self.publish(old_shared, Owned::new(new).into_shared(guard), guard);
     }
 
@@ -541,8 +529,7 @@ impl ShardWriter<'_> {
                     sum: AtomicI64::new(0),
                     refs: AtomicI64::new(0),
                 }));
-                #[cfg(loom)]
-                crate::raw::loom_api::created(crate::raw::loom_api::Kind::KeySum, k as usize);
+                crate::raw::hooks::created(crate::raw::hooks::Kind::KeySum, k as usize);
                 ksums.insert(key.into(), k);
                 added += chunk(16) + chunk(key.len()) + 32;
                 k
@@ -558,8 +545,7 @@ impl ShardWriter<'_> {
             stripes: AtomicPtr::new(std::ptr::null_mut()),
             ksum: ks,
         }));
-        #[cfg(loom)]
-        crate::raw::loom_api::created(crate::raw::loom_api::Kind::LfuCell, cell as usize);
+        crate::raw::hooks::created(crate::raw::hooks::Kind::LfuCell, cell as usize);
         added += LFU_CELL_BYTES;
         // Grow / create the table (load ≤ 1/2 including tombstones).
         let cap = self.lfu_table(guard).map_or(0, |t| t.slots.len());
@@ -624,8 +610,7 @@ impl ShardWriter<'_> {
             // readers that loaded it earlier are pinned, so it is freed through the epoch.
             unsafe {
                 guard.defer_unchecked(move || {
-                    #[cfg(loom)]
-                    crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::KeySum, kp);
+                    crate::raw::hooks::destroyed(crate::raw::hooks::Kind::KeySum, kp);
                     drop(Box::from_raw(kp as *mut KeyAccessSum))
                 })
             };
@@ -634,8 +619,7 @@ impl ShardWriter<'_> {
         // SAFETY: unlinked above; freed through the epoch.
         unsafe {
             guard.defer_unchecked(move || {
-                #[cfg(loom)]
-                crate::raw::loom_api::destroyed(crate::raw::loom_api::Kind::LfuCell, cp);
+                crate::raw::hooks::destroyed(crate::raw::hooks::Kind::LfuCell, cp);
                 drop(Box::from_raw(cp as *mut LfuCell))
             })
         };
