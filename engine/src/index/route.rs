@@ -739,27 +739,7 @@ mod lfu_race_tests {
         }
     }
 
-    const NOW: i64 = 1_700_000_000_000_000;
-
-    fn put(ix: &Index, rep: &str, key: &[u8]) {
-        ix.ingest(CacheStateUpdate {
-            replica_id: rep,
-            model_id: "m",
-            tenant_id: "t",
-            hash_scheme: "s",
-            timestamp_us: NOW,
-            adapter_id: "",
-            stats: None,
-            prefixes: std::iter::once(PrefixRef::<&[u8]> {
-                prefix_hash: key,
-                token_count: 16,
-                block_hashes: &[],
-                block_token_counts: &[],
-                tier: 0,
-                adapter_id: "",
-            }),
-        });
-    }
+    use crate::index::testing::{NOW, single};
 
     /// Credits racing with evictions and re-creations: once everything quiesces, the hot-key
     /// counter equals the number of keys whose live holders' access counts sum to ≥ threshold.
@@ -780,7 +760,7 @@ mod lfu_race_tests {
         let reps = ["a", "b", "c"];
         for k in &keys {
             for r in reps {
-                put(&ix, r, k);
+                single(&ix, r, k);
             }
         }
         let stop = Arc::new(AtomicBool::new(false));
@@ -817,7 +797,7 @@ mod lfu_race_tests {
                         adapter_id: "",
                     });
                     if round % 2 == 0 {
-                        put(&ix, r, k);
+                        single(&ix, r, k);
                     }
                 }
             }));

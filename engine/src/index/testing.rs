@@ -1,12 +1,13 @@
-//! Helpers shared by the index's unit tests.
+//! Helpers shared by the index's unit tests: updates of one ref into tenant `t`, model `m`,
+//! scheme `s`, adapter `""`, at [`NOW`].
 
 use super::Index;
 use crate::types::*;
 
 pub(super) const NOW: i64 = 1_700_000_000_000_000;
 
-pub(super) fn chain(ix: &Index, rep: &str, keys: &[[u8; 8]]) {
-    let counts = vec![16i32; keys.len()];
+/// Ingests `r` as the only ref of an update from `rep`.
+fn ingest_ref<H: AsRef<[u8]>>(ix: &Index, rep: &str, r: PrefixRef<'_, H>) {
     ix.ingest(CacheStateUpdate {
         replica_id: rep,
         model_id: "m",
@@ -15,13 +16,39 @@ pub(super) fn chain(ix: &Index, rep: &str, keys: &[[u8; 8]]) {
         timestamp_us: NOW,
         adapter_id: "",
         stats: None,
-        prefixes: std::iter::once(PrefixRef {
+        prefixes: std::iter::once(r),
+    });
+}
+
+/// A chain-form ref of `keys`, 16 tokens per block.
+pub(super) fn chain(ix: &Index, rep: &str, keys: &[[u8; 8]]) {
+    let counts = vec![16i32; keys.len()];
+    ingest_ref(
+        ix,
+        rep,
+        PrefixRef {
             prefix_hash: b"",
             token_count: 0,
             block_hashes: keys,
             block_token_counts: &counts,
             tier: 0,
             adapter_id: "",
-        }),
-    });
+        },
+    );
+}
+
+/// A single-key (legacy `prefix_hash`) ref of `key`, 16 tokens.
+pub(super) fn single(ix: &Index, rep: &str, key: &[u8]) {
+    ingest_ref(
+        ix,
+        rep,
+        PrefixRef::<&[u8]> {
+            prefix_hash: key,
+            token_count: 16,
+            block_hashes: &[],
+            block_token_counts: &[],
+            tier: 0,
+            adapter_id: "",
+        },
+    );
 }
