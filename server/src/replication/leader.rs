@@ -45,6 +45,44 @@ pub struct Stores {
     lease: kv::Store,
     meta: kv::Store,
     checkpoints: object_store::ObjectStore,
+    /// Failed stream queries of [`Stores::bounds`] (callers retry it in loops).
+    bounds_failures: RateLimitedWarning,
+}
+
+/// How often a stream query that keeps failing is logged.
+const QUERY_WARNING_PERIOD: Duration = Duration::from_secs(10);
+
+/// A warning for a call that may fail on every try of a retry loop: the first failure is
+/// logged at once, later ones at most once per period with the count of failures in between.
+#[derive(Clone, Default)]
+struct RateLimitedWarning {
+    state: Arc<std::sync::Mutex<WarningState>>,
+}
+
+#[derive(Default)]
+struct WarningState {
+    last: Option<std::time::Instant>,
+    suppressed: u64,
+}
+
+impl RateLimitedWarning {
+    /// Records a failure at `now`; returns the number of failures to report (this one and the
+    /// ones suppressed since the last report) when a warning is due.
+    fn failure(&self, now: std::time::Instant, period: Duration) -> Option<u64> {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.suppressed += 1;
+        if state
+            .last
+            .is_some_and(|last| now.duration_since(last) < period)
+        {
+            return None;
+        }
+        state.last = Some(now);
+        Some(std::mem::take(&mut state.suppressed))
+    }
 }
 
 impl Stores {
@@ -84,14 +122,35 @@ impl Stores {
             lease,
             meta,
             checkpoints,
+            bounds_failures: RateLimitedWarning::default(),
         })
     }
 
-    /// The stream's first and last sequence (`None` when NATS does not answer).
+    /// The stream's first and last sequence (`None` when NATS does not answer; logged, at
+    /// most once per [`QUERY_WARNING_PERIOD`], since a server restoring retries this until it
+    /// answers and would otherwise wait without a word).
     pub async fn bounds(&self) -> Option<(u64, u64)> {
-        let stream = self.js.get_stream(&self.stream_name).await.ok()?;
-        let info = stream.get_info().await.ok()?;
-        Some((info.state.first_sequence, info.state.last_sequence))
+        let query = async {
+            let stream = self
+                .js
+                .get_stream(&self.stream_name)
+                .await
+                .context("get the stream")?;
+            let info = stream.get_info().await.context("read the stream's state")?;
+            anyhow::Ok((info.state.first_sequence, info.state.last_sequence))
+        };
+        match query.await {
+            Ok(bounds) => Some(bounds),
+            Err(err) => {
+                if let Some(failures) = self
+                    .bounds_failures
+                    .failure(std::time::Instant::now(), QUERY_WARNING_PERIOD)
+                {
+                    warn!(err = %format!("{err:#}"), stream = %self.stream_name, failures, "replication_stream_query_failed");
+                }
+                None
+            }
+        }
     }
 
     /// An ordered consumer's messages from `start`.
@@ -360,5 +419,39 @@ impl Duties {
                 None
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn a_failing_query_is_reported_at_once_then_once_per_period_with_the_count() {
+        let warning = RateLimitedWarning::default();
+        let period = Duration::from_secs(10);
+        let start = Instant::now();
+        assert_eq!(warning.failure(start, period), Some(1));
+        assert_eq!(
+            warning.failure(start + Duration::from_secs(3), period),
+            None
+        );
+        assert_eq!(
+            warning.failure(start + Duration::from_secs(9), period),
+            None
+        );
+        // The three failures since the first report: the two suppressed and this one.
+        assert_eq!(
+            warning.failure(start + Duration::from_secs(10), period),
+            Some(3)
+        );
+        // Clones share the state (the stores are cloned into several tasks).
+        let clone = warning.clone();
+        assert_eq!(clone.failure(start + Duration::from_secs(11), period), None);
+        assert_eq!(
+            warning.failure(start + Duration::from_secs(21), period),
+            Some(2)
+        );
     }
 }
