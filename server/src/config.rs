@@ -159,12 +159,7 @@ pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString>
     inferencecache_cli_flags::normalize_args(args, BOOL_FLAGS)
 }
 
-/// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogFormat {
-    Json,
-    Text,
-}
+pub use inferencecache_logging::LogFormat;
 
 /// Validated settings derived from the command line.
 #[derive(Debug, Clone)]
@@ -602,34 +597,17 @@ pub fn parse_duration(s: &str) -> anyhow::Result<Option<Duration>> {
 }
 
 fn parse_log_format(s: &str) -> anyhow::Result<LogFormat> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "" | "json" => Ok(LogFormat::Json),
-        "text" => Ok(LogFormat::Text),
-        other => bail!("invalid --log-format {other:?}: expected json or text"),
-    }
+    inferencecache_logging::parse_format(s).map_err(anyhow::Error::msg)
 }
 
 fn parse_log_level(s: &str) -> anyhow::Result<tracing::Level> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "debug" => Ok(tracing::Level::DEBUG),
-        "" | "info" => Ok(tracing::Level::INFO),
-        "warn" | "warning" => Ok(tracing::Level::WARN),
-        "error" => Ok(tracing::Level::ERROR),
-        other => bail!("invalid --log-level {other:?}: expected debug, info, warn or error"),
-    }
+    inferencecache_logging::parse_level(s).map_err(anyhow::Error::msg)
 }
 
 /// Installs the global log subscriber on stderr.
 pub fn init_logging(settings: &Settings) -> anyhow::Result<()> {
-    let builder = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_max_level(settings.log_level)
-        .with_target(false);
-    let result = match settings.log_format {
-        LogFormat::Json => builder.event_format(crate::logging::JsonLines).try_init(),
-        LogFormat::Text => builder.try_init(),
-    };
-    result.map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))
+    inferencecache_logging::init(settings.log_level, settings.log_format)
+        .map_err(anyhow::Error::msg)
 }
 
 #[cfg(test)]

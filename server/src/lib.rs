@@ -12,7 +12,6 @@ pub mod connections;
 pub mod control;
 pub mod http;
 pub mod limits;
-pub mod logging;
 pub mod lookup;
 pub mod metrics;
 pub mod policy;

@@ -13,7 +13,7 @@ pub mod client;
 pub mod config;
 pub mod exporter;
 pub mod fake_engine;
-pub mod logging;
+pub use inferencecache_logging as logging;
 pub mod lora;
 pub mod metrics;
 pub mod positional;

@@ -17,7 +17,8 @@ fn main() {
             std::process::exit(2);
         }
     };
-    inferencecache_sidecar::logging::init(settings.log_level, settings.log_format);
+    // A logger installed already (embedding) is not an error for the sidecar.
+    let _ = inferencecache_sidecar::logging::init(settings.log_level, settings.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -1,6 +1,7 @@
-//! Log output in the server's schema (`server.md` §13): one JSON object per line on stderr,
-//! keys `time`, `level`, `msg`, then the event's attributes in the order they were recorded;
-//! or tracing's plain text with `--log-format text`.
+//! Log output in the server's schema (`server.md` §13), shared by the server and the sidecar:
+//! one JSON object per line on stderr, keys `time`, `level`, `msg` (a stable snake_case event
+//! name), then the event's attributes in the order they were recorded; or tracing's plain text
+//! with `--log-format text`.
 
 use std::fmt::{self, Write as _};
 use tracing::field::{Field, Visit};
@@ -43,16 +44,17 @@ pub fn parse_level(s: &str) -> Result<Level, String> {
     }
 }
 
-/// Installs the process-wide logger on stderr (a second call is a no-op).
-pub fn init(level: Level, format: LogFormat) {
+/// Installs the process-wide logger on stderr. Fails when one is installed already.
+pub fn init(level: Level, format: LogFormat) -> Result<(), String> {
     let builder = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_max_level(level)
         .with_target(false);
-    let _ = match format {
+    match format {
         LogFormat::Json => builder.event_format(JsonLines).try_init(),
         LogFormat::Text => builder.try_init(),
-    };
+    }
+    .map_err(|e| format!("cannot install the logger: {e}"))
 }
 
 /// The JSON-lines event formatter.
@@ -149,5 +151,55 @@ mod tests {
         assert!(parse_level("loud").is_err());
         assert_eq!(parse_format("text").unwrap(), LogFormat::Text);
         assert!(parse_format("xml").is_err());
+    }
+
+    /// A writer into a shared buffer, for the formatter's output.
+    #[derive(Clone, Default)]
+    struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn events_are_json_lines_with_time_level_msg_then_attributes_in_order() {
+        let out = Captured::default();
+        let sink = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || sink.clone())
+            .with_max_level(Level::DEBUG)
+            .event_format(JsonLines)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::warn!(err = %"no \"stream\"", failures = 3u64, ok = false, "query_failed");
+            tracing::info!(ratio = 0.5f64, nan = f64::NAN, "measured");
+        });
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|line| serde_json::from_str(line).expect("every line is one JSON object"))
+            .collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        // The keys in order (serde_json's map sorts them, so read the line itself).
+        let first = text.lines().next().unwrap();
+        let at = |key: &str| first.find(&format!("\"{key}\":")).expect(key);
+        let order = ["time", "level", "msg", "err", "failures", "ok"].map(at);
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{first}");
+        assert!(first.starts_with("{\"time\":"), "{first}");
+        assert_eq!(lines[0]["level"], "WARN");
+        assert_eq!(lines[0]["msg"], "query_failed");
+        assert_eq!(lines[0]["err"], "no \"stream\"");
+        assert_eq!(lines[0]["failures"], 3);
+        assert_eq!(lines[0]["ok"], false);
+        assert_eq!(lines[1]["level"], "INFO");
+        assert_eq!(lines[1]["ratio"], 0.5);
+        assert!(lines[1]["nan"].is_null(), "a NaN is written as null");
+        assert!(lines[0]["time"].as_str().is_some_and(|t| !t.is_empty()));
     }
 }
