@@ -371,25 +371,22 @@ impl Index {
     /// Runs in a per-thread [`RouteBuffer`] (its walk scratch is reused across calls) and
     /// allocates only the result's score vector, at its exact size.
     pub fn lookup_route<H: AsRef<[u8]>>(&self, req: &LookupRequest<'_, H>) -> RouteResult {
-        #[cfg(not(loom))]
-        {
-            std::thread_local! {
-                static BUF: std::cell::RefCell<RouteBuffer> =
-                    std::cell::RefCell::new(RouteBuffer::default());
-            }
-            let reused = BUF.with(|b| {
-                // A re-entrant call (a sink or resolver calling back) takes the fresh path.
-                let mut buf = b.try_borrow_mut().ok()?;
-                self.lookup_route_into(req, &mut buf);
-                Some(RouteResult {
-                    strategy: buf.strategy,
-                    scores: buf.scores.drain(..).collect(),
-                    hits: std::mem::take(&mut buf.hits),
-                })
-            });
-            if let Some(r) = reused {
-                return r;
-            }
+        crate::sync::thread_local! {
+            static BUF: std::cell::RefCell<RouteBuffer> =
+                std::cell::RefCell::new(RouteBuffer::default());
+        }
+        let reused = BUF.with(|b| {
+            // A re-entrant call (a sink or resolver calling back) takes the fresh path.
+            let mut buf = b.try_borrow_mut().ok()?;
+            self.lookup_route_into(req, &mut buf);
+            Some(RouteResult {
+                strategy: buf.strategy,
+                scores: buf.scores.drain(..).collect(),
+                hits: std::mem::take(&mut buf.hits),
+            })
+        });
+        if let Some(r) = reused {
+            return r;
         }
         let mut buf = RouteBuffer::default();
         self.lookup_route_into(req, &mut buf);
