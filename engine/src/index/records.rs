@@ -9,9 +9,8 @@
 use crate::ReplicaId;
 use crate::directory::{Directory, Life, Rcu, hash_strs, same_str};
 use crate::raw::table::KeyTable;
-use crate::sync::{AtomicI64, AtomicU64, Ordering};
+use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
-use parking_lot::Mutex;
 use std::sync::Arc;
 use std::sync::atomic::{
     AtomicU32 as StdAtomicU32, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering,
@@ -308,12 +307,12 @@ pub(crate) struct ScopeRec {
     pub(crate) replicas: ReplicaSlots,
     /// Replicas by id, for readers (serving counts by name: TENANT_HOT, tests).
     lookup: Directory<ScopeReplica>,
-    /// Writer-side names (sync seam: held across the slot stores).
-    names: crate::sync::Mutex<ScopeNames>,
+    /// Writer-side names (held across the slot stores).
+    names: Mutex<ScopeNames>,
     /// Indices of reclaimed slots whose grace period has passed, ready for new ids. Its own
     /// lock, taken by epoch-deferred functions: nothing pins while holding it (a pin may run
     /// deferred functions, which must not wait for a lock their thread holds).
-    free: crate::sync::Mutex<Vec<u32>>,
+    free: Mutex<Vec<u32>>,
     /// Replicas with serving > 0.
     pub(crate) serving_n: AtomicI64,
     /// Partitions of the scope (changed under the record lock).
@@ -328,8 +327,8 @@ impl ScopeRec {
             scheme,
             replicas: ReplicaSlots::new(),
             lookup: Directory::new(),
-            names: crate::sync::Mutex::new(ScopeNames::default()),
-            free: crate::sync::Mutex::new(Vec::new()),
+            names: Mutex::new(ScopeNames::default()),
+            free: Mutex::new(Vec::new()),
             serving_n: AtomicI64::new(0),
             parts: StdAtomicUsize::new(0),
         }

@@ -9,9 +9,8 @@
 use super::Index;
 use super::records::{GaugeRec, ModelRec, Partition, ScopeRec, TenantRec};
 use crate::directory::{hash_strs, same_str};
-use crate::sync::{AtomicI64, AtomicU64, Ordering};
+use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
-use parking_lot::Mutex;
 use std::sync::Arc;
 
 /// A resolved partition, for the core match API.

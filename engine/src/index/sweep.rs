@@ -9,9 +9,8 @@ use crate::clock::us_to_ms;
 use crate::config::Algorithm;
 use crate::directory::hash_strs;
 use crate::sink::{ChangeEvent, ChangeKind};
-use crate::sync::Ordering;
+use crate::sync::{Condvar, Mutex, Ordering};
 use crossbeam_epoch as epoch;
-use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
