@@ -183,18 +183,6 @@ impl Drop for Index {
             *t.stop.0.lock() = true;
             t.stop.1.notify_all();
         }
-        // `TenantRec::models` ↔ `ModelRec::tenant`, `ModelRec::parts` ↔ `Partition::model` and
-        // `TenantRec::quota_hand` → `Partition::tenant` are reference cycles: without breaking them a dropped index never frees its records,
-        // partitions and tables (found by the `engine_ops` fuzz target, which builds an index per
-        // input).
-        // A tenant's quota hand holds its partitions, which hold the tenant: a third cycle.
-        for t in self.tenants.all() {
-            t.models.lock().clear();
-            t.quota_hand.lock().release();
-        }
-        for m in self.all_models.get_mut().drain(..) {
-            m.parts.lock().clear();
-        }
     }
 }
 

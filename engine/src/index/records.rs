@@ -5,16 +5,26 @@
 //! the directories of [`crate::directory`], so a reference to one is bound to the caller's epoch
 //! guard. A scope's replicas live in slots recycled the same way
 //! ([`ScopeRec::reclaim_slots`]).
+//!
+//! Ownership runs one way, from child to parent: a partition holds its tenant, (tenant, model)
+//! pair and scope, a pair holds its tenant and gauge (plain `Arc`s, read on the lookup path
+//! without an upgrade). A parent's lists of its children (a tenant's pairs, a pair's
+//! partitions, a quota hand's partitions between enforcements) hold `Weak`s, and what keeps a
+//! record alive is the index's directories and lists (and, for an unlinked record, the epoch).
+//! So the records form no reference cycle and a dropped index frees them all without help.
+//! The sweep takes a reclaimed record out of its parent's list under the record lock, so a
+//! listed child always upgrades (between its unlink and that removal it is still held by the
+//! sweep); a walk over a list skips a child that does not.
 
 use crate::ReplicaId;
 use crate::directory::{Directory, Life, Rcu, hash_strs, same_str};
 use crate::raw::table::KeyTable;
 use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
-use std::sync::Arc;
 use std::sync::atomic::{
     AtomicU32 as StdAtomicU32, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering,
 };
+use std::sync::{Arc, Weak};
 
 /// A tenant.
 pub(crate) struct TenantRec {
@@ -22,7 +32,8 @@ pub(crate) struct TenantRec {
     pub(crate) reserved: bool,
     /// Distinct keys of the tenant (all models), stale-unswept included.
     pub(crate) keys: AtomicI64,
-    pub(crate) models: Mutex<Vec<Arc<ModelRec>>>,
+    /// The tenant's (tenant, model) pairs (weak: each pair holds its tenant).
+    pub(crate) models: Mutex<Vec<Weak<ModelRec>>>,
     /// Keys removed by the tenant quota (V5, `tenant_evictions_total{over_entries}`).
     pub(crate) quota_evictions: AtomicU64,
     /// Victim-selection state of the tenant quota (V5; see `eviction.rs`).
@@ -63,8 +74,8 @@ pub(crate) struct ModelRec {
     pub(crate) gauge: Arc<GaugeRec>,
     /// Stats records sorted by replica id.
     pub(crate) stats: Rcu<Vec<StatsRecord>>,
-    /// Partitions of this pair (E3/E4 cost).
-    pub(crate) parts: Mutex<Vec<Arc<Partition>>>,
+    /// Partitions of this pair (E3/E4 cost; weak: each partition holds its pair).
+    pub(crate) parts: Mutex<Vec<Weak<Partition>>>,
     /// Reclamation gate of the stats writers (see [`Life`]).
     pub(crate) life: Life,
 }

@@ -137,7 +137,7 @@ impl Index {
         // Listed before it is linked: a record reachable through the directory is in every
         // list that walks its kind (see `enter_part`).
         gauge.pairs.fetch_add(1, Ordering::Relaxed);
-        tenant.models.lock().push(rec.clone());
+        tenant.models.lock().push(Arc::downgrade(&rec));
         self.all_models.lock().push(rec.clone());
         let (linked, created) = self.models.get_or_insert(
             hash_strs(&[t, m]),
@@ -228,7 +228,7 @@ impl Index {
         // and the cap through `all_parts`). Linked first, a probe's cleanup could run between
         // a second writer's ingest and the listing and miss that writer's entry for good.
         scope.parts.fetch_add(1, Ordering::Relaxed);
-        model.parts.lock().push(p.clone());
+        model.parts.lock().push(Arc::downgrade(&p));
         {
             let mut all = self.all_parts.lock();
             all.push(p.clone());
