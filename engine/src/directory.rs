@@ -7,7 +7,7 @@
 //! of bucket lists read wait-free under an epoch guard; writers link and unlink records under a
 //! mutex in O(1) amortized (see [`Directory`]).
 
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use std::sync::Arc;
 
@@ -55,15 +55,15 @@ pub(crate) fn same_str(a: &str, b: &str) -> bool {
 /// A read-copy-update cell: wait-free reads, writers copy and swap under a mutex.
 pub(crate) struct Rcu<T> {
     cur: Atomic<T>,
-    /// Writer lock through the sync seam (parking_lot; loom's under `cfg(loom)`).
-    lock: crate::sync::Mutex<()>,
+    /// Writer lock.
+    lock: Mutex<()>,
 }
 
 impl<T> Rcu<T> {
     pub(crate) fn new(v: T) -> Self {
         Self {
             cur: Atomic::new(v),
-            lock: crate::sync::Mutex::new(()),
+            lock: Mutex::new(()),
         }
     }
 
@@ -150,15 +150,15 @@ const DIRECTORY_MIN_BUCKETS: usize = 2;
 /// guard: the `Arc`s of every table version it is linked in are dropped after it.
 pub(crate) struct Directory<T> {
     table: Atomic<DirectoryTable<T>>,
-    /// Writer lock (sync seam) and the number of records.
-    lock: crate::sync::Mutex<usize>,
+    /// Writer lock and the number of records.
+    lock: Mutex<usize>,
 }
 
 impl<T> Directory<T> {
     pub(crate) fn new() -> Self {
         Self {
             table: Atomic::new(DirectoryTable::with_buckets(DIRECTORY_MIN_BUCKETS)),
-            lock: crate::sync::Mutex::new(0),
+            lock: Mutex::new(0),
         }
     }
 

@@ -24,10 +24,11 @@
 //! Lookups build their rankings from [`BorrowedId`]s (no count touched), valid while the
 //! lookup's epoch guard keeps the scope slot naming them, and count only the ids they return.
 
+use crate::sync::{GlobalMutex, GlobalMutexGuard};
 use std::collections::HashSet;
 use std::ptr::NonNull;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering, fence};
-use std::sync::{Mutex, OnceLock};
 
 /// One interned id.
 struct Name {
@@ -70,17 +71,14 @@ impl std::borrow::Borrow<str> for Entry {
     }
 }
 
-/// The interned ids. A plain `std` mutex even in loom builds: interning runs on the writer
-/// paths that create records and dropping on the paths that free them; it holds the lock only
-/// for a set lookup, insert or removal (no loom operation inside) and orders nothing the
-/// models check.
-static NAMES: OnceLock<Mutex<HashSet<Entry>>> = OnceLock::new();
+/// The interned ids. Not a loom lock even in loom builds (a static outlives every model):
+/// interning runs on the writer paths that create records and dropping on the paths that free
+/// them; it holds the lock only for a set lookup, insert or removal (no loom operation inside)
+/// and orders nothing the models check.
+static NAMES: OnceLock<GlobalMutex<HashSet<Entry>>> = OnceLock::new();
 
-fn names() -> std::sync::MutexGuard<'static, HashSet<Entry>> {
-    NAMES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+fn names() -> GlobalMutexGuard<'static, HashSet<Entry>> {
+    NAMES.get_or_init(Default::default).lock()
 }
 
 /// A replica id: derefs to the id's text; equality, ordering and hashing are the text's.

@@ -1,6 +1,8 @@
-//! A dropped index frees what it held: the tenant, model and partition records reference each
-//! other, and those cycles must be broken on drop (regression: every index that had ingested a
-//! key leaked its records and tables, ~6 KB for one key; found by the `engine_ops` fuzz target).
+//! A dropped index frees what it held, measured by the allocator: records, tables, LFU state and
+//! chain runs (regression: when parents held their children strongly, every index that had
+//! ingested a key leaked its records and tables, ~6 KB for one key; found by the `engine_ops`
+//! fuzz target). The records' ownership has no cycle (`docs/engine.md`, "Identity lifecycle");
+//! `index/mod.rs::a_dropped_index_frees_every_record` checks each record by a weak handle.
 
 mod fixed_policy;
 
@@ -113,8 +115,8 @@ fn dropped_indexes_do_not_accumulate() {
     );
 }
 
-/// The same with a tenant quota that evicts (its quota hand holds the tenant's partitions, which
-/// point back to the tenant) and LFU credits (cells, key sums).
+/// The same with a tenant quota that evicts (its quota hand keeps the tenant's partitions, which
+/// hold the tenant, between enforcements) and LFU credits (cells, key sums).
 #[test]
 fn dropped_indexes_with_quota_and_lfu_do_not_accumulate() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

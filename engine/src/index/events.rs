@@ -12,8 +12,8 @@ use crate::raw::table::{KeyTable, Probe};
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
 use crate::types::*;
-use crossbeam_epoch::{self as epoch, Guard};
-use std::sync::Arc;
+use crossbeam_epoch as epoch;
+use std::sync::{Arc, Weak};
 
 impl Index {
     /// Applies one published `CacheEvent` (E1–E6). Never runs quota or cap enforcement (E7).
@@ -91,7 +91,7 @@ impl Index {
         let ts_us = self.resolve_now_us(timestamp_us);
         let sink = self.active_sink(model.tenant.reserved);
         let mut removed = 0u64;
-        self.for_each_part(model, &records, |p| {
+        self.for_each_part(model, |p| {
             if !adapter_id.is_empty() && *p.adapter != *adapter_id {
                 return;
             }
@@ -143,37 +143,25 @@ impl Index {
         removed
     }
 
-    /// Calls `f` on every partition of a (tenant, model) pair without allocating for ≤ 8.
-    /// `guard` stays pinned across the calls: a partition the sweep unlinks meanwhile is freed
-    /// only after it.
-    fn for_each_part(&self, model: &ModelRec, _guard: &Guard, mut f: impl FnMut(&Partition)) {
+    /// Calls `f` on every partition of a (tenant, model) pair, without allocating for ≤ 8. The
+    /// partitions are upgraded from the pair's (weak) list under its lock and held across the
+    /// calls: one the sweep reclaims meanwhile stays valid (and empty) until they end.
+    fn for_each_part(&self, model: &ModelRec, mut f: impl FnMut(&Partition)) {
         const N: usize = 8;
-        let mut small: [*const Partition; N] = [std::ptr::null(); N];
-        let big: Vec<Arc<Partition>>;
-        let n;
+        let mut small: [Option<Arc<Partition>>; N] = Default::default();
+        let mut big: Vec<Arc<Partition>> = Vec::new();
         {
-            let l = model.parts.lock();
-            n = l.len();
-            if n <= N {
-                for (d, p) in small.iter_mut().zip(l.iter()) {
-                    *d = Arc::as_ptr(p);
+            let list = model.parts.lock();
+            if list.len() <= N {
+                for (slot, part) in small.iter_mut().zip(list.iter()) {
+                    *slot = part.upgrade();
                 }
-                big = Vec::new();
             } else {
-                big = l.clone();
+                big.extend(list.iter().filter_map(Weak::upgrade));
             }
         }
-        if n <= N {
-            for &p in &small[..n] {
-                // SAFETY: the partition was in `model.parts` while `_guard` was pinned; a
-                // reclaimed partition's last `Arc` (its directory node's) is dropped through
-                // the epoch, so it outlives the guard.
-                f(unsafe { &*p });
-            }
-        } else {
-            for p in big.iter() {
-                f(p);
-            }
+        for p in small.iter().flatten().chain(big.iter()) {
+            f(p);
         }
     }
 
@@ -182,7 +170,12 @@ impl Index {
         let ts_us = self.resolve_now_us(ev.timestamp_us);
         let reserved = self.is_reserved(ev.tenant_id);
         if let Some(model) = self.model_arc(ev.tenant_id, ev.model_id) {
-            let parts: Vec<Arc<Partition>> = model.parts.lock().clone();
+            let parts: Vec<Arc<Partition>> = model
+                .parts
+                .lock()
+                .iter()
+                .filter_map(Weak::upgrade)
+                .collect();
             for p in parts.iter() {
                 let Some(rep) = p.scope.enter_existing(ev.replica_id) else {
                     continue;

@@ -75,7 +75,7 @@ use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
 use crossbeam_epoch::{self as epoch, Guard};
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 /// Eviction reason for `index_evictions_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -183,8 +183,11 @@ const MAX_MATES: usize = 256;
 pub(crate) struct Hand {
     rng: u64,
     /// Partitions the hand works on (cap: every partition, appended as they are created;
-    /// quota: the tenant's partitions, refreshed per enforcement).
+    /// quota: the tenant's partitions, refreshed per enforcement and empty between them).
     parts: Vec<Arc<Partition>>,
+    /// Quota only: the partitions of the last enforcement, held weakly until the next one (see
+    /// [`Hand::rest`]).
+    resting: Vec<Weak<Partition>>,
     cum: Vec<i64>,
     samples: Vec<Victim>,
     cands: Vec<Victim>,
@@ -212,6 +215,7 @@ impl Hand {
         Self {
             rng: seed,
             parts: Vec::new(),
+            resting: Vec::new(),
             cum: Vec::new(),
             samples: Vec::new(),
             cands: Vec::new(),
@@ -225,22 +229,25 @@ impl Hand {
         }
     }
 
-    /// Drops the hand's partition references (a tenant's quota hand is owned by the tenant
-    /// record, which its partitions point back to: a reference cycle the index breaks here when
-    /// it is dropped).
-    pub(crate) fn release(&mut self) {
-        self.parts.clear();
-        self.cands.clear();
-        self.samples.clear();
+    /// Ends a quota enforcement: its partitions stay known only weakly until the next one. A
+    /// tenant owns its quota hand and each of its partitions holds the tenant, so strong
+    /// references kept here would be a cycle. The next enforcement rebuilds the list from the
+    /// tenant's pairs; the resting one only tells it (by its length) whether positions moved.
+    pub(crate) fn rest(&mut self) {
+        self.resting.clear();
+        let parts = self.parts.drain(..);
+        self.resting.extend(parts.map(|p| Arc::downgrade(&p)));
     }
 
     /// Drops the partitions `dead` selects (reclaimed by the sweep) and, if there were any,
     /// everything that refers to positions in the list or to partitions by address: the
     /// walk restarts and the threshold is estimated again.
     pub(crate) fn forget_parts(&mut self, dead: impl Fn(&Partition) -> bool) {
-        let before = self.parts.len();
+        let before = self.parts.len() + self.resting.len();
         self.parts.retain(|p| !dead(p));
-        if self.parts.len() != before {
+        self.resting
+            .retain(|p| p.upgrade().is_some_and(|p| !dead(&p)));
+        if self.parts.len() + self.resting.len() != before {
             self.cands.clear();
             self.samples.clear();
             self.cum.clear();
@@ -495,10 +502,12 @@ impl Index {
             c.apply(self);
         }
         let mut hand = tr.quota_hand.lock();
-        let before = hand.parts.len();
+        let before = hand.resting.len();
+        hand.resting.clear();
         hand.parts.clear();
-        for m in tr.models.lock().iter() {
-            hand.parts.extend(m.parts.lock().iter().cloned());
+        for m in tr.models.lock().iter().filter_map(Weak::upgrade) {
+            hand.parts
+                .extend(m.parts.lock().iter().filter_map(Weak::upgrade));
         }
         if hand.parts.len() != before {
             // New partitions may shift positions: candidates and cursor refer to the old list.
@@ -515,31 +524,30 @@ impl Index {
         };
         if budget == 0 {
             // Everything goes: no ordering needed.
-            let parts = std::mem::take(&mut hand.parts);
-            for p in parts.iter() {
+            for p in hand.parts.iter() {
                 self.remove_all_keys(p, &cx);
             }
-            hand.parts = parts;
-            return;
-        }
-        let mut stall = 0;
-        loop {
-            let keys = tr.keys.load(Ordering::Relaxed);
-            if keys <= budget || stall >= 8 {
-                break;
-            }
-            if keys <= EXACT_MAX {
-                if self.exact_quota(&mut hand, &cx, keys - budget) == 0 {
+        } else {
+            let mut stall = 0;
+            loop {
+                let keys = tr.keys.load(Ordering::Relaxed);
+                if keys <= budget || stall >= 8 {
+                    break;
+                }
+                if keys <= EXACT_MAX {
+                    if self.exact_quota(&mut hand, &cx, keys - budget) == 0 {
+                        stall += 1;
+                    }
+                    continue;
+                }
+                if self.approx_step(&mut hand, &mut cx, Some(&tr)) {
+                    stall = 0;
+                } else {
                     stall += 1;
                 }
-                continue;
-            }
-            if self.approx_step(&mut hand, &mut cx, Some(&tr)) {
-                stall = 0;
-            } else {
-                stall += 1;
             }
         }
+        hand.rest();
     }
 
     // ----------------------------------------------------------------------------------------

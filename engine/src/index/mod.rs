@@ -49,11 +49,10 @@ use crate::clock::Clock;
 use crate::config::{IndexConfig, Resolvers};
 use crate::directory::Directory;
 use crate::sink::ChangeSink;
-use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Mutex, Ordering, RwLock};
 #[cfg(loom)]
 use crossbeam_epoch as epoch;
 use eviction::EVICT_SLOTS;
-use parking_lot::{Mutex, RwLock};
 use records::{GaugeRec, ModelRec, Partition, ScopeRec, StatsRecord, TenantRec};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -78,9 +77,9 @@ pub struct Index {
     /// partition without taking the mutex on each enforcement.
     all_parts_len: AtomicUsize,
     all_models: Mutex<Vec<Arc<ModelRec>>>,
-    /// Held while records are created or reclaimed (sync seam: creation runs loom operations),
+    /// Held while records are created or reclaimed,
     /// so the sweep never retires a record a creator is linking a child to.
-    records: crate::sync::Mutex<()>,
+    records: Mutex<()>,
     /// `tenant_evictions` of reclaimed tenants (V5's counter must not go back; record lock).
     retired_quota_evictions: Mutex<HashMap<Arc<str>, u64>>,
     /// Distinct keys in the whole index, reserved included (O3 step 1).
@@ -127,7 +126,7 @@ impl Index {
             all_parts: Mutex::new(Vec::new()),
             all_parts_len: AtomicUsize::new(0),
             all_models: Mutex::new(Vec::new()),
-            records: crate::sync::Mutex::new(()),
+            records: Mutex::new(()),
             retired_quota_evictions: Mutex::new(HashMap::new()),
             total_keys: AtomicI64::new(0),
             storage_entries: AtomicI64::new(0),
@@ -184,18 +183,6 @@ impl Drop for Index {
             *t.stop.0.lock() = true;
             t.stop.1.notify_all();
         }
-        // `TenantRec::models` ↔ `ModelRec::tenant`, `ModelRec::parts` ↔ `Partition::model` and
-        // `TenantRec::quota_hand` → `Partition::tenant` are reference cycles: without breaking them a dropped index never frees its records,
-        // partitions and tables (found by the `engine_ops` fuzz target, which builds an index per
-        // input).
-        // A tenant's quota hand holds its partitions, which hold the tenant: a third cycle.
-        for t in self.tenants.all() {
-            t.models.lock().clear();
-            t.quota_hand.lock().release();
-        }
-        for m in self.all_models.get_mut().drain(..) {
-            m.parts.lock().clear();
-        }
     }
 }
 
@@ -213,5 +200,126 @@ impl Index {
     pub fn loom_reap(&self) -> usize {
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
         parts.iter().map(|p| p.table.reaper().free_all()).sum()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::config::{Algorithm, Resolvers};
+    use crate::index::testing::NOW;
+    use crate::types::*;
+    use crossbeam_epoch as epoch;
+    use std::sync::Weak;
+
+    /// Tenant "q" has a quota of 2 keys, so its quota hand works on its partitions; others have
+    /// none.
+    struct QuotaForQ;
+
+    impl Resolvers for QuotaForQ {
+        fn ttl_ms(&self, _: &str) -> Option<i64> {
+            None
+        }
+        fn algorithm(&self, _: &str) -> Algorithm {
+            Algorithm::Lru
+        }
+        fn quota(&self, tenant: &str) -> Option<i64> {
+            (tenant == "q").then_some(2)
+        }
+    }
+
+    /// A dropped index frees every record it held, with no code of its own breaking links:
+    /// children keep their parents alive, parents list their children weakly. Weak handles to
+    /// every tenant, (tenant, model) pair, scope, partition and gauge, taken before the drop,
+    /// all fail to upgrade once the epoch has run what the directories deferred. Records
+    /// holding each other strongly (a pair listing its partitions, a tenant its pairs or, through
+    /// its quota hand, its partitions) would outlive the index.
+    #[test]
+    fn a_dropped_index_frees_every_record() {
+        let ix = Index::new(
+            IndexConfig::default(),
+            Arc::new(QuotaForQ),
+            Arc::new(ManualClock::new(NOW)),
+        );
+        let keys: Vec<[u8; 8]> = (0..6u64).map(|k| (0xA0 + k).to_be_bytes()).collect();
+        let counts = vec![16i32; keys.len()];
+        for (tenant, model, scheme, adapter) in [
+            ("a", "m", "s", ""),
+            ("a", "m", "s", "lora"),
+            ("a", "n", "s", ""),
+            ("a", "n", "t", ""),
+            ("b", "m", "s", ""),
+            ("q", "m", "s", ""),
+            ("q", "n", "s", "lora"),
+        ] {
+            ix.ingest(CacheStateUpdate {
+                replica_id: "r0",
+                model_id: model,
+                tenant_id: tenant,
+                hash_scheme: scheme,
+                timestamp_us: NOW,
+                adapter_id: adapter,
+                stats: Some(ReplicaStatsInput::default()),
+                prefixes: std::iter::once(PrefixRef {
+                    prefix_hash: b"",
+                    token_count: 0,
+                    block_hashes: &keys[..],
+                    block_token_counts: &counts[..],
+                    tier: 0,
+                    adapter_id: "",
+                }),
+            });
+        }
+        let evicted: u64 = ix
+            .tenant_evictions()
+            .iter()
+            .filter(|(t, _)| &**t == "q")
+            .map(|(_, n)| n)
+            .sum();
+        assert!(evicted > 0, "the quota of q ran");
+        fn weak_all<T>(d: &Directory<T>) -> Vec<Weak<T>> {
+            d.all().iter().map(Arc::downgrade).collect()
+        }
+        let tenants = weak_all(&ix.tenants);
+        let models = weak_all(&ix.models);
+        let scopes = weak_all(&ix.scopes);
+        let parts = weak_all(&ix.parts);
+        let gauges = weak_all(&ix.gauges);
+        assert_eq!(
+            [
+                tenants.len(),
+                models.len(),
+                scopes.len(),
+                parts.len(),
+                gauges.len()
+            ],
+            [3, 5, 6, 7, 2]
+        );
+        drop(ix);
+        fn alive<T>(v: &[Weak<T>]) -> usize {
+            v.iter().filter(|w| w.upgrade().is_some()).count()
+        }
+        let left = || {
+            [
+                alive(&tenants),
+                alive(&models),
+                alive(&scopes),
+                alive(&parts),
+                alive(&gauges),
+            ]
+        };
+        // Unlinked directory nodes and old bucket arrays hold records until the epoch frees
+        // them: help it along (bounded in time: other tests' pinned threads hold it back).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while left() != [0; 5] && std::time::Instant::now() < deadline {
+            epoch::pin().flush();
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            left(),
+            [0; 5],
+            "records alive after the drop: [tenants, models, scopes, partitions, gauges]"
+        );
     }
 }

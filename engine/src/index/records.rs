@@ -5,17 +5,26 @@
 //! the directories of [`crate::directory`], so a reference to one is bound to the caller's epoch
 //! guard. A scope's replicas live in slots recycled the same way
 //! ([`ScopeRec::reclaim_slots`]).
+//!
+//! Ownership runs one way, from child to parent: a partition holds its tenant, (tenant, model)
+//! pair and scope, a pair holds its tenant and gauge (plain `Arc`s, read on the lookup path
+//! without an upgrade). A parent's lists of its children (a tenant's pairs, a pair's
+//! partitions, a quota hand's partitions between enforcements) hold `Weak`s, and what keeps a
+//! record alive is the index's directories and lists (and, for an unlinked record, the epoch).
+//! So the records form no reference cycle and a dropped index frees them all without help.
+//! The sweep takes a reclaimed record out of its parent's list under the record lock, so a
+//! listed child always upgrades (between its unlink and that removal it is still held by the
+//! sweep); a walk over a list skips a child that does not.
 
 use crate::ReplicaId;
 use crate::directory::{Directory, Life, Rcu, hash_strs, same_str};
 use crate::raw::table::KeyTable;
-use crate::sync::{AtomicI64, AtomicU64, Ordering};
+use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
-use parking_lot::Mutex;
-use std::sync::Arc;
 use std::sync::atomic::{
     AtomicU32 as StdAtomicU32, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering,
 };
+use std::sync::{Arc, Weak};
 
 /// A tenant.
 pub(crate) struct TenantRec {
@@ -23,7 +32,8 @@ pub(crate) struct TenantRec {
     pub(crate) reserved: bool,
     /// Distinct keys of the tenant (all models), stale-unswept included.
     pub(crate) keys: AtomicI64,
-    pub(crate) models: Mutex<Vec<Arc<ModelRec>>>,
+    /// The tenant's (tenant, model) pairs (weak: each pair holds its tenant).
+    pub(crate) models: Mutex<Vec<Weak<ModelRec>>>,
     /// Keys removed by the tenant quota (V5, `tenant_evictions_total{over_entries}`).
     pub(crate) quota_evictions: AtomicU64,
     /// Victim-selection state of the tenant quota (V5; see `eviction.rs`).
@@ -64,8 +74,8 @@ pub(crate) struct ModelRec {
     pub(crate) gauge: Arc<GaugeRec>,
     /// Stats records sorted by replica id.
     pub(crate) stats: Rcu<Vec<StatsRecord>>,
-    /// Partitions of this pair (E3/E4 cost).
-    pub(crate) parts: Mutex<Vec<Arc<Partition>>>,
+    /// Partitions of this pair (E3/E4 cost; weak: each partition holds its pair).
+    pub(crate) parts: Mutex<Vec<Weak<Partition>>>,
     /// Reclamation gate of the stats writers (see [`Life`]).
     pub(crate) life: Life,
 }
@@ -308,12 +318,12 @@ pub(crate) struct ScopeRec {
     pub(crate) replicas: ReplicaSlots,
     /// Replicas by id, for readers (serving counts by name: TENANT_HOT, tests).
     lookup: Directory<ScopeReplica>,
-    /// Writer-side names (sync seam: held across the slot stores).
-    names: crate::sync::Mutex<ScopeNames>,
+    /// Writer-side names (held across the slot stores).
+    names: Mutex<ScopeNames>,
     /// Indices of reclaimed slots whose grace period has passed, ready for new ids. Its own
     /// lock, taken by epoch-deferred functions: nothing pins while holding it (a pin may run
     /// deferred functions, which must not wait for a lock their thread holds).
-    free: crate::sync::Mutex<Vec<u32>>,
+    free: Mutex<Vec<u32>>,
     /// Replicas with serving > 0.
     pub(crate) serving_n: AtomicI64,
     /// Partitions of the scope (changed under the record lock).
@@ -328,8 +338,8 @@ impl ScopeRec {
             scheme,
             replicas: ReplicaSlots::new(),
             lookup: Directory::new(),
-            names: crate::sync::Mutex::new(ScopeNames::default()),
-            free: crate::sync::Mutex::new(Vec::new()),
+            names: Mutex::new(ScopeNames::default()),
+            free: Mutex::new(Vec::new()),
             serving_n: AtomicI64::new(0),
             parts: StdAtomicUsize::new(0),
         }

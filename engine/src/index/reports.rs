@@ -15,7 +15,7 @@ use crate::sync::Ordering;
 use crate::types::*;
 use crossbeam_epoch as epoch;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 /// Live records of an index, by kind (see [`Index::record_counts`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -162,7 +162,8 @@ impl Index {
         all_tenants.sort_by(|a, b| a.name.cmp(&b.name));
         for t in all_tenants.iter().filter(|t| !t.reserved) {
             let keys = t.keys.load(Ordering::Relaxed);
-            let tmodels = t.models.lock().clone();
+            let tmodels: Vec<Arc<ModelRec>> =
+                t.models.lock().iter().filter_map(Weak::upgrade).collect();
             let hot: i64 = tmodels.iter().map(|m| m.hot.load(Ordering::Relaxed)).sum();
             let (mut sum, mut cnt) = (0f64, 0usize);
             for r in replicas

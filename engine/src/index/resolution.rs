@@ -9,9 +9,8 @@
 use super::Index;
 use super::records::{GaugeRec, ModelRec, Partition, ScopeRec, TenantRec};
 use crate::directory::{hash_strs, same_str};
-use crate::sync::{AtomicI64, AtomicU64, Ordering};
+use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
-use parking_lot::Mutex;
 use std::sync::Arc;
 
 /// A resolved partition, for the core match API.
@@ -138,7 +137,7 @@ impl Index {
         // Listed before it is linked: a record reachable through the directory is in every
         // list that walks its kind (see `enter_part`).
         gauge.pairs.fetch_add(1, Ordering::Relaxed);
-        tenant.models.lock().push(rec.clone());
+        tenant.models.lock().push(Arc::downgrade(&rec));
         self.all_models.lock().push(rec.clone());
         let (linked, created) = self.models.get_or_insert(
             hash_strs(&[t, m]),
@@ -229,7 +228,7 @@ impl Index {
         // and the cap through `all_parts`). Linked first, a probe's cleanup could run between
         // a second writer's ingest and the listing and miss that writer's entry for good.
         scope.parts.fetch_add(1, Ordering::Relaxed);
-        model.parts.lock().push(p.clone());
+        model.parts.lock().push(Arc::downgrade(&p));
         {
             let mut all = self.all_parts.lock();
             all.push(p.clone());

@@ -9,9 +9,8 @@ use crate::clock::us_to_ms;
 use crate::config::Algorithm;
 use crate::directory::hash_strs;
 use crate::sink::{ChangeEvent, ChangeKind};
-use crate::sync::Ordering;
+use crate::sync::{Condvar, Mutex, Ordering};
 use crossbeam_epoch as epoch;
-use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
@@ -154,11 +153,15 @@ impl Index {
         for p in &gone_parts {
             let h = hash_strs(&[&p.tenant.name, &p.model.name, &p.scheme, &p.adapter]);
             self.parts.remove(h, Arc::as_ptr(p));
-            p.model.parts.lock().retain(|q| !Arc::ptr_eq(q, p));
+            p.model
+                .parts
+                .lock()
+                .retain(|q| !std::ptr::eq(q.as_ptr(), Arc::as_ptr(p)));
             p.scope.parts.fetch_sub(1, Ordering::Relaxed);
         }
-        // The quota hands hold partitions too (refreshed per enforcement): drop the reclaimed
-        // ones now, so an idle tenant does not keep them.
+        // The quota hands know partitions too (weakly between enforcements): forget the
+        // reclaimed ones now, so an idle tenant's hand keeps neither their allocations (a weak
+        // reference keeps one) nor positions that moved.
         let mut tenants: Vec<&Arc<TenantRec>> = gone_parts.iter().map(|p| &p.tenant).collect();
         tenants.sort_unstable_by_key(|t| Arc::as_ptr(t));
         tenants.dedup_by_key(|t| Arc::as_ptr(t));
@@ -193,7 +196,10 @@ impl Index {
         for m in &gone_models {
             self.models
                 .remove(hash_strs(&[&m.tenant.name, &m.name]), Arc::as_ptr(m));
-            m.tenant.models.lock().retain(|q| !Arc::ptr_eq(q, m));
+            m.tenant
+                .models
+                .lock()
+                .retain(|q| !std::ptr::eq(q.as_ptr(), Arc::as_ptr(m)));
             if m.gauge.pairs.fetch_sub(1, Ordering::Relaxed) == 1 {
                 self.gauges
                     .remove(hash_strs(&[&m.gauge.model]), Arc::as_ptr(&m.gauge));
@@ -206,8 +212,6 @@ impl Index {
             if t.models.lock().is_empty()
                 && self.tenants.remove(hash_strs(&[&t.name]), Arc::as_ptr(t))
             {
-                // The quota hand holds the tenant's partitions, which hold the tenant.
-                t.quota_hand.lock().release();
                 // `tenant_evictions_total` is a counter: it outlives the record (and goes
                 // back to the tenant if it returns).
                 let n = t.quota_evictions.load(Ordering::Relaxed);
