@@ -11,9 +11,12 @@
 # failures (the LFU unit tests assert which path an uncontended credit takes; a spurious failure
 # takes the contended path, which the loom models check); leaks ignored (garbage still queued in
 # crossbeam-epoch's global collector when the test process exits is never freed, by design; the
-# engine's own leak checks are tests/drop_frees.rs and the loom models' ledger). Miri builds map no pages (`raw/pages.rs`
-# uses the global allocator under `cfg(miri)`), and the two unit tests whose bounds depend on
-# 60,000 keys are ignored under Miri. Not part of `.ci/run`: it takes ~10 minutes on 2 cores.
+# engine's own leak checks are tests/drop_frees.rs and the loom models' ledger).
+#
+# Miri builds map no pages (`raw/pages.rs` uses the global allocator under `cfg(miri)`), and the
+# two unit tests whose bounds depend on 60,000 keys are ignored under Miri. Not part of
+# `.ci/run`: on 2 cores the tests take about a minute after a build of several minutes (the
+# first run also builds Miri's sysroot).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! cargo +nightly miri --version >/dev/null 2>&1; then
