@@ -127,7 +127,7 @@ impl Stores {
     }
 
     /// The stream's first and last sequence (`None` when NATS does not answer; logged, at
-    /// most once per [`QUERY_WARNING_PERIOD`], since a server restoring retries this until it
+    /// most once per 10 s, since a server restoring retries this until it
     /// answers and would otherwise wait without a word).
     pub async fn bounds(&self) -> Option<(u64, u64)> {
         let query = async {
