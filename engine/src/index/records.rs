@@ -164,11 +164,15 @@ fn slot_place(i: usize) -> (usize, usize) {
 /// index in them is handed out, so appending a replica is O(1) (no copy of the earlier ones)
 /// and an empty scope costs one small array of chunk pointers.
 ///
-/// Invariants: a slot is written once, by the interning writer (scope name lock held), with a
+/// Invariants: a slot is written by the interning writer (scope name lock held), with a
 /// Release store of a fully built record, before any key node naming the index is published;
-/// it then never changes while the scope lives. A chunk pointer is stored (Release) before any
-/// of its slots. A reader reaches a slot through a holder it loaded with Acquire, so it sees
-/// the chunk and the record.
+/// it then does not change while any holder names the index. A chunk pointer is stored
+/// (Release) before any of its slots. A reader reaches a slot only through a holder it loaded
+/// with Acquire, so it sees the chunk and the record. A reclaimed slot is emptied, and its
+/// record dropped, by the epoch-deferred function of its reclamation, before its index goes
+/// back on the free list: by then no holder names the index and no reader pinned before the
+/// reclamation is still pinned, so no reader can reach the record. The record, and its id's
+/// interned text, go with the epoch, not with the next id to take the index.
 pub(crate) struct ReplicaSlots {
     chunks: [crate::sync::AtomicPtr<crate::sync::AtomicPtr<ScopeReplica>>; SLOT_CHUNKS],
     /// Slots handed out so far (indices `0..len` are set or being set).
@@ -203,19 +207,27 @@ impl ReplicaSlots {
         // SAFETY: `off < SLOT_BASE << k`, the chunk's length; chunks live as long as `self`.
         let slot = unsafe { &*chunk.add(off) };
         let old = slot.swap(Arc::into_raw(rec) as *mut ScopeReplica, Ordering::AcqRel);
-        if !old.is_null() {
-            // A recycled slot: its previous record is unreachable through holders (none names
-            // the index any more, see `ScopeRec::reclaim_slots`), but a reader iterating the
-            // slots may hold it until its guard drops.
-            let old = old as usize;
-            let guard = epoch::pin();
-            // SAFETY: the slot owned one `Arc` count of `old`, given up here after the epoch.
-            unsafe {
-                guard.defer_unchecked(move || drop(Arc::from_raw(old as *const ScopeReplica)));
-            }
-        }
+        debug_assert!(old.is_null(), "a slot is emptied before its index is freed");
         if i as u64 >= self.len.load(Ordering::Relaxed) {
             self.len.store(i as u64 + 1, Ordering::Release);
+        }
+    }
+
+    /// Empties slot `i` and drops its record: a reclaimed slot whose grace period has passed
+    /// (see the type's invariants). Runs in an epoch-deferred function, so it does not pin.
+    fn clear(&self, i: usize) {
+        let (k, off) = slot_place(i);
+        let chunk = self.chunks[k].load(Ordering::Acquire);
+        if chunk.is_null() {
+            return;
+        }
+        // SAFETY: as in `set`.
+        let slot = unsafe { &*chunk.add(off) };
+        let old = slot.swap(std::ptr::null_mut(), Ordering::AcqRel);
+        if !old.is_null() {
+            // SAFETY: the slot owned one `Arc` count of `old`; no reader can reach it any more
+            // (no holder names the index and readers reach slots only through holders).
+            drop(unsafe { Arc::from_raw(old as *const ScopeReplica) });
         }
     }
 
@@ -230,7 +242,9 @@ impl ReplicaSlots {
             return None;
         }
         // SAFETY: as in `set`; a non-null slot holds a record owned by the slot (one `Arc`
-        // count), freed only when the scope is dropped.
+        // count), dropped only once no holder names the index and no reader pinned while one
+        // did is still pinned (`clear`), and the caller reached it through such a holder (or
+        // is the writer, with the slot entered).
         unsafe {
             let rec = (*chunk.add(off)).load(Ordering::Acquire);
             rec.as_ref()
@@ -274,12 +288,15 @@ impl<'g> ReplicaView<'g> {
         self.slots.get(i)
     }
 
-    /// Indices handed out so far.
+    /// Indices handed out so far (tests).
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.slots.len.load(Ordering::Acquire) as usize
     }
 
-    /// Every replica, by index.
+    /// Every replica, by index (tests: readers reach slots only through holders, see
+    /// [`ReplicaSlots`]).
+    #[cfg(test)]
     pub(crate) fn iter(&self) -> impl Iterator<Item = &'g ScopeReplica> + 'g {
         let slots = self.slots;
         (0..self.len()).filter_map(move |i| slots.get(i))
@@ -434,8 +451,10 @@ impl ScopeRec {
 
     /// Reclaims the slots of replicas that hold nothing in the scope (serving count 0, no
     /// writer in): the id leaves the name maps at once, and the index becomes available to
-    /// new ids once every reader pinned now has unpinned (an epoch-deferred push onto `free`),
-    /// so no reader can map a holder it read before the removal to the slot's next replica.
+    /// new ids once every reader pinned now has unpinned (an epoch-deferred function empties
+    /// the slot and pushes the index onto `free`), so no reader can map a holder it read
+    /// before the removal to the slot's next replica. The emptied record, and with it the
+    /// id's interned text, go a grace period later whether or not a new id takes the index.
     ///
     /// Why serving 0 means no key node names the index: the count is the replica's entries
     /// in the scope; ingests add to it only while entered (so not after the retirement), and
@@ -463,7 +482,10 @@ impl ScopeRec {
             let rec: *const ScopeReplica = self.slot(i);
             self.lookup.remove(hash_strs(&[&id]), rec);
             let scope = self.clone();
-            guard.defer(move || scope.free.lock().push(i));
+            guard.defer(move || {
+                scope.replicas.clear(i as usize);
+                scope.free.lock().push(i);
+            });
         }
         reclaimed
     }
@@ -472,6 +494,18 @@ impl ScopeRec {
     pub(crate) fn find<'g>(&self, name: &str, guard: &'g Guard) -> Option<&'g ScopeReplica> {
         self.lookup
             .get(hash_strs(&[name]), |r| same_str(&r.name, name), guard)
+    }
+
+    /// Ids of the scope's replicas with serving > 0 (reader side, allocates; by the name
+    /// directory, which keeps its records for the guard's life, not by the slots, which only
+    /// holders reach).
+    pub(crate) fn serving_ids(&self) -> Vec<ReplicaId> {
+        self.lookup
+            .all()
+            .iter()
+            .filter(|r| r.serving.load(Ordering::Relaxed) > 0)
+            .map(|r| r.name.clone())
+            .collect()
     }
 
     /// Serving count of `name` (reader side).

@@ -571,13 +571,7 @@ impl Index {
         }
         let guard = epoch::pin();
         let scope = self.scope_ref(tenant, model, scheme, &guard)?;
-        let mut cands: Vec<ReplicaId> = scope
-            .replicas
-            .load(&guard)
-            .iter()
-            .filter(|r| r.serving.load(Ordering::Relaxed) > 0)
-            .map(|r| r.name.clone())
-            .collect();
+        let mut cands = scope.serving_ids();
         if cands.is_empty() {
             return None;
         }

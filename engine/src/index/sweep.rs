@@ -376,4 +376,64 @@ mod tests {
             "nothing is left once the index is gone"
         );
     }
+
+    /// A reclaimed slot lets go of its id with the epoch, not when a new id takes the slot:
+    /// a pod that went away leaves the interner though no other pod ever comes.
+    #[test]
+    fn a_reclaimed_slot_frees_its_id_without_a_successor() {
+        let clock = Arc::new(ManualClock::new(NOW));
+        let ix = Index::new(
+            IndexConfig::default(),
+            Arc::new(DefaultResolvers),
+            clock.clone(),
+        );
+        let scope = |replica_id| CacheStateUpdate {
+            replica_id,
+            model_id: "m",
+            tenant_id: "t",
+            hash_scheme: "s",
+            timestamp_us: NOW,
+            adapter_id: "",
+            stats: None,
+            prefixes: std::iter::once(PrefixRef::<&[u8]> {
+                prefix_hash: &[7; 8],
+                token_count: 16,
+                block_hashes: &[],
+                block_token_counts: &[],
+                tier: 0,
+                adapter_id: "",
+            }),
+        };
+        // A second pod keeps the scope (and its slot array) alive throughout.
+        ix.ingest(scope("lone-pod-stays"));
+        ix.ingest(scope("lone-pod-leaves"));
+        ix.apply_event(CacheEventInput {
+            event_type: crate::types::event_type::ALL_CLEARED,
+            replica_id: "lone-pod-leaves",
+            model_id: "m",
+            tenant_id: "t",
+            prefix_hash: &[],
+            timestamp_us: NOW,
+            adapter_id: "",
+        });
+        ix.sweep_now();
+        let left = || crate::replica_id::interned_with_prefix("lone-pod-leaves");
+        // Bounded in time: other tests' pinned threads may hold the epoch back meanwhile.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while left() > 0 && std::time::Instant::now() < deadline {
+            epoch::pin().flush();
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            left(),
+            0,
+            "the reclaimed slot's id is freed after the epoch"
+        );
+        assert_eq!(
+            crate::replica_id::interned_with_prefix("lone-pod-stays"),
+            1,
+            "the pod still holding an entry keeps its id"
+        );
+        assert_eq!(ix.storage_entries(), 1);
+    }
 }
