@@ -136,12 +136,8 @@ impl Index {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::clock::ManualClock;
-    use crate::config::{DefaultResolvers, IndexConfig};
-    use crate::index::testing::{NOW, chain};
+    use crate::index::testing::{NOW, all_cleared, chain, index_at_now};
     use crate::types::*;
-    use std::sync::Arc;
 
     /// Walks that remove (the sweep's TTL pass, ALL_CLEARED, PREFIX_EVICTED) visit only the
     /// shards a writer created: a one-key partition keeps its one shard. (They used to create
@@ -149,23 +145,10 @@ mod tests {
     /// 1.4 GB of RSS while it reclaimed them.)
     #[test]
     fn removal_walks_create_no_shards() {
-        let clock = Arc::new(ManualClock::new(NOW));
-        let ix = Index::new(
-            IndexConfig::default(),
-            Arc::new(DefaultResolvers),
-            clock.clone(),
-        );
+        let ix = index_at_now();
         chain(&ix, "a", &[*b"key-0001"]);
         let held = ix.memory_bytes();
-        ix.apply_event(CacheEventInput {
-            event_type: crate::types::event_type::ALL_CLEARED,
-            replica_id: "b",
-            model_id: "m",
-            tenant_id: "t",
-            prefix_hash: &[],
-            timestamp_us: NOW,
-            adapter_id: "",
-        });
+        all_cleared(&ix, "b");
         ix.apply_event(CacheEventInput {
             event_type: crate::types::event_type::PREFIX_EVICTED,
             replica_id: "a",

@@ -288,10 +288,7 @@ impl Index {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::clock::ManualClock;
-    use crate::config::{DefaultResolvers, IndexConfig};
-    use crate::index::testing::NOW;
+    use crate::index::testing::{NOW, all_cleared, index_at_now, single};
     use crate::types::*;
     use crossbeam_epoch as epoch;
 
@@ -301,12 +298,7 @@ mod tests {
     /// slot's record): the interner holds about the live fleet, not every name ever seen.
     #[test]
     fn renamed_pods_leave_the_interner() {
-        let clock = Arc::new(ManualClock::new(NOW));
-        let ix = Index::new(
-            IndexConfig::default(),
-            Arc::new(DefaultResolvers),
-            clock.clone(),
-        );
+        let ix = index_at_now();
         let pod = |k: usize| format!("rolling-pod-{k:06}");
         let ingest = |name: &str, key: u64| {
             ix.ingest(CacheStateUpdate {
@@ -332,15 +324,7 @@ mod tests {
             ingest(&pod(k), k as u64);
             if k >= 64 {
                 // The pod renamed away: its entry and stats go (ALL_CLEARED).
-                ix.apply_event(CacheEventInput {
-                    event_type: crate::types::event_type::ALL_CLEARED,
-                    replica_id: &pod(k - 64),
-                    model_id: "m",
-                    tenant_id: "t",
-                    prefix_hash: &[],
-                    timestamp_us: NOW,
-                    adapter_id: "",
-                });
+                all_cleared(&ix, &pod(k - 64));
             }
             if k % 1_000 == 999 {
                 ix.sweep_now();
@@ -381,41 +365,11 @@ mod tests {
     /// a pod that went away leaves the interner though no other pod ever comes.
     #[test]
     fn a_reclaimed_slot_frees_its_id_without_a_successor() {
-        let clock = Arc::new(ManualClock::new(NOW));
-        let ix = Index::new(
-            IndexConfig::default(),
-            Arc::new(DefaultResolvers),
-            clock.clone(),
-        );
-        let scope = |replica_id| CacheStateUpdate {
-            replica_id,
-            model_id: "m",
-            tenant_id: "t",
-            hash_scheme: "s",
-            timestamp_us: NOW,
-            adapter_id: "",
-            stats: None,
-            prefixes: std::iter::once(PrefixRef::<&[u8]> {
-                prefix_hash: &[7; 8],
-                token_count: 16,
-                block_hashes: &[],
-                block_token_counts: &[],
-                tier: 0,
-                adapter_id: "",
-            }),
-        };
+        let ix = index_at_now();
         // A second pod keeps the scope (and its slot array) alive throughout.
-        ix.ingest(scope("lone-pod-stays"));
-        ix.ingest(scope("lone-pod-leaves"));
-        ix.apply_event(CacheEventInput {
-            event_type: crate::types::event_type::ALL_CLEARED,
-            replica_id: "lone-pod-leaves",
-            model_id: "m",
-            tenant_id: "t",
-            prefix_hash: &[],
-            timestamp_us: NOW,
-            adapter_id: "",
-        });
+        single(&ix, "lone-pod-stays", &[7; 8]);
+        single(&ix, "lone-pod-leaves", &[7; 8]);
+        all_cleared(&ix, "lone-pod-leaves");
         ix.sweep_now();
         let left = || crate::replica_id::interned_with_prefix("lone-pod-leaves");
         // Bounded in time: other tests' pinned threads may hold the epoch back meanwhile.

@@ -2,9 +2,34 @@
 //! scheme `s`, adapter `""`, at [`NOW`].
 
 use super::Index;
+use crate::clock::ManualClock;
+use crate::config::{DefaultResolvers, IndexConfig};
 use crate::types::*;
+use std::sync::Arc;
 
 pub(super) const NOW: i64 = 1_700_000_000_000_000;
+
+/// An index with the default configuration whose clock stands at [`NOW`].
+pub(super) fn index_at_now() -> Index {
+    Index::new(
+        IndexConfig::default(),
+        Arc::new(DefaultResolvers),
+        Arc::new(ManualClock::new(NOW)),
+    )
+}
+
+/// Applies ALL_CLEARED from `rep`.
+pub(super) fn all_cleared(ix: &Index, rep: &str) {
+    ix.apply_event(CacheEventInput {
+        event_type: event_type::ALL_CLEARED,
+        replica_id: rep,
+        model_id: "m",
+        tenant_id: "t",
+        prefix_hash: &[],
+        timestamp_us: NOW,
+        adapter_id: "",
+    });
+}
 
 /// Ingests `r` as the only ref of an update from `rep`.
 fn ingest_ref<H: AsRef<[u8]>>(ix: &Index, rep: &str, r: PrefixRef<'_, H>) {
