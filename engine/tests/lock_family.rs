@@ -6,7 +6,10 @@
 //! `std::sync::{self, …}`), which would let a later `sync::Mutex` slip by. Comments and
 //! string literals are ignored.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::source_text::{code_only, rust_files};
+use std::path::Path;
 
 /// Lock types a file must take from `crate::sync`.
 const LOCK_TYPES: &[&str] = &[
@@ -17,84 +20,6 @@ const LOCK_TYPES: &[&str] = &[
     "RwLockWriteGuard",
     "Condvar",
 ];
-
-/// The text with comments and the contents of string literals blanked out (newlines kept, so
-/// line numbers still hold). Character literals are left alone: none of them can spell a path.
-fn code_only(text: &str) -> String {
-    let chars: Vec<char> = text.chars().collect();
-    let mut out = String::with_capacity(text.len());
-    let blank = |c: char| if c == '\n' { '\n' } else { ' ' };
-    let mut i = 0;
-    while i < chars.len() {
-        let c = chars[i];
-        let next = chars.get(i + 1).copied();
-        if c == '/' && next == Some('/') {
-            while i < chars.len() && chars[i] != '\n' {
-                i += 1;
-            }
-        } else if c == '/' && next == Some('*') {
-            let mut depth = 0;
-            while i < chars.len() {
-                if chars[i] == '/' && chars.get(i + 1) == Some(&'*') {
-                    depth += 1;
-                    i += 2;
-                } else if chars[i] == '*' && chars.get(i + 1) == Some(&'/') {
-                    depth -= 1;
-                    i += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    out.push(blank(chars[i]));
-                    i += 1;
-                }
-            }
-        } else if c == 'r' && matches!(next, Some('"') | Some('#')) && {
-            let mut j = i + 1;
-            while chars.get(j) == Some(&'#') {
-                j += 1;
-            }
-            chars.get(j) == Some(&'"')
-        } {
-            // Raw string: r"…", r#"…"#.
-            let mut j = i + 1;
-            let mut hashes = 0;
-            while chars[j] == '#' {
-                hashes += 1;
-                j += 1;
-            }
-            j += 1;
-            out.push_str("\"\"");
-            while j < chars.len() {
-                if chars[j] == '"' && (0..hashes).all(|h| chars.get(j + 1 + h) == Some(&'#')) {
-                    j += 1 + hashes;
-                    break;
-                }
-                out.push(blank(chars[j]));
-                j += 1;
-            }
-            i = j;
-        } else if c == '"' {
-            out.push_str("\"\"");
-            i += 1;
-            while i < chars.len() && chars[i] != '"' {
-                if chars[i] == '\\' {
-                    out.push(' ');
-                    i += 1;
-                }
-                if i < chars.len() {
-                    out.push(blank(chars[i]));
-                    i += 1;
-                }
-            }
-            i += 1;
-        } else {
-            out.push(c);
-            i += 1;
-        }
-    }
-    out
-}
 
 /// A token of the code: an identifier, `::`, or one punctuation character.
 #[derive(Debug, Clone, PartialEq)]
@@ -219,21 +144,6 @@ fn offences(file: &str, text: &str) -> Vec<String> {
         }
     }
     found
-}
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
-        .map(|e| e.expect("directory entry").path())
-        .collect();
-    entries.sort();
-    for path in entries {
-        if path.is_dir() {
-            rust_files(&path, out);
-        } else if path.extension().is_some_and(|x| x == "rs") {
-            out.push(path);
-        }
-    }
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! Shared helpers for the engine's integration tests (index.md §11 notation).
 #![allow(dead_code)]
 
+pub mod source_text;
+
 use inferencecache_engine::*;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
