@@ -207,27 +207,11 @@ impl Index {
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
-    use crate::config::{Algorithm, Resolvers};
-    use crate::index::testing::NOW;
+    use crate::config::Algorithm;
+    use crate::index::testing::{NOW, Policy};
     use crate::types::*;
     use crossbeam_epoch as epoch;
     use std::sync::Weak;
-
-    /// Tenant "q" has a quota of 2 keys, so its quota hand works on its partitions; others have
-    /// none.
-    struct QuotaForQ;
-
-    impl Resolvers for QuotaForQ {
-        fn ttl_ms(&self, _: &str) -> Option<i64> {
-            None
-        }
-        fn algorithm(&self, _: &str) -> Algorithm {
-            Algorithm::Lru
-        }
-        fn quota(&self, tenant: &str) -> Option<i64> {
-            (tenant == "q").then_some(2)
-        }
-    }
 
     /// A dropped index frees every record it held, with no code of its own breaking links:
     /// children keep their parents alive, parents list their children weakly. Weak handles to
@@ -239,7 +223,11 @@ mod tests {
     fn a_dropped_index_frees_every_record() {
         let ix = Index::new(
             IndexConfig::default(),
-            Arc::new(QuotaForQ),
+            // Tenant "q" has a quota of 2 keys, so its quota hand works on its partitions.
+            Arc::new(Policy {
+                algorithm: Algorithm::Lru,
+                quota: Some(("q", 2)),
+            }),
             Arc::new(ManualClock::new(NOW)),
         );
         let keys: Vec<[u8; 8]> = (0..6u64).map(|k| (0xA0 + k).to_be_bytes()).collect();

@@ -714,23 +714,10 @@ mod tests {
 mod lfu_race_tests {
     use super::*;
     use crate::clock::ManualClock;
-    use crate::config::{IndexConfig, Resolvers};
+    use crate::config::IndexConfig;
     use crate::sync::AtomicBool;
 
-    struct Lfu;
-    impl Resolvers for Lfu {
-        fn ttl_ms(&self, _: &str) -> Option<i64> {
-            None
-        }
-        fn algorithm(&self, _: &str) -> Algorithm {
-            Algorithm::Lfu
-        }
-        fn quota(&self, _: &str) -> Option<i64> {
-            None
-        }
-    }
-
-    use crate::index::testing::{NOW, single};
+    use crate::index::testing::{NOW, Policy, single};
 
     /// Credits racing with evictions and re-creations: once everything quiesces, the hot-key
     /// counter equals the number of keys whose live holders' access counts sum to ≥ threshold.
@@ -742,7 +729,10 @@ mod lfu_race_tests {
         };
         let ix = Arc::new(Index::new(
             cfg,
-            Arc::new(Lfu),
+            Arc::new(Policy {
+                algorithm: Algorithm::Lfu,
+                quota: None,
+            }),
             Arc::new(ManualClock::new(NOW)),
         ));
         let keys: Vec<Vec<u8>> = (0..16u32)

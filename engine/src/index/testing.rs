@@ -3,11 +3,31 @@
 
 use super::Index;
 use crate::clock::ManualClock;
-use crate::config::{DefaultResolvers, IndexConfig};
+use crate::config::{Algorithm, DefaultResolvers, IndexConfig, Resolvers};
 use crate::types::*;
 use std::sync::Arc;
 
 pub(super) const NOW: i64 = 1_700_000_000_000_000;
+
+/// Resolvers of one algorithm for every tenant, no TTL, and a key quota for one tenant.
+pub(super) struct Policy {
+    pub(super) algorithm: Algorithm,
+    /// (tenant, keys).
+    pub(super) quota: Option<(&'static str, i64)>,
+}
+
+impl Resolvers for Policy {
+    fn ttl_ms(&self, _: &str) -> Option<i64> {
+        None
+    }
+    fn algorithm(&self, _: &str) -> Algorithm {
+        self.algorithm
+    }
+    fn quota(&self, tenant: &str) -> Option<i64> {
+        self.quota
+            .and_then(|(quota_tenant, keys)| (tenant == quota_tenant).then_some(keys))
+    }
+}
 
 /// An index with the default configuration whose clock stands at [`NOW`].
 pub(super) fn index_at_now() -> Index {
