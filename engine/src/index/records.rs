@@ -169,10 +169,10 @@ fn slot_place(i: usize) -> (usize, usize) {
 /// it then does not change while any holder names the index. A chunk pointer is stored
 /// (Release) before any of its slots. A reader reaches a slot only through a holder it loaded
 /// with Acquire, so it sees the chunk and the record. A reclaimed slot is emptied, and its
-/// record dropped, by the epoch-deferred function of its reclamation, before its index goes
-/// back on the free list: by then no holder names the index and no reader pinned before the
-/// reclamation is still pinned, so no reader can reach the record. The record, and its id's
-/// interned text, go with the epoch, not with the next id to take the index.
+/// record dropped, by a writer (scope name lock held) once the epoch-deferred function of its
+/// reclamation has released the index, before the index is handed out again: by then no holder
+/// names the index and no reader pinned before the reclamation is still pinned, so no reader
+/// can reach the record (see [`ScopeRec::reclaim_slots`]).
 pub(crate) struct ReplicaSlots {
     chunks: [crate::sync::AtomicPtr<crate::sync::AtomicPtr<ScopeReplica>>; SLOT_CHUNKS],
     /// Slots handed out so far (indices `0..len` are set or being set).
@@ -214,7 +214,7 @@ impl ReplicaSlots {
     }
 
     /// Empties slot `i` and drops its record: a reclaimed slot whose grace period has passed
-    /// (see the type's invariants). Runs in an epoch-deferred function, so it does not pin.
+    /// (see the type's invariants).
     fn clear(&self, i: usize) {
         let (k, off) = slot_place(i);
         let chunk = self.chunks[k].load(Ordering::Acquire);
@@ -324,6 +324,8 @@ pub(crate) struct ScopeNames {
     /// are read from the slots rather than kept here: a map leaf of (id, index) pairs is 240
     /// bytes, with the labels it was 384, and every scope has one.
     by_name: std::collections::BTreeMap<ReplicaId, u32>,
+    /// Indices of emptied slots, ready for new ids.
+    free: Vec<u32>,
 }
 
 /// A scope (tenant, model, scheme).
@@ -337,10 +339,10 @@ pub(crate) struct ScopeRec {
     lookup: Directory<ScopeReplica>,
     /// Writer-side names (held across the slot stores).
     names: Mutex<ScopeNames>,
-    /// Indices of reclaimed slots whose grace period has passed, ready for new ids. Its own
-    /// lock, taken by epoch-deferred functions: nothing pins while holding it (a pin may run
-    /// deferred functions, which must not wait for a lock their thread holds).
-    free: Mutex<Vec<u32>>,
+    /// Indices of reclaimed slots whose grace period has passed, their slots not yet emptied.
+    /// Its own lock, taken by epoch-deferred functions: nothing pins while holding it (a pin
+    /// may run deferred functions, which must not wait for a lock their thread holds).
+    released: Mutex<Vec<u32>>,
     /// Replicas with serving > 0.
     pub(crate) serving_n: AtomicI64,
     /// Partitions of the scope (changed under the record lock).
@@ -356,7 +358,7 @@ impl ScopeRec {
             replicas: ReplicaSlots::new(),
             lookup: Directory::new(),
             names: Mutex::new(ScopeNames::default()),
-            free: Mutex::new(Vec::new()),
+            released: Mutex::new(Vec::new()),
             serving_n: AtomicI64::new(0),
             parts: StdAtomicUsize::new(0),
         }
@@ -379,7 +381,8 @@ impl ScopeRec {
             debug_assert!(entered, "a named slot is never retired");
             return entered.then_some(i);
         }
-        let recycled = self.free.lock().pop();
+        self.empty_released(&mut names);
+        let recycled = names.free.pop();
         let i = match recycled {
             Some(i) => i as usize,
             None => {
@@ -451,10 +454,13 @@ impl ScopeRec {
 
     /// Reclaims the slots of replicas that hold nothing in the scope (serving count 0, no
     /// writer in): the id leaves the name maps at once, and the index becomes available to
-    /// new ids once every reader pinned now has unpinned (an epoch-deferred function empties
-    /// the slot and pushes the index onto `free`), so no reader can map a holder it read
-    /// before the removal to the slot's next replica. The emptied record, and with it the
-    /// id's interned text, go a grace period later whether or not a new id takes the index.
+    /// new ids once every reader pinned now has unpinned (an epoch-deferred function releases
+    /// the index), so no reader can map a holder it read before the removal to the slot's
+    /// next replica. The next writer to intern an id, or the next reclamation, empties the
+    /// released slots: the record, and with it the id's interned text, go then, whether or
+    /// not a new id takes the index. (Not the deferred function itself: garbage is collected
+    /// by whichever thread pins, often a reader inside a lookup, which should not drop ids
+    /// under the interner's lock.)
     ///
     /// Why serving 0 means no key node names the index: the count is the replica's entries
     /// in the scope; ingests add to it only while entered (so not after the retirement), and
@@ -463,6 +469,7 @@ impl ScopeRec {
     /// reclaimed.
     pub(crate) fn reclaim_slots(self: &Arc<Self>) -> usize {
         let mut names = self.names.lock();
+        self.empty_released(&mut names);
         let guard = epoch::pin();
         let mut gone = Vec::new();
         for (id, &i) in names.by_name.iter() {
@@ -482,12 +489,19 @@ impl ScopeRec {
             let rec: *const ScopeReplica = self.slot(i);
             self.lookup.remove(hash_strs(&[&id]), rec);
             let scope = self.clone();
-            guard.defer(move || {
-                scope.replicas.clear(i as usize);
-                scope.free.lock().push(i);
-            });
+            guard.defer(move || scope.released.lock().push(i));
         }
         reclaimed
+    }
+
+    /// Empties the slots released since the last call and puts their indices on the free
+    /// list (writer side: `names` is the scope's locked name state).
+    fn empty_released(&self, names: &mut ScopeNames) {
+        let released = std::mem::take(&mut *self.released.lock());
+        for i in released {
+            self.replicas.clear(i as usize);
+            names.free.push(i);
+        }
     }
     /// The replica named `name` (reader side, wait-free).
     #[inline]
