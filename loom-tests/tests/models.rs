@@ -1235,3 +1235,37 @@ fn m12a_reclaim_vs_ingest() {
 fn m12b_reclaim_vs_ingest() {
     m12_reclaim_vs_ingest(true);
 }
+
+/// Model 12c: a reclaimed replica slot goes to a new replica only after every reader that may
+/// have mapped a holder naming it has left. `a` held key 1 and `c` key 9 (`c` keeps the scope
+/// alive); a reader looks key 1 up while the main thread clears `a` (ALL_CLEARED), sweeps
+/// (reclaiming `a`'s slot), collects garbage twice (releasing the index once no reader pinned
+/// at the reclamation is still pinned) and ingests key 2 for a new replica `b`, whose intern
+/// empties a released slot and takes it. The reader answers `a` (it read the holder before the
+/// removal) or nothing, never `b`; afterwards key 2 answers `b`, key 1 nothing, and the scope
+/// names `b` and `c`.
+#[test]
+fn m12c_slot_reuse_vs_reader() {
+    model(|| {
+        let ix = index(Algorithm::Lru, None, 8, 1_000);
+        put(&ix, "c", &[(key(9), 10)], 1_000);
+        put(&ix, A, &[(key(1), 10)], 1_000);
+        let r = spawn_on(&ix, |ix| lookup(ix, &key(1)));
+        event(&ix, event_type::ALL_CLEARED, A, &[]);
+        let swept = ix.sweep_now();
+        assert_eq!(swept.replica_slots_reclaimed, 1, "a's slot");
+        loom_api::reclaim_step();
+        loom_api::reclaim_step();
+        put(&ix, B, &[(key(2), 10)], 1_000);
+        let seen = r.join().unwrap();
+        if seen.is_empty() {
+            outcome("reader found nothing");
+        } else {
+            assert_eq!(seen, [(A.to_string(), 10)], "the reader names a, never b");
+            outcome("reader found a");
+        }
+        assert_eq!(lookup(&ix, &key(2)), [(B.to_string(), 10)]);
+        assert!(lookup(&ix, &key(1)).is_empty());
+        assert_eq!(ix.record_counts().scope_replicas, 2);
+    });
+}
