@@ -274,27 +274,42 @@ pub fn restore<R: Read + Seek>(index: &Index, mut r: R) -> Result<RestoreReport,
                         parts: &[PartitionNames],
                         report: &mut RestoreReport|
      -> Result<(), FormatError> {
-        let results: Vec<Result<(u64, LoadOutcome), FormatError>> = window
+        let decoded: Vec<(u64, Vec<DecodedGroup<'_>>, u64)> = window
             .par_iter()
-            .map(|s| {
-                let (part, groups) = decode_entries(s)?;
-                let names = parts
-                    .get(part as usize)
-                    .ok_or_else(|| bad(s.index)("entries name an undefined partition"))?;
-                let mut outcome = LoadOutcome::default();
-                let mut n = 0;
-                let target =
-                    index.load_target(&names.tenant, &names.model, &names.scheme, &names.adapter);
-                for g in &groups {
-                    n += g.entries.len() as u64;
-                    match &target {
-                        Some(t) => outcome.add(&index.load_entries(t, g.replica, &g.entries)),
-                        None => outcome.dropped += g.entries.len() as u64,
-                    }
+            .map(|s| decode_entries(s).map(|(part, groups)| (part, groups, s.index)))
+            .collect::<Result<_, _>>()?;
+        // Each load checks the global cap against the stored entries plus its own pending
+        // ones, so sections loaded at once could pass it together: a window that might reach
+        // the cap is loaded one section at a time (exactly at the cap), others in parallel.
+        let in_window: u64 = decoded
+            .iter()
+            .flat_map(|(_, groups, _)| groups.iter())
+            .map(|g| g.entries.len() as u64)
+            .sum();
+        let cap = index.config().max_entries;
+        let fits = cap <= 0 || index.storage_entries().saturating_add(in_window as i64) <= cap;
+        let load = |(part, groups, section): &(u64, Vec<DecodedGroup<'_>>, u64)| {
+            let names = parts
+                .get(*part as usize)
+                .ok_or_else(|| bad(*section)("entries name an undefined partition"))?;
+            let mut outcome = LoadOutcome::default();
+            let mut n = 0;
+            let target =
+                index.load_target(&names.tenant, &names.model, &names.scheme, &names.adapter);
+            for g in groups {
+                n += g.entries.len() as u64;
+                match &target {
+                    Some(t) => outcome.add(&index.load_entries(t, g.replica, &g.entries)),
+                    None => outcome.dropped += g.entries.len() as u64,
                 }
-                Ok((n, outcome))
-            })
-            .collect();
+            }
+            Ok((n, outcome))
+        };
+        let results: Vec<Result<(u64, LoadOutcome), FormatError>> = if fits {
+            decoded.par_iter().map(load).collect()
+        } else {
+            decoded.iter().map(load).collect()
+        };
         window.clear();
         for r in results {
             let (n, o) = r?;
