@@ -503,6 +503,7 @@ impl ScopeRec {
             names.free.push(i);
         }
     }
+
     /// The replica named `name` (reader side, wait-free).
     #[inline]
     pub(crate) fn find<'g>(&self, name: &str, guard: &'g Guard) -> Option<&'g ScopeReplica> {
