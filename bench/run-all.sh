@@ -13,7 +13,8 @@
 # churn-fit-mimalloc (the same under mimalloc, the server's allocator; not part of "all"),
 # checkpoint (bin `checkpoint`: warm-restart write, restore and lookups during a checkpoint),
 # replication (bin `replication`: 3 release servers + nats-server, ingest rates, lag, lookups),
-# rw (bin `rw`, P7), criterion (`cargo bench --bench engine`, table by criterion-table.awk), plus results/server.md, written by hand from the server benches
+# layout-probe (bench/run-layout-probe.sh: the run-layout design probe beside kv-index and `w1m`;
+# not part of "all"), rw (bin `rw`, P7), criterion (`cargo bench --bench engine`, table by criterion-table.awk), plus results/server.md, written by hand from the server benches
 # (`e2e-lookup`, `soak.sh`; bench/README.md has their commands).
 set -euo pipefail
 
@@ -44,6 +45,8 @@ section() {
   case "$1" in
     w1m)
       "$ROOT/bench/run-w1m.sh" -n 3 --out "$RES/w1m.md" >/dev/null ;;
+    layout-probe)
+      "$ROOT/bench/run-layout-probe.sh" -n 5 >/dev/null ;;
     eviction)
       build eviction
       { header "Eviction quality and cost at the cap (T86, T87, T94)" \
@@ -117,7 +120,7 @@ section() {
         echo "each server applies every block, so 3 servers at 1 M blocks/s are 3 M applied blocks/s."
       } >"$RES/replication.tmp" && mv "$RES/replication.tmp" "$RES/replication.md" ;;
     *)
-      echo "unknown section: $1 (w1m, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc, checkpoint, replication)" >&2; exit 2 ;;
+      echo "unknown section: $1 (w1m, layout-probe, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc, checkpoint, replication)" >&2; exit 2 ;;
   esac
 }
 

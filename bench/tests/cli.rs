@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-const BINARIES: [(&str, &str, &[&str]); 4] = [
+const BINARIES: [(&str, &str, &[&str]); 5] = [
     (
         "churn",
         env!("CARGO_BIN_EXE_churn"),
@@ -40,6 +40,17 @@ const BINARIES: [(&str, &str, &[&str]); 4] = [
         env!("CARGO_BIN_EXE_rw"),
         &["--seconds", "--rate", "--chains", "--quiet"],
     ),
+    (
+        "layout-probe",
+        env!("CARGO_BIN_EXE_layout-probe"),
+        &[
+            "--chains",
+            "--queries",
+            "--no-hints",
+            "--no-roots",
+            "--json",
+        ],
+    ),
 ];
 
 #[test]
@@ -65,6 +76,8 @@ fn bad_flags_and_values_exit_2() {
         ("eviction", BINARIES[2].1, &["--n", "10"][..]),
         ("eviction", BINARIES[2].1, &["--alg", "fifo"][..]),
         ("rw", BINARIES[3].1, &["--chains", "8"][..]),
+        ("layout-probe", BINARIES[4].1, &["--chains", "3"][..]),
+        ("layout-probe", BINARIES[4].1, &["--queries", "0"][..]),
     ] {
         let out = Command::new(path).args(args).output().expect(name);
         assert_eq!(out.status.code(), Some(2), "{name} {args:?}");
@@ -92,4 +105,32 @@ fn a_small_eviction_run_prints_its_table() {
         !String::from_utf8_lossy(&out.stderr).contains('['),
         "no bar without a terminal"
     );
+}
+
+/// The design probe's lookups give W1M's expected answers (it exits 1 when a round's sums
+/// differ), with and without its lookup aids, and its removals leave nothing behind.
+#[test]
+fn a_small_layout_probe_run_checks_its_answers() {
+    for flags in [&[][..], &["--no-hints", "--no-roots"][..]] {
+        let out = Command::new(BINARIES[4].1)
+            .args(["--chains", "64", "--queries", "300", "--json"])
+            .args(flags)
+            .output()
+            .expect("layout-probe");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{flags:?}: {stderr}");
+        for metric in [
+            "insert_mblk_s",
+            "remove_mblk_s",
+            "q50_mean",
+            "q100_mean",
+            "q0_mean",
+        ] {
+            assert!(
+                text.contains(&format!("\"metric\":\"{metric}\"")),
+                "{flags:?} lacks {metric}: {text}"
+            );
+        }
+    }
 }

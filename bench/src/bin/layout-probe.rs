@@ -1,0 +1,884 @@
+//! A design probe for the run layout (`docs/perf-log.md`, "The run layout"): the storage the
+//! plan describes, reduced to what W1M exercises, measured on W1M's data and queries with the
+//! same method as `w1m`, so its figures sit next to the engine's and the peers' on one host.
+//!
+//! ```text
+//! layout-probe [--chains N] [--queries N] [--no-hints] [--no-roots] [--json]
+//! ```
+//!
+//! This is not an index: one thread, no epoch, no locks, no TTL or tiers beyond what the walk
+//! reads, one partition, keys of 8 bytes, replica indices below 64. It answers one question
+//! before the engine is rebuilt around it: how fast are lookups, inserts and removals when a
+//! key table slot names `(run, offset)` directly and a run holds its stretch's holders and keys
+//! in one allocation, i.e. when a probe is one slot line and then the run's lines (header,
+//! holders, keys) at addresses known from the slot alone. Every lookup's sums are checked
+//! against W1M's expected answers, so the probe computes the same matches as the engine.
+//!
+//! Layout. A slot is `{key: u64, value: u64}` (16 bytes, four per line, linear probing over a
+//! power-of-two table, grown at 3/4 load), with a presence summary of two bits per key in one
+//! word per 32 slots. `value` is the run pointer with the block's offset in its top 16 bits. A
+//! run is one allocation of words: its holders (two words each, stored in reverse), four
+//! successor hints, the header (`holders | len << 32`, the count of slots and hints naming the
+//! run, the dead bits of offsets 0–63), the keys, then the dead words of offsets from 64 on.
+//! The run pointer points at the header, so key `o` is at `header + 3 + o` whatever the holder
+//! count, and the holders and hints sit in the lines just before it.
+//!
+//! Two lookup aids, each with a flag that turns it off for A/B runs: **successor hints**
+//! (`--no-hints`; a run's `(key, value)` of the block after its stretch in the chains that
+//! built it, used when the hinted offset is still live, so the walk fetches the next run while
+//! it compares this one's keys) and **root slots** (`--no-roots`; a small table holding a copy
+//! of the slot of every key an ingest began with, kept equal to the key table's by every write,
+//! so block 0 usually costs no cold line). A hint here holds a reference to its target run;
+//! the engine would check run ids by generation instead.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use clap::builder::TypedValueParser;
+use std::time::Instant;
+
+use inferencecache_bench::measure::{Plan, Recorder, Sums, bench_lookup, vm_rss_bytes};
+use inferencecache_bench::w1m::{
+    BLOCK_TOKENS, CHAINS_FULL, Chain, Kind, LEN, QUERIES, Queries, Workload, rolling, worker,
+};
+
+/// Row names of the probe in tables and JSON lines (with and without root slots and successor
+/// hints).
+const ROW: &str = "inferencecache run-layout probe";
+const ROW_NO_ROOTS: &str = "inferencecache run-layout probe, no roots";
+const ROW_NO_HINTS: &str = "inferencecache run-layout probe, no hints";
+const ROW_BARE: &str = "inferencecache run-layout probe, no roots, no hints";
+
+const EMPTY: u64 = 0;
+const TOMB: u64 = 1;
+const OFFSET_SHIFT: u32 = 48;
+const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
+/// Header words: holders and length, slot count, dead bits of offsets 0..64.
+const HEADER: usize = 3;
+/// Successor hints per run (see `Run::hint`); `--no-hints` turns their use off, for A/B runs.
+const HINTS: usize = 4;
+const HINT_WORDS: usize = 2 * HINTS;
+static USE_HINTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+/// Whether lookups try the root slots first (`--no-roots` turns it off, for A/B runs).
+static USE_ROOTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Dead-bit words a run of `len` blocks keeps after its keys (offsets from 64 on).
+fn extra_dead_words(len: usize) -> usize {
+    len.div_ceil(64).saturating_sub(1)
+}
+
+/// A holder: replica index and `last_seen` (ms) in `a`, tier in `b`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Holder {
+    a: u64,
+    b: u64,
+}
+
+impl Holder {
+    fn rep(self) -> u32 {
+        (self.a & 0xFFFFF) as u32
+    }
+}
+
+/// A run: see the module docs for its layout.
+#[derive(Clone, Copy)]
+struct Run(*mut u64);
+
+impl Run {
+    fn create(holders: &[Holder], keys: &[u64]) -> Run {
+        let words =
+            2 * holders.len() + HINT_WORDS + HEADER + keys.len() + extra_dead_words(keys.len());
+        let mut v = vec![0u64; words].into_boxed_slice();
+        let h = 2 * holders.len() + HINT_WORDS;
+        for (i, x) in holders.iter().enumerate() {
+            v[h - HINT_WORDS - 2 - 2 * i] = x.a;
+            v[h - HINT_WORDS - 1 - 2 * i] = x.b;
+        }
+        v[h] = holders.len() as u64 | (keys.len() as u64) << 32;
+        v[h + HEADER..h + HEADER + keys.len()].copy_from_slice(keys);
+        let base = Box::into_raw(v) as *mut u64;
+        // SAFETY: `h` is within the allocation of `words` words.
+        Run(unsafe { base.add(h) })
+    }
+
+    fn n_holders(self) -> usize {
+        // SAFETY: a run pointer points at its header word.
+        unsafe { (*self.0 & 0xFFFF_FFFF) as usize }
+    }
+
+    fn len(self) -> usize {
+        // SAFETY: as above.
+        unsafe { (*self.0 >> 32) as usize }
+    }
+
+    fn key(self, o: usize) -> u64 {
+        // SAFETY: callers pass `o < len`.
+        unsafe { *self.0.add(HEADER + o) }
+    }
+
+    fn holder(self, i: usize) -> Holder {
+        // SAFETY: callers pass `i < n_holders`; holder `i` sits `2 (i + 1)` words before the
+        // hints.
+        unsafe {
+            Holder {
+                a: *self.0.sub(HINT_WORDS + 2 + 2 * i),
+                b: *self.0.sub(HINT_WORDS + 1 + 2 * i),
+            }
+        }
+    }
+
+    fn hint_at(self, j: usize) -> *mut u64 {
+        // SAFETY: hint `j < HINTS` is two words of the `HINT_WORDS` before the header.
+        unsafe { self.0.sub(HINT_WORDS - 2 * j) }
+    }
+
+    /// The hinted `(run, offset)` of the block keyed `key` that follows one of this run's
+    /// stretches, if a hint names it and the hinted offset is still live (then the key's slot
+    /// names it: a slot is repointed or removed only after its offset is marked dead). A hint
+    /// holds a reference to its run, so the run is still allocated.
+    fn hint(self, key: u64) -> Option<u64> {
+        for j in 0..HINTS {
+            let e = self.hint_at(j);
+            // SAFETY: `e` points at a hint's two words.
+            let (k, v) = unsafe { (*e, *e.add(1)) };
+            if k == key {
+                let (r, o) = unpack(v);
+                return (!r.is_dead(o)).then_some(v);
+            }
+        }
+        None
+    }
+
+    /// Records that the block keyed `key` after one of this run's stretches is at `v` (its
+    /// slot's value), replacing the hint for that key, else a free one, else one chosen by the
+    /// key.
+    fn add_hint(self, key: u64, v: u64, bytes: &mut usize) {
+        let mut pick = None;
+        for j in 0..HINTS {
+            // SAFETY: as in `hint`.
+            let k = unsafe { *self.hint_at(j) };
+            if k == key {
+                pick = Some(j);
+                break;
+            }
+            if k == EMPTY && pick.is_none() {
+                pick = Some(j);
+            }
+        }
+        let j = pick.unwrap_or(key as usize % HINTS);
+        let e = self.hint_at(j);
+        let (target, _) = unpack(v);
+        *target.refs() += 1;
+        // SAFETY: as in `hint`; the probe is one thread, so nothing else reads or writes them.
+        let (old, old_v) = unsafe {
+            (
+                std::mem::replace(&mut *e, key),
+                std::mem::replace(&mut *e.add(1), v),
+            )
+        };
+        if old != EMPTY {
+            unpack(old_v).0.release(1, bytes);
+        }
+    }
+
+    fn is_dead(self, o: usize) -> bool {
+        // SAFETY: `o < len` for a hinted offset.
+        unsafe { *self.dead_word(o / 64) >> (o % 64) & 1 == 1 }
+    }
+
+    fn holders(self) -> Vec<Holder> {
+        (0..self.n_holders()).map(|i| self.holder(i)).collect()
+    }
+
+    fn refs(self) -> &'static mut u64 {
+        // SAFETY: word 1 after the header is the run's slot count; the probe is one thread.
+        unsafe { &mut *self.0.add(1) }
+    }
+
+    fn words(self) -> usize {
+        2 * self.n_holders() + HINT_WORDS + HEADER + self.len() + extra_dead_words(self.len())
+    }
+
+    /// Dead word `w`: the header's for offsets 0..64, then the words after the keys.
+    fn dead_word(self, w: usize) -> *mut u64 {
+        // SAFETY: word 2 of the header, or one of the `extra_dead_words` after the keys.
+        unsafe {
+            if w == 0 {
+                self.0.add(2)
+            } else {
+                self.0.add(HEADER + self.len() + w - 1)
+            }
+        }
+    }
+
+    fn bytes(self) -> usize {
+        self.words() * 8
+    }
+
+    /// The first offset after `o` whose slot no longer names this run (or `len`).
+    fn live_end(self, o: usize) -> usize {
+        let len = self.len();
+        let mut w = (o + 1) / 64;
+        let mut bits = if o + 1 >= len {
+            return len;
+        } else {
+            // SAFETY: `w` < ⌈len / 64⌉.
+            unsafe { *self.dead_word(w) >> ((o + 1) % 64) << ((o + 1) % 64) }
+        };
+        loop {
+            if bits != 0 {
+                return (w * 64 + bits.trailing_zeros() as usize).min(len);
+            }
+            w += 1;
+            if w * 64 >= len {
+                return len;
+            }
+            // SAFETY: as above.
+            bits = unsafe { *self.dead_word(w) };
+        }
+    }
+
+    /// Marks offset `o` as no longer named by its slot (replaced or removed).
+    fn set_dead(self, o: usize) {
+        // SAFETY: `o < len`, so its dead word exists.
+        unsafe {
+            *self.dead_word(o / 64) |= 1 << (o % 64);
+        }
+    }
+
+    /// Drops one slot's reference; frees the run with its last.
+    fn release(self, n: u64, bytes: &mut usize) {
+        let r = self.refs();
+        *r -= n;
+        if *r == 0 {
+            *bytes -= self.bytes();
+            for j in 0..HINTS {
+                let e = self.hint_at(j);
+                // SAFETY: as in `hint`.
+                let (k, v) = unsafe { (*e, *e.add(1)) };
+                if k != EMPTY {
+                    unpack(v).0.release(1, bytes);
+                }
+            }
+            let h = 2 * self.n_holders() + HINT_WORDS;
+            let words = self.words();
+            // SAFETY: the allocation was a boxed slice of `words` words starting `h` words
+            // before the header, and no slot names it any more.
+            unsafe {
+                let base = self.0.sub(h);
+                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                    base, words,
+                )));
+            }
+        }
+    }
+
+    fn prefetch(self, o: usize) {
+        // Header, the lines of the hints and holders before it, and key `o`'s line.
+        prefetch(self.0 as *const u8);
+        prefetch(self.0.wrapping_sub(8) as *const u8);
+        prefetch(self.0.wrapping_sub(16) as *const u8);
+        prefetch(self.0.wrapping_add(HEADER + o) as *const u8);
+    }
+}
+
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetching never faults, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+fn pack(run: Run, o: usize) -> u64 {
+    run.0 as u64 | (o as u64) << OFFSET_SHIFT
+}
+
+fn unpack(v: u64) -> (Run, usize) {
+    (
+        Run((v & PTR_MASK) as *mut u64),
+        (v >> OFFSET_SHIFT) as usize,
+    )
+}
+
+/// The key table: 16-byte slots, linear probing, and a presence summary: two bits per key in
+/// one 64-bit word per 32 slots (a superset, cleared only by a rebuild), so most misses stop at
+/// a word 1/64 the size of the slots, usually cached.
+struct Table {
+    slots: Vec<[u64; 2]>,
+    summary: Vec<u64>,
+    live: usize,
+    used: usize,
+}
+
+/// Slots per summary word.
+const SUMMARY_SLOTS: usize = 32;
+
+impl Table {
+    fn new() -> Self {
+        Table {
+            slots: vec![[EMPTY, 0]; 64],
+            summary: vec![0; 64 / SUMMARY_SLOTS],
+            live: 0,
+            used: 0,
+        }
+    }
+
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    fn home(&self, k: u64) -> usize {
+        (k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize & self.mask()
+    }
+
+    fn prefetch_home(&self, k: u64) {
+        let h = self.home(k);
+        prefetch(self.slots[h].as_ptr() as *const u8);
+        prefetch(&self.summary[h / SUMMARY_SLOTS] as *const u64 as *const u8);
+    }
+
+    /// The key's two summary bits (from hash bits the home slot does not use).
+    fn summary_bits(k: u64) -> u64 {
+        let x = k.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+        1 << (x & 63) | 1 << ((x >> 6) & 63)
+    }
+
+    fn mark(&mut self, k: u64) {
+        let w = self.home(k) / SUMMARY_SLOTS;
+        self.summary[w] |= Self::summary_bits(k);
+    }
+
+    fn may_hold(&self, k: u64) -> bool {
+        let b = Self::summary_bits(k);
+        self.summary[self.home(k) / SUMMARY_SLOTS] & b == b
+    }
+
+    /// A lookup's probe: the summary first.
+    fn find_read(&self, k: u64) -> Option<u64> {
+        if !self.may_hold(k) {
+            return None;
+        }
+        self.find(k)
+    }
+
+    fn find_slot(&self, k: u64) -> Option<usize> {
+        let mut i = self.home(k);
+        loop {
+            let s = self.slots[i];
+            if s[0] == k {
+                return Some(i);
+            }
+            if s[0] == EMPTY {
+                return None;
+            }
+            i = (i + 1) & self.mask();
+        }
+    }
+
+    fn find(&self, k: u64) -> Option<u64> {
+        self.find_slot(k).map(|i| self.slots[i][1])
+    }
+
+    fn insert_new(&mut self, k: u64, v: u64) {
+        if (self.used + 1) * 4 > self.slots.len() * 3 {
+            self.rebuild();
+        }
+        let mut i = self.home(k);
+        while self.slots[i][0] > TOMB {
+            i = (i + 1) & self.mask();
+        }
+        if self.slots[i][0] == EMPTY {
+            self.used += 1;
+        }
+        self.slots[i] = [k, v];
+        self.mark(k);
+        self.live += 1;
+    }
+
+    fn remove_at(&mut self, i: usize) {
+        let next_empty = self.slots[(i + 1) & self.mask()][0] == EMPTY;
+        if next_empty {
+            self.slots[i] = [EMPTY, 0];
+            self.used -= 1;
+        } else {
+            self.slots[i] = [TOMB, 0];
+        }
+        self.live -= 1;
+        if self.slots.len() > 64 && self.live * 8 < self.slots.len() {
+            self.rebuild();
+        }
+    }
+
+    fn rebuild(&mut self) {
+        let want = (self.live * 2).max(32).next_power_of_two() * 2;
+        let old = std::mem::replace(&mut self.slots, vec![[EMPTY, 0]; want]);
+        self.summary = vec![0; want / SUMMARY_SLOTS];
+        self.used = 0;
+        self.live = 0;
+        for s in old {
+            if s[0] > TOMB {
+                let mut i = self.home(s[0]);
+                while self.slots[i][0] != EMPTY {
+                    i = (i + 1) & self.mask();
+                }
+                self.slots[i] = s;
+                self.mark(s[0]);
+                self.used += 1;
+                self.live += 1;
+            }
+        }
+    }
+}
+
+/// One partition's storage.
+struct Probe {
+    table: Table,
+    /// Root slots: a copy of the slot of every key an ingest began with, kept equal to the
+    /// key table's by every write, in a table small enough to stay cached (W1M: 2,048 keys),
+    /// so a lookup's block 0 usually costs no cold line.
+    roots: Table,
+    run_bytes: usize,
+    /// A removal's stretch in offset order (reused).
+    ordered: Vec<u64>,
+}
+
+/// Where a chain's stretch stands in the table: the slots of consecutive blocks that name
+/// consecutive offsets of one run (or are absent).
+enum Stretch {
+    Fresh {
+        from: usize,
+        to: usize,
+    },
+    InRun {
+        from: usize,
+        to: usize,
+        run: Run,
+        /// The keys name decreasing offsets (a chain given tail to head).
+        descending: bool,
+    },
+}
+
+impl Probe {
+    fn new() -> Self {
+        Probe {
+            table: Table::new(),
+            roots: Table::new(),
+            run_bytes: 0,
+            ordered: Vec::new(),
+        }
+    }
+
+    fn new_run(&mut self, holders: &[Holder], keys: &[u64], slots: u64) -> Run {
+        let r = Run::create(holders, keys);
+        *r.refs() = slots;
+        self.run_bytes += r.bytes();
+        r
+    }
+
+    /// Splits `keys` into stretches: maximal runs of absent keys, and maximal runs of keys that
+    /// name consecutive offsets of one run (`vals` gets each present key's slot value).
+    fn stretches(&self, keys: &[u64], vals: &mut Vec<Option<u64>>) -> Vec<Stretch> {
+        vals.clear();
+        const AHEAD: usize = 8;
+        for k in keys.iter().take(AHEAD) {
+            self.table.prefetch_home(*k);
+        }
+        for (i, k) in keys.iter().enumerate() {
+            if let Some(n) = keys.get(i + AHEAD) {
+                self.table.prefetch_home(*n);
+            }
+            vals.push(self.table.find(*k));
+        }
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < keys.len() {
+            match vals[i] {
+                None => {
+                    let from = i;
+                    while i < keys.len() && vals[i].is_none() {
+                        i += 1;
+                    }
+                    out.push(Stretch::Fresh { from, to: i });
+                }
+                Some(v) => {
+                    let (run, o) = unpack(v);
+                    let from = i;
+                    i += 1;
+                    let descending = o > 0 && vals.get(i) == Some(&Some(pack(run, o - 1)));
+                    while i < keys.len() {
+                        let step = i - from;
+                        let want = if descending {
+                            o.checked_sub(step).map(|p| pack(run, p))
+                        } else {
+                            Some(pack(run, o + step))
+                        };
+                        if want.is_none() || vals[i] != want {
+                            break;
+                        }
+                        i += 1;
+                    }
+                    out.push(Stretch::InRun {
+                        from,
+                        to: i,
+                        run,
+                        descending,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// One chain ingest of replica `rep` at `ts_ms`.
+    fn ingest(&mut self, rep: u32, ts_ms: i64, keys: &[u64], vals: &mut Vec<Option<u64>>) {
+        let me = Holder {
+            a: (ts_ms as u64) << 20 | u64::from(rep),
+            b: 0,
+        };
+        // The run that holds each stretch once the ingest is done, and where the stretch ends.
+        let mut owners: Vec<(Run, usize)> = Vec::new();
+        let stretches = self.stretches(keys, vals);
+        for s in stretches {
+            match s {
+                Stretch::Fresh { from, to } => {
+                    let run = self.new_run(&[me], &keys[from..to], (to - from) as u64);
+                    for (o, k) in keys[from..to].iter().enumerate() {
+                        self.table.insert_new(*k, pack(run, o));
+                    }
+                    owners.push((run, to));
+                }
+                Stretch::InRun { from, to, run, .. } => {
+                    let mut hs = run.holders();
+                    match hs.iter().position(|h| h.rep() == rep) {
+                        Some(i) if hs[i] == me => {
+                            owners.push((run, to));
+                            continue;
+                        }
+                        Some(i) => hs[i] = me,
+                        None => {
+                            let at = hs.partition_point(|h| h.rep() < rep);
+                            hs.insert(at, me);
+                        }
+                    }
+                    let new = self.new_run(&hs, &keys[from..to], (to - from) as u64);
+                    // The new run ends where the old run's stretch did, or before the old
+                    // run's next live block: it inherits the old run's hints, or hints at
+                    // that block.
+                    let (_, o_from) = unpack(vals[from].expect("present key"));
+                    let end = o_from + (to - from);
+                    if end == run.len() {
+                        for j in 0..HINTS {
+                            // SAFETY: hint words of a live run.
+                            let (k, v) = unsafe { (*run.hint_at(j), *run.hint_at(j).add(1)) };
+                            if k != EMPTY {
+                                new.add_hint(k, v, &mut self.run_bytes);
+                            }
+                        }
+                    } else if !run.is_dead(end) {
+                        new.add_hint(run.key(end), pack(run, end), &mut self.run_bytes);
+                    }
+                    self.repoint(&keys[from..to], run, Some(new));
+                    owners.push((new, to));
+                }
+            }
+        }
+        if let Some(k) = keys.first()
+            && self.roots.find_slot(*k).is_none()
+            && let Some(v) = self.table.find(*k)
+        {
+            self.roots.insert_new(*k, v);
+        }
+        // Each stretch's run hints at the block after it, as the ingest left it.
+        for w in owners.windows(2) {
+            let (run, to) = w[0];
+            if let Some(v) = self.table.find(keys[to]) {
+                run.add_hint(keys[to], v, &mut self.run_bytes);
+            }
+        }
+    }
+
+    /// Points the slots of `keys` (consecutive offsets of `old`, from the first key's) at the
+    /// same offsets of `new` from 0, or removes them; marks the old offsets dead and releases
+    /// them.
+    fn repoint(&mut self, keys: &[u64], old: Run, new: Option<Run>) {
+        for (o, k) in keys.iter().enumerate() {
+            let i = self.table.find_slot(*k).expect("present key");
+            let (_, old_o) = unpack(self.table.slots[i][1]);
+            old.set_dead(old_o);
+            let root = self.roots.find_slot(*k);
+            match new {
+                Some(r) => {
+                    self.table.slots[i][1] = pack(r, o);
+                    if let Some(j) = root {
+                        self.roots.slots[j][1] = pack(r, o);
+                    }
+                }
+                None => {
+                    self.table.remove_at(i);
+                    if let Some(j) = root {
+                        self.roots.remove_at(j);
+                    }
+                }
+            }
+        }
+        old.release(keys.len() as u64, &mut self.run_bytes);
+    }
+
+    /// PREFIX_EVICTED of `keys` for replica `rep`.
+    fn evict(&mut self, rep: u32, keys: &[u64], vals: &mut Vec<Option<u64>>) {
+        for s in self.stretches(keys, vals) {
+            let Stretch::InRun {
+                from,
+                to,
+                run,
+                descending,
+            } = s
+            else {
+                continue;
+            };
+            let mut ordered = std::mem::take(&mut self.ordered);
+            ordered.clear();
+            ordered.extend_from_slice(&keys[from..to]);
+            if descending {
+                ordered.reverse();
+            }
+            let mut hs = run.holders();
+            let Some(i) = hs.iter().position(|h| h.rep() == rep) else {
+                continue;
+            };
+            hs.remove(i);
+            let new = (!hs.is_empty()).then(|| self.new_run(&hs, &ordered, (to - from) as u64));
+            self.repoint(&ordered, run, new);
+            self.ordered = ordered;
+        }
+    }
+
+    /// The longest-prefix match (L4) over `hashes` with `counts`, live holders only: per
+    /// replica (index < 64) the matched tokens and blocks; returns the check sums
+    /// `[Σ blocks, Σ tokens, replicas]`.
+    fn lookup(&self, hashes: &[u64], counts: &[i32], now_ms: i64, ttl_ms: i64) -> Sums {
+        let n = hashes.len().min(counts.len());
+        if n == 0 {
+            return [0; 3];
+        }
+        let root = if USE_ROOTS.load(std::sync::atomic::Ordering::Relaxed) {
+            self.roots.find(hashes[0])
+        } else {
+            None
+        };
+        let Some(v) = root.or_else(|| self.table.find_read(hashes[0])) else {
+            return [0; 3];
+        };
+        let (mut run, mut o) = unpack(v);
+        run.prefetch(o);
+        let mut open = 0u64;
+        let mut sums = [0u64; 3];
+        let mut tokens = 0i64;
+        let mut pos = 0usize;
+        let mut first = true;
+        loop {
+            // The block at `pos` is held by exactly `run`'s holders: close the open replicas
+            // it lacks (at the tokens before it) and, at block 0, open the live ones.
+            let mut here = 0u64;
+            for i in 0..run.n_holders() {
+                let h = run.holder(i);
+                let age = now_ms - (h.a >> 20) as i64;
+                if age < ttl_ms {
+                    here |= 1 << h.rep();
+                }
+            }
+            if first {
+                open = here;
+                first = false;
+            }
+            let closing = open & !here;
+            if closing != 0 {
+                let c = u64::from(closing.count_ones());
+                sums[0] += c * pos as u64;
+                sums[1] += c * tokens as u64;
+                sums[2] += c;
+                open &= here;
+            }
+            if open == 0 {
+                return sums;
+            }
+            tokens += i64::from(counts[pos]);
+            // Step over the run's next keys while they are the request's. Where the stretch
+            // ends is the next probe, if the request follows the stretch that far: a successor
+            // hint of the run that names the landing key (verified: the hinted offset is still
+            // live, so the key's slot names it) gives it without the table, and its run's
+            // lines are fetched while the keys are compared; otherwise the landing slot is.
+            let max = (run.live_end(o) - o - 1).min(n - pos - 1);
+            let landing = pos + 1 + max;
+            let mut ahead = None;
+            if let Some(&k) = hashes.get(landing) {
+                if USE_HINTS.load(std::sync::atomic::Ordering::Relaxed)
+                    && let Some(v) = run.hint(k)
+                {
+                    let (r, ro) = unpack(v);
+                    r.prefetch(ro);
+                    ahead = Some(v);
+                } else {
+                    self.table.prefetch_home(k);
+                }
+            }
+            let mut m = 0;
+            while m < max && hashes[pos + 1 + m] == run.key(o + 1 + m) {
+                tokens += i64::from(counts[pos + 1 + m]);
+                m += 1;
+            }
+            pos += m + 1;
+            let next = if pos >= n {
+                None
+            } else if m == max
+                && let Some(v) = ahead
+            {
+                Some(v)
+            } else {
+                self.table.find_read(hashes[pos])
+            };
+            match next {
+                Some(v) => {
+                    (run, o) = unpack(v);
+                    run.prefetch(o);
+                }
+                None => {
+                    let c = u64::from(open.count_ones());
+                    sums[0] += c * pos as u64;
+                    sums[1] += c * tokens as u64;
+                    sums[2] += c;
+                    return sums;
+                }
+            }
+        }
+    }
+}
+
+fn expected(kind: Kind) -> Sums {
+    [
+        kind.blocks_per_query(),
+        kind.tokens_per_query(),
+        kind.replicas_per_query(),
+    ]
+}
+
+/// The run-layout design probe on W1M: load the workload, time the query sets and removals,
+/// check every answer (exit 1 when a check fails).
+#[derive(Debug, Parser)]
+#[command(name = "layout-probe", version)]
+struct Args {
+    /// Chains of the workload (default: the full W1M size).
+    #[arg(long, default_value_t = CHAINS_FULL, value_parser = parse_chains)]
+    chains: usize,
+    /// Queries per query set (default: W1M's).
+    #[arg(long, default_value_t = QUERIES, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
+    queries: usize,
+    /// Lookups do not use the successor hints.
+    #[arg(long)]
+    no_hints: bool,
+    /// Lookups do not try the root slots for block 0.
+    #[arg(long)]
+    no_roots: bool,
+    /// Print one JSON line per figure instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_chains(v: &str) -> Result<usize, String> {
+    v.parse::<usize>()
+        .ok()
+        .filter(|&n| n >= 8)
+        .ok_or_else(|| "--chains needs a number ≥ 8".into())
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let (chains, queries) = (args.chains, args.queries);
+    USE_ROOTS.store(!args.no_roots, std::sync::atomic::Ordering::Relaxed);
+    USE_HINTS.store(!args.no_hints, std::sync::atomic::Ordering::Relaxed);
+    let w = Workload::new(chains);
+    let q = Queries::generate(chains, queries);
+    let counts = [BLOCK_TOKENS; LEN];
+    let now_ms = 1_700_000_000_000i64;
+    let ttl_ms = 1_800_000i64;
+
+    let rss0 = vm_rss_bytes();
+    let mut p = Probe::new();
+    let mut vals = Vec::with_capacity(LEN);
+    let t = Instant::now();
+    for (c, s) in w.seq.iter().enumerate() {
+        p.ingest(worker(c) as u32, now_ms, s, &mut vals);
+    }
+    let insert = t.elapsed();
+    let rss = vm_rss_bytes().saturating_sub(rss0);
+    let entries = w.entries() as f64;
+    let accounted = (p.table.slots.len() + p.roots.slots.len()) * 16 + p.run_bytes;
+
+    let mut rows = Vec::new();
+    for set in [&q.q50, &q.q100, &q.q0] {
+        let qs: Vec<Chain> = set.blocks.iter().map(rolling).collect();
+        let st = bench_lookup(
+            set.kind.label(),
+            qs.len(),
+            Plan::FULL,
+            expected(set.kind),
+            |i| p.lookup(&qs[i], &counts, now_ms, ttl_ms),
+        )?;
+        rows.push((set.kind.label(), st));
+    }
+
+    let t = Instant::now();
+    for (c, s) in w.seq.iter().enumerate() {
+        let mut rev = *s;
+        rev.reverse();
+        p.evict(worker(c) as u32, &rev, &mut vals);
+    }
+    let remove = t.elapsed();
+    if p.table.live != 0 || p.roots.live != 0 || p.run_bytes != 0 {
+        return Err(format!(
+            "remove left {} keys and {} run bytes",
+            p.table.live, p.run_bytes
+        ));
+    }
+
+    let row = match (
+        USE_HINTS.load(std::sync::atomic::Ordering::Relaxed),
+        USE_ROOTS.load(std::sync::atomic::Ordering::Relaxed),
+    ) {
+        (true, true) => ROW,
+        (true, false) => ROW_NO_ROOTS,
+        (false, true) => ROW_NO_HINTS,
+        (false, false) => ROW_BARE,
+    };
+    let mut rec = Recorder::default();
+    rec.put_write(row, "insert", w.entries(), insert);
+    rec.put_write(row, "remove", w.entries(), remove);
+    rec.put(row, "rss_b_entry", rss as f64 / entries, "B");
+    rec.put(row, "mem_b_entry", accounted as f64 / entries, "B");
+    for (label, st) in &rows {
+        rec.put_lookup(row, label, st);
+    }
+    if args.json {
+        rec.print_json(&format!(",\"chains\":{chains},\"queries\":{queries}"));
+    } else {
+        println!(
+            "layout-probe: {chains} chains, {} entries, {queries} queries/set",
+            w.entries()
+        );
+        rec.print_table();
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(&Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("layout-probe: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
