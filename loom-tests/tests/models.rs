@@ -8,7 +8,7 @@
 //! ordered after a pinned reader's read) is therefore a loom causality failure, and a read of an
 //! already-freed object or a double free panics.
 //!
-//! Every model drives the public `Index` API (ingest, events, lookups, crediting, sweeps) on a
+//! Every model but m13 drives the public `Index` API (ingest, events, lookups, crediting, sweeps) on a
 //! partition and replicas created before the threads start (directory records are created once
 //! and never removed, so creating them up front keeps the models small; the directory's own RCU is
 //! exercised by the lookups' wait-free reads). Index-wide parking_lot locks other than the shard
@@ -20,6 +20,7 @@
 mod fixed_policy;
 
 use fixed_policy::FixedPolicy;
+use inferencecache_engine::layout::{SlotTable, SlotValue};
 use inferencecache_engine::loom_api::{self, Kind};
 use inferencecache_engine::{
     Algorithm, CacheEventInput, CacheStateUpdate, CapturedHits, ChangeEvent, ChangeKind,
@@ -1267,5 +1268,111 @@ fn m12c_slot_reuse_vs_reader() {
         assert_eq!(lookup(&ix, &key(2)), [(B.to_string(), 10)]);
         assert!(lookup(&ix, &key(1)).is_empty());
         assert_eq!(ix.record_counts().scope_replicas, 2);
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 13. Key-inline slots (the run layout's key table, `engine/src/raw/slots.rs`, reached through
+// `inferencecache_engine::layout`: the index does not use it yet)
+
+/// Keys sharing key 1's home in an 8-slot table of seed 0.
+fn slot_mates(n: usize) -> Vec<u64> {
+    let home = SlotTable::home_of(0, 8, 1);
+    (1..)
+        .filter(|&k| SlotTable::home_of(0, 8, k) == home)
+        .take(n)
+        .collect()
+}
+
+fn slot_value(x: u64) -> SlotValue {
+    SlotValue::new(x).expect("non-zero")
+}
+
+/// Model 13a: a reader looks key `k` up while the writer replaces its value (1 → 2), removes it
+/// and inserts key `j` of the same home, which takes `k`'s vacated slot (a live key after them
+/// keeps the slot vacated rather than empty). The reader answers 1, 2 or nothing, never `j`'s
+/// 3: its second key load sees the reuse. Afterwards `k` is absent and `j` and the third key
+/// answer their values.
+#[test]
+fn m13a_slot_reuse_vs_reader() {
+    model(|| {
+        let keys = slot_mates(3);
+        let (k, j, after) = (keys[0], keys[1], keys[2]);
+        let table = Arc::new(SlotTable::with_seed(0));
+        {
+            let guard = crossbeam_epoch::pin();
+            let mut w = table.lock();
+            w.insert(k, slot_value(1), &guard);
+            w.insert(after, slot_value(9), &guard);
+        }
+        let reader = {
+            let table = table.clone();
+            spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                table.find(k, &guard).map(SlotValue::get)
+            })
+        };
+        {
+            let guard = crossbeam_epoch::pin();
+            let mut w = table.lock();
+            assert_eq!(w.insert(k, slot_value(2), &guard), Some(slot_value(1)));
+            assert_eq!(w.remove(k, &guard), Some(slot_value(2)));
+            assert_eq!(w.insert(j, slot_value(3), &guard), None);
+        }
+        match reader.join().unwrap() {
+            None => outcome("reader found nothing"),
+            Some(1) => outcome("reader found 1"),
+            Some(2) => outcome("reader found 2"),
+            Some(other) => panic!("the reader of k read {other}, another key's value"),
+        }
+        let guard = crossbeam_epoch::pin();
+        assert_eq!(table.find(k, &guard), None);
+        assert_eq!(table.find(j, &guard), Some(slot_value(3)));
+        assert_eq!(table.find(after, &guard), Some(slot_value(9)));
+        assert_eq!(table.capacity(&guard), 8, "no rebuild in this model");
+    });
+}
+
+/// Model 13b: a reader looks up a key present throughout while the writer's seventh insert
+/// rebuilds the 8-slot table at 16 slots, and a key the writer inserts meanwhile. The present
+/// key is always found with its value, whichever table the reader is on; the new key is found
+/// or not, with its own value. The old table is freed through the epoch after the reader.
+#[test]
+fn m13b_slot_rebuild_vs_reader() {
+    model(|| {
+        let table = Arc::new(SlotTable::with_seed(0));
+        {
+            let guard = crossbeam_epoch::pin();
+            let mut w = table.lock();
+            for k in 1..=6 {
+                w.insert(k, slot_value(k * 10), &guard);
+            }
+        }
+        let reader = {
+            let table = table.clone();
+            spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                (
+                    table.find(3, &guard).map(SlotValue::get),
+                    table.find(7, &guard).map(SlotValue::get),
+                )
+            })
+        };
+        {
+            let guard = crossbeam_epoch::pin();
+            table.lock().insert(7, slot_value(70), &guard);
+            assert_eq!(table.capacity(&guard), 16, "the insert rebuilt the table");
+        }
+        let (present, fresh) = reader.join().unwrap();
+        assert_eq!(
+            present,
+            Some(30),
+            "a key present throughout is always found"
+        );
+        match fresh {
+            None => outcome("new key not yet seen"),
+            Some(70) => outcome("new key seen"),
+            Some(other) => panic!("key 7 read {other}"),
+        }
     });
 }

@@ -1,6 +1,7 @@
 //! The lock-free storage under the index: per-partition key tables (groups, key nodes, the
 //! shard writers, LFU cells), the chain runs lookups step over, the node arenas and the page
-//! arrays they are carved from.
+//! arrays they are carved from; and the first piece of the run layout the index is to move
+//! onto (`slots`, key-inline slots; see `docs/perf-log.md`, "The run layout").
 //!
 //! Readers reach everything here through atomic pointers under an epoch guard and never wait;
 //! writers serialize per table shard. This room knows nothing of tenants, models, ranking or
@@ -15,5 +16,6 @@ pub mod loom_api;
 pub(crate) mod node;
 pub(crate) mod pages;
 pub(crate) mod runs;
+pub(crate) mod slots;
 pub(crate) mod table;
 pub(crate) mod writer;
