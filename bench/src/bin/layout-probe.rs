@@ -6,8 +6,11 @@
 //! layout-probe [--chains N] [--queries N] [--no-hints] [--no-roots] [--json]
 //! ```
 //!
-//! This is not an index: one thread, no epoch, no locks, no TTL or tiers beyond what the walk
-//! reads, one partition, keys of 8 bytes, replica indices below 64. It answers one question
+//! This is not an index: one thread, one partition, keys of 8 bytes, replica indices below 64,
+//! no LFU, TTL sweep or tiers beyond what the walk reads. Its key table is the engine's
+//! (`inferencecache_engine::layout::SlotTable`: atomic slots, epoch-retired tables, a writer
+//! lock, taken once per stretch here); its runs are plain memory, freed at once, which only a
+//! single thread may do. It answers one question
 //! before the engine is rebuilt around it: how fast are lookups, inserts and removals when a
 //! key table slot names `(run, offset)` directly and a run holds its stretch's holders and keys
 //! in one allocation, i.e. when a probe is one slot line and then the run's lines (header,
@@ -35,6 +38,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use clap::builder::TypedValueParser;
+use crossbeam_epoch as epoch;
+use inferencecache_engine::layout::{SlotTable, SlotValue};
 use std::time::Instant;
 
 use inferencecache_bench::measure::{Plan, Recorder, Sums, bench_lookup, vm_rss_bytes};
@@ -49,8 +54,8 @@ const ROW_NO_ROOTS: &str = "inferencecache run-layout probe, no roots";
 const ROW_NO_HINTS: &str = "inferencecache run-layout probe, no hints";
 const ROW_BARE: &str = "inferencecache run-layout probe, no roots, no hints";
 
+/// An unused hint's key (the probe's keys are W1M's hashes, never 0).
 const EMPTY: u64 = 0;
-const TOMB: u64 = 1;
 const OFFSET_SHIFT: u32 = 48;
 const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
 /// Header words: holders and length, slot count, dead bits of offsets 0..64.
@@ -304,143 +309,19 @@ fn unpack(v: u64) -> (Run, usize) {
     )
 }
 
-/// The key table: 16-byte slots, linear probing, and a presence summary: two bits per key in
-/// one 64-bit word per 32 slots (a superset, cleared only by a rebuild), so most misses stop at
-/// a word 1/64 the size of the slots, usually cached.
-struct Table {
-    slots: Vec<[u64; 2]>,
-    summary: Vec<u64>,
-    live: usize,
-    used: usize,
-}
-
-/// Slots per summary word.
-const SUMMARY_SLOTS: usize = 32;
-
-impl Table {
-    fn new() -> Self {
-        Table {
-            slots: vec![[EMPTY, 0]; 64],
-            summary: vec![0; 64 / SUMMARY_SLOTS],
-            live: 0,
-            used: 0,
-        }
-    }
-
-    fn mask(&self) -> usize {
-        self.slots.len() - 1
-    }
-
-    fn home(&self, k: u64) -> usize {
-        (k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize & self.mask()
-    }
-
-    fn prefetch_home(&self, k: u64) {
-        let h = self.home(k);
-        prefetch(self.slots[h].as_ptr() as *const u8);
-        prefetch(&self.summary[h / SUMMARY_SLOTS] as *const u64 as *const u8);
-    }
-
-    /// The key's two summary bits (from hash bits the home slot does not use).
-    fn summary_bits(k: u64) -> u64 {
-        let x = k.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
-        1 << (x & 63) | 1 << ((x >> 6) & 63)
-    }
-
-    fn mark(&mut self, k: u64) {
-        let w = self.home(k) / SUMMARY_SLOTS;
-        self.summary[w] |= Self::summary_bits(k);
-    }
-
-    fn may_hold(&self, k: u64) -> bool {
-        let b = Self::summary_bits(k);
-        self.summary[self.home(k) / SUMMARY_SLOTS] & b == b
-    }
-
-    /// A lookup's probe: the summary first.
-    fn find_read(&self, k: u64) -> Option<u64> {
-        if !self.may_hold(k) {
-            return None;
-        }
-        self.find(k)
-    }
-
-    fn find_slot(&self, k: u64) -> Option<usize> {
-        let mut i = self.home(k);
-        loop {
-            let s = self.slots[i];
-            if s[0] == k {
-                return Some(i);
-            }
-            if s[0] == EMPTY {
-                return None;
-            }
-            i = (i + 1) & self.mask();
-        }
-    }
-
-    fn find(&self, k: u64) -> Option<u64> {
-        self.find_slot(k).map(|i| self.slots[i][1])
-    }
-
-    fn insert_new(&mut self, k: u64, v: u64) {
-        if (self.used + 1) * 4 > self.slots.len() * 3 {
-            self.rebuild();
-        }
-        let mut i = self.home(k);
-        while self.slots[i][0] > TOMB {
-            i = (i + 1) & self.mask();
-        }
-        if self.slots[i][0] == EMPTY {
-            self.used += 1;
-        }
-        self.slots[i] = [k, v];
-        self.mark(k);
-        self.live += 1;
-    }
-
-    fn remove_at(&mut self, i: usize) {
-        let next_empty = self.slots[(i + 1) & self.mask()][0] == EMPTY;
-        if next_empty {
-            self.slots[i] = [EMPTY, 0];
-            self.used -= 1;
-        } else {
-            self.slots[i] = [TOMB, 0];
-        }
-        self.live -= 1;
-        if self.slots.len() > 64 && self.live * 8 < self.slots.len() {
-            self.rebuild();
-        }
-    }
-
-    fn rebuild(&mut self) {
-        let want = (self.live * 2).max(32).next_power_of_two() * 2;
-        let old = std::mem::replace(&mut self.slots, vec![[EMPTY, 0]; want]);
-        self.summary = vec![0; want / SUMMARY_SLOTS];
-        self.used = 0;
-        self.live = 0;
-        for s in old {
-            if s[0] > TOMB {
-                let mut i = self.home(s[0]);
-                while self.slots[i][0] != EMPTY {
-                    i = (i + 1) & self.mask();
-                }
-                self.slots[i] = s;
-                self.mark(s[0]);
-                self.used += 1;
-                self.live += 1;
-            }
-        }
-    }
+/// A slot value: the run pointer with the offset in the top bits (never 0).
+fn slot(v: u64) -> SlotValue {
+    SlotValue::new(v).expect("a run pointer is not null")
 }
 
 /// One partition's storage.
 struct Probe {
-    table: Table,
+    /// The key table: the engine's key-inline slot table (`layout::SlotTable`).
+    table: SlotTable,
     /// Root slots: a copy of the slot of every key an ingest began with, kept equal to the
     /// key table's by every write, in a table small enough to stay cached (W1M: 2,048 keys),
     /// so a lookup's block 0 usually costs no cold line.
-    roots: Table,
+    roots: SlotTable,
     run_bytes: usize,
     /// A removal's stretch in offset order (reused).
     ordered: Vec<u64>,
@@ -465,8 +346,8 @@ enum Stretch {
 impl Probe {
     fn new() -> Self {
         Probe {
-            table: Table::new(),
-            roots: Table::new(),
+            table: SlotTable::new(),
+            roots: SlotTable::new(),
             run_bytes: 0,
             ordered: Vec::new(),
         }
@@ -483,15 +364,16 @@ impl Probe {
     /// name consecutive offsets of one run (`vals` gets each present key's slot value).
     fn stretches(&self, keys: &[u64], vals: &mut Vec<Option<u64>>) -> Vec<Stretch> {
         vals.clear();
+        let guard = epoch::pin();
         const AHEAD: usize = 8;
         for k in keys.iter().take(AHEAD) {
-            self.table.prefetch_home(*k);
+            self.table.prefetch(*k, &guard);
         }
         for (i, k) in keys.iter().enumerate() {
             if let Some(n) = keys.get(i + AHEAD) {
-                self.table.prefetch_home(*n);
+                self.table.prefetch(*n, &guard);
             }
-            vals.push(self.table.find(*k));
+            vals.push(self.table.find(*k, &guard).map(SlotValue::get));
         }
         let mut out = Vec::new();
         let mut i = 0;
@@ -546,8 +428,10 @@ impl Probe {
             match s {
                 Stretch::Fresh { from, to } => {
                     let run = self.new_run(&[me], &keys[from..to], (to - from) as u64);
+                    let guard = epoch::pin();
+                    let mut w = self.table.lock();
                     for (o, k) in keys[from..to].iter().enumerate() {
-                        self.table.insert_new(*k, pack(run, o));
+                        w.insert(*k, slot(pack(run, o)), &guard);
                     }
                     owners.push((run, to));
                 }
@@ -581,50 +465,54 @@ impl Probe {
                     } else if !run.is_dead(end) {
                         new.add_hint(run.key(end), pack(run, end), &mut self.run_bytes);
                     }
-                    self.repoint(&keys[from..to], run, Some(new));
+                    self.repoint(&keys[from..to], &vals[from..to], run, Some(new));
                     owners.push((new, to));
                 }
             }
         }
+        let guard = epoch::pin();
         if let Some(k) = keys.first()
-            && self.roots.find_slot(*k).is_none()
-            && let Some(v) = self.table.find(*k)
+            && self.roots.find(*k, &guard).is_none()
+            && let Some(v) = self.table.find(*k, &guard)
         {
-            self.roots.insert_new(*k, v);
+            self.roots.lock().insert(*k, v, &guard);
         }
         // Each stretch's run hints at the block after it, as the ingest left it.
         for w in owners.windows(2) {
             let (run, to) = w[0];
-            if let Some(v) = self.table.find(keys[to]) {
-                run.add_hint(keys[to], v, &mut self.run_bytes);
+            if let Some(v) = self.table.find(keys[to], &guard) {
+                run.add_hint(keys[to], v.get(), &mut self.run_bytes);
             }
         }
     }
 
-    /// Points the slots of `keys` (consecutive offsets of `old`, from the first key's) at the
-    /// same offsets of `new` from 0, or removes them; marks the old offsets dead and releases
-    /// them.
-    fn repoint(&mut self, keys: &[u64], old: Run, new: Option<Run>) {
-        for (o, k) in keys.iter().enumerate() {
-            let i = self.table.find_slot(*k).expect("present key");
-            let (_, old_o) = unpack(self.table.slots[i][1]);
+    /// Points the slots of `keys` (consecutive offsets of `old`, whose slot values are `olds`)
+    /// at the same offsets of `new` from 0, or removes them; marks each old offset dead before
+    /// its slot changes, and releases them.
+    fn repoint(&mut self, keys: &[u64], olds: &[Option<u64>], old: Run, new: Option<Run>) {
+        let guard = epoch::pin();
+        let mut w = self.table.lock();
+        let mut roots = self.roots.lock();
+        for (o, (k, was)) in keys.iter().zip(olds).enumerate() {
+            let (_, old_o) = unpack(was.expect("present key"));
             old.set_dead(old_o);
-            let root = self.roots.find_slot(*k);
+            let root = roots.get(*k, &guard).is_some();
             match new {
                 Some(r) => {
-                    self.table.slots[i][1] = pack(r, o);
-                    if let Some(j) = root {
-                        self.roots.slots[j][1] = pack(r, o);
+                    w.insert(*k, slot(pack(r, o)), &guard);
+                    if root {
+                        roots.insert(*k, slot(pack(r, o)), &guard);
                     }
                 }
                 None => {
-                    self.table.remove_at(i);
-                    if let Some(j) = root {
-                        self.roots.remove_at(j);
+                    w.remove(*k, &guard);
+                    if root {
+                        roots.remove(*k, &guard);
                     }
                 }
             }
         }
+        drop((w, roots));
         old.release(keys.len() as u64, &mut self.run_bytes);
     }
 
@@ -643,8 +531,10 @@ impl Probe {
             let mut ordered = std::mem::take(&mut self.ordered);
             ordered.clear();
             ordered.extend_from_slice(&keys[from..to]);
+            let mut olds: Vec<Option<u64>> = vals[from..to].to_vec();
             if descending {
                 ordered.reverse();
+                olds.reverse();
             }
             let mut hs = run.holders();
             let Some(i) = hs.iter().position(|h| h.rep() == rep) else {
@@ -652,7 +542,7 @@ impl Probe {
             };
             hs.remove(i);
             let new = (!hs.is_empty()).then(|| self.new_run(&hs, &ordered, (to - from) as u64));
-            self.repoint(&ordered, run, new);
+            self.repoint(&ordered, &olds, run, new);
             self.ordered = ordered;
         }
     }
@@ -665,12 +555,16 @@ impl Probe {
         if n == 0 {
             return [0; 3];
         }
+        let guard = epoch::pin();
         let root = if USE_ROOTS.load(std::sync::atomic::Ordering::Relaxed) {
-            self.roots.find(hashes[0])
+            self.roots.find(hashes[0], &guard)
         } else {
             None
         };
-        let Some(v) = root.or_else(|| self.table.find_read(hashes[0])) else {
+        let Some(v) = root
+            .or_else(|| self.table.find(hashes[0], &guard))
+            .map(SlotValue::get)
+        else {
             return [0; 3];
         };
         let (mut run, mut o) = unpack(v);
@@ -723,7 +617,7 @@ impl Probe {
                     r.prefetch(ro);
                     ahead = Some(v);
                 } else {
-                    self.table.prefetch_home(k);
+                    self.table.prefetch(k, &guard);
                 }
             }
             let mut m = 0;
@@ -739,7 +633,7 @@ impl Probe {
             {
                 Some(v)
             } else {
-                self.table.find_read(hashes[pos])
+                self.table.find(hashes[pos], &guard).map(SlotValue::get)
             };
             match next {
                 Some(v) => {
@@ -815,7 +709,10 @@ fn run(args: &Args) -> Result<(), String> {
     let insert = t.elapsed();
     let rss = vm_rss_bytes().saturating_sub(rss0);
     let entries = w.entries() as f64;
-    let accounted = (p.table.slots.len() + p.roots.slots.len()) * 16 + p.run_bytes;
+    let accounted = {
+        let guard = epoch::pin();
+        p.table.memory_bytes(&guard) + p.roots.memory_bytes(&guard) + p.run_bytes
+    };
 
     let mut rows = Vec::new();
     for set in [&q.q50, &q.q100, &q.q0] {
@@ -837,10 +734,12 @@ fn run(args: &Args) -> Result<(), String> {
         p.evict(worker(c) as u32, &rev, &mut vals);
     }
     let remove = t.elapsed();
-    if p.table.live != 0 || p.roots.live != 0 || p.run_bytes != 0 {
+    if !p.table.is_empty() || !p.roots.is_empty() || p.run_bytes != 0 {
         return Err(format!(
-            "remove left {} keys and {} run bytes",
-            p.table.live, p.run_bytes
+            "remove left {} keys, {} root slots and {} run bytes",
+            p.table.len(),
+            p.roots.len(),
+            p.run_bytes
         ));
     }
 
