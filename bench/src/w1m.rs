@@ -109,6 +109,17 @@ pub fn wire(values: &Chain) -> WireChain {
     out
 }
 
+/// Parses a `--chains` value of the W1M binaries: at least one chain per worker group (8).
+///
+/// # Errors
+/// A message naming the flag when `v` is not a number ≥ 8.
+pub fn parse_chains(v: &str) -> Result<usize, String> {
+    v.parse::<usize>()
+        .ok()
+        .filter(|&n| n >= WORKERS)
+        .ok_or_else(|| "--chains needs a number ≥ 8".into())
+}
+
 /// The stored side of W1M: `local` and `seq` of every chain.
 pub struct Workload {
     /// Number of chains.

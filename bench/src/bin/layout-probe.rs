@@ -44,7 +44,8 @@ use std::time::Instant;
 
 use inferencecache_bench::measure::{Plan, Recorder, Sums, bench_lookup, vm_rss_bytes};
 use inferencecache_bench::w1m::{
-    BLOCK_TOKENS, CHAINS_FULL, Chain, Kind, LEN, QUERIES, Queries, Workload, rolling, worker,
+    BLOCK_TOKENS, CHAINS_FULL, Chain, Kind, LEN, QUERIES, Queries, Workload, parse_chains, rolling,
+    worker,
 };
 
 /// Row names of the probe in tables and JSON lines (with and without root slots and successor
@@ -680,13 +681,6 @@ struct Args {
     /// Print one JSON line per figure instead of the table.
     #[arg(long)]
     json: bool,
-}
-
-fn parse_chains(v: &str) -> Result<usize, String> {
-    v.parse::<usize>()
-        .ok()
-        .filter(|&n| n >= 8)
-        .ok_or_else(|| "--chains needs a number ≥ 8".into())
 }
 
 fn run(args: &Args) -> Result<(), String> {

@@ -18,7 +18,9 @@ use inferencecache_bench::measure::{Plan, Recorder};
 use inferencecache_bench::ours;
 use inferencecache_bench::progress;
 use inferencecache_bench::report::Aggregate;
-use inferencecache_bench::w1m::{CHAINS_FULL, CHAINS_SMOKE, QUERIES, Queries, Workload};
+use inferencecache_bench::w1m::{
+    CHAINS_FULL, CHAINS_SMOKE, QUERIES, Queries, Workload, parse_chains,
+};
 
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
@@ -47,13 +49,6 @@ struct Args {
     /// No progress spinner.
     #[arg(long)]
     quiet: bool,
-}
-
-fn parse_chains(v: &str) -> Result<usize, String> {
-    v.parse::<usize>()
-        .ok()
-        .filter(|&n| n >= 8)
-        .ok_or_else(|| "--chains needs a number ≥ 8".into())
 }
 
 fn main() -> ExitCode {
