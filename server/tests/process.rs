@@ -87,6 +87,7 @@ maxIndexEntries = 0
         &dir,
         &["--config", cfg.to_str().unwrap(), "--log-level", "debug"],
     );
+    server.wait_ready().await;
     let mut c = server.client().await;
     c.report_cache_state(tokio_stream::iter(vec![legacy("team-a", b"p")]))
         .await
@@ -138,6 +139,7 @@ async fn sv18_producer_token_guards_producer_rpcs_only() {
     let tokens = dir.join("producer.tokens");
     std::fs::write(&tokens, "# producers\nsecret-1\n").unwrap();
     let server = ServerProcess::start(&dir, &["--producer-token-file", tokens.to_str().unwrap()]);
+    server.wait_ready().await;
     let mut c = server.client().await;
     let err = c
         .report_cache_state(tokio_stream::iter(vec![legacy("t", b"p")]))
@@ -185,6 +187,7 @@ async fn sv18_producer_token_guards_producer_rpcs_only() {
 async fn sv11_json_logs_and_graceful_shutdown() {
     let dir = temp_dir("process-sv11");
     let server = ServerProcess::start(&dir, &[]);
+    server.wait_ready().await;
     let mut c = server.client().await;
     let _ = c.lookup_route(exact("t", b"secret-prefix")).await.unwrap();
     let (code, logs) = terminate(server).await;

@@ -326,6 +326,23 @@ impl ServerProcess {
         InferenceCacheClient::new(self.channel().await)
     }
 
+    /// Waits until `/readyz` answers 200: the server has started serving, not only bound its
+    /// listeners (what [`ServerProcess::start`] waits for). For tests whose first RPC must be
+    /// served; a server that is meant to stay unready (replication without NATS, a restore)
+    /// is never waited on this way.
+    pub async fn wait_ready(&self) {
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.http));
+        let start = Instant::now();
+        while http_request(addr, "GET", "/readyz", "").await.0 != 200 {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "server not ready: {}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn sigterm(&self) {
         sigterm(&self.child);
     }
