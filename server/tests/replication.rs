@@ -151,22 +151,13 @@ async fn digest(s: &ServerProcess) -> Option<Digest> {
     })
 }
 
-async fn ready(s: &ServerProcess) -> bool {
-    let addr = format!("127.0.0.1:{}", s.http).parse().unwrap();
-    http_request(addr, "GET", "/readyz", "").await.0 == 200
-}
-
+/// Waits until every server answers `/readyz` 200, within 30 s for all of them.
 async fn wait_ready(servers: &[&ServerProcess]) {
+    let limit = Duration::from_secs(30);
     let start = Instant::now();
     for s in servers {
-        while !ready(s).await {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "not ready: {}",
-                s.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        s.wait_ready_within(limit.saturating_sub(start.elapsed()))
+            .await;
     }
 }
 

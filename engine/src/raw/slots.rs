@@ -55,6 +55,7 @@
 //! Loom model m13a checks a reader against the insert, replace, removal and reuse of its
 //! slot; m13b against a growth rebuild.
 
+use crate::raw::table::prefetch;
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 use std::num::NonZeroU64;
@@ -70,6 +71,16 @@ const SUMMARY_SLOTS: usize = 32;
 const HOME_MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 /// Multiplier of the summary bits (independent of the home's bits).
 const SUMMARY_MIX: u64 = 0xC2B2_AE3D_27D4_EB4F;
+
+/// The home slot of `key`: the top bits of the seeded, multiplied key.
+fn home(seed: u64, shift: u32, key: u64) -> usize {
+    ((key ^ seed).wrapping_mul(HOME_MIX) >> shift) as usize
+}
+
+/// The home shift of a table of `slots` slots (a power of two): `64 − log2(slots)`.
+fn shift_for(slots: usize) -> u32 {
+    64 - slots.trailing_zeros()
+}
 
 #[repr(C, align(16))]
 struct Slot {
@@ -101,7 +112,7 @@ impl Slots {
         Slots {
             slots,
             summary,
-            shift: 64 - len.trailing_zeros(),
+            shift: shift_for(len),
             seed,
         }
     }
@@ -111,7 +122,7 @@ impl Slots {
     }
 
     fn home(&self, key: u64) -> usize {
-        ((key ^ self.seed).wrapping_mul(HOME_MIX) >> self.shift) as usize
+        home(self.seed, self.shift, key)
     }
 
     fn summary_bits(&self, key: u64) -> u64 {
@@ -247,8 +258,8 @@ impl SlotTable {
         // SAFETY: as in `find`.
         let table = unsafe { table.deref() };
         let home = table.home(key);
-        prefetch_line(std::ptr::from_ref(&table.slots[home]).cast());
-        prefetch_line(std::ptr::from_ref(table.summary_word(home)).cast());
+        prefetch(std::ptr::from_ref(&table.slots[home]));
+        prefetch(std::ptr::from_ref(table.summary_word(home)));
     }
 
     /// Live keys (Relaxed: may lag a concurrent writer).
@@ -286,7 +297,7 @@ impl SlotTable {
     /// The home slot of `key` in a table of `slots` slots seeded `seed` (tests and models use it
     /// to pick keys that share a probe sequence).
     pub fn home_of(seed: u64, slots: usize, key: u64) -> usize {
-        ((key ^ seed).wrapping_mul(HOME_MIX) >> (64 - slots.trailing_zeros())) as usize
+        home(seed, shift_for(slots), key)
     }
 }
 
@@ -418,17 +429,6 @@ impl SlotWriter<'_> {
         // SAFETY: just stored, and replaced only under this lock.
         unsafe { table.deref() }
     }
-}
-
-#[inline(always)]
-fn prefetch_line(p: *const u8) {
-    #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
-    // SAFETY: a prefetch is a hint; it never faults, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch(p.cast::<i8>(), std::arch::x86_64::_MM_HINT_T0);
-    }
-    #[cfg(not(all(target_arch = "x86_64", not(loom), not(miri))))]
-    let _ = p;
 }
 
 #[cfg(all(test, not(loom)))]

@@ -331,14 +331,15 @@ impl ServerProcess {
     /// served; a server that is meant to stay unready (replication without NATS, a restore)
     /// is never waited on this way.
     pub async fn wait_ready(&self) {
+        self.wait_ready_within(Duration::from_secs(20)).await;
+    }
+
+    /// [`ServerProcess::wait_ready`] with a time limit of `limit`.
+    pub async fn wait_ready_within(&self, limit: Duration) {
         let addr = SocketAddr::from(([127, 0, 0, 1], self.http));
         let start = Instant::now();
         while http_request(addr, "GET", "/readyz", "").await.0 != 200 {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "server not ready: {}",
-                self.logs()
-            );
+            assert!(start.elapsed() < limit, "server not ready: {}", self.logs());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
