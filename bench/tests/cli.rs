@@ -48,6 +48,8 @@ const BINARIES: [(&str, &str, &[&str]); 5] = [
             "--queries",
             "--no-hints",
             "--no-roots",
+            "--no-gone",
+            "--no-join",
             "--json",
         ],
     ),
@@ -111,7 +113,11 @@ fn a_small_eviction_run_prints_its_table() {
 /// differ), with and without its lookup aids, and its removals leave nothing behind.
 #[test]
 fn a_small_layout_probe_run_checks_its_answers() {
-    for flags in [&[][..], &["--no-hints", "--no-roots"][..]] {
+    for flags in [
+        &[][..],
+        &["--no-hints", "--no-roots"][..],
+        &["--no-gone", "--no-join"][..],
+    ] {
         let out = Command::new(BINARIES[4].1)
             .args(["--chains", "64", "--queries", "300", "--json"])
             .args(flags)

@@ -3,7 +3,7 @@
 //! same method as `w1m`, so its figures sit next to the engine's and the peers' on one host.
 //!
 //! ```text
-//! layout-probe [--chains N] [--queries N] [--no-hints] [--no-roots] [--json]
+//! layout-probe [--chains N] [--queries N] [--no-hints] [--no-roots] [--no-gone] [--no-join] [--json]
 //! ```
 //!
 //! This is not an index: one thread, one partition, keys of 8 bytes, replica indices below 64,
@@ -19,12 +19,21 @@
 //!
 //! Layout. A slot is `{key: u64, value: u64}` (16 bytes, four per line, linear probing over a
 //! power-of-two table, grown at 3/4 load), with a presence summary of two bits per key in one
-//! word per 32 slots. `value` is the run pointer with the block's offset in its top 16 bits. A
-//! run is one allocation of words: its holders (two words each, stored in reverse), four
-//! successor hints, the header (`holders | len << 32`, the count of slots and hints naming the
-//! run, the dead bits of offsets 0–63), the keys, then the dead words of offsets from 64 on.
-//! The run pointer points at the header, so key `o` is at `header + 3 + o` whatever the holder
-//! count, and the holders and hints sit in the lines just before it.
+//! word per 32 slots. `value` is the run pointer with the block's offset in its top 16 bits and,
+//! in bit 0, whether the key also has a root slot. A run is one allocation of words: its holder
+//! entries (two words each, stored in reverse, with room for one more than it was built with),
+//! four successor hints, the header (`holders | capacity << 16 | len << 32`, the count of slots
+//! and hints naming the run, the dead bits of offsets 0–63, the gone bits of holders that left
+//! it), the keys, then the dead words of offsets from 64 on. The run pointer points at the
+//! header, so key `o` is at `header + 4 + o` whatever the holder count, and the holders and
+//! hints sit in the lines just before it.
+//!
+//! Writes. A chain is cut into stretches by probing only each stretch's first key: the keys
+//! after it are matched against the run's own keys (a live offset's slot names it, since a slot
+//! is repointed or removed only after its offset is marked dead). A holder joining a run whose
+//! live blocks the stretch covers takes the spare entry (`--no-join` turns that off); a holder
+//! leaving such a run, when others stay, sets its gone bit (`--no-gone`); otherwise the stretch
+//! is copied into a new run and its slots repointed, or removed with the last holder.
 //!
 //! Two lookup aids, each with a flag that turns it off for A/B runs: **successor hints**
 //! (`--no-hints`; a run's `(key, value)` of the block after its stretch in the chains that
@@ -48,25 +57,43 @@ use inferencecache_bench::w1m::{
     worker,
 };
 
-/// Row names of the probe in tables and JSON lines (with and without root slots and successor
-/// hints).
+/// The probe's row name in tables and JSON lines; each aid turned off adds a suffix
+/// (", no roots", ", no hints", ", no gone").
 const ROW: &str = "inferencecache run-layout probe";
-const ROW_NO_ROOTS: &str = "inferencecache run-layout probe, no roots";
-const ROW_NO_HINTS: &str = "inferencecache run-layout probe, no hints";
-const ROW_BARE: &str = "inferencecache run-layout probe, no roots, no hints";
 
 /// An unused hint's key (the probe's keys are W1M's hashes, never 0).
 const EMPTY: u64 = 0;
 const OFFSET_SHIFT: u32 = 48;
 const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
-/// Header words: holders and length, slot count, dead bits of offsets 0..64.
-const HEADER: usize = 3;
+/// Set in a key table slot value whose key also has a root slot (run pointers are 8-byte
+/// aligned, so bit 0 is free): a write learns from the value it replaces whether the root slot
+/// needs the same change, without probing the root table per key.
+const ROOT_FLAG: u64 = 1;
+/// Header words: holders and length, slot count, dead bits of offsets 0..64, gone holders.
+const HEADER: usize = 4;
+/// The header word whose bit `i` says holder `i` holds none of the run's blocks any more.
+const GONE: usize = 3;
 /// Successor hints per run (see `Run::hint`); `--no-hints` turns their use off, for A/B runs.
 const HINTS: usize = 4;
 const HINT_WORDS: usize = 2 * HINTS;
 static USE_HINTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+/// Whether a holder leaving a run whole is marked gone in place (`--no-gone` copies the run
+/// without it instead, for A/B runs).
+static USE_GONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+/// Whether runs keep a spare holder entry for a holder joining in place (`--no-join`).
+static USE_JOIN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 /// Whether lookups try the root slots first (`--no-roots` turns it off, for A/B runs).
 static USE_ROOTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Holder entries a run built with `n` holders has room for: spare ones let a holder join a
+/// run it covers whole in place (`--no-join` turns that off, for A/B runs).
+fn holder_capacity(n: usize) -> usize {
+    if USE_JOIN.load(std::sync::atomic::Ordering::Relaxed) {
+        (n + 1).min(64)
+    } else {
+        n
+    }
+}
 
 /// Dead-bit words a run of `len` blocks keeps after its keys (offsets from 64 on).
 fn extra_dead_words(len: usize) -> usize {
@@ -92,15 +119,15 @@ struct Run(*mut u64);
 
 impl Run {
     fn create(holders: &[Holder], keys: &[u64]) -> Run {
-        let words =
-            2 * holders.len() + HINT_WORDS + HEADER + keys.len() + extra_dead_words(keys.len());
+        let cap = holder_capacity(holders.len());
+        let words = 2 * cap + HINT_WORDS + HEADER + keys.len() + extra_dead_words(keys.len());
         let mut v = vec![0u64; words].into_boxed_slice();
-        let h = 2 * holders.len() + HINT_WORDS;
+        let h = 2 * cap + HINT_WORDS;
         for (i, x) in holders.iter().enumerate() {
             v[h - HINT_WORDS - 2 - 2 * i] = x.a;
             v[h - HINT_WORDS - 1 - 2 * i] = x.b;
         }
-        v[h] = holders.len() as u64 | (keys.len() as u64) << 32;
+        v[h] = holders.len() as u64 | (cap as u64) << 16 | (keys.len() as u64) << 32;
         v[h + HEADER..h + HEADER + keys.len()].copy_from_slice(keys);
         let base = Box::into_raw(v) as *mut u64;
         // SAFETY: `h` is within the allocation of `words` words.
@@ -109,7 +136,26 @@ impl Run {
 
     fn n_holders(self) -> usize {
         // SAFETY: a run pointer points at its header word.
-        unsafe { (*self.0 & 0xFFFF_FFFF) as usize }
+        unsafe { (*self.0 & 0xFFFF) as usize }
+    }
+
+    /// Holder entries the allocation has room for.
+    fn capacity(self) -> usize {
+        // SAFETY: as above.
+        unsafe { (*self.0 >> 16 & 0xFFFF) as usize }
+    }
+
+    /// Adds `h` in the next spare holder entry (callers check there is one): the entry is
+    /// written before the count that makes readers read it.
+    fn push_holder(self, h: Holder) {
+        let i = self.n_holders();
+        // SAFETY: `i < capacity`, so entry `i` is inside the allocation; the probe is one
+        // thread (the engine would store the count with Release after the entry).
+        unsafe {
+            *self.0.sub(HINT_WORDS + 2 + 2 * i) = h.a;
+            *self.0.sub(HINT_WORDS + 1 + 2 * i) = h.b;
+            *self.0 += 1;
+        }
     }
 
     fn len(self) -> usize {
@@ -192,8 +238,34 @@ impl Run {
         unsafe { *self.dead_word(o / 64) >> (o % 64) & 1 == 1 }
     }
 
+    /// The holders that still hold the run's blocks.
     fn holders(self) -> Vec<Holder> {
-        (0..self.n_holders()).map(|i| self.holder(i)).collect()
+        let gone = self.gone();
+        (0..self.n_holders())
+            .filter(|i| gone >> i & 1 == 0)
+            .map(|i| self.holder(i))
+            .collect()
+    }
+
+    fn gone(self) -> u64 {
+        // SAFETY: word `GONE` of the header.
+        unsafe { *self.0.add(GONE) }
+    }
+
+    /// Marks holder `i` as holding none of the run's blocks: its removal from a run it leaves
+    /// whole, with no new run and no slot writes.
+    fn set_gone(self, i: usize) {
+        // SAFETY: as in `gone`; the probe is one thread.
+        unsafe { *self.0.add(GONE) |= 1 << i }
+    }
+
+    /// Offsets whose slot still names this run.
+    fn live_count(self) -> usize {
+        let dead: u32 = (0..self.len().div_ceil(64))
+            // SAFETY: `w` < ⌈len / 64⌉.
+            .map(|w| unsafe { (*self.dead_word(w)).count_ones() })
+            .sum();
+        self.len() - dead as usize
     }
 
     fn refs(self) -> &'static mut u64 {
@@ -202,7 +274,7 @@ impl Run {
     }
 
     fn words(self) -> usize {
-        2 * self.n_holders() + HINT_WORDS + HEADER + self.len() + extra_dead_words(self.len())
+        2 * self.capacity() + HINT_WORDS + HEADER + self.len() + extra_dead_words(self.len())
     }
 
     /// Dead word `w`: the header's for offsets 0..64, then the words after the keys.
@@ -266,7 +338,7 @@ impl Run {
                     unpack(v).0.release(1, bytes);
                 }
             }
-            let h = 2 * self.n_holders() + HINT_WORDS;
+            let h = 2 * self.capacity() + HINT_WORDS;
             let words = self.words();
             // SAFETY: the allocation was a boxed slice of `words` words starting `h` words
             // before the header, and no slot names it any more.
@@ -305,7 +377,7 @@ fn pack(run: Run, o: usize) -> u64 {
 
 fn unpack(v: u64) -> (Run, usize) {
     (
-        Run((v & PTR_MASK) as *mut u64),
+        Run((v & PTR_MASK & !ROOT_FLAG) as *mut u64),
         (v >> OFFSET_SHIFT) as usize,
     )
 }
@@ -362,56 +434,78 @@ impl Probe {
     }
 
     /// Splits `keys` into stretches: maximal runs of absent keys, and maximal runs of keys that
-    /// name consecutive offsets of one run (`vals` gets each present key's slot value).
+    /// name consecutive offsets of one run (`vals` gets each present key's slot value, root flag
+    /// left out). Only a stretch's first key is probed: the keys after it are matched against
+    /// the run's own keys, since a live offset's key has its slot naming that offset (a slot is
+    /// repointed or removed only after its old offset is marked dead). Absent keys are probed
+    /// with the ones after them fetched ahead, as their insert will probe them again.
     fn stretches(&self, keys: &[u64], vals: &mut Vec<Option<u64>>) -> Vec<Stretch> {
+        const AHEAD: usize = 8;
         vals.clear();
         let guard = epoch::pin();
-        const AHEAD: usize = 8;
-        for k in keys.iter().take(AHEAD) {
-            self.table.prefetch(*k, &guard);
-        }
-        for (i, k) in keys.iter().enumerate() {
-            if let Some(n) = keys.get(i + AHEAD) {
-                self.table.prefetch(*n, &guard);
-            }
-            vals.push(self.table.find(*k, &guard).map(SlotValue::get));
-        }
         let mut out = Vec::new();
+        // Keys below `fetched` have had their slot lines prefetched.
+        let mut fetched = 0;
         let mut i = 0;
+        // The probe of `keys[i]` when a fresh stretch's loop made it already.
+        let mut carried = None;
         while i < keys.len() {
-            match vals[i] {
-                None => {
-                    let from = i;
-                    while i < keys.len() && vals[i].is_none() {
-                        i += 1;
-                    }
-                    out.push(Stretch::Fresh { from, to: i });
-                }
-                Some(v) => {
-                    let (run, o) = unpack(v);
-                    let from = i;
+            let found = carried
+                .take()
+                .unwrap_or_else(|| self.table.find(keys[i], &guard).map(SlotValue::get));
+            let Some(v) = found else {
+                let from = i;
+                loop {
+                    vals.push(None);
                     i += 1;
-                    let descending = o > 0 && vals.get(i) == Some(&Some(pack(run, o - 1)));
-                    while i < keys.len() {
-                        let step = i - from;
-                        let want = if descending {
-                            o.checked_sub(step).map(|p| pack(run, p))
-                        } else {
-                            Some(pack(run, o + step))
-                        };
-                        if want.is_none() || vals[i] != want {
-                            break;
-                        }
-                        i += 1;
+                    let ahead = (i + AHEAD).min(keys.len());
+                    for k in &keys[fetched.max(i)..ahead] {
+                        self.table.prefetch(*k, &guard);
                     }
-                    out.push(Stretch::InRun {
-                        from,
-                        to: i,
-                        run,
-                        descending,
-                    });
+                    fetched = fetched.max(ahead);
+                    if i == keys.len() {
+                        break;
+                    }
+                    if let Some(v) = self.table.find(keys[i], &guard) {
+                        carried = Some(Some(v.get()));
+                        break;
+                    }
                 }
+                out.push(Stretch::Fresh { from, to: i });
+                continue;
+            };
+            let (run, o) = unpack(v);
+            let from = i;
+            vals.push(Some(pack(run, o)));
+            i += 1;
+            let live = |p: usize| p < run.len() && !run.is_dead(p);
+            let descending = i < keys.len()
+                && o > 0
+                && live(o - 1)
+                && run.key(o - 1) == keys[i]
+                && !(live(o + 1) && run.key(o + 1) == keys[i]);
+            while i < keys.len() {
+                let step = i - from;
+                let p = if descending {
+                    match o.checked_sub(step) {
+                        Some(p) => p,
+                        None => break,
+                    }
+                } else {
+                    o + step
+                };
+                if !live(p) || run.key(p) != keys[i] {
+                    break;
+                }
+                vals.push(Some(pack(run, p)));
+                i += 1;
             }
+            out.push(Stretch::InRun {
+                from,
+                to: i,
+                run,
+                descending,
+            });
         }
         out
     }
@@ -444,10 +538,14 @@ impl Probe {
                             continue;
                         }
                         Some(i) => hs[i] = me,
-                        None => {
-                            let at = hs.partition_point(|h| h.rep() < rep);
-                            hs.insert(at, me);
+                        None if run.n_holders() < run.capacity()
+                            && to - from == run.live_count() =>
+                        {
+                            run.push_holder(me);
+                            owners.push((run, to));
+                            continue;
                         }
+                        None => hs.push(me),
                     }
                     let new = self.new_run(&hs, &keys[from..to], (to - from) as u64);
                     // The new run ends where the old run's stretch did, or before the old
@@ -473,10 +571,12 @@ impl Probe {
         }
         let guard = epoch::pin();
         if let Some(k) = keys.first()
-            && self.roots.find(*k, &guard).is_none()
             && let Some(v) = self.table.find(*k, &guard)
+            && v.get() & ROOT_FLAG == 0
         {
-            self.roots.lock().insert(*k, v, &guard);
+            let flagged = slot(v.get() | ROOT_FLAG);
+            self.table.lock().insert(*k, flagged, &guard);
+            self.roots.lock().insert(*k, flagged, &guard);
         }
         // Each stretch's run hints at the block after it, as the ingest left it.
         for w in owners.windows(2) {
@@ -491,29 +591,37 @@ impl Probe {
     /// at the same offsets of `new` from 0, or removes them; marks each old offset dead before
     /// its slot changes, and releases them.
     fn repoint(&mut self, keys: &[u64], olds: &[Option<u64>], old: Run, new: Option<Run>) {
+        const AHEAD: usize = 8;
         let guard = epoch::pin();
+        for k in keys.iter().take(AHEAD) {
+            self.table.prefetch(*k, &guard);
+        }
         let mut w = self.table.lock();
-        let mut roots = self.roots.lock();
         for (o, (k, was)) in keys.iter().zip(olds).enumerate() {
+            if let Some(n) = keys.get(o + AHEAD) {
+                self.table.prefetch(*n, &guard);
+            }
             let (_, old_o) = unpack(was.expect("present key"));
             old.set_dead(old_o);
-            let root = roots.get(*k, &guard).is_some();
-            match new {
-                Some(r) => {
-                    w.insert(*k, slot(pack(r, o)), &guard);
-                    if root {
-                        roots.insert(*k, slot(pack(r, o)), &guard);
+            let replaced = match new {
+                Some(r) => w.insert(*k, slot(pack(r, o)), &guard),
+                None => w.remove(*k, &guard),
+            };
+            if replaced.is_some_and(|v| v.get() & ROOT_FLAG != 0) {
+                let mut roots = self.roots.lock();
+                match new {
+                    Some(r) => {
+                        let flagged = slot(pack(r, o) | ROOT_FLAG);
+                        w.insert(*k, flagged, &guard);
+                        roots.insert(*k, flagged, &guard);
                     }
-                }
-                None => {
-                    w.remove(*k, &guard);
-                    if root {
+                    None => {
                         roots.remove(*k, &guard);
                     }
                 }
             }
         }
-        drop((w, roots));
+        drop(w);
         old.release(keys.len() as u64, &mut self.run_bytes);
     }
 
@@ -537,11 +645,22 @@ impl Probe {
                 ordered.reverse();
                 olds.reverse();
             }
-            let mut hs = run.holders();
-            let Some(i) = hs.iter().position(|h| h.rep() == rep) else {
+            let gone = run.gone();
+            let Some(at) =
+                (0..run.n_holders()).find(|&i| gone >> i & 1 == 0 && run.holder(i).rep() == rep)
+            else {
                 continue;
             };
-            hs.remove(i);
+            let others = (run.n_holders() - gone.count_ones() as usize) > 1;
+            if others
+                && USE_GONE.load(std::sync::atomic::Ordering::Relaxed)
+                && to - from == run.live_count()
+            {
+                run.set_gone(at);
+                continue;
+            }
+            let mut hs = run.holders();
+            hs.retain(|h| h.rep() != rep);
             let new = (!hs.is_empty()).then(|| self.new_run(&hs, &ordered, (to - from) as u64));
             self.repoint(&ordered, &olds, run, new);
             self.ordered = ordered;
@@ -579,7 +698,11 @@ impl Probe {
             // The block at `pos` is held by exactly `run`'s holders: close the open replicas
             // it lacks (at the tokens before it) and, at block 0, open the live ones.
             let mut here = 0u64;
+            let gone = run.gone();
             for i in 0..run.n_holders() {
+                if gone >> i & 1 == 1 {
+                    continue;
+                }
                 let h = run.holder(i);
                 let age = now_ms - (h.a >> 20) as i64;
                 if age < ttl_ms {
@@ -678,6 +801,13 @@ struct Args {
     /// Lookups do not try the root slots for block 0.
     #[arg(long)]
     no_roots: bool,
+    /// A holder leaving a run whole is removed by copying the run without it, not marked gone
+    /// in place.
+    #[arg(long)]
+    no_gone: bool,
+    /// Runs keep no spare holder entry: a holder joining a run is added by copying the run.
+    #[arg(long)]
+    no_join: bool,
     /// Print one JSON line per figure instead of the table.
     #[arg(long)]
     json: bool,
@@ -687,6 +817,8 @@ fn run(args: &Args) -> Result<(), String> {
     let (chains, queries) = (args.chains, args.queries);
     USE_ROOTS.store(!args.no_roots, std::sync::atomic::Ordering::Relaxed);
     USE_HINTS.store(!args.no_hints, std::sync::atomic::Ordering::Relaxed);
+    USE_GONE.store(!args.no_gone, std::sync::atomic::Ordering::Relaxed);
+    USE_JOIN.store(!args.no_join, std::sync::atomic::Ordering::Relaxed);
     let w = Workload::new(chains);
     let q = Queries::generate(chains, queries);
     let counts = [BLOCK_TOKENS; LEN];
@@ -737,15 +869,18 @@ fn run(args: &Args) -> Result<(), String> {
         ));
     }
 
-    let row = match (
-        USE_HINTS.load(std::sync::atomic::Ordering::Relaxed),
-        USE_ROOTS.load(std::sync::atomic::Ordering::Relaxed),
-    ) {
-        (true, true) => ROW,
-        (true, false) => ROW_NO_ROOTS,
-        (false, true) => ROW_NO_HINTS,
-        (false, false) => ROW_BARE,
-    };
+    let mut row = ROW.to_string();
+    for (off, suffix) in [
+        (args.no_roots, ", no roots"),
+        (args.no_hints, ", no hints"),
+        (args.no_gone, ", no gone"),
+        (args.no_join, ", no join"),
+    ] {
+        if off {
+            row.push_str(suffix);
+        }
+    }
+    let row = row.as_str();
     let mut rec = Recorder::default();
     rec.put_write(row, "insert", w.entries(), insert);
     rec.put_write(row, "remove", w.entries(), remove);
