@@ -58,9 +58,11 @@ use inferencecache_bench::w1m::{
 };
 
 /// The probe's row name in tables and JSON lines; each aid turned off adds a suffix
-/// (", no roots", ", no hints", ", no gone").
+/// (", no roots", ", no hints", ", no gone", ", no join").
 const ROW: &str = "inferencecache run-layout probe";
 
+/// How many keys ahead a write fetches slot lines while it probes or repoints.
+const AHEAD: usize = 8;
 /// An unused hint's key (the probe's keys are W1M's hashes, never 0).
 const EMPTY: u64 = 0;
 const OFFSET_SHIFT: u32 = 48;
@@ -440,7 +442,6 @@ impl Probe {
     /// repointed or removed only after its old offset is marked dead). Absent keys are probed
     /// with the ones after them fetched ahead, as their insert will probe them again.
     fn stretches(&self, keys: &[u64], vals: &mut Vec<Option<u64>>) -> Vec<Stretch> {
-        const AHEAD: usize = 8;
         vals.clear();
         let guard = epoch::pin();
         let mut out = Vec::new();
@@ -591,7 +592,6 @@ impl Probe {
     /// at the same offsets of `new` from 0, or removes them; marks each old offset dead before
     /// its slot changes, and releases them.
     fn repoint(&mut self, keys: &[u64], olds: &[Option<u64>], old: Run, new: Option<Run>) {
-        const AHEAD: usize = 8;
         let guard = epoch::pin();
         for k in keys.iter().take(AHEAD) {
             self.table.prefetch(*k, &guard);
