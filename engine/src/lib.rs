@@ -37,6 +37,10 @@ pub use raw::loom_api;
 /// models; not part of the index's API, and free to change with the layout.
 #[doc(hidden)]
 pub mod layout {
+    pub use crate::raw::block_run::{
+        BlockRun, FLAG, HINTS, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, pack, unpack,
+    };
+    pub use crate::raw::node::Holder;
     pub use crate::raw::slots::{SlotTable, SlotValue, SlotWriter};
 }
 pub use replica_id::ReplicaId;

@@ -8,7 +8,7 @@
 //! ordered after a pinned reader's read) is therefore a loom causality failure, and a read of an
 //! already-freed object or a double free panics.
 //!
-//! Every model but m13 drives the public `Index` API (ingest, events, lookups, crediting, sweeps) on a
+//! Every model but m13 and m14 drives the public `Index` API (ingest, events, lookups, crediting, sweeps) on a
 //! partition and replicas created before the threads start (directory records are created once
 //! and never removed, so creating them up front keeps the models small; the directory's own RCU is
 //! exercised by the lookups' wait-free reads). Index-wide parking_lot locks other than the shard
@@ -19,14 +19,18 @@
 #[path = "../../engine/tests/fixed_policy/mod.rs"]
 mod fixed_policy;
 
+use crossbeam_epoch::Guard;
 use fixed_policy::FixedPolicy;
-use inferencecache_engine::layout::{SlotTable, SlotValue};
+use inferencecache_engine::layout::{
+    BlockRun, Holder, IdAllocator, RunIds, SlotTable, SlotValue, SlotWriter, pack, unpack,
+};
 use inferencecache_engine::loom_api::{self, Kind};
 use inferencecache_engine::{
     Algorithm, CacheEventInput, CacheStateUpdate, CapturedHits, ChangeEvent, ChangeKind,
     ChangeSink, DEFAULT_MAX_ENTRIES, Index, IndexConfig, IngestOutcome, LookupRequest, ManualClock,
     PrefixRef, Strategy, event_type,
 };
+use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 const T: &str = "t";
@@ -1373,6 +1377,319 @@ fn m13b_slot_rebuild_vs_reader() {
             None => outcome("new key not yet seen"),
             Some(70) => outcome("new key seen"),
             Some(other) => panic!("key 7 read {other}"),
+        }
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 14. Block runs (the run layout's storage unit, `engine/src/raw/block_run.rs`, with its run ids,
+// over the key-inline slots of section 13; reached through `inferencecache_engine::layout`: the
+// index does not use them yet)
+
+/// A holder of replica `rep` (tier 1, 16 tokens, `last_seen` 1,000, generation 1).
+fn run_holder(rep: u32) -> Holder {
+    Holder::new(rep, 1, 16, 1_000, 1)
+}
+
+/// A run held by `reps` with room for `capacity` holders over `keys`.
+fn block_run(reps: &[u32], capacity: usize, keys: &[u64]) -> NonNull<BlockRun> {
+    let holders: Vec<Holder> = reps.iter().map(|&r| run_holder(r)).collect();
+    BlockRun::create(&holders, capacity, keys).expect("a valid run")
+}
+
+/// The replicas of a run's live holder entries, in entry order.
+fn run_reps(run: &BlockRun) -> Vec<u32> {
+    let mut reps = Vec::new();
+    run.for_each_holder(|_, h| reps.push(h.rep()));
+    reps
+}
+
+/// Points the slots of `keys` at `run`'s offsets `from..` and counts the references.
+fn point(w: &mut SlotWriter<'_>, run: NonNull<BlockRun>, from: usize, keys: &[u64], guard: &Guard) {
+    for (i, &k) in keys.iter().enumerate() {
+        w.insert(k, slot_value(pack(run, from + i)), guard);
+    }
+    // SAFETY: the model's own live run.
+    unsafe { run.as_ref() }.add_refs(keys.len() as u64);
+}
+
+/// A longest-prefix walk as the run layout does it, returning each matched block's replicas:
+/// probe a block's slot, step over the run's keys up to its next dead bit, then take the
+/// run's hint for the landing key, else probe again.
+fn run_walk(table: &SlotTable, ids: &RunIds, request: &[u64], guard: &Guard) -> Vec<Vec<u32>> {
+    let mut out = Vec::new();
+    let mut next = table.find(request[0], guard).map(SlotValue::get);
+    let mut i = 0;
+    while let Some(value) = next {
+        let (run, mut o) = unpack(value);
+        // SAFETY: a slot or a checked hint named the run under `guard` (block_run invariant 4).
+        let run = unsafe { run.as_ref() };
+        assert_eq!(run.key(o), request[i], "a slot names its own key's block");
+        let reps = run_reps(run);
+        let end = run.live_end(o);
+        loop {
+            out.push(reps.clone());
+            i += 1;
+            o += 1;
+            if i == request.len() || o == end || run.key(o) != request[i] {
+                break;
+            }
+        }
+        if i == request.len() {
+            break;
+        }
+        next = run
+            .hint(request[i], ids, guard)
+            .or_else(|| table.find(request[i], guard).map(SlotValue::get));
+    }
+    out
+}
+
+/// Model 14a: slot repointing and dead bits vs a walking reader. Run A (replica 1) holds keys
+/// 1, 2, 3; replica 2 joins keys 2 and 3 only, so the writer builds run B (replicas 1, 2) over
+/// them, hints it from A, marks A's offsets 1 and 2 dead and repoints their slots. The reader
+/// walks 1, 2, 3: block 1 is replica 1's, blocks 2 and 3 each show the old or the new holders,
+/// and a block 2 read through B brings block 3 from B too. A keeps block 1; nothing is freed.
+#[test]
+fn m14a_run_repoint_vs_walk() {
+    model(|| {
+        let table = Arc::new(SlotTable::with_seed(0));
+        let ids = Arc::new(RunIds::new());
+        let mut alloc = IdAllocator::default();
+        let a = block_run(&[1], 2, &[1, 2, 3]);
+        {
+            let guard = crossbeam_epoch::pin();
+            ids.register(&mut alloc, a).expect("an id");
+            point(&mut table.lock(), a, 0, &[1, 2, 3], &guard);
+        }
+        let reader = {
+            let (table, ids) = (table.clone(), ids.clone());
+            spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                run_walk(&table, &ids, &[1, 2, 3], &guard)
+            })
+        };
+        let b = block_run(&[1, 2], 3, &[2, 3]);
+        {
+            let guard = crossbeam_epoch::pin();
+            let mut w = table.lock();
+            let id_b = ids.register(&mut alloc, b).expect("an id");
+            // SAFETY: the model's live runs.
+            let (ra, _) = unsafe { (a.as_ref(), b.as_ref()) };
+            ra.set_hint(2, pack(b, 0), id_b);
+            ra.set_dead(1);
+            ra.set_dead(2);
+            point(&mut w, b, 0, &[2, 3], &guard);
+            assert!(!ra.release(2), "A keeps block 1");
+        }
+        let seen = reader.join().unwrap();
+        let (old, new) = (vec![1], vec![1, 2]);
+        assert_eq!(seen.len(), 3, "every block is held throughout");
+        assert_eq!(seen[0], old);
+        assert!(seen[1] == old || seen[1] == new, "block 2: {:?}", seen[1]);
+        assert!(seen[2] == old || seen[2] == new, "block 3: {:?}", seen[2]);
+        assert!(
+            seen[1] == old || seen[2] == new,
+            "block 2 from B, block 3 from A"
+        );
+        outcome(match (seen[1] == new, seen[2] == new) {
+            (false, false) => "blocks 2, 3 old",
+            (false, true) => "block 2 old, 3 new",
+            _ => "blocks 2, 3 new",
+        });
+        let guard = crossbeam_epoch::pin();
+        assert_eq!(
+            run_walk(&table, &ids, &[1, 2, 3], &guard),
+            [old, new.clone(), new]
+        );
+        drop(guard);
+        assert_eq!(loom_api::live(Kind::BlockRun), 2);
+        // SAFETY: the model is over: nothing reads the runs any more.
+        unsafe {
+            BlockRun::discard(a);
+            BlockRun::discard(b);
+        }
+    });
+}
+
+/// Model 14b: a holder joining a run in its spare entry and another leaving it by its gone bit
+/// vs a reader of the run's holders. Replica 2 joins run A (replica 1, room for two), then
+/// replica 1 leaves it. The reader sees {1}, {1, 2} or {2}: never a torn entry, never no holder.
+#[test]
+fn m14b_run_join_and_gone_vs_reader() {
+    model(|| {
+        let table = Arc::new(SlotTable::with_seed(0));
+        let a = block_run(&[1], 2, &[1, 2]);
+        {
+            let guard = crossbeam_epoch::pin();
+            point(&mut table.lock(), a, 0, &[1, 2], &guard);
+        }
+        let reader = {
+            let table = table.clone();
+            spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                let value = table.find(2, &guard).expect("key 2 is present").get();
+                let (run, o) = unpack(value);
+                assert_eq!(o, 1);
+                // SAFETY: named by a slot under the guard; the model frees it at its end.
+                run_reps(unsafe { run.as_ref() })
+            })
+        };
+        {
+            let _w = table.lock();
+            // SAFETY: the model's live run.
+            let ra = unsafe { a.as_ref() };
+            assert!(ra.push_holder(run_holder(2)), "the spare entry");
+            ra.set_gone(0);
+        }
+        match reader.join().unwrap().as_slice() {
+            [1] => outcome("before the join"),
+            [1, 2] => outcome("joined"),
+            [2] => outcome("after the leave"),
+            other => panic!("the reader saw holders {other:?}"),
+        }
+        // SAFETY: the model is over.
+        unsafe { BlockRun::discard(a) };
+    });
+}
+
+/// Model 14c: run retirement vs a pinned reader. Key 1's slot names run A (replica 1); the
+/// writer builds run B (replica 2), marks A's offset dead, repoints the slot, drops A's last
+/// reference, retires A and collects garbage eagerly while the reader reads whichever run it
+/// found. The ledger fails the model if A is freed before the reader's reads; afterwards A is
+/// freed and B alive.
+#[test]
+fn m14c_run_retire_vs_pinned_reader() {
+    model(|| {
+        let table = Arc::new(SlotTable::with_seed(0));
+        let ids = Arc::new(RunIds::new());
+        let mut alloc = IdAllocator::default();
+        let a = block_run(&[1], 1, &[1]);
+        {
+            let guard = crossbeam_epoch::pin();
+            ids.register(&mut alloc, a).expect("an id");
+            point(&mut table.lock(), a, 0, &[1], &guard);
+        }
+        let reader = {
+            let (table, ids) = (table.clone(), ids.clone());
+            spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                run_walk(&table, &ids, &[1], &guard)
+            })
+        };
+        let b = block_run(&[2], 1, &[1]);
+        {
+            let guard = crossbeam_epoch::pin();
+            let mut w = table.lock();
+            ids.register(&mut alloc, b).expect("an id");
+            // SAFETY: the model's live run.
+            let ra = unsafe { a.as_ref() };
+            ra.set_dead(0);
+            point(&mut w, b, 0, &[1], &guard);
+            assert!(ra.release(1), "A's last reference");
+            // SAFETY: registered, no slot names it, retired once.
+            unsafe { BlockRun::retire(a, &ids, &mut alloc, &guard) };
+        }
+        loom_api::reclaim_step();
+        loom_api::reclaim_step();
+        match reader.join().unwrap().as_slice() {
+            [r] if r == &[1] => outcome("reader read A"),
+            [r] if r == &[2] => outcome("reader read B"),
+            other => panic!("the reader saw {other:?}"),
+        }
+        assert!(
+            loom_api::collect_garbage(|| loom_api::live(Kind::BlockRun) == 1),
+            "A is freed once the reader has left"
+        );
+        assert_eq!(
+            loom_api::built(Kind::BlockRun) - loom_api::freed(Kind::BlockRun),
+            1
+        );
+        // SAFETY: the model is over.
+        unsafe { BlockRun::discard(b) };
+    });
+}
+
+/// Model 14d: hint validation vs run reuse. Run A (key 1) hints key 2 at run B (replica 2).
+/// The writer removes key 2 (B's last block: dead bit, slot removal, retirement), then
+/// re-creates it in run C (replica 3), which takes B's freed id; A's hint still names B, as
+/// hints are not kept up to date. The reader, on A, asks the hint for key 2: a checked hint
+/// names B while B is live (replica 2), and once B is gone the hint is refused and the reader
+/// falls back to the slot; it never reads freed memory.
+#[test]
+fn m14d_run_hint_vs_reuse() {
+    model(|| {
+        let table = Arc::new(SlotTable::with_seed(0));
+        let ids = Arc::new(RunIds::new());
+        let mut alloc = IdAllocator::default();
+        let a = block_run(&[1], 1, &[1]);
+        let b = block_run(&[2], 1, &[2]);
+        let id_b = {
+            let guard = crossbeam_epoch::pin();
+            let mut w = table.lock();
+            ids.register(&mut alloc, a).expect("an id");
+            let id_b = ids.register(&mut alloc, b).expect("an id");
+            point(&mut w, a, 0, &[1], &guard);
+            point(&mut w, b, 0, &[2], &guard);
+            // SAFETY: the model's live run.
+            unsafe { a.as_ref() }.set_hint(2, pack(b, 0), id_b);
+            id_b
+        };
+        let reader = {
+            let (table, ids) = (table.clone(), ids.clone());
+            // A raw pointer is not `Send`; the address is.
+            let a_addr = a.as_ptr() as usize;
+            spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                // SAFETY: A stays live throughout the model.
+                let ra = unsafe { &*(a_addr as *const BlockRun) };
+                match ra.hint(2, &ids, &guard) {
+                    Some(value) => {
+                        let (run, o) = unpack(value);
+                        // SAFETY: a checked hint names a live run under the guard.
+                        let run = unsafe { run.as_ref() };
+                        assert_eq!(run.key(o), 2, "a checked hint names key 2's block");
+                        (true, run_reps(run))
+                    }
+                    None => (false, run_walk(&table, &ids, &[2], &guard).concat()),
+                }
+            })
+        };
+        let c = block_run(&[3], 1, &[2]);
+        {
+            let guard = crossbeam_epoch::pin();
+            let mut w = table.lock();
+            // SAFETY: the model's live run.
+            let rb = unsafe { b.as_ref() };
+            rb.set_dead(0);
+            w.remove(2, &guard);
+            assert!(rb.release(1));
+            // SAFETY: registered, no slot names it, retired once.
+            unsafe { BlockRun::retire(b, &ids, &mut alloc, &guard) };
+            let id_c = ids.register(&mut alloc, c).expect("an id");
+            assert_eq!(id_c, id_b, "C takes B's freed id");
+            point(&mut w, c, 0, &[2], &guard);
+        }
+        // Enough collection steps to free B before the reader runs, in the schedules where
+        // it runs last: its stale hint must then be refused, not followed.
+        for _ in 0..4 {
+            loom_api::reclaim_step();
+        }
+        match reader.join().unwrap() {
+            (true, reps) if reps == [2] => outcome("hint to B"),
+            (false, reps) if reps.is_empty() => outcome("no hint, key absent"),
+            (false, reps) if reps == [2] => outcome("no hint, slot to B"),
+            (false, reps) if reps == [3] => outcome("no hint, slot to C"),
+            other => panic!("the reader saw {other:?}"),
+        }
+        assert!(
+            loom_api::collect_garbage(|| loom_api::live(Kind::BlockRun) == 2),
+            "B is freed once the reader has left"
+        );
+        // SAFETY: the model is over.
+        unsafe {
+            BlockRun::discard(a);
+            BlockRun::discard(c);
         }
     });
 }

@@ -18,6 +18,8 @@ pub enum Kind {
     KeySum,
     /// A chain run (`raw::runs::ChainRun`).
     Run,
+    /// A block run of the run layout (`raw::block_run::BlockRun`).
+    BlockRun,
 }
 
 /// Whether objects are tracked (a loom build): a dropped table then visits its nodes to record

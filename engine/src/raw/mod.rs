@@ -1,7 +1,8 @@
 //! The lock-free storage under the index: per-partition key tables (groups, key nodes, the
 //! shard writers, LFU cells), the chain runs lookups step over, the node arenas and the page
-//! arrays they are carved from; and the first piece of the run layout the index is to move
-//! onto (`slots`, key-inline slots; see `docs/perf-log.md`, "The run layout").
+//! arrays they are carved from; and the pieces of the run layout the index is to move onto
+//! (`slots`, key-inline slots; `block_run`, runs and their ids; see `docs/perf-log.md`, "The run
+//! layout").
 //!
 //! Readers reach everything here through atomic pointers under an epoch guard and never wait;
 //! writers serialize per table shard. This room knows nothing of tenants, models, ranking or
@@ -9,6 +10,7 @@
 //! imports `index` (checked by `engine/tests/module_graph.rs`).
 
 pub(crate) mod arena;
+pub(crate) mod block_run;
 pub(crate) mod hooks;
 pub(crate) mod lfu;
 #[cfg(loom)]

@@ -77,14 +77,14 @@ pub(crate) fn clamp_ts(ms: i64) -> i64 {
 /// `b = tokens (u32) | tier−1 (2) << 32 | generation (27) << 34 | F_RUN | F_LONG | F_LAST`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
-pub(crate) struct Holder {
+pub struct Holder {
     a: u64,
     b: u64,
 }
 
 impl Holder {
     #[inline]
-    pub(crate) fn new(rep: u32, tier: u8, tokens: i32, last_seen_ms: i64, generation: u32) -> Self {
+    pub fn new(rep: u32, tier: u8, tokens: i32, last_seen_ms: i64, generation: u32) -> Self {
         debug_assert!(rep <= REP_MASK);
         debug_assert!((1..=4).contains(&tier));
         let a = ((clamp_ts(last_seen_ms) as u64) << REP_BITS) | rep as u64;
@@ -93,6 +93,16 @@ impl Holder {
             | (((generation & GEN_MASK) as u64) << 34);
         Self { a, b }
     }
+    /// A holder from its two stored words (a run's holder entry, `raw::block_run`).
+    #[inline]
+    pub fn from_words(a: u64, b: u64) -> Self {
+        Self { a, b }
+    }
+    /// The two stored words.
+    #[inline]
+    pub fn words(&self) -> (u64, u64) {
+        (self.a, self.b)
+    }
     /// The first word of every holder of replica `rep` last seen at `last_seen_ms`: a run's
     /// member word (see [`KeyNode`]).
     #[inline]
@@ -100,23 +110,23 @@ impl Holder {
         Self::new(rep, 1, 0, last_seen_ms, 0).a
     }
     #[inline]
-    pub(crate) fn rep(&self) -> u32 {
+    pub fn rep(&self) -> u32 {
         (self.a & REP_MASK as u64) as u32
     }
     #[inline]
-    pub(crate) fn last_seen_ms(&self) -> i64 {
+    pub fn last_seen_ms(&self) -> i64 {
         (self.a as i64) >> REP_BITS
     }
     #[inline]
-    pub(crate) fn tokens(&self) -> i32 {
+    pub fn tokens(&self) -> i32 {
         self.b as u32 as i32
     }
     #[inline]
-    pub(crate) fn tier(&self) -> u8 {
+    pub fn tier(&self) -> u8 {
         ((self.b >> 32) & 3) as u8 + 1
     }
     #[inline]
-    pub(crate) fn generation(&self) -> u32 {
+    pub fn generation(&self) -> u32 {
         ((self.b >> 34) as u32) & GEN_MASK
     }
     #[inline]

@@ -1,0 +1,888 @@
+//! Block runs: the storage unit of the run layout (`docs/perf-log.md`, "The run layout"), with
+//! the registry of run ids that lets a run's successor hints name other runs without keeping
+//! them alive. Built ahead of the index moving onto it; the design probe
+//! (`bench/src/bin/layout-probe.rs`) and loom m14a–m14d drive it today.
+//!
+//! # Structure
+//!
+//! A [`BlockRun`] is a stretch of consecutive blocks of one ingested chain that have the same
+//! holders with, per holder, the same `last_seen`, tier, token count and generation. One
+//! allocation, in this order:
+//!
+//! ```text
+//! [holder entry cap−1] … [holder entry 0] [hint 0 … hint 3] [header] [key 0 … key len−1] [dead words 1…]
+//!                                                           ^ run pointer
+//! ```
+//!
+//! - **holder entries** (16 bytes, [`Holder`]'s two words), stored in reverse so that entry 0 is
+//!   next to the hints whatever the capacity; the run is built with `holders` of them and room
+//!   for `capacity ≥ holders` (a *spare* entry lets a holder join in place, see below);
+//! - **hints** (24 bytes each): a key, the slot value of that key, the run id of the value's run
+//!   (see "Hints");
+//! - **header** (40 bytes): `holders | capacity << 16 | len << 32`, the count of references
+//!   (slots naming the run), the dead bits of offsets 0–63, the *gone* bits of holder entries
+//!   whose replica holds none of the run's blocks any more, and the run's id;
+//! - the `len` **keys** (8 bytes each), then the dead bits of offsets 64 on.
+//!
+//! So key `o` is at a fixed distance from the run pointer whatever the holder count, and the
+//! holders and hints sit in the lines just before it: a walk that reads a slot can fetch the
+//! header, holder, hint and key lines at once, none waiting on another ([`BlockRun::prefetch`]).
+//!
+//! A slot value names a block as `run pointer | offset << 48` ([`pack`]); bit 0 is free (run
+//! pointers are 8-byte aligned) and left to the index ([`FLAG`]).
+//!
+//! # Invariants
+//!
+//! Writers hold their partition's writer lock; readers take none.
+//!
+//! 1. Keys and the entries below the build-time holder count are written before the run is
+//!    published and never again.
+//! 2. **A live offset's slot names it**: for a registered run and an offset whose dead bit is
+//!    clear, the slot of that offset's key names `(run, offset)` or is about to (a new run is
+//!    registered before its slots are pointed at it). A writer sets an offset's dead bit
+//!    *before* it repoints or removes the slot, and a dead bit is never cleared.
+//! 3. Holder entries only grow (a join writes entry `holders`, then raises the count) and gone
+//!    bits are only set: a holder's replica leaves a run in place by its gone bit, and a gone
+//!    entry is never reused (a reader may still be reading it); a holder that comes back gets a
+//!    new run.
+//! 4. A run is registered in its partition's [`RunIds`] from before its first slot names it
+//!    until after its last slot stops naming it; then it is deregistered and freed through the
+//!    epoch.
+//!
+//! # Memory ordering
+//!
+//! - A run's contents are published by the Release store that registers it ([`RunIds::register`])
+//!   and by the Release stores of the slots that name it; readers reach it through an Acquire
+//!   load of either, so invariant 1's words need no ordering of their own.
+//! - A join stores the new entry's words (Relaxed), then the header's count with Release; a
+//!   reader loads the count with Acquire and reads only entries below it. A reader loads the
+//!   gone bits before the count, so a gone bit it sees comes with every join before it.
+//! - Dead and gone bits are set with Release read-modify-writes and loaded with Acquire. A reader
+//!   that does not see a bit read before it was set, and behaves as if it had read that block
+//!   (or holder) before the change; C3 asks for per-entry atomicity, not a snapshot across
+//!   entries.
+//! - A reader pinned when it read a slot or a registry entry naming a run may use the run until
+//!   it unpins: the run is deregistered and its slots changed before it is retired, so its
+//!   retirement comes after the pin.
+//!
+//! # Hints
+//!
+//! Each run keeps [`HINTS`] pairs `(key, slot value)` of blocks that followed its stretch in the
+//! chains that built it, so a walk leaving the run can fetch the next run's lines while it is
+//! still comparing this run's keys, instead of probing the key table after. A hint is never
+//! trusted as it stands: [`BlockRun::hint`] answers it only if the hinted run id still names
+//! the hinted pointer (so the pointer is a live run, safe to read under the caller's guard), the
+//! offset is inside the run and live, and the run's key there is the key asked for; by
+//! invariant 2 the key's slot then names that block. This makes a hint's words free to tear (a
+//! torn hint fails a check) and a run id free to be reused at once: whatever run an id names
+//! when it is read, the key comparison decides. A hint holds no reference, so a dead run is
+//! never kept alive by one.
+//!
+//! # Reclamation
+//!
+//! `refs` counts what names the run: the slots of its live offsets, counted by the writer that
+//! points them ([`BlockRun::add_refs`], [`BlockRun::release`]). The writer that brings it to zero
+//! calls [`BlockRun::retire`]: deregister, then free through the epoch.
+
+use crate::raw::hooks::{self, Kind};
+use crate::raw::node::Holder;
+use crate::raw::table::prefetch;
+use crate::sync::{AtomicPtr, AtomicU64, Ordering};
+use crossbeam_epoch::Guard;
+use std::alloc::{Layout, alloc, dealloc, handle_alloc_error};
+use std::ptr::NonNull;
+
+/// Longest run: offsets are 16 bits in a slot value.
+pub const MAX_LEN: usize = 1 << 16;
+/// Most holder entries a run has room for (one gone bit each).
+pub const MAX_HOLDERS: usize = 64;
+/// Successor hints per run.
+pub const HINTS: usize = 4;
+/// Bit 0 of a slot value, free for the index (run pointers are 8-byte aligned).
+pub const FLAG: u64 = 1;
+const OFFSET_SHIFT: u32 = 48;
+const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
+
+/// A successor hint (see the module docs, "Hints").
+#[repr(C)]
+struct Hint {
+    key: AtomicU64,
+    value: AtomicU64,
+    id: AtomicU64,
+}
+
+/// A run's header; the run pointer points at it (see the module docs for the allocation).
+#[repr(C)]
+pub struct BlockRun {
+    /// `holders | capacity << 16 | len << 32`.
+    meta: AtomicU64,
+    refs: AtomicU64,
+    /// Dead bits of offsets 0..64.
+    dead: AtomicU64,
+    gone: AtomicU64,
+    /// The run's id in its partition's [`RunIds`] (0 while unregistered); writers only.
+    id: AtomicU64,
+}
+
+const HEADER: usize = std::mem::size_of::<BlockRun>();
+const ENTRY: usize = 2 * std::mem::size_of::<AtomicU64>();
+const HINT: usize = std::mem::size_of::<Hint>();
+const WORD: usize = std::mem::size_of::<AtomicU64>();
+
+/// Dead words a run of `len` blocks keeps after its keys (offsets from 64 on).
+fn extra_dead_words(len: usize) -> usize {
+    len.div_ceil(64).saturating_sub(1)
+}
+
+/// Bytes in front of the header of a run with room for `capacity` holders.
+fn front_bytes(capacity: usize) -> usize {
+    capacity * ENTRY + HINTS * HINT
+}
+
+fn layout(capacity: usize, len: usize) -> Layout {
+    let size = front_bytes(capacity) + HEADER + len * 8 + extra_dead_words(len) * WORD;
+    Layout::from_size_align(size, std::mem::align_of::<BlockRun>().max(8))
+        .expect("block run layout")
+}
+
+/// The slot value naming offset `o` of `run`.
+#[inline]
+pub fn pack(run: NonNull<BlockRun>, o: usize) -> u64 {
+    debug_assert!(o < MAX_LEN);
+    run.as_ptr() as u64 | (o as u64) << OFFSET_SHIFT
+}
+
+/// The run and offset a slot value names ([`FLAG`] ignored).
+#[inline]
+pub fn unpack(value: u64) -> (NonNull<BlockRun>, usize) {
+    let p = (value & PTR_MASK & !FLAG) as *mut BlockRun;
+    // A slot value is never 0 and never names a null run: `pack` takes a `NonNull`.
+    let run = NonNull::new(p).unwrap_or(NonNull::dangling());
+    (run, (value >> OFFSET_SHIFT) as usize)
+}
+
+impl BlockRun {
+    /// A new, unregistered run over `keys` (1..=[`MAX_LEN`]) held by `holders` (1..=`capacity`),
+    /// with room for `capacity` (≤ [`MAX_HOLDERS`]) holder entries and no hints, dead or gone
+    /// bits, and no references. `None` when the arguments are out of range or the allocation's
+    /// address does not fit a slot value (never on today's 64-bit targets, whose user
+    /// addresses have at most 48 bits).
+    pub fn create(holders: &[Holder], capacity: usize, keys: &[u64]) -> Option<NonNull<BlockRun>> {
+        let len = keys.len();
+        if holders.is_empty()
+            || holders.len() > capacity
+            || capacity > MAX_HOLDERS
+            || len == 0
+            || len > MAX_LEN
+        {
+            return None;
+        }
+        let lay = layout(capacity, len);
+        // SAFETY: the layout has a non-zero size (the header).
+        let base = unsafe { alloc(lay) };
+        if base.is_null() {
+            handle_alloc_error(lay);
+        }
+        // SAFETY: `front_bytes(capacity)` is inside the allocation, a multiple of 8.
+        let header = unsafe { base.add(front_bytes(capacity)) } as *mut BlockRun;
+        // SAFETY: `base` is a fresh allocation of `lay`; every word below is inside it and
+        // 8-byte aligned (every region's size is a multiple of 8 and the allocation's alignment
+        // is 8), and each is initialised exactly once before anything reads it.
+        unsafe {
+            let front = base as *mut AtomicU64;
+            for i in 0..front_bytes(capacity) / WORD {
+                front.add(i).write(AtomicU64::new(0));
+            }
+            header.write(BlockRun {
+                meta: AtomicU64::new(
+                    holders.len() as u64 | (capacity as u64) << 16 | (len as u64) << 32,
+                ),
+                refs: AtomicU64::new(0),
+                dead: AtomicU64::new(0),
+                gone: AtomicU64::new(0),
+                id: AtomicU64::new(0),
+            });
+            let run = &*header;
+            for (i, h) in holders.iter().enumerate() {
+                let (a, b) = h.words();
+                run.entry(i)[0].store(a, Ordering::Relaxed);
+                run.entry(i)[1].store(b, Ordering::Relaxed);
+            }
+            let k = (header as *mut u8).add(HEADER) as *mut u64;
+            std::ptr::copy_nonoverlapping(keys.as_ptr(), k, len);
+            let extra = k.add(len) as *mut AtomicU64;
+            for i in 0..extra_dead_words(len) {
+                extra.add(i).write(AtomicU64::new(0));
+            }
+        }
+        if header as u64 & !PTR_MASK != 0 {
+            // SAFETY: just built, never shared.
+            unsafe { Self::free(header) };
+            return None;
+        }
+        hooks::created(Kind::BlockRun, header as usize);
+        NonNull::new(header)
+    }
+
+    /// Drops and deallocates a run.
+    ///
+    /// # Safety
+    /// `p` was built by [`BlockRun::create`] and nothing can reach it any more.
+    unsafe fn free(p: *mut BlockRun) {
+        // SAFETY: per the contract; `create` initialised every atomic word of the allocation
+        // (keys are plain `u64`s and need no drop).
+        unsafe {
+            // Not through `len()`: the ledger already counts the run as freed.
+            let meta = (*p).meta.load(Ordering::Relaxed);
+            let (capacity, len) = ((meta >> 16 & 0xFFFF) as usize, (meta >> 32) as usize);
+            let base = (p as *mut u8).sub(front_bytes(capacity));
+            std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
+                base as *mut AtomicU64,
+                front_bytes(capacity) / WORD,
+            ));
+            let extra = (p as *mut u8).add(HEADER + len * 8) as *mut AtomicU64;
+            std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
+                extra,
+                extra_dead_words(len),
+            ));
+            std::ptr::drop_in_place(p);
+            dealloc(base, layout(capacity, len));
+        }
+    }
+
+    /// Frees a run no reader can have reached (never registered, no slot named it): a write
+    /// that built a run and then did not publish it.
+    ///
+    /// # Safety
+    /// `run` was built by [`BlockRun::create`], never registered and never stored in a slot.
+    pub unsafe fn discard(run: NonNull<BlockRun>) {
+        hooks::destroyed(Kind::BlockRun, run.as_ptr() as usize);
+        // SAFETY: per the contract, nothing can reach it.
+        unsafe { Self::free(run.as_ptr()) }
+    }
+
+    /// Records a read of the run for the loom ledger (nothing outside loom): every accessor a
+    /// reader uses calls it, so a read of a freed run fails a model.
+    #[inline(always)]
+    fn touch(&self) {
+        hooks::read(Kind::BlockRun, self as *const BlockRun as usize);
+    }
+
+    #[inline]
+    fn meta(&self) -> u64 {
+        self.touch();
+        // Acquire: pairs with a join's Release store of the count (module docs).
+        self.meta.load(Ordering::Acquire)
+    }
+
+    /// Holder entries a reader may read (build-time holders plus joins).
+    #[inline]
+    pub fn holder_count(&self) -> usize {
+        (self.meta() & 0xFFFF) as usize
+    }
+
+    /// Holder entries the allocation has room for.
+    #[inline]
+    pub fn capacity(&self) -> usize {
+        (self.meta.load(Ordering::Relaxed) >> 16 & 0xFFFF) as usize
+    }
+
+    /// Blocks in the run.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.touch();
+        (self.meta.load(Ordering::Relaxed) >> 32) as usize
+    }
+
+    /// Always false: a run holds at least one block.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Holder entry `i`'s two words (`i < capacity`).
+    #[inline]
+    fn entry(&self, i: usize) -> &[AtomicU64; 2] {
+        debug_assert!(i < self.capacity());
+        let p = self as *const BlockRun as *const u8;
+        // SAFETY: entry `i` is the `i + 1`-th 16-byte entry in front of the hints, inside the
+        // allocation because `i < capacity`, and initialised by `create`.
+        unsafe { &*(p.sub(HINTS * HINT + (i + 1) * ENTRY) as *const [AtomicU64; 2]) }
+    }
+
+    /// Holder entry `i` (`i < holder_count()` as loaded by the caller).
+    #[inline]
+    pub fn holder(&self, i: usize) -> Holder {
+        self.touch();
+        let e = self.entry(i);
+        Holder::from_words(e[0].load(Ordering::Relaxed), e[1].load(Ordering::Relaxed))
+    }
+
+    /// Gone bits: bit `i` says entry `i`'s replica holds none of the run's blocks any more.
+    #[inline]
+    pub fn gone(&self) -> u64 {
+        self.touch();
+        self.gone.load(Ordering::Acquire)
+    }
+
+    /// Calls `f` with every holder entry that is not gone, in entry order.
+    #[inline]
+    pub fn for_each_holder(&self, mut f: impl FnMut(usize, Holder)) {
+        // Gone bits first: a writer marks an entry gone only after the joins before it, so a
+        // reader that sees a gone bit sees every entry counted before it (loom m14b). Loaded
+        // the other way round, a reader could see the old count and the new gone bit: no
+        // holder at all for a block that always had one.
+        let gone = self.gone();
+        let n = self.holder_count();
+        for i in 0..n {
+            if gone >> i & 1 == 0 {
+                f(i, self.holder(i));
+            }
+        }
+    }
+
+    /// The keys (immutable, invariant 1).
+    #[inline]
+    pub fn keys(&self) -> &[u64] {
+        self.touch();
+        // SAFETY: `len` keys follow the header, written by `create` before the run was shared
+        // and never written again.
+        unsafe {
+            std::slice::from_raw_parts(
+                (self as *const BlockRun as *const u8).add(HEADER) as *const u64,
+                self.len(),
+            )
+        }
+    }
+
+    /// Key `o` (`o < len`).
+    #[inline]
+    pub fn key(&self, o: usize) -> u64 {
+        self.keys()[o]
+    }
+
+    /// Dead word `w` (offsets `64 w ..`): the header's, then the words after the keys.
+    #[inline]
+    fn dead_word(&self, w: usize) -> &AtomicU64 {
+        if w == 0 {
+            return &self.dead;
+        }
+        debug_assert!(w <= extra_dead_words(self.len()));
+        // SAFETY: word `w − 1` after the keys, inside the allocation (`w < ⌈len / 64⌉`) and
+        // initialised by `create`.
+        unsafe {
+            &*((self as *const BlockRun as *const u8).add(HEADER + self.len() * 8 + (w - 1) * WORD)
+                as *const AtomicU64)
+        }
+    }
+
+    /// Whether offset `o`'s slot no longer names the run.
+    #[inline]
+    pub fn is_dead(&self, o: usize) -> bool {
+        self.touch();
+        self.dead_word(o / 64).load(Ordering::Acquire) >> (o % 64) & 1 == 1
+    }
+
+    /// The first offset after `o` whose dead bit is set, or `len`: with invariant 2, the end
+    /// of the stretch a walk at `o` may step over.
+    #[inline]
+    pub fn live_end(&self, o: usize) -> usize {
+        let len = self.len();
+        let from = o + 1;
+        if from >= len {
+            return len;
+        }
+        let mut w = from / 64;
+        let mut bits = self.dead_word(w).load(Ordering::Acquire) >> (from % 64) << (from % 64);
+        loop {
+            if bits != 0 {
+                return (w * 64 + bits.trailing_zeros() as usize).min(len);
+            }
+            w += 1;
+            if w * 64 >= len {
+                return len;
+            }
+            bits = self.dead_word(w).load(Ordering::Acquire);
+        }
+    }
+
+    /// Offsets whose dead bit is clear.
+    pub fn live_count(&self) -> usize {
+        let words = self.len().div_ceil(64);
+        let dead: u32 = (0..words)
+            .map(|w| self.dead_word(w).load(Ordering::Acquire).count_ones())
+            .sum();
+        self.len() - dead as usize
+    }
+
+    /// Hint `j`.
+    #[inline]
+    fn hint_at(&self, j: usize) -> &Hint {
+        debug_assert!(j < HINTS);
+        // SAFETY: hint `j` is one of the `HINTS` hints right in front of the header, inside the
+        // allocation and initialised (zeroed) by `create`.
+        unsafe { &*((self as *const BlockRun as *const u8).sub((HINTS - j) * HINT) as *const Hint) }
+    }
+
+    /// The slot value of `key` as one of this run's hints names it, if the hint checks out
+    /// (see the module docs, "Hints"): `ids` (the run's partition's registry) still names the
+    /// hinted run, the offset is live in it and holds `key`. The caller's guard keeps the run
+    /// it names readable.
+    #[inline]
+    pub fn hint(&self, key: u64, ids: &RunIds, guard: &Guard) -> Option<u64> {
+        for j in 0..HINTS {
+            let h = self.hint_at(j);
+            if h.key.load(Ordering::Relaxed) != key {
+                continue;
+            }
+            let value = h.value.load(Ordering::Relaxed);
+            let id = h.id.load(Ordering::Relaxed);
+            let (run, o) = unpack(value);
+            if ids.get(id, guard) != Some(run) {
+                return None;
+            }
+            // SAFETY: the registry names `run` under the caller's guard, so it is a live run
+            // until the guard goes (invariant 4, "Memory ordering").
+            let target = unsafe { run.as_ref() };
+            let ok = o < target.len() && !target.is_dead(o) && target.key(o) == key;
+            return ok.then_some(value);
+        }
+        None
+    }
+
+    /// The hinted slot value of `key`, unchecked: for prefetching only (the value may name
+    /// freed memory, which a prefetch may touch and nothing else may).
+    #[inline]
+    pub fn hint_unchecked(&self, key: u64) -> Option<u64> {
+        (0..HINTS).find_map(|j| {
+            let h = self.hint_at(j);
+            (h.key.load(Ordering::Relaxed) == key).then(|| h.value.load(Ordering::Relaxed))
+        })
+    }
+
+    /// Fetches the lines a walk at offset `o` reads: the header, the hints and first holders in
+    /// front of it, and key `o`'s line. Any value may be passed: a prefetch never faults.
+    #[inline]
+    pub fn prefetch(run: *const BlockRun, o: usize) {
+        let p = run as *const u8;
+        prefetch(p);
+        prefetch(p.wrapping_sub(64));
+        prefetch(p.wrapping_sub(128));
+        prefetch(p.wrapping_add(HEADER + 8 * o));
+    }
+
+    // --- Writers (the caller holds the partition's writer lock). ---
+
+    /// Adds `h` in the next spare holder entry, or returns false when the run has none. The
+    /// entry is written before the count that makes readers read it (invariant 3).
+    pub fn push_holder(&self, h: Holder) -> bool {
+        let meta = self.meta.load(Ordering::Relaxed);
+        let n = (meta & 0xFFFF) as usize;
+        if n >= self.capacity() {
+            return false;
+        }
+        let (a, b) = h.words();
+        let e = self.entry(n);
+        e[0].store(a, Ordering::Relaxed);
+        e[1].store(b, Ordering::Relaxed);
+        // Release: the entry's words before the count (module docs).
+        self.meta.store(meta + 1, Ordering::Release);
+        true
+    }
+
+    /// Marks holder entry `i` gone: its replica holds none of the run's blocks any more.
+    pub fn set_gone(&self, i: usize) {
+        debug_assert!(i < self.capacity());
+        self.gone.fetch_or(1 << i, Ordering::Release);
+    }
+
+    /// Marks offset `o` dead, before its slot is repointed or removed (invariant 2).
+    pub fn set_dead(&self, o: usize) {
+        debug_assert!(o < self.len());
+        self.dead_word(o / 64)
+            .fetch_or(1 << (o % 64), Ordering::Release);
+    }
+
+    /// Records that the block keyed `key` follows one of this run's stretches at `value` (its
+    /// slot value), in run `id`: replaces the hint for that key, else takes a free one, else
+    /// the one `key` picks.
+    pub fn set_hint(&self, key: u64, value: u64, id: u32) {
+        let mut pick = None;
+        for j in 0..HINTS {
+            let k = self.hint_at(j).key.load(Ordering::Relaxed);
+            if k == key {
+                pick = Some(j);
+                break;
+            }
+            if k == 0 && pick.is_none() {
+                pick = Some(j);
+            }
+        }
+        let h = self.hint_at(pick.unwrap_or(key as usize % HINTS));
+        // Relaxed: a reader checks every hint against the registry and the target's key, so a
+        // torn one only fails its check (module docs, "Hints").
+        h.key.store(0, Ordering::Relaxed);
+        h.value.store(value, Ordering::Relaxed);
+        h.id.store(u64::from(id), Ordering::Relaxed);
+        h.key.store(key, Ordering::Relaxed);
+    }
+
+    /// Adds `n` references (slots newly naming the run).
+    pub fn add_refs(&self, n: u64) {
+        self.refs.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Drops `n` references; true when none is left (the caller then retires the run).
+    pub fn release(&self, n: u64) -> bool {
+        let old = self.refs.fetch_sub(n, Ordering::Relaxed);
+        debug_assert!(old >= n, "run references underflow");
+        old == n
+    }
+
+    /// References held (slots naming the run).
+    pub fn refs(&self) -> u64 {
+        self.refs.load(Ordering::Relaxed)
+    }
+
+    /// The run's id in its partition's registry (0 while unregistered).
+    pub fn id(&self) -> u32 {
+        self.id.load(Ordering::Relaxed) as u32
+    }
+
+    /// Bytes this run holds (glibc chunk sizes, see `pages::heap_chunk`).
+    pub fn bytes(&self) -> usize {
+        crate::raw::pages::heap_chunk(layout(self.capacity(), self.len()).size())
+    }
+
+    /// Deregisters a run no slot names any more and frees it once every reader pinned now has
+    /// left.
+    ///
+    /// # Safety
+    /// `run` was built by [`BlockRun::create`] and registered in `ids`, no slot names it, and
+    /// it is not retired twice.
+    pub unsafe fn retire(
+        run: NonNull<BlockRun>,
+        ids: &RunIds,
+        alloc: &mut IdAllocator,
+        guard: &Guard,
+    ) {
+        // SAFETY: live until the deferred free below.
+        let id = unsafe { run.as_ref() }.id();
+        ids.deregister(alloc, id);
+        let addr = run.as_ptr() as usize;
+        // SAFETY: no slot and no registry entry names the run any more, so only readers pinned
+        // before this point can reach it, and the deferred free runs after they unpin.
+        unsafe {
+            guard.defer_unchecked(move || {
+                hooks::destroyed(Kind::BlockRun, addr);
+                Self::free(addr as *mut BlockRun)
+            })
+        };
+    }
+}
+
+/// Ids of the runs of one partition: an id names its run's pointer while the run is
+/// registered (invariant 4), so a hint can check the run it names is still live. Chunks of
+/// doubling size (64, 128, … entries) that never move, read lock-free.
+pub struct RunIds {
+    chunks: [AtomicPtr<AtomicU64>; CHUNKS],
+}
+
+/// The writer side of a [`RunIds`]: free ids and the next fresh one. Kept with the partition's
+/// writer state, so holding `&mut` is holding the writer lock.
+#[derive(Default)]
+pub struct IdAllocator {
+    free: Vec<u32>,
+    next: u32,
+}
+
+const FIRST_CHUNK: usize = 64;
+const CHUNKS: usize = 26;
+
+/// Chunk and index of id `id` (ids start at 1; entry 0 of chunk 0 is never used).
+#[inline]
+fn locate(id: usize) -> (usize, usize) {
+    let x = id / FIRST_CHUNK + 1;
+    let c = (usize::BITS - 1 - x.leading_zeros()) as usize;
+    (c, id - FIRST_CHUNK * ((1 << c) - 1))
+}
+
+fn chunk_len(c: usize) -> usize {
+    FIRST_CHUNK << c
+}
+
+impl Default for RunIds {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RunIds {
+    /// An empty registry (no chunk allocated).
+    pub fn new() -> Self {
+        Self {
+            chunks: std::array::from_fn(|_| AtomicPtr::new(std::ptr::null_mut())),
+        }
+    }
+
+    /// The run id `id` names, if any.
+    #[inline]
+    pub fn get(&self, id: u64, _guard: &Guard) -> Option<NonNull<BlockRun>> {
+        let id = usize::try_from(id).ok().filter(|&i| i > 0)?;
+        let (c, i) = locate(id);
+        let chunk = self.chunks.get(c)?.load(Ordering::Acquire);
+        if chunk.is_null() {
+            return None;
+        }
+        // SAFETY: chunk `c` holds `chunk_len(c)` initialised words and lives as long as the
+        // registry; `i < chunk_len(c)` by `locate`.
+        let word = unsafe { &*chunk.add(i) }.load(Ordering::Acquire);
+        NonNull::new(word as *mut BlockRun)
+    }
+
+    /// Registers `run`, writing its id into it; `None` when every id is taken (2^32 runs).
+    pub fn register(&self, alloc: &mut IdAllocator, run: NonNull<BlockRun>) -> Option<u32> {
+        let id = match alloc.free.pop() {
+            Some(id) => id,
+            None => {
+                let id = alloc.next.checked_add(1)?;
+                let (c, _) = locate(id as usize);
+                if c >= CHUNKS {
+                    return None;
+                }
+                if self.chunks[c].load(Ordering::Relaxed).is_null() {
+                    let words: Box<[AtomicU64]> =
+                        (0..chunk_len(c)).map(|_| AtomicU64::new(0)).collect();
+                    // Release: the zeroed words before the chunk pointer.
+                    self.chunks[c].store(Box::into_raw(words) as *mut AtomicU64, Ordering::Release);
+                }
+                alloc.next = id;
+                id
+            }
+        };
+        // SAFETY: live, the caller's own run.
+        unsafe { run.as_ref() }
+            .id
+            .store(u64::from(id), Ordering::Relaxed);
+        // Release: the run's contents before the entry that names it (module docs).
+        self.entry(id).store(run.as_ptr() as u64, Ordering::Release);
+        Some(id)
+    }
+
+    /// Clears id `id` and makes it free for reuse.
+    pub fn deregister(&self, alloc: &mut IdAllocator, id: u32) {
+        if id == 0 {
+            return;
+        }
+        self.entry(id).store(0, Ordering::Release);
+        alloc.free.push(id);
+    }
+
+    /// The entry of a registered or just-allocated id (its chunk exists).
+    fn entry(&self, id: u32) -> &AtomicU64 {
+        let (c, i) = locate(id as usize);
+        let chunk = self.chunks[c].load(Ordering::Acquire);
+        debug_assert!(!chunk.is_null());
+        // SAFETY: the chunk of an id handed out exists (allocated before the id) and holds
+        // `chunk_len(c) > i` words.
+        unsafe { &*chunk.add(i) }
+    }
+
+    /// Bytes the registry's chunks hold.
+    pub fn bytes(&self) -> usize {
+        (0..CHUNKS)
+            .filter(|&c| !self.chunks[c].load(Ordering::Relaxed).is_null())
+            .map(|c| crate::raw::pages::heap_chunk(chunk_len(c) * WORD))
+            .sum()
+    }
+}
+
+impl Drop for RunIds {
+    fn drop(&mut self) {
+        for (c, chunk) in self.chunks.iter().enumerate() {
+            let p = chunk.load(Ordering::Relaxed);
+            if !p.is_null() {
+                // SAFETY: built by `register` from a boxed slice of `chunk_len(c)` words, and
+                // the registry is being dropped, so no reader holds it.
+                drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, chunk_len(c))) });
+            }
+        }
+    }
+}
+
+// SAFETY: every field a reader shares is atomic; writers are serialized by the caller.
+unsafe impl Send for BlockRun {}
+// SAFETY: as above.
+unsafe impl Sync for BlockRun {}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn holder(rep: u32, ts: i64) -> Holder {
+        Holder::new(rep, 1, 16, ts, 7)
+    }
+
+    fn run(holders: &[Holder], capacity: usize, keys: &[u64]) -> NonNull<BlockRun> {
+        BlockRun::create(holders, capacity, keys).expect("a valid run")
+    }
+
+    #[test]
+    fn create_reads_back_holders_and_keys() {
+        let keys: Vec<u64> = (100..170).collect();
+        let r = run(&[holder(3, 1_000), holder(5, 2_000)], 3, &keys);
+        // SAFETY: just built; freed at the end of the test.
+        let x = unsafe { r.as_ref() };
+        assert_eq!((x.holder_count(), x.capacity(), x.len()), (2, 3, 70));
+        assert_eq!(x.holder(0), holder(3, 1_000));
+        assert_eq!(x.holder(1), holder(5, 2_000));
+        assert_eq!(x.keys(), &keys[..]);
+        assert_eq!(x.live_count(), 70);
+        assert_eq!(x.live_end(0), 70);
+        // SAFETY: never shared.
+        unsafe { BlockRun::discard(r) };
+    }
+
+    #[test]
+    fn create_refuses_out_of_range_arguments() {
+        let h = [holder(1, 1)];
+        assert!(BlockRun::create(&[], 1, &[1]).is_none());
+        assert!(BlockRun::create(&h, 0, &[1]).is_none());
+        assert!(BlockRun::create(&h, MAX_HOLDERS + 1, &[1]).is_none());
+        assert!(BlockRun::create(&h, 1, &[]).is_none());
+        assert!(BlockRun::create(&h, 1, &vec![1; MAX_LEN + 1]).is_none());
+    }
+
+    #[test]
+    fn joins_fill_spare_entries_then_refuse() {
+        let r = run(&[holder(1, 10)], 2, &[7, 8]);
+        // SAFETY: as above.
+        let x = unsafe { r.as_ref() };
+        assert!(x.push_holder(holder(2, 20)));
+        assert!(!x.push_holder(holder(3, 30)), "no spare entry left");
+        let mut seen = Vec::new();
+        x.for_each_holder(|i, h| seen.push((i, h.rep())));
+        assert_eq!(seen, [(0, 1), (1, 2)]);
+        x.set_gone(0);
+        seen.clear();
+        x.for_each_holder(|i, h| seen.push((i, h.rep())));
+        assert_eq!(seen, [(1, 2)], "a gone entry is skipped");
+        // SAFETY: never shared.
+        unsafe { BlockRun::discard(r) };
+    }
+
+    #[test]
+    fn dead_bits_end_stretches_across_words() {
+        let keys: Vec<u64> = (1..=200).collect();
+        let r = run(&[holder(1, 10)], 1, &keys);
+        // SAFETY: as above.
+        let x = unsafe { r.as_ref() };
+        for o in [5, 63, 64, 130, 199] {
+            x.set_dead(o);
+        }
+        assert_eq!(x.live_end(0), 5);
+        assert_eq!(x.live_end(5), 63);
+        assert_eq!(x.live_end(6), 63);
+        assert_eq!(x.live_end(63), 64);
+        assert_eq!(x.live_end(64), 130);
+        assert_eq!(x.live_end(131), 199);
+        assert_eq!(x.live_end(199), 200);
+        assert!(x.is_dead(64) && !x.is_dead(65));
+        assert_eq!(x.live_count(), 195);
+        // SAFETY: never shared.
+        unsafe { BlockRun::discard(r) };
+    }
+
+    #[test]
+    fn hints_check_registry_liveness_and_key() {
+        let guard = crossbeam_epoch::pin();
+        let ids = RunIds::new();
+        let mut alloc = IdAllocator::default();
+        let a = run(&[holder(1, 10)], 1, &[1, 2, 3]);
+        let b = run(&[holder(2, 10)], 1, &[4, 5]);
+        let id_b = ids.register(&mut alloc, b).expect("an id");
+        // SAFETY: live until the end of the test.
+        let (xa, xb) = unsafe { (a.as_ref(), b.as_ref()) };
+        assert_eq!(xb.id(), id_b);
+        xa.set_hint(4, pack(b, 0), id_b);
+        xa.set_hint(5, pack(b, 1), id_b);
+        xa.set_hint(6, pack(b, 1), id_b);
+        assert_eq!(xa.hint(4, &ids, &guard), Some(pack(b, 0)));
+        assert_eq!(xa.hint(5, &ids, &guard), Some(pack(b, 1)));
+        assert_eq!(xa.hint(6, &ids, &guard), None, "the target's key differs");
+        assert_eq!(xa.hint(9, &ids, &guard), None, "no hint for the key");
+        xb.set_dead(1);
+        assert_eq!(xa.hint(5, &ids, &guard), None, "a dead offset");
+        // Replacing a key's hint keeps one hint per key.
+        xa.set_hint(4, pack(b, 0) | FLAG, id_b);
+        assert_eq!(xa.hint(4, &ids, &guard), Some(pack(b, 0) | FLAG));
+        assert_eq!(unpack(pack(b, 0) | FLAG), (b, 0));
+        // A deregistered run's hints are refused, and its id is reused by the next run.
+        ids.deregister(&mut alloc, id_b);
+        assert_eq!(xa.hint(4, &ids, &guard), None);
+        let c = run(&[holder(3, 10)], 1, &[4]);
+        assert_eq!(ids.register(&mut alloc, c), Some(id_b));
+        assert_eq!(
+            xa.hint(4, &ids, &guard),
+            None,
+            "the id names another pointer"
+        );
+        // SAFETY: none of them was ever in a slot; `c`'s registration is cleared first.
+        unsafe {
+            ids.deregister(&mut alloc, id_b);
+            BlockRun::discard(a);
+            BlockRun::discard(b);
+            BlockRun::discard(c);
+        }
+    }
+
+    #[test]
+    fn ids_span_chunks_and_are_reused() {
+        let guard = crossbeam_epoch::pin();
+        let ids = RunIds::new();
+        let mut alloc = IdAllocator::default();
+        let r = run(&[holder(1, 10)], 1, &[1]);
+        let mut taken = Vec::new();
+        for _ in 0..500 {
+            taken.push(ids.register(&mut alloc, r).expect("an id"));
+        }
+        assert_eq!(taken, (1..=500).collect::<Vec<u32>>());
+        assert!(
+            taken
+                .iter()
+                .all(|&id| ids.get(u64::from(id), &guard) == Some(r))
+        );
+        assert_eq!(ids.get(0, &guard), None);
+        assert_eq!(ids.get(501, &guard), None);
+        assert_eq!(ids.get(u64::MAX, &guard), None);
+        ids.deregister(&mut alloc, 200);
+        assert_eq!(ids.get(200, &guard), None);
+        assert_eq!(ids.register(&mut alloc, r), Some(200));
+        assert!(ids.bytes() >= 512 * 8);
+        for (c, i) in
+            [(1, 0), (63, 0), (64, 1), (191, 1), (192, 2)].map(|(id, c)| (locate(id).0, c))
+        {
+            assert_eq!(c, i);
+        }
+        // SAFETY: never in a slot.
+        unsafe { BlockRun::discard(r) };
+    }
+
+    #[test]
+    fn retire_frees_through_the_epoch() {
+        let ids = RunIds::new();
+        let mut alloc = IdAllocator::default();
+        let r = run(&[holder(1, 10)], 1, &[1, 2]);
+        let id = ids.register(&mut alloc, r).expect("an id");
+        // SAFETY: live.
+        let x = unsafe { r.as_ref() };
+        x.add_refs(2);
+        assert!(!x.release(1));
+        assert!(x.release(1));
+        let guard = crossbeam_epoch::pin();
+        // SAFETY: registered, no slot names it, retired once.
+        unsafe { BlockRun::retire(r, &ids, &mut alloc, &guard) };
+        assert_eq!(ids.get(u64::from(id), &guard), None);
+        assert_eq!(alloc.free, [id]);
+    }
+}
