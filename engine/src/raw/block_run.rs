@@ -450,14 +450,20 @@ impl BlockRun {
         None
     }
 
-    /// The hinted slot value of `key`, unchecked: for prefetching only (the value may name
-    /// freed memory, which a prefetch may touch and nothing else may).
-    #[inline]
-    pub fn hint_unchecked(&self, key: u64) -> Option<u64> {
-        (0..HINTS).find_map(|j| {
+    /// Calls `f` with every hint's `(key, slot value, run id)`: for a writer that copies a
+    /// run's hints into the run that replaces it.
+    pub fn for_each_hint(&self, mut f: impl FnMut(u64, u64, u32)) {
+        for j in 0..HINTS {
             let h = self.hint_at(j);
-            (h.key.load(Ordering::Relaxed) == key).then(|| h.value.load(Ordering::Relaxed))
-        })
+            let key = h.key.load(Ordering::Relaxed);
+            if key != 0 {
+                f(
+                    key,
+                    h.value.load(Ordering::Relaxed),
+                    h.id.load(Ordering::Relaxed) as u32,
+                );
+            }
+        }
     }
 
     /// Fetches the lines a walk at offset `o` reads: the header, the hints and first holders in

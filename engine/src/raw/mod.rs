@@ -1,8 +1,8 @@
 //! The lock-free storage under the index: per-partition key tables (groups, key nodes, the
 //! shard writers, LFU cells), the chain runs lookups step over, the node arenas and the page
 //! arrays they are carved from; and the pieces of the run layout the index is to move onto
-//! (`slots`, key-inline slots; `block_run`, runs and their ids; see `docs/perf-log.md`, "The run
-//! layout").
+//! (`slots`, key-inline slots; `block_run`, runs and their ids; `run_store`, one partition's
+//! storage on them; see `docs/perf-log.md`, "The run layout").
 //!
 //! Readers reach everything here through atomic pointers under an epoch guard and never wait;
 //! writers serialize per table shard. This room knows nothing of tenants, models, ranking or
@@ -17,6 +17,7 @@ pub(crate) mod lfu;
 pub mod loom_api;
 pub(crate) mod node;
 pub(crate) mod pages;
+pub(crate) mod run_store;
 pub(crate) mod runs;
 pub(crate) mod slots;
 pub(crate) mod table;

@@ -287,6 +287,20 @@ impl SlotTable {
         }
     }
 
+    /// Calls `f` with the value of every live slot of the current table (writers and owners:
+    /// a concurrent writer may move values past the visit).
+    pub fn for_each_value(&self, guard: &Guard, mut f: impl FnMut(u64)) {
+        let table = self.current.load(Ordering::Acquire, guard);
+        // SAFETY: as in `SlotTable::find`: the table stays allocated while `guard` is pinned.
+        let table = unsafe { table.deref() };
+        for s in table.slots.iter() {
+            let v = s.value.load(Ordering::Acquire);
+            if v != 0 {
+                f(v);
+            }
+        }
+    }
+
     /// Slot count of the current table (tests and models).
     pub fn capacity(&self, guard: &Guard) -> usize {
         let table = self.current.load(Ordering::Acquire, guard);

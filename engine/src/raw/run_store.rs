@@ -1,0 +1,721 @@
+//! One partition's storage on the run layout (`docs/perf-log.md`, "The run layout"): the
+//! key-inline slot table naming `(run, offset)`, the [`BlockRun`]s the slots name, their ids,
+//! and the root slots. Built ahead of the index moving onto it; the design probe
+//! (`bench/src/bin/layout-probe.rs`) runs W1M on it and `tests` below compare it with a plain
+//! map after random ingests and removals.
+//!
+//! # Writes
+//!
+//! A write takes the store's writer lock once, for the whole chain. It cuts the chain into
+//! *stretches*, probing only each stretch's first key: a stretch is a maximal run of absent
+//! keys with one token count, or of keys naming consecutive offsets of one run (either
+//! direction) with one token count. The keys after a stretch's first are matched against the
+//! run's own keys, which is exact by `block_run`'s invariant 2 (a live offset's slot names
+//! it). Then, per stretch:
+//!
+//! - **absent**: one new run held by the writing replica, its slots inserted;
+//! - **unchanged** (the replica holds it with the same state): nothing;
+//! - **join** (the replica is not among the holders, the run has a spare entry and the stretch
+//!   covers every live offset of it): the spare entry, no slot writes;
+//! - **leave** (a removal of one of several holders, covering every live offset): the gone bit;
+//! - otherwise **copy on write**: a new run over the stretch with the changed holders, each old
+//!   offset marked dead before its slot is repointed (or removed with the last holder).
+//!
+//! A run whose last reference goes is retired through the epoch. After an ingest, each of its
+//! stretches' runs hints at the block after it ([`BlockRun::set_hint`]), and a run copied on
+//! write inherits the old run's hints when it ends where that one did, else hints at the old
+//! run's next live block. A chain that repeats a key is written key by key (its repeated keys
+//! would make two offsets claim one slot); the last occurrence wins, as for any chain.
+//!
+//! # Root slots
+//!
+//! A second, small slot table holds a copy of the slot of every key an ingest began with; bit 0
+//! of a key table value ([`FLAG`]) says the key has one, so a write learns it from the value it
+//! replaces and keeps the copy equal. A walk tries it for block 0 first, so its first line is
+//! usually cached.
+//!
+//! # Walk
+//!
+//! Probe block 0 (root slots, then the key table), then compare the request's next keys with the
+//! run's keys up to its next dead offset or its end; at the landing, a checked hint of the run
+//! just left gives the next slot value without the table (its run's lines are fetched while the
+//! keys are compared), else the key table does. Each run's holders hold every block of its
+//! stretch with the same state, so the caller merges holders once per stretch.
+//!
+//! # Limits
+//!
+//! A run holds at most [`MAX_HOLDERS`] holder entries: an ingest that would give a stretch more
+//! holders than that leaves it as it was and counts the blocks in [`IngestReport::dropped`].
+
+use crate::raw::block_run::{
+    BlockRun, FLAG, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, pack, unpack,
+};
+use crate::raw::node::{GEN_MASK, Holder};
+use crate::raw::slots::{SlotTable, SlotValue, SlotWriter};
+use crate::sync::{AtomicU64, Mutex, Ordering};
+use crossbeam_epoch::Guard;
+use std::ptr::NonNull;
+
+/// How many keys ahead a write fetches slot lines while it probes or repoints.
+const AHEAD: usize = 8;
+
+/// Switches for measuring the layout's aids one by one (`bench/src/bin/layout-probe.rs`); all
+/// on by default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// Walks use the runs' successor hints.
+    pub hints: bool,
+    /// Walks try the root slots for block 0.
+    pub roots: bool,
+    /// A holder leaving a run it covers whole sets its gone bit (else the run is copied).
+    pub gone: bool,
+    /// Runs keep a spare holder entry for a holder joining in place (else the run is copied).
+    pub join: bool,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            hints: true,
+            roots: true,
+            gone: true,
+            join: true,
+        }
+    }
+}
+
+/// What a chain ingest did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IngestReport {
+    /// Blocks the replica did not hold before.
+    pub added: usize,
+    /// Blocks whose holder state changed (tier, token count, `last_seen`).
+    pub refreshed: usize,
+    /// Blocks left as they were because their run holds [`MAX_HOLDERS`] holders already.
+    pub dropped: usize,
+}
+
+/// The replica state an ingest writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Writing {
+    pub rep: u32,
+    /// Tier code 1..=4.
+    pub tier: u8,
+    pub ts_ms: i64,
+}
+
+/// One partition's storage (see the module docs).
+pub struct RunStore {
+    table: SlotTable,
+    roots: SlotTable,
+    ids: RunIds,
+    writer: Mutex<StoreWriter>,
+    /// Bytes of the live runs (written by the writer-lock holder).
+    run_bytes: AtomicU64,
+    options: StoreOptions,
+}
+
+/// The writer's own state, behind the store's writer lock.
+#[derive(Default)]
+struct StoreWriter {
+    alloc: IdAllocator,
+    /// The next entry generation.
+    generation: u32,
+    /// Per chain key: its slot value when the write began (flag cleared), if present.
+    values: Vec<Option<u64>>,
+    stretches: Vec<Stretch>,
+    /// Each stretch's run after the write and the position after the stretch.
+    owners: Vec<(NonNull<BlockRun>, usize)>,
+    /// A stretch's keys in old-offset order, and their values (removals).
+    ordered: Vec<u64>,
+    ordered_values: Vec<Option<u64>>,
+    sorted: Vec<u64>,
+}
+
+impl StoreWriter {
+    fn next_generation(&mut self) -> u32 {
+        self.generation = self.generation.wrapping_add(1) & GEN_MASK;
+        self.generation
+    }
+}
+
+/// A stretch of a chain (see the module docs, "Writes").
+#[derive(Clone, Copy)]
+enum Stretch {
+    Absent {
+        from: usize,
+        to: usize,
+    },
+    InRun {
+        from: usize,
+        to: usize,
+        run: NonNull<BlockRun>,
+        /// The keys name decreasing offsets (a chain given tail to head).
+        descending: bool,
+    },
+}
+
+fn slot(value: u64) -> SlotValue {
+    // A run pointer is never null, so neither is a value naming it.
+    SlotValue::new(value).unwrap_or(SlotValue::MIN)
+}
+
+fn run_ref<'g>(run: NonNull<BlockRun>) -> &'g BlockRun {
+    // SAFETY: every run the store hands out here is named by a slot, a root slot or a checked
+    // hint read under the caller's guard, or held by the writer, which alone retires runs.
+    unsafe { run.as_ref() }
+}
+
+/// Whether `keys` holds a key twice.
+fn has_repeats(keys: &[u64], sorted: &mut Vec<u64>) -> bool {
+    if keys.len() <= 16 {
+        return keys
+            .iter()
+            .enumerate()
+            .any(|(i, k)| keys[i + 1..].contains(k));
+    }
+    sorted.clear();
+    sorted.extend_from_slice(keys);
+    sorted.sort_unstable();
+    sorted.windows(2).any(|w| w[0] == w[1])
+}
+
+impl Default for RunStore {
+    fn default() -> Self {
+        Self::new(StoreOptions::default())
+    }
+}
+
+impl RunStore {
+    pub fn new(options: StoreOptions) -> Self {
+        Self {
+            table: SlotTable::new(),
+            roots: SlotTable::new(),
+            ids: RunIds::new(),
+            writer: Mutex::new(StoreWriter::default()),
+            run_bytes: AtomicU64::new(0),
+            options,
+        }
+    }
+
+    /// Keys present.
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// Root slots held (keys some ingest began with).
+    pub fn root_count(&self) -> usize {
+        self.roots.len()
+    }
+
+    /// Bytes of the slot tables, the live runs and the run ids.
+    pub fn memory_bytes(&self, guard: &Guard) -> usize {
+        self.table.memory_bytes(guard)
+            + self.roots.memory_bytes(guard)
+            + self.run_bytes.load(Ordering::Relaxed) as usize
+            + self.ids.bytes()
+    }
+
+    /// Bytes of the live runs alone.
+    pub fn run_bytes(&self) -> usize {
+        self.run_bytes.load(Ordering::Relaxed) as usize
+    }
+
+    /// The live holders of `key`, if present.
+    pub fn holders(&self, key: u64, guard: &Guard) -> Option<Vec<Holder>> {
+        let value = self.table.find(key, guard)?.get();
+        let (run, _) = unpack(value);
+        let mut out = Vec::new();
+        run_ref(run).for_each_holder(|_, h| out.push(h));
+        Some(out)
+    }
+
+    /// Walks the longest prefix of `request` present in the store: calls `visit(run, from, to)`
+    /// for each stretch `request[from..to]` whose blocks `run`'s live holders hold, in request
+    /// order, until a block is absent or `visit` returns false. Returns the blocks visited.
+    pub fn walk(
+        &self,
+        request: &[u64],
+        guard: &Guard,
+        mut visit: impl FnMut(&BlockRun, usize, usize) -> bool,
+    ) -> usize {
+        let Some(&first) = request.first() else {
+            return 0;
+        };
+        let root = if self.options.roots {
+            self.roots.find(first, guard)
+        } else {
+            None
+        };
+        let Some(mut value) = root
+            .or_else(|| self.table.find(first, guard))
+            .map(SlotValue::get)
+        else {
+            return 0;
+        };
+        let mut pos = 0;
+        loop {
+            let (run, o) = unpack(value);
+            BlockRun::prefetch(run.as_ptr(), o);
+            let run = run_ref(run);
+            let max = (run.live_end(o) - o - 1).min(request.len() - pos - 1);
+            let landing = pos + 1 + max;
+            // The next slot value if the request follows the stretch to its end: fetched now,
+            // so its run's lines come in while the keys are compared.
+            let mut ahead = None;
+            if let Some(&k) = request.get(landing) {
+                match self
+                    .options
+                    .hints
+                    .then(|| run.hint(k, &self.ids, guard))
+                    .flatten()
+                {
+                    Some(v) => {
+                        let (r, ro) = unpack(v);
+                        BlockRun::prefetch(r.as_ptr(), ro);
+                        ahead = Some(v);
+                    }
+                    None => self.table.prefetch(k, guard),
+                }
+            }
+            let keys = &run.keys()[o + 1..o + 1 + max];
+            let m = keys
+                .iter()
+                .zip(&request[pos + 1..landing])
+                .take_while(|(a, b)| a == b)
+                .count();
+            let to = pos + 1 + m;
+            if !visit(run, pos, to) || to == request.len() {
+                return to;
+            }
+            pos = to;
+            let next = match ahead {
+                Some(v) if m == max => Some(v),
+                _ => self.table.find(request[pos], guard).map(SlotValue::get),
+            };
+            match next {
+                Some(v) => value = v,
+                None => return pos,
+            }
+        }
+    }
+
+    /// Cuts `keys` into stretches (module docs, "Writes"); with `tokens`, also where the token
+    /// count changes. Fills `w.values` and `w.stretches`.
+    fn cut(&self, w: &mut StoreWriter, keys: &[u64], tokens: Option<&[i32]>, guard: &Guard) {
+        let StoreWriter {
+            values, stretches, ..
+        } = w;
+        values.clear();
+        stretches.clear();
+        let same_tokens = |a: usize, b: usize| tokens.is_none_or(|t| t[a] == t[b]);
+        let mut fetched = 0;
+        let mut i = 0;
+        // The probe of `keys[i]` when an absent stretch's loop made it already.
+        let mut carried = None;
+        while i < keys.len() {
+            let found = carried
+                .take()
+                .unwrap_or_else(|| self.table.find(keys[i], guard).map(SlotValue::get));
+            let Some(v) = found else {
+                let from = i;
+                loop {
+                    values.push(None);
+                    i += 1;
+                    let ahead = (i + AHEAD).min(keys.len());
+                    for k in &keys[fetched.max(i)..ahead] {
+                        self.table.prefetch(*k, guard);
+                    }
+                    fetched = fetched.max(ahead);
+                    if i == keys.len() || i - from == MAX_LEN {
+                        break;
+                    }
+                    if let Some(v) = self.table.find(keys[i], guard) {
+                        carried = Some(Some(v.get()));
+                        break;
+                    }
+                    if !same_tokens(i, from) {
+                        carried = Some(None);
+                        break;
+                    }
+                }
+                stretches.push(Stretch::Absent { from, to: i });
+                continue;
+            };
+            let (run, o) = unpack(v);
+            let r = run_ref(run);
+            let from = i;
+            values.push(Some(pack(run, o)));
+            i += 1;
+            let live = |p: usize| p < r.len() && !r.is_dead(p);
+            let descending = i < keys.len()
+                && o > 0
+                && live(o - 1)
+                && r.key(o - 1) == keys[i]
+                && !(live(o + 1) && r.key(o + 1) == keys[i]);
+            while i < keys.len() && same_tokens(i, from) {
+                let step = i - from;
+                let p = if descending {
+                    match o.checked_sub(step) {
+                        Some(p) => p,
+                        None => break,
+                    }
+                } else {
+                    o + step
+                };
+                if !live(p) || r.key(p) != keys[i] {
+                    break;
+                }
+                values.push(Some(pack(run, p)));
+                i += 1;
+            }
+            stretches.push(Stretch::InRun {
+                from,
+                to: i,
+                run,
+                descending,
+            });
+        }
+    }
+
+    fn holder_capacity(&self, n: usize) -> usize {
+        if self.options.join {
+            (n + 1).min(MAX_HOLDERS)
+        } else {
+            n
+        }
+    }
+
+    /// A new registered run over `keys`, counting the slots its caller points at it.
+    fn new_run(
+        &self,
+        w: &mut StoreWriter,
+        holders: &[Holder],
+        keys: &[u64],
+    ) -> Option<NonNull<BlockRun>> {
+        let run = BlockRun::create(holders, self.holder_capacity(holders.len()), keys)?;
+        if self.ids.register(&mut w.alloc, run).is_none() {
+            // SAFETY: never registered, never in a slot.
+            unsafe { BlockRun::discard(run) };
+            return None;
+        }
+        let r = run_ref(run);
+        r.add_refs(keys.len() as u64);
+        self.run_bytes
+            .fetch_add(r.bytes() as u64, Ordering::Relaxed);
+        Some(run)
+    }
+
+    /// Drops `n` slot references of `run`; retires it with its last.
+    fn release(&self, w: &mut StoreWriter, run: NonNull<BlockRun>, n: u64, guard: &Guard) {
+        let r = run_ref(run);
+        if r.release(n) {
+            self.run_bytes
+                .fetch_sub(r.bytes() as u64, Ordering::Relaxed);
+            // SAFETY: registered by `new_run`, no slot names it any more, released once.
+            unsafe { BlockRun::retire(run, &self.ids, &mut w.alloc, guard) };
+        }
+    }
+
+    /// Ingests `keys` (with their token counts) for `writing`.
+    pub fn ingest(
+        &self,
+        keys: &[u64],
+        tokens: &[i32],
+        writing: Writing,
+        guard: &Guard,
+    ) -> IngestReport {
+        let n = keys.len().min(tokens.len());
+        let (keys, tokens) = (&keys[..n], &tokens[..n]);
+        let mut w = self.writer.lock();
+        let mut report = IngestReport::default();
+        if has_repeats(keys, &mut w.sorted) {
+            for i in 0..n {
+                self.ingest_locked(
+                    &mut w,
+                    &keys[i..=i],
+                    &tokens[i..=i],
+                    writing,
+                    guard,
+                    &mut report,
+                );
+            }
+        } else {
+            self.ingest_locked(&mut w, keys, tokens, writing, guard, &mut report);
+        }
+        report
+    }
+
+    fn ingest_locked(
+        &self,
+        w: &mut StoreWriter,
+        keys: &[u64],
+        tokens: &[i32],
+        writing: Writing,
+        guard: &Guard,
+        report: &mut IngestReport,
+    ) {
+        if keys.is_empty() {
+            return;
+        }
+        self.cut(w, keys, Some(tokens), guard);
+        w.owners.clear();
+        let stretches = std::mem::take(&mut w.stretches);
+        for &s in &stretches {
+            match s {
+                Stretch::Absent { from, to } => {
+                    let me = Holder::new(
+                        writing.rep,
+                        writing.tier,
+                        tokens[from],
+                        writing.ts_ms,
+                        w.next_generation(),
+                    );
+                    let Some(run) = self.new_run(w, &[me], &keys[from..to]) else {
+                        report.dropped += to - from;
+                        continue;
+                    };
+                    for k in keys[from..to].iter().take(AHEAD) {
+                        self.table.prefetch(*k, guard);
+                    }
+                    let mut slots = self.table.lock();
+                    for (o, k) in keys[from..to].iter().enumerate() {
+                        if let Some(n) = keys.get(from + o + AHEAD) {
+                            self.table.prefetch(*n, guard);
+                        }
+                        slots.insert(*k, slot(pack(run, o)), guard);
+                    }
+                    report.added += to - from;
+                    w.owners.push((run, to));
+                }
+                Stretch::InRun {
+                    from,
+                    to,
+                    run,
+                    descending,
+                } => {
+                    let r = run_ref(run);
+                    let mut holders: Vec<Holder> = Vec::with_capacity(r.holder_count() + 1);
+                    r.for_each_holder(|_, h| holders.push(h));
+                    let tok = tokens[from];
+                    match holders.iter().position(|h| h.rep() == writing.rep) {
+                        Some(i) => {
+                            let fresh = holders[i].refreshed(tok, writing.tier, writing.ts_ms);
+                            if fresh == holders[i] {
+                                w.owners.push((run, to));
+                                continue;
+                            }
+                            holders[i] = fresh;
+                            report.refreshed += to - from;
+                        }
+                        None => {
+                            let me = Holder::new(
+                                writing.rep,
+                                writing.tier,
+                                tok,
+                                writing.ts_ms,
+                                w.next_generation(),
+                            );
+                            if to - from == r.live_count() && r.push_holder(me) {
+                                report.added += to - from;
+                                w.owners.push((run, to));
+                                continue;
+                            }
+                            if holders.len() == MAX_HOLDERS {
+                                report.dropped += to - from;
+                                w.owners.push((run, to));
+                                continue;
+                            }
+                            let at = holders.partition_point(|h| h.rep() < writing.rep);
+                            holders.insert(at, me);
+                            report.added += to - from;
+                        }
+                    }
+                    let Some(new) = self.new_run(w, &holders, &keys[from..to]) else {
+                        report.dropped += to - from;
+                        continue;
+                    };
+                    if !descending {
+                        let (_, o_from) = unpack(w.values[from].unwrap_or_default());
+                        let end = o_from + (to - from);
+                        let n = run_ref(new);
+                        if end == r.len() {
+                            r.for_each_hint(|k, v, id| n.set_hint(k, v, id));
+                        } else if !r.is_dead(end) {
+                            n.set_hint(r.key(end), pack(run, end), r.id());
+                        }
+                    }
+                    let olds = std::mem::take(&mut w.values);
+                    self.repoint(w, &keys[from..to], &olds[from..to], run, Some(new), guard);
+                    w.values = olds;
+                    w.owners.push((new, to));
+                }
+            }
+        }
+        w.stretches = stretches;
+        // The chain's first key gets a root slot.
+        if self.options.roots
+            && let Some(v) = self.table.find(keys[0], guard)
+            && v.get() & FLAG == 0
+        {
+            let flagged = slot(v.get() | FLAG);
+            self.table.lock().insert(keys[0], flagged, guard);
+            self.roots.lock().insert(keys[0], flagged, guard);
+        }
+        // Each stretch's run hints at the block after it, as the ingest left it.
+        for pair in w.owners.windows(2) {
+            let (run, to) = pair[0];
+            if let Some(v) = self.table.find(keys[to], guard) {
+                let (target, _) = unpack(v.get());
+                run_ref(run).set_hint(keys[to], v.get(), run_ref(target).id());
+            }
+        }
+    }
+
+    /// Points the slots of `keys` (offsets of `old`, as `olds` name them) at offsets `0..` of
+    /// `new`, or removes them; marks each old offset dead before its slot changes (invariant 2)
+    /// and releases them.
+    fn repoint(
+        &self,
+        w: &mut StoreWriter,
+        keys: &[u64],
+        olds: &[Option<u64>],
+        old: NonNull<BlockRun>,
+        new: Option<NonNull<BlockRun>>,
+        guard: &Guard,
+    ) {
+        for k in keys.iter().take(AHEAD) {
+            self.table.prefetch(*k, guard);
+        }
+        let o_run = run_ref(old);
+        let mut slots: SlotWriter<'_> = self.table.lock();
+        for (o, (k, was)) in keys.iter().zip(olds).enumerate() {
+            if let Some(n) = keys.get(o + AHEAD) {
+                self.table.prefetch(*n, guard);
+            }
+            let (_, old_o) = unpack(was.unwrap_or_default());
+            o_run.set_dead(old_o);
+            let replaced = match new {
+                Some(r) => slots.insert(*k, slot(pack(r, o)), guard),
+                None => slots.remove(*k, guard),
+            };
+            if replaced.is_some_and(|v| v.get() & FLAG != 0) {
+                let mut roots = self.roots.lock();
+                match new {
+                    Some(r) => {
+                        let flagged = slot(pack(r, o) | FLAG);
+                        slots.insert(*k, flagged, guard);
+                        roots.insert(*k, flagged, guard);
+                    }
+                    None => {
+                        roots.remove(*k, guard);
+                    }
+                }
+            }
+        }
+        drop(slots);
+        self.release(w, old, keys.len() as u64, guard);
+    }
+
+    /// Removes replica `rep` from `keys` (PREFIX_EVICTED); returns the blocks it held.
+    pub fn evict(&self, keys: &[u64], rep: u32, guard: &Guard) -> usize {
+        let mut w = self.writer.lock();
+        if has_repeats(keys, &mut w.sorted) {
+            return (0..keys.len())
+                .map(|i| self.evict_locked(&mut w, &keys[i..=i], rep, guard))
+                .sum();
+        }
+        self.evict_locked(&mut w, keys, rep, guard)
+    }
+
+    fn evict_locked(&self, w: &mut StoreWriter, keys: &[u64], rep: u32, guard: &Guard) -> usize {
+        self.cut(w, keys, None, guard);
+        let mut removed = 0;
+        let stretches = std::mem::take(&mut w.stretches);
+        for &s in &stretches {
+            let Stretch::InRun {
+                from,
+                to,
+                run,
+                descending,
+            } = s
+            else {
+                continue;
+            };
+            let r = run_ref(run);
+            let (mut at, mut holding) = (None, 0);
+            r.for_each_holder(|i, h| {
+                holding += 1;
+                if h.rep() == rep {
+                    at = Some(i);
+                }
+            });
+            let Some(at) = at else {
+                continue;
+            };
+            removed += to - from;
+            if holding > 1 && self.options.gone && to - from == r.live_count() {
+                r.set_gone(at);
+                continue;
+            }
+            let mut ordered = std::mem::take(&mut w.ordered);
+            let mut ordered_values = std::mem::take(&mut w.ordered_values);
+            ordered.clear();
+            ordered.extend_from_slice(&keys[from..to]);
+            ordered_values.clear();
+            ordered_values.extend_from_slice(&w.values[from..to]);
+            if descending {
+                ordered.reverse();
+                ordered_values.reverse();
+            }
+            let mut holders = Vec::with_capacity(holding);
+            r.for_each_holder(|_, h| {
+                if h.rep() != rep {
+                    holders.push(h);
+                }
+            });
+            let new = if holders.is_empty() {
+                None
+            } else {
+                self.new_run(w, &holders, &ordered)
+            };
+            if new.is_some() || holders.is_empty() {
+                self.repoint(w, &ordered, &ordered_values, run, new, guard);
+            } else {
+                // No run could be built for the others: leave the stretch as it was.
+                removed -= to - from;
+            }
+            w.ordered = ordered;
+            w.ordered_values = ordered_values;
+        }
+        w.stretches = stretches;
+        removed
+    }
+}
+
+impl Drop for RunStore {
+    fn drop(&mut self) {
+        // Every live run is named by at least one slot: free each once, from its first slot.
+        let guard = crossbeam_epoch::pin();
+        let mut w = self.writer.lock();
+        let mut runs = Vec::new();
+        self.table
+            .for_each_value(&guard, |v| runs.push(unpack(v).0));
+        runs.sort_unstable();
+        runs.dedup();
+        for run in runs {
+            let id = run_ref(run).id();
+            self.ids.deregister(&mut w.alloc, id);
+            // SAFETY: the store is being dropped: no reader can reach its runs, and each run
+            // is freed once (deduplicated above).
+            unsafe { BlockRun::discard(run) };
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests;

@@ -1,0 +1,271 @@
+//! The run store against a plain map: random chain ingests and removals (ranges forwards and
+//! backwards, random key sequences with repeats, several replicas, changing tiers, token
+//! counts and timestamps), then every key's holders and walks from every key compared.
+
+use super::*;
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+
+/// Per key, per replica: (tier, tokens, last_seen, generation as first seen by the model).
+type Model = BTreeMap<u64, BTreeMap<u32, (u8, i32, i64)>>;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Ingest {
+        keys: Vec<u64>,
+        rep: u32,
+        tier: u8,
+        tokens: Vec<i32>,
+        ts: i64,
+    },
+    Evict {
+        keys: Vec<u64>,
+        rep: u32,
+    },
+}
+
+const UNIVERSE: u64 = 48;
+
+fn chain() -> impl Strategy<Value = Vec<u64>> {
+    prop_oneof![
+        (1..=UNIVERSE, 1usize..40, any::<bool>()).prop_map(|(start, len, backwards)| {
+            let mut keys: Vec<u64> = (0..len as u64)
+                .map(|i| (start + i - 1) % UNIVERSE + 1)
+                .collect();
+            keys.dedup();
+            if backwards {
+                keys.reverse();
+            }
+            keys
+        }),
+        prop::collection::vec(1..=UNIVERSE, 1..12),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (chain(), 0u32..5, 1u8..=4, prop::collection::vec(prop_oneof![3 => Just(16), 1 => 1i32..16], 40), 0i64..4)
+            .prop_map(|(keys, rep, tier, tokens, ts)| Op::Ingest { keys, rep, tier, tokens, ts: 1_000 + ts * 100 }),
+        2 => (chain(), 0u32..5).prop_map(|(keys, rep)| Op::Evict { keys, rep }),
+    ]
+}
+
+fn apply(model: &mut Model, op: &Op) {
+    match op {
+        Op::Ingest {
+            keys,
+            rep,
+            tier,
+            tokens,
+            ts,
+        } => {
+            for (k, t) in keys.iter().zip(tokens) {
+                let e = model.entry(*k).or_default();
+                let ls = e.get(rep).map_or(*ts, |&(_, _, old)| old.max(*ts));
+                e.insert(*rep, (*tier, *t, ls));
+            }
+        }
+        Op::Evict { keys, rep } => {
+            for k in keys {
+                if let Some(e) = model.get_mut(k) {
+                    e.remove(rep);
+                    if e.is_empty() {
+                        model.remove(k);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn state(holders: &[Holder]) -> BTreeMap<u32, (u8, i32, i64)> {
+    holders
+        .iter()
+        .map(|h| (h.rep(), (h.tier(), h.tokens(), h.last_seen_ms())))
+        .collect()
+}
+
+fn check(store: &RunStore, model: &Model, generations: &mut BTreeMap<(u64, u32), u32>) {
+    let guard = crossbeam_epoch::pin();
+    assert_eq!(store.len(), model.len(), "keys present");
+    for k in 1..=UNIVERSE {
+        let got = store.holders(k, &guard);
+        match model.get(&k) {
+            None => assert_eq!(got, None, "key {k} should be absent"),
+            Some(want) => {
+                let got = got.expect("a present key");
+                assert_eq!(&state(&got), want, "holders of key {k}");
+                assert_eq!(got.len(), want.len(), "one entry per replica of key {k}");
+                for h in &got {
+                    // A holder keeps its generation while it holds the key (V3, L9).
+                    let g = generations.entry((k, h.rep())).or_insert(h.generation());
+                    assert_eq!(
+                        *g,
+                        h.generation(),
+                        "generation of key {k} replica {}",
+                        h.rep()
+                    );
+                }
+            }
+        }
+    }
+    generations.retain(|(k, r), _| model.get(k).is_some_and(|e| e.contains_key(r)));
+    // Walks from every key along the universe's ascending ranges: the stretches cover the
+    // longest present prefix, each block with its model holders.
+    for start in 1..=UNIVERSE {
+        let request: Vec<u64> = (start..=UNIVERSE).chain(1..start).collect();
+        let mut blocks = Vec::new();
+        let matched = store.walk(&request, &guard, |run, from, to| {
+            let mut hs = Vec::new();
+            run.for_each_holder(|_, h| hs.push(h));
+            for k in &request[from..to] {
+                blocks.push((*k, state(&hs)));
+            }
+            true
+        });
+        let want = request.iter().take_while(|k| model.contains_key(k)).count();
+        assert_eq!(matched, want, "walk from {start}");
+        assert_eq!(blocks.len(), want);
+        for (k, hs) in &blocks {
+            assert_eq!(hs, &model[k], "walk from {start}: holders of key {k}");
+        }
+    }
+}
+
+fn run_ops(options: StoreOptions, ops: &[Op]) {
+    let store = RunStore::new(options);
+    let mut model = Model::new();
+    let mut generations = BTreeMap::new();
+    for op in ops {
+        let guard = crossbeam_epoch::pin();
+        match op {
+            Op::Ingest {
+                keys,
+                rep,
+                tier,
+                tokens,
+                ts,
+            } => {
+                let writing = Writing {
+                    rep: *rep,
+                    tier: *tier,
+                    ts_ms: *ts,
+                };
+                let report = store.ingest(keys, &tokens[..keys.len()], writing, &guard);
+                assert_eq!(report.dropped, 0);
+            }
+            Op::Evict { keys, rep } => {
+                store.evict(keys, *rep, &guard);
+            }
+        }
+        drop(guard);
+        apply(&mut model, op);
+        check(&store, &model, &mut generations);
+    }
+    // Everything removed: nothing left, no run bytes, no root slot.
+    let guard = crossbeam_epoch::pin();
+    for rep in 0..5 {
+        let all: Vec<u64> = (1..=UNIVERSE).collect();
+        store.evict(&all, rep, &guard);
+    }
+    assert!(store.is_empty());
+    assert_eq!(store.root_count(), 0);
+    assert_eq!(store.run_bytes(), 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn matches_the_model(ops in prop::collection::vec(op(), 1..40)) {
+        run_ops(StoreOptions::default(), &ops);
+    }
+
+    #[test]
+    fn matches_the_model_without_aids(ops in prop::collection::vec(op(), 1..40)) {
+        run_ops(StoreOptions { hints: false, roots: false, gone: false, join: false }, &ops);
+    }
+}
+
+#[test]
+fn a_shared_prefix_is_three_runs_and_walks_in_three_stretches() {
+    // W1M's shape: replicas 0..8 share blocks 1..=16, pairs share 17..=32, each its own tail.
+    let store = RunStore::default();
+    let guard = crossbeam_epoch::pin();
+    let chain = |rep: u64| -> Vec<u64> {
+        (1..=16)
+            .chain((17..=32).map(|k| k + 100 * (rep / 2)))
+            .chain((33..=64).map(|k| k + 1_000 * (rep + 1)))
+            .collect()
+    };
+    for rep in 0..8u32 {
+        let keys = chain(u64::from(rep));
+        let report = store.ingest(
+            &keys,
+            &[16; 64],
+            Writing {
+                rep,
+                tier: 1,
+                ts_ms: 5,
+            },
+            &guard,
+        );
+        assert_eq!(report.added, 64);
+    }
+    let request = chain(3);
+    let mut stretches = Vec::new();
+    let matched = store.walk(&request, &guard, |run, from, to| {
+        let mut reps = Vec::new();
+        run.for_each_holder(|_, h| reps.push(h.rep()));
+        reps.sort_unstable();
+        stretches.push((from, to, reps));
+        true
+    });
+    assert_eq!(matched, 64);
+    assert_eq!(
+        stretches,
+        [
+            (0, 16, (0..8).collect()),
+            (16, 32, vec![2, 3]),
+            (32, 64, vec![3])
+        ]
+    );
+    assert_eq!(store.root_count(), 1, "every chain began with key 1");
+}
+
+#[test]
+fn a_run_full_of_holders_drops_the_next_one() {
+    let store = RunStore::default();
+    let guard = crossbeam_epoch::pin();
+    for rep in 0..MAX_HOLDERS as u32 {
+        store.ingest(
+            &[1, 2],
+            &[16, 16],
+            Writing {
+                rep,
+                tier: 1,
+                ts_ms: 1,
+            },
+            &guard,
+        );
+    }
+    let report = store.ingest(
+        &[1, 2],
+        &[16, 16],
+        Writing {
+            rep: 999,
+            tier: 1,
+            ts_ms: 1,
+        },
+        &guard,
+    );
+    assert_eq!(
+        report,
+        IngestReport {
+            added: 0,
+            refreshed: 0,
+            dropped: 2
+        }
+    );
+    assert_eq!(store.holders(1, &guard).map(|h| h.len()), Some(MAX_HOLDERS));
+}
