@@ -8,7 +8,7 @@
 //! ordered after a pinned reader's read) is therefore a loom causality failure, and a read of an
 //! already-freed object or a double free panics.
 //!
-//! Every model but m13 and m14 drives the public `Index` API (ingest, events, lookups, crediting, sweeps) on a
+//! Every model but m13–m15 drives the public `Index` API (ingest, events, lookups, crediting, sweeps) on a
 //! partition and replicas created before the threads start (directory records are created once
 //! and never removed, so creating them up front keeps the models small; the directory's own RCU is
 //! exercised by the lookups' wait-free reads). Index-wide parking_lot locks other than the shard
@@ -22,7 +22,8 @@ mod fixed_policy;
 use crossbeam_epoch::Guard;
 use fixed_policy::FixedPolicy;
 use inferencecache_engine::layout::{
-    BlockRun, Holder, IdAllocator, RunIds, SlotTable, SlotValue, SlotWriter, pack, unpack,
+    BlockRun, Holder, IdAllocator, RunIds, RunStore, SlotTable, SlotValue, SlotWriter,
+    StoreOptions, Writing, pack, unpack,
 };
 use inferencecache_engine::loom_api::{self, Kind};
 use inferencecache_engine::{
@@ -1691,5 +1692,121 @@ fn m14d_run_hint_vs_reuse() {
             BlockRun::discard(a);
             BlockRun::discard(c);
         }
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// 15. One partition's storage on the run layout (`engine/src/raw/run_store.rs`, `RunStore`):
+// its writes vs its walk
+
+/// The holders of each block a `RunStore` walk of `request` visits.
+fn store_walk(store: &RunStore, request: &[u64]) -> Vec<Vec<u32>> {
+    let guard = crossbeam_epoch::pin();
+    let mut out = Vec::new();
+    store.walk(request, &guard, |run, from, to| {
+        let reps = run_reps(run);
+        out.extend((from..to).map(|_| reps.clone()));
+        true
+    });
+    out
+}
+
+fn writing(rep: u32) -> Writing {
+    Writing {
+        rep,
+        tier: 1,
+        ts_ms: 1_000,
+    }
+}
+
+/// Model 15a: replica 0 holds chain 1, 2, 3 (one run); replica 1 ingests 2, 3 (a stretch that
+/// does not cover the run: copy on write, dead bits, repointed slots, a hint) while a reader
+/// walks 1, 2, 3. Block 1 is replica 0's; blocks 2 and 3 show {0} or {0, 1}, block 3 never
+/// older than block 2. Afterwards the walk sees the new state and no run is leaked.
+#[test]
+fn m15a_store_copy_on_write_vs_walk() {
+    model(|| {
+        let store = Arc::new(RunStore::with_seed(StoreOptions::default(), 0));
+        {
+            let guard = crossbeam_epoch::pin();
+            store.ingest(&[1, 2, 3], &[16; 3], writing(0), &guard);
+        }
+        let reader = {
+            let store = store.clone();
+            spawn(move || store_walk(&store, &[1, 2, 3]))
+        };
+        {
+            let guard = crossbeam_epoch::pin();
+            let report = store.ingest(&[2, 3], &[16; 2], writing(1), &guard);
+            assert_eq!(report.added, 2);
+        }
+        let seen = reader.join().unwrap();
+        let (old, new) = (vec![0], vec![0, 1]);
+        assert_eq!(seen.len(), 3, "every block is held throughout");
+        assert_eq!(seen[0], old);
+        assert!(seen[1] == old || seen[1] == new, "block 2: {:?}", seen[1]);
+        assert!(seen[2] == old || seen[2] == new, "block 3: {:?}", seen[2]);
+        assert!(seen[1] == old || seen[2] == new, "block 2 new, block 3 old");
+        outcome(match (seen[1] == new, seen[2] == new) {
+            (false, false) => "blocks 2, 3 old",
+            (false, true) => "block 2 old, 3 new",
+            _ => "blocks 2, 3 new",
+        });
+        assert_eq!(store_walk(&store, &[1, 2, 3]), [old, new.clone(), new]);
+        drop(store);
+        assert!(
+            loom_api::collect_garbage(|| loom_api::live(Kind::BlockRun) == 0),
+            "every run is freed once the store is dropped"
+        );
+    });
+}
+
+/// Model 15b: replicas 0 and 1 hold chain 1, 2 (one run); replica 0 leaves it (gone bit),
+/// then replica 1 leaves block 2 (copy on write of block 1 for replica 1, block 2 removed, the
+/// old run retired) while a pinned reader walks 1, 2. Every block the reader sees has a
+/// holder set the store had; the ledger fails the model if the retired run is read after its
+/// free.
+#[test]
+fn m15b_store_removals_vs_walk() {
+    model(|| {
+        let store = Arc::new(RunStore::with_seed(StoreOptions::default(), 0));
+        {
+            let guard = crossbeam_epoch::pin();
+            store.ingest(&[1, 2], &[16; 2], writing(0), &guard);
+            store.ingest(&[1, 2], &[16; 2], writing(1), &guard);
+        }
+        let reader = {
+            let store = store.clone();
+            spawn(move || store_walk(&store, &[1, 2]))
+        };
+        {
+            let guard = crossbeam_epoch::pin();
+            assert_eq!(store.evict(&[1, 2], 0, &guard), 2);
+            assert_eq!(store.evict(&[2], 1, &guard), 1);
+        }
+        loom_api::reclaim_step();
+        loom_api::reclaim_step();
+        let seen = reader.join().unwrap();
+        let allowed: [&[Vec<u32>]; 4] = [
+            &[vec![0, 1], vec![0, 1]],
+            &[vec![1], vec![1]],
+            &[vec![1]],
+            &[vec![0, 1]],
+        ];
+        assert!(
+            allowed.contains(&seen.as_slice()),
+            "the reader saw {seen:?}"
+        );
+        outcome(match seen.as_slice() {
+            [_, _] if seen[0] == [0, 1] => "both blocks, both holders",
+            [_, _] => "both blocks, replica 1",
+            [a] if a == &[1] => "block 1, replica 1",
+            _ => "block 1, both holders",
+        });
+        assert_eq!(store_walk(&store, &[1, 2]), [vec![1]]);
+        assert!(
+            loom_api::collect_garbage(|| loom_api::live(Kind::BlockRun) == 1),
+            "the retired run is freed once the reader has left"
+        );
     });
 }

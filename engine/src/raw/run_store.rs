@@ -132,6 +132,10 @@ struct StoreWriter {
     sorted: Vec<u64>,
 }
 
+// SAFETY: the run pointers a `StoreWriter` keeps are scratch of the write in progress, used only
+// by the writer-lock holder; the runs they name are `Sync` (`BlockRun`'s shared words are atomic).
+unsafe impl Send for StoreWriter {}
+
 impl StoreWriter {
     fn next_generation(&mut self) -> u32 {
         self.generation = self.generation.wrapping_add(1) & GEN_MASK;
@@ -187,10 +191,24 @@ impl Default for RunStore {
 }
 
 impl RunStore {
+    /// An empty store whose slot tables are seeded per process.
     pub fn new(options: StoreOptions) -> Self {
+        Self::with_tables(options, SlotTable::new(), SlotTable::new())
+    }
+
+    /// An empty store with fixed slot-table seeds (tests and models).
+    pub fn with_seed(options: StoreOptions, seed: u64) -> Self {
+        Self::with_tables(
+            options,
+            SlotTable::with_seed(seed),
+            SlotTable::with_seed(seed ^ 1),
+        )
+    }
+
+    fn with_tables(options: StoreOptions, table: SlotTable, roots: SlotTable) -> Self {
         Self {
-            table: SlotTable::new(),
-            roots: SlotTable::new(),
+            table,
+            roots,
             ids: RunIds::new(),
             writer: Mutex::new(StoreWriter::default()),
             run_bytes: AtomicU64::new(0),
@@ -699,20 +717,22 @@ impl RunStore {
 
 impl Drop for RunStore {
     fn drop(&mut self) {
-        // Every live run is named by at least one slot: free each once, from its first slot.
+        // Each live run's references are exactly the key table slots naming it: drop them slot
+        // by slot and free each run with its last, in slot order (deterministic for a seeded
+        // table, which loom needs).
         let guard = crossbeam_epoch::pin();
         let mut w = self.writer.lock();
         let mut runs = Vec::new();
         self.table
             .for_each_value(&guard, |v| runs.push(unpack(v).0));
-        runs.sort_unstable();
-        runs.dedup();
         for run in runs {
-            let id = run_ref(run).id();
-            self.ids.deregister(&mut w.alloc, id);
-            // SAFETY: the store is being dropped: no reader can reach its runs, and each run
-            // is freed once (deduplicated above).
-            unsafe { BlockRun::discard(run) };
+            let r = run_ref(run);
+            if r.release(1) {
+                self.ids.deregister(&mut w.alloc, r.id());
+                // SAFETY: the store is being dropped, so no reader can reach its runs, and this
+                // was the run's last reference.
+                unsafe { BlockRun::discard(run) };
+            }
         }
     }
 }
