@@ -269,3 +269,88 @@ fn a_run_full_of_holders_drops_the_next_one() {
     );
     assert_eq!(store.holders(1, &guard).map(|h| h.len()), Some(MAX_HOLDERS));
 }
+
+#[test]
+fn concurrent_walks_see_held_blocks_while_a_writer_churns() {
+    // One writer ingests and removes chains of a small key space for four replicas while two
+    // readers walk it: every block a walk visits has at least one live holder of a known
+    // replica, and the store ends equal to the model of the writer's operations.
+    use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+    let store = std::sync::Arc::new(RunStore::default());
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|r| {
+            let (store, stop) = (store.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut walks = 0u64;
+                while !stop.load(AtomicOrdering::Relaxed) {
+                    let start = (walks * 7 + r) % UNIVERSE + 1;
+                    let request: Vec<u64> = (start..=UNIVERSE).collect();
+                    let guard = crossbeam_epoch::pin();
+                    store.walk(&request, &guard, |run, from, to| {
+                        assert!(from < to);
+                        let mut n = 0;
+                        run.for_each_holder(|_, h| {
+                            assert!(h.rep() < 4, "replica {}", h.rep());
+                            n += 1;
+                        });
+                        assert!(n > 0, "a visited block has a holder");
+                        true
+                    });
+                    walks += 1;
+                }
+                walks
+            })
+        })
+        .collect();
+    let mut model = Model::new();
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for _ in 0..20_000 {
+        let start = next() % UNIVERSE + 1;
+        let len = next() % 24 + 1;
+        let mut keys: Vec<u64> = (start..start + len)
+            .map(|k| (k - 1) % UNIVERSE + 1)
+            .collect();
+        if next() % 2 == 0 {
+            keys.reverse();
+        }
+        let rep = (next() % 4) as u32;
+        let guard = crossbeam_epoch::pin();
+        let op = if next() % 3 == 0 {
+            store.evict(&keys, rep, &guard);
+            Op::Evict { keys, rep }
+        } else {
+            let ts = 1_000 + (next() % 4) as i64 * 100;
+            let tokens = vec![16; keys.len()];
+            store.ingest(
+                &keys,
+                &tokens,
+                Writing {
+                    rep,
+                    tier: 1,
+                    ts_ms: ts,
+                },
+                &guard,
+            );
+            Op::Ingest {
+                keys,
+                rep,
+                tier: 1,
+                tokens,
+                ts,
+            }
+        };
+        apply(&mut model, &op);
+    }
+    stop.store(true, AtomicOrdering::Relaxed);
+    for r in readers {
+        assert!(r.join().expect("a reader panicked") > 0);
+    }
+    check(&store, &model, &mut BTreeMap::new());
+}
