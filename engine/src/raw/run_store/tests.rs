@@ -132,33 +132,37 @@ fn check(store: &RunStore, model: &Model, generations: &mut BTreeMap<(u64, u32),
     }
 }
 
+/// Applies `op` to the store.
+fn perform(store: &RunStore, op: &Op) {
+    let guard = crossbeam_epoch::pin();
+    match op {
+        Op::Ingest {
+            keys,
+            rep,
+            tier,
+            tokens,
+            ts,
+        } => {
+            let writing = Writing {
+                rep: *rep,
+                tier: *tier,
+                ts_ms: *ts,
+            };
+            let report = store.ingest(keys, &tokens[..keys.len()], writing, &guard);
+            assert_eq!(report.dropped, 0);
+        }
+        Op::Evict { keys, rep } => {
+            store.evict(keys, *rep, &guard);
+        }
+    }
+}
+
 fn run_ops(options: StoreOptions, ops: &[Op]) {
     let store = RunStore::new(options);
     let mut model = Model::new();
     let mut generations = BTreeMap::new();
     for op in ops {
-        let guard = crossbeam_epoch::pin();
-        match op {
-            Op::Ingest {
-                keys,
-                rep,
-                tier,
-                tokens,
-                ts,
-            } => {
-                let writing = Writing {
-                    rep: *rep,
-                    tier: *tier,
-                    ts_ms: *ts,
-                };
-                let report = store.ingest(keys, &tokens[..keys.len()], writing, &guard);
-                assert_eq!(report.dropped, 0);
-            }
-            Op::Evict { keys, rep } => {
-                store.evict(keys, *rep, &guard);
-            }
-        }
-        drop(guard);
+        perform(&store, op);
         apply(&mut model, op);
         check(&store, &model, &mut generations);
     }
@@ -321,23 +325,11 @@ fn concurrent_walks_see_held_blocks_while_a_writer_churns() {
             keys.reverse();
         }
         let rep = (next() % 4) as u32;
-        let guard = crossbeam_epoch::pin();
         let op = if next() % 3 == 0 {
-            store.evict(&keys, rep, &guard);
             Op::Evict { keys, rep }
         } else {
             let ts = 1_000 + (next() % 4) as i64 * 100;
             let tokens = vec![16; keys.len()];
-            store.ingest(
-                &keys,
-                &tokens,
-                Writing {
-                    rep,
-                    tier: 1,
-                    ts_ms: ts,
-                },
-                &guard,
-            );
             Op::Ingest {
                 keys,
                 rep,
@@ -346,6 +338,7 @@ fn concurrent_walks_see_held_blocks_while_a_writer_churns() {
                 ts,
             }
         };
+        perform(&store, &op);
         apply(&mut model, &op);
     }
     stop.store(true, AtomicOrdering::Relaxed);
