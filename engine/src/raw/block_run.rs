@@ -10,7 +10,7 @@
 //! allocation, in this order:
 //!
 //! ```text
-//! [holder entry cap−1] … [holder entry 0] [hint 0 … hint 3] [header] [key 0 … key len−1] [dead words 1…]
+//! [holder entry cap−1] … [holder entry 0] [hint 0 … hint 3] [header] [key 0 … key len−1] [dead words 1…] [gone words 1…]
 //!                                                           ^ run pointer
 //! ```
 //!
@@ -21,8 +21,9 @@
 //!   (see "Hints");
 //! - **header** (40 bytes): `holders | capacity << 16 | len << 32`, the count of references
 //!   (slots naming the run), the dead bits of offsets 0–63, the *gone* bits of holder entries
-//!   whose replica holds none of the run's blocks any more, and the run's id;
-//! - the `len` **keys** (8 bytes each), then the dead bits of offsets 64 on.
+//!   0–63 whose replica holds none of the run's blocks any more, and the run's id;
+//! - the `len` **keys** (8 bytes each), then the dead bits of offsets 64 on, then the gone bits
+//!   of entries 64 on.
 //!
 //! So key `o` is at a fixed distance from the run pointer whatever the holder count, and the
 //! holders and hints sit in the lines just before it: a walk that reads a slot can fetch the
@@ -94,8 +95,8 @@ use std::ptr::NonNull;
 
 /// Longest run: offsets are 16 bits in a slot value.
 pub const MAX_LEN: usize = 1 << 16;
-/// Most holder entries a run has room for (one gone bit each).
-pub const MAX_HOLDERS: usize = 64;
+/// Most holder entries a run has room for (16 bits in the header).
+pub const MAX_HOLDERS: usize = 0xFFFF;
 /// Successor hints per run.
 pub const HINTS: usize = 4;
 /// Bit 0 of a slot value, free for the index (run pointers are 8-byte aligned).
@@ -134,13 +135,22 @@ fn extra_dead_words(len: usize) -> usize {
     len.div_ceil(64).saturating_sub(1)
 }
 
+/// Gone words a run with room for `capacity` holders keeps after its dead words (entries from
+/// 64 on).
+fn extra_gone_words(capacity: usize) -> usize {
+    capacity.div_ceil(64).saturating_sub(1)
+}
+
 /// Bytes in front of the header of a run with room for `capacity` holders.
 fn front_bytes(capacity: usize) -> usize {
     capacity * ENTRY + HINTS * HINT
 }
 
 fn layout(capacity: usize, len: usize) -> Layout {
-    let size = front_bytes(capacity) + HEADER + len * 8 + extra_dead_words(len) * WORD;
+    let size = front_bytes(capacity)
+        + HEADER
+        + len * 8
+        + (extra_dead_words(len) + extra_gone_words(capacity)) * WORD;
     Layout::from_size_align(size, std::mem::align_of::<BlockRun>().max(8))
         .expect("block run layout")
 }
@@ -211,7 +221,7 @@ impl BlockRun {
             let k = (header as *mut u8).add(HEADER) as *mut u64;
             std::ptr::copy_nonoverlapping(keys.as_ptr(), k, len);
             let extra = k.add(len) as *mut AtomicU64;
-            for i in 0..extra_dead_words(len) {
+            for i in 0..extra_dead_words(len) + extra_gone_words(capacity) {
                 extra.add(i).write(AtomicU64::new(0));
             }
         }
@@ -243,7 +253,7 @@ impl BlockRun {
             let extra = (p as *mut u8).add(HEADER + len * 8) as *mut AtomicU64;
             std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
                 extra,
-                extra_dead_words(len),
+                extra_dead_words(len) + extra_gone_words(capacity),
             ));
             std::ptr::drop_in_place(p);
             dealloc(base, layout(capacity, len));
@@ -318,25 +328,43 @@ impl BlockRun {
         Holder::from_words(e[0].load(Ordering::Relaxed), e[1].load(Ordering::Relaxed))
     }
 
-    /// Gone bits: bit `i` says entry `i`'s replica holds none of the run's blocks any more.
+    /// Gone word `w` (entries `64 w ..`): the header's, then the words after the dead words.
     #[inline]
-    pub fn gone(&self) -> u64 {
+    fn gone_word(&self, w: usize) -> &AtomicU64 {
         self.touch();
-        self.gone.load(Ordering::Acquire)
+        if w == 0 {
+            return &self.gone;
+        }
+        let len = self.len();
+        debug_assert!(w <= extra_gone_words(self.capacity()));
+        // SAFETY: gone word `w − 1` after the dead words, inside the allocation
+        // (`w < ⌈capacity / 64⌉`) and initialised by `create`.
+        unsafe {
+            &*((self as *const BlockRun as *const u8)
+                .add(HEADER + len * 8 + (extra_dead_words(len) + w - 1) * WORD)
+                as *const AtomicU64)
+        }
     }
 
     /// Calls `f` with every holder entry that is not gone, in entry order.
     #[inline]
     pub fn for_each_holder(&self, mut f: impl FnMut(usize, Holder)) {
-        // Gone bits first: a writer marks an entry gone only after the joins before it, so a
-        // reader that sees a gone bit sees every entry counted before it (loom m14b). Loaded
-        // the other way round, a reader could see the old count and the new gone bit: no
-        // holder at all for a block that always had one.
-        let gone = self.gone();
-        let n = self.holder_count();
-        for i in 0..n {
-            if gone >> i & 1 == 0 {
-                f(i, self.holder(i));
+        // Per 64 entries, their gone word first, then the count: a writer marks an entry gone
+        // only after the joins before it, so a reader that sees a gone bit sees every entry
+        // counted before it (loom m14b). Loaded the other way round, a reader could see the
+        // old count and the new gone bit: no holder at all for a block that always had one.
+        let mut base = 0;
+        loop {
+            let gone = self.gone_word(base / 64).load(Ordering::Acquire);
+            let n = self.holder_count();
+            for i in base..n.min(base + 64) {
+                if gone >> (i - base) & 1 == 0 {
+                    f(i, self.holder(i));
+                }
+            }
+            base += 64;
+            if base >= n {
+                return;
             }
         }
     }
@@ -499,7 +527,8 @@ impl BlockRun {
     /// Marks holder entry `i` gone: its replica holds none of the run's blocks any more.
     pub fn set_gone(&self, i: usize) {
         debug_assert!(i < self.capacity());
-        self.gone.fetch_or(1 << i, Ordering::Release);
+        self.gone_word(i / 64)
+            .fetch_or(1 << (i % 64), Ordering::Release);
     }
 
     /// Marks offset `o` dead, before its slot is repointed or removed (invariant 2).
@@ -773,6 +802,31 @@ mod tests {
         seen.clear();
         x.for_each_holder(|i, h| seen.push((i, h.rep())));
         assert_eq!(seen, [(1, 2)], "a gone entry is skipped");
+        // SAFETY: never shared.
+        unsafe { BlockRun::discard(r) };
+    }
+
+    #[test]
+    fn gone_bits_span_words_for_many_holders() {
+        let holders: Vec<Holder> = (0..70).map(|r| holder(r, 10)).collect();
+        let r = run(&holders, 140, &[1, 2]);
+        // SAFETY: as above.
+        let x = unsafe { r.as_ref() };
+        for rep in 70..130 {
+            assert!(x.push_holder(holder(rep, 10)));
+        }
+        for i in [3, 63, 64, 100, 129] {
+            x.set_gone(i);
+        }
+        let mut seen = Vec::new();
+        x.for_each_holder(|i, h| {
+            assert_eq!(h.rep() as usize, i);
+            seen.push(i);
+        });
+        let want: Vec<usize> = (0..130)
+            .filter(|i| ![3, 63, 64, 100, 129].contains(i))
+            .collect();
+        assert_eq!(seen, want);
         // SAFETY: never shared.
         unsafe { BlockRun::discard(r) };
     }

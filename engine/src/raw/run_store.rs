@@ -44,8 +44,10 @@
 //!
 //! # Limits
 //!
-//! A run holds at most [`MAX_HOLDERS`] holder entries: an ingest that would give a stretch more
-//! holders than that leaves it as it was and counts the blocks in [`IngestReport::dropped`].
+//! A run holds at most [`MAX_HOLDERS`] (65,535) holder entries: an ingest that would give a
+//! stretch more holders than that leaves it as it was and counts the blocks in
+//! [`IngestReport::dropped`]. A holder joining a run without a spare entry copies it, so `n`
+//! replicas joining one shared stretch one by one copy `O(n²)` holder entries in all.
 
 use crate::raw::block_run::{
     BlockRun, FLAG, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, pack, unpack,

@@ -238,11 +238,11 @@ fn a_shared_prefix_is_three_runs_and_walks_in_three_stretches() {
 }
 
 #[test]
-fn a_run_full_of_holders_drops_the_next_one() {
+fn a_stretch_keeps_more_than_64_holders() {
     let store = RunStore::default();
     let guard = crossbeam_epoch::pin();
-    for rep in 0..MAX_HOLDERS as u32 {
-        store.ingest(
+    for rep in 0..100u32 {
+        let report = store.ingest(
             &[1, 2],
             &[16, 16],
             Writing {
@@ -252,98 +252,60 @@ fn a_run_full_of_holders_drops_the_next_one() {
             },
             &guard,
         );
+        assert_eq!(report.added, 2);
     }
-    let report = store.ingest(
-        &[1, 2],
-        &[16, 16],
+    assert_eq!(store.holders(2, &guard).map(|h| h.len()), Some(100));
+    for rep in (0..100u32).step_by(3) {
+        assert_eq!(store.evict(&[1, 2], rep, &guard), 2);
+    }
+    let mut reps: Vec<u32> = store
+        .holders(1, &guard)
+        .expect("key 1")
+        .iter()
+        .map(|h| h.rep())
+        .collect();
+    reps.sort_unstable();
+    assert_eq!(reps, (0..100).filter(|r| r % 3 != 0).collect::<Vec<u32>>());
+}
+
+#[test]
+fn key_zero_is_an_ordinary_key() {
+    // Key 0 marks an unused hint inside a run, so it is never hinted; it is stored, walked and
+    // removed like any other key.
+    let store = RunStore::default();
+    let guard = crossbeam_epoch::pin();
+    store.ingest(
+        &[7, 0, 9],
+        &[16; 3],
         Writing {
-            rep: 999,
+            rep: 1,
             tier: 1,
             ts_ms: 1,
         },
         &guard,
     );
-    assert_eq!(
-        report,
-        IngestReport {
-            added: 0,
-            refreshed: 0,
-            dropped: 2
-        }
+    store.ingest(
+        &[0, 9],
+        &[16; 2],
+        Writing {
+            rep: 2,
+            tier: 1,
+            ts_ms: 1,
+        },
+        &guard,
     );
-    assert_eq!(store.holders(1, &guard).map(|h| h.len()), Some(MAX_HOLDERS));
-}
-
-#[test]
-fn concurrent_walks_see_held_blocks_while_a_writer_churns() {
-    // One writer ingests and removes chains of a small key space for four replicas while two
-    // readers walk it: every block a walk visits has at least one live holder of a known
-    // replica, and the store ends equal to the model of the writer's operations.
-    use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
-    let store = std::sync::Arc::new(RunStore::default());
-    let stop = std::sync::Arc::new(AtomicBool::new(false));
-    let readers: Vec<_> = (0..2)
-        .map(|r| {
-            let (store, stop) = (store.clone(), stop.clone());
-            std::thread::spawn(move || {
-                let mut walks = 0u64;
-                while !stop.load(AtomicOrdering::Relaxed) {
-                    let start = (walks * 7 + r) % UNIVERSE + 1;
-                    let request: Vec<u64> = (start..=UNIVERSE).collect();
-                    let guard = crossbeam_epoch::pin();
-                    store.walk(&request, &guard, |run, from, to| {
-                        assert!(from < to);
-                        let mut n = 0;
-                        run.for_each_holder(|_, h| {
-                            assert!(h.rep() < 4, "replica {}", h.rep());
-                            n += 1;
-                        });
-                        assert!(n > 0, "a visited block has a holder");
-                        true
-                    });
-                    walks += 1;
-                }
-                walks
-            })
-        })
-        .collect();
-    let mut model = Model::new();
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
-    for _ in 0..20_000 {
-        let start = next() % UNIVERSE + 1;
-        let len = next() % 24 + 1;
-        let mut keys: Vec<u64> = (start..start + len)
-            .map(|k| (k - 1) % UNIVERSE + 1)
-            .collect();
-        if next() % 2 == 0 {
-            keys.reverse();
-        }
-        let rep = (next() % 4) as u32;
-        let op = if next() % 3 == 0 {
-            Op::Evict { keys, rep }
-        } else {
-            let ts = 1_000 + (next() % 4) as i64 * 100;
-            let tokens = vec![16; keys.len()];
-            Op::Ingest {
-                keys,
-                rep,
-                tier: 1,
-                tokens,
-                ts,
-            }
-        };
-        perform(&store, &op);
-        apply(&mut model, &op);
-    }
-    stop.store(true, AtomicOrdering::Relaxed);
-    for r in readers {
-        assert!(r.join().expect("a reader panicked") > 0);
-    }
-    check(&store, &model, &mut BTreeMap::new());
+    let mut seen = Vec::new();
+    let matched = store.walk(&[7, 0, 9], &guard, |run, from, to| {
+        let mut reps = Vec::new();
+        run.for_each_holder(|_, h| reps.push(h.rep()));
+        reps.sort_unstable();
+        seen.push((from, to, reps));
+        true
+    });
+    assert_eq!(matched, 3);
+    assert_eq!(seen, [(0, 1, vec![1]), (1, 3, vec![1, 2])]);
+    assert_eq!(store.evict(&[7, 0, 9], 1, &guard), 3);
+    assert_eq!(store.evict(&[0, 9], 2, &guard), 2);
+    assert!(store.is_empty());
+    assert_eq!(store.run_bytes(), 0);
 }
