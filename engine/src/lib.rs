@@ -41,7 +41,7 @@ pub mod layout {
         BlockRun, FLAG, HINTS, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, pack, unpack,
     };
     pub use crate::raw::node::Holder;
-    pub use crate::raw::run_store::{IngestReport, RunStore, StoreOptions, Writing};
+    pub use crate::raw::run_store::{EvictReport, IngestReport, RunStore, StoreOptions, Writing};
     pub use crate::raw::slots::{SlotTable, SlotValue, SlotWriter};
 }
 pub use replica_id::ReplicaId;

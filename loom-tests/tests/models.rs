@@ -1781,8 +1781,8 @@ fn m15b_store_removals_vs_walk() {
         };
         {
             let guard = crossbeam_epoch::pin();
-            assert_eq!(store.evict(&[1, 2], 0, &guard), 2);
-            assert_eq!(store.evict(&[2], 1, &guard), 1);
+            assert_eq!(store.evict(&[1, 2], 0, &guard).removed, 2);
+            assert_eq!(store.evict(&[2], 1, &guard).keys_removed, 1);
         }
         loom_api::reclaim_step();
         loom_api::reclaim_step();

@@ -27,6 +27,11 @@
 //! run's next live block. A chain that repeats a key is written key by key (its repeated keys
 //! would make two offsets claim one slot); the last occurrence wins, as for any chain.
 //!
+//! Writes report what the index's derived counters need ([`IngestReport`], [`EvictReport`]):
+//! blocks a replica gained or lost, keys that appeared or went. [`RunStore::clear_replica`]
+//! (ALL_CLEARED) removes a replica run by run, each over its live offsets;
+//! [`RunStore::for_each_key`] lists every present key with the run naming it.
+//!
 //! # Root slots
 //!
 //! A second, small slot table holds a copy of the slot of every key an ingest began with; bit 0
@@ -95,6 +100,24 @@ pub struct IngestReport {
     pub refreshed: usize,
     /// Blocks left as they were because their run holds [`MAX_HOLDERS`] holders already.
     pub dropped: usize,
+    /// Keys that were absent (a subset of `added`).
+    pub new_keys: usize,
+}
+
+/// What a removal did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EvictReport {
+    /// Blocks the replica held and no longer holds.
+    pub removed: usize,
+    /// Keys that became absent (their last holder went; a subset of `removed`).
+    pub keys_removed: usize,
+}
+
+impl std::ops::AddAssign for EvictReport {
+    fn add_assign(&mut self, other: Self) {
+        self.removed += other.removed;
+        self.keys_removed += other.keys_removed;
+    }
 }
 
 /// The replica state an ingest writes.
@@ -510,6 +533,7 @@ impl RunStore {
                         slots.insert(*k, slot(pack(run, o)), guard);
                     }
                     report.added += to - from;
+                    report.new_keys += to - from;
                     w.owners.push((run, to));
                 }
                 Stretch::InRun {
@@ -641,20 +665,67 @@ impl RunStore {
         self.release(w, old, keys.len() as u64, guard);
     }
 
-    /// Removes replica `rep` from `keys` (PREFIX_EVICTED); returns the blocks it held.
-    pub fn evict(&self, keys: &[u64], rep: u32, guard: &Guard) -> usize {
+    /// Removes replica `rep` from `keys` (PREFIX_EVICTED).
+    pub fn evict(&self, keys: &[u64], rep: u32, guard: &Guard) -> EvictReport {
         let mut w = self.writer.lock();
+        let mut report = EvictReport::default();
         if has_repeats(keys, &mut w.sorted) {
-            return (0..keys.len())
-                .map(|i| self.evict_locked(&mut w, &keys[i..=i], rep, guard))
-                .sum();
+            for i in 0..keys.len() {
+                report += self.evict_locked(&mut w, &keys[i..=i], rep, guard);
+            }
+        } else {
+            report = self.evict_locked(&mut w, keys, rep, guard);
         }
-        self.evict_locked(&mut w, keys, rep, guard)
+        report
     }
 
-    fn evict_locked(&self, w: &mut StoreWriter, keys: &[u64], rep: u32, guard: &Guard) -> usize {
+    /// Removes replica `rep` from every key it holds (ALL_CLEARED): each run holding it loses
+    /// it over its live offsets, one stretch per run.
+    pub fn clear_replica(&self, rep: u32, guard: &Guard) -> EvictReport {
+        let mut w = self.writer.lock();
+        let mut runs = Vec::new();
+        let mut listed = std::collections::HashSet::new();
+        self.table.for_each_value(guard, |v| {
+            let (run, _) = unpack(v);
+            if listed.insert(run) {
+                let mut holds = false;
+                run_ref(run).for_each_holder(|_, h| holds |= h.rep() == rep);
+                if holds {
+                    runs.push(run);
+                }
+            }
+        });
+        let mut report = EvictReport::default();
+        let mut keys = Vec::new();
+        for run in runs {
+            let r = run_ref(run);
+            keys.clear();
+            keys.extend((0..r.len()).filter(|&o| !r.is_dead(o)).map(|o| r.key(o)));
+            report += self.evict_locked(&mut w, &keys, rep, guard);
+        }
+        report
+    }
+
+    /// Calls `f(key, run, offset)` for every present key (dump, digest, snapshot). Writers
+    /// running meanwhile may move keys past the visit.
+    pub fn for_each_key(&self, guard: &Guard, mut f: impl FnMut(u64, &BlockRun, usize)) {
+        self.table.for_each_value(guard, |v| {
+            let (run, o) = unpack(v);
+            let r = run_ref(run);
+            f(r.key(o), r, o);
+        });
+    }
+
+    fn evict_locked(
+        &self,
+        w: &mut StoreWriter,
+        keys: &[u64],
+        rep: u32,
+        guard: &Guard,
+    ) -> EvictReport {
         self.cut(w, keys, None, guard);
         let mut removed = 0;
+        let mut keys_removed = 0;
         let stretches = std::mem::take(&mut w.stretches);
         for &s in &stretches {
             let Stretch::InRun {
@@ -705,6 +776,9 @@ impl RunStore {
             };
             if new.is_some() || holders.is_empty() {
                 self.repoint(w, &ordered, &ordered_values, run, new, guard);
+                if new.is_none() {
+                    keys_removed += to - from;
+                }
             } else {
                 // No run could be built for the others: leave the stretch as it was.
                 removed -= to - from;
@@ -713,7 +787,10 @@ impl RunStore {
             w.ordered_values = ordered_values;
         }
         w.stretches = stretches;
-        removed
+        EvictReport {
+            removed,
+            keys_removed,
+        }
     }
 }
 

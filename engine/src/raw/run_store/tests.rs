@@ -22,6 +22,9 @@ enum Op {
         keys: Vec<u64>,
         rep: u32,
     },
+    Clear {
+        rep: u32,
+    },
 }
 
 const UNIVERSE: u64 = 48;
@@ -47,10 +50,25 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (chain(), 0u32..5, 1u8..=4, prop::collection::vec(prop_oneof![3 => Just(16), 1 => 1i32..16], 40), 0i64..4)
             .prop_map(|(keys, rep, tier, tokens, ts)| Op::Ingest { keys, rep, tier, tokens, ts: 1_000 + ts * 100 }),
         2 => (chain(), 0u32..5).prop_map(|(keys, rep)| Op::Evict { keys, rep }),
+        1 => (0u32..5).prop_map(|rep| Op::Clear { rep }),
     ]
 }
 
-fn apply(model: &mut Model, op: &Op) {
+/// Applies `op` to the model; returns (blocks added, keys new) for an ingest, (blocks removed,
+/// keys removed) for a removal.
+fn apply(model: &mut Model, op: &Op) -> (usize, usize) {
+    let mut counts = (0, 0);
+    let mut remove = |model: &mut Model, k: u64, rep: u32| {
+        if let Some(e) = model.get_mut(&k)
+            && e.remove(&rep).is_some()
+        {
+            counts.0 += 1;
+            if e.is_empty() {
+                model.remove(&k);
+                counts.1 += 1;
+            }
+        }
+    };
     match op {
         Op::Ingest {
             keys,
@@ -59,23 +77,28 @@ fn apply(model: &mut Model, op: &Op) {
             tokens,
             ts,
         } => {
+            let mut added = (0, 0);
             for (k, t) in keys.iter().zip(tokens) {
+                added.1 += usize::from(!model.contains_key(k));
                 let e = model.entry(*k).or_default();
                 let ls = e.get(rep).map_or(*ts, |&(_, _, old)| old.max(*ts));
-                e.insert(*rep, (*tier, *t, ls));
+                added.0 += usize::from(e.insert(*rep, (*tier, *t, ls)).is_none());
             }
+            return added;
         }
         Op::Evict { keys, rep } => {
             for k in keys {
-                if let Some(e) = model.get_mut(k) {
-                    e.remove(rep);
-                    if e.is_empty() {
-                        model.remove(k);
-                    }
-                }
+                remove(model, *k, *rep);
+            }
+        }
+        Op::Clear { rep } => {
+            let keys: Vec<u64> = model.keys().copied().collect();
+            for k in keys {
+                remove(model, k, *rep);
             }
         }
     }
+    counts
 }
 
 fn state(holders: &[Holder]) -> BTreeMap<u32, (u8, i32, i64)> {
@@ -109,6 +132,17 @@ fn check(store: &RunStore, model: &Model, generations: &mut BTreeMap<(u64, u32),
             }
         }
     }
+    let mut listed = BTreeMap::new();
+    store.for_each_key(&guard, |k, run, o| {
+        assert_eq!(run.key(o), k);
+        let mut hs = Vec::new();
+        run.for_each_holder(|_, h| hs.push(h));
+        assert!(
+            listed.insert(k, state(&hs)).is_none(),
+            "key {k} listed twice"
+        );
+    });
+    assert_eq!(&listed, model, "for_each_key lists the model");
     generations.retain(|(k, r), _| model.get(k).is_some_and(|e| e.contains_key(r)));
     // Walks from every key along the universe's ascending ranges: the stretches cover the
     // longest present prefix, each block with its model holders.
@@ -132,8 +166,8 @@ fn check(store: &RunStore, model: &Model, generations: &mut BTreeMap<(u64, u32),
     }
 }
 
-/// Applies `op` to the store.
-fn perform(store: &RunStore, op: &Op) {
+/// Applies `op` to the store; returns what [`apply`] does.
+fn perform(store: &RunStore, op: &Op) -> (usize, usize) {
     let guard = crossbeam_epoch::pin();
     match op {
         Op::Ingest {
@@ -150,9 +184,15 @@ fn perform(store: &RunStore, op: &Op) {
             };
             let report = store.ingest(keys, &tokens[..keys.len()], writing, &guard);
             assert_eq!(report.dropped, 0);
+            (report.added, report.new_keys)
         }
         Op::Evict { keys, rep } => {
-            store.evict(keys, *rep, &guard);
+            let report = store.evict(keys, *rep, &guard);
+            (report.removed, report.keys_removed)
+        }
+        Op::Clear { rep } => {
+            let report = store.clear_replica(*rep, &guard);
+            (report.removed, report.keys_removed)
         }
     }
 }
@@ -162,8 +202,8 @@ fn run_ops(options: StoreOptions, ops: &[Op]) {
     let mut model = Model::new();
     let mut generations = BTreeMap::new();
     for op in ops {
-        perform(&store, op);
-        apply(&mut model, op);
+        let done = perform(&store, op);
+        assert_eq!(done, apply(&mut model, op), "counts of {op:?}");
         check(&store, &model, &mut generations);
     }
     // Everything removed: nothing left, no run bytes, no root slot.
@@ -256,7 +296,7 @@ fn a_stretch_keeps_more_than_64_holders() {
     }
     assert_eq!(store.holders(2, &guard).map(|h| h.len()), Some(100));
     for rep in (0..100u32).step_by(3) {
-        assert_eq!(store.evict(&[1, 2], rep, &guard), 2);
+        assert_eq!(store.evict(&[1, 2], rep, &guard).removed, 2);
     }
     let mut reps: Vec<u32> = store
         .holders(1, &guard)
@@ -304,8 +344,88 @@ fn key_zero_is_an_ordinary_key() {
     });
     assert_eq!(matched, 3);
     assert_eq!(seen, [(0, 1, vec![1]), (1, 3, vec![1, 2])]);
-    assert_eq!(store.evict(&[7, 0, 9], 1, &guard), 3);
-    assert_eq!(store.evict(&[0, 9], 2, &guard), 2);
+    assert_eq!(store.evict(&[7, 0, 9], 1, &guard).removed, 3);
+    assert_eq!(
+        store.evict(&[0, 9], 2, &guard),
+        EvictReport {
+            removed: 2,
+            keys_removed: 2
+        }
+    );
     assert!(store.is_empty());
     assert_eq!(store.run_bytes(), 0);
+}
+
+#[test]
+fn concurrent_walks_see_held_blocks_while_a_writer_churns() {
+    // One writer ingests and removes chains of a small key space for four replicas while two
+    // readers walk it: every block a walk visits has at least one live holder of a known
+    // replica, and the store ends equal to the model of the writer's operations.
+    use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+    let store = std::sync::Arc::new(RunStore::default());
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|r| {
+            let (store, stop) = (store.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut walks = 0u64;
+                while !stop.load(AtomicOrdering::Relaxed) {
+                    let start = (walks * 7 + r) % UNIVERSE + 1;
+                    let request: Vec<u64> = (start..=UNIVERSE).collect();
+                    let guard = crossbeam_epoch::pin();
+                    store.walk(&request, &guard, |run, from, to| {
+                        assert!(from < to);
+                        let mut n = 0;
+                        run.for_each_holder(|_, h| {
+                            assert!(h.rep() < 4, "replica {}", h.rep());
+                            n += 1;
+                        });
+                        assert!(n > 0, "a visited block has a holder");
+                        true
+                    });
+                    walks += 1;
+                }
+                walks
+            })
+        })
+        .collect();
+    let mut model = Model::new();
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for _ in 0..20_000 {
+        let start = next() % UNIVERSE + 1;
+        let len = next() % 24 + 1;
+        let mut keys: Vec<u64> = (start..start + len)
+            .map(|k| (k - 1) % UNIVERSE + 1)
+            .collect();
+        if next() % 2 == 0 {
+            keys.reverse();
+        }
+        let rep = (next() % 4) as u32;
+        let op = if next() % 3 == 0 {
+            Op::Evict { keys, rep }
+        } else {
+            let ts = 1_000 + (next() % 4) as i64 * 100;
+            let tokens = vec![16; keys.len()];
+            Op::Ingest {
+                keys,
+                rep,
+                tier: 1,
+                tokens,
+                ts,
+            }
+        };
+        let done = perform(&store, &op);
+        assert_eq!(done, apply(&mut model, &op), "counts of {op:?}");
+    }
+    stop.store(true, AtomicOrdering::Relaxed);
+    for r in readers {
+        assert!(r.join().expect("a reader panicked") > 0);
+    }
+    check(&store, &model, &mut BTreeMap::new());
 }
