@@ -28,8 +28,9 @@
 //! would make two offsets claim one slot); the last occurrence wins, as for any chain.
 //!
 //! Writes report what the index's derived counters need ([`IngestReport`], [`EvictReport`]):
-//! blocks a replica gained or lost, keys that appeared or went. [`RunStore::clear_replica`]
-//! (ALL_CLEARED) removes a replica run by run, each over its live offsets;
+//! blocks a replica gained or lost, keys that appeared or went. [`RunStore::remove_holders`]
+//! (the TTL sweep, ALL_CLEARED) removes the holders it picks run by run, each over the run's
+//! live offsets; [`RunStore::remove_keys`] (a quota's victims) removes whole keys;
 //! [`RunStore::for_each_key`] lists every present key with the run naming it.
 //!
 //! # Root slots
@@ -679,29 +680,64 @@ impl RunStore {
         report
     }
 
-    /// Removes replica `rep` from every key it holds (ALL_CLEARED): each run holding it loses
-    /// it over its live offsets, one stretch per run.
+    /// Removes replica `rep` from every key it holds (ALL_CLEARED).
     pub fn clear_replica(&self, rep: u32, guard: &Guard) -> EvictReport {
+        self.remove_holders(|h| h.rep() == rep, guard)
+    }
+
+    /// Removes every holder `doomed` picks (the TTL sweep: the stale ones; ALL_CLEARED: one
+    /// replica's) from every key it holds. Run by run: each replica a run holds that is picked
+    /// leaves the run over its live offsets, one stretch.
+    pub fn remove_holders(&self, doomed: impl Fn(&Holder) -> bool, guard: &Guard) -> EvictReport {
         let mut w = self.writer.lock();
         let mut runs = Vec::new();
         let mut listed = std::collections::HashSet::new();
         self.table.for_each_value(guard, |v| {
             let (run, _) = unpack(v);
             if listed.insert(run) {
-                let mut holds = false;
-                run_ref(run).for_each_holder(|_, h| holds |= h.rep() == rep);
-                if holds {
-                    runs.push(run);
+                let mut picked = Vec::new();
+                run_ref(run).for_each_holder(|_, h| {
+                    if doomed(&h) {
+                        picked.push(h.rep());
+                    }
+                });
+                if !picked.is_empty() {
+                    runs.push((run, picked));
                 }
             }
         });
         let mut report = EvictReport::default();
         let mut keys = Vec::new();
-        for run in runs {
+        for (run, picked) in runs {
             let r = run_ref(run);
             keys.clear();
             keys.extend((0..r.len()).filter(|&o| !r.is_dead(o)).map(|o| r.key(o)));
-            report += self.evict_locked(&mut w, &keys, rep, guard);
+            for rep in picked {
+                report += self.evict_locked(&mut w, &keys, rep, guard);
+            }
+        }
+        report
+    }
+
+    /// Removes `keys` with all their holders (a quota's victims).
+    pub fn remove_keys(&self, keys: &[u64], guard: &Guard) -> EvictReport {
+        let mut w = self.writer.lock();
+        let mut report = EvictReport::default();
+        for &k in keys {
+            let Some(v) = self.table.find(k, guard).map(SlotValue::get) else {
+                continue;
+            };
+            let (run, o) = unpack(v);
+            let r = run_ref(run);
+            r.for_each_holder(|_, _| report.removed += 1);
+            report.keys_removed += 1;
+            // Invariant 2: the offset is dead before its slot goes.
+            r.set_dead(o);
+            self.table.lock().remove(k, guard);
+            if v & FLAG != 0 {
+                self.roots.lock().remove(k, guard);
+            }
+            self.release(&mut w, run, 1, guard);
         }
         report
     }

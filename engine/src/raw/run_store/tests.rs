@@ -25,6 +25,14 @@ enum Op {
     Clear {
         rep: u32,
     },
+    /// Removes every entry last seen before `cutoff`.
+    Sweep {
+        cutoff: i64,
+    },
+    /// Removes keys with all their holders.
+    RemoveKeys {
+        keys: Vec<u64>,
+    },
 }
 
 const UNIVERSE: u64 = 48;
@@ -51,6 +59,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(keys, rep, tier, tokens, ts)| Op::Ingest { keys, rep, tier, tokens, ts: 1_000 + ts * 100 }),
         2 => (chain(), 0u32..5).prop_map(|(keys, rep)| Op::Evict { keys, rep }),
         1 => (0u32..5).prop_map(|rep| Op::Clear { rep }),
+        1 => (0i64..4).prop_map(|c| Op::Sweep { cutoff: 1_050 + c * 100 }),
+        1 => chain().prop_map(|keys| Op::RemoveKeys { keys }),
     ]
 }
 
@@ -95,6 +105,30 @@ fn apply(model: &mut Model, op: &Op) -> (usize, usize) {
             let keys: Vec<u64> = model.keys().copied().collect();
             for k in keys {
                 remove(model, k, *rep);
+            }
+        }
+        Op::Sweep { cutoff } => {
+            let stale: Vec<(u64, u32)> = model
+                .iter()
+                .flat_map(|(k, e)| {
+                    e.iter()
+                        .filter(|(_, s)| s.2 < *cutoff)
+                        .map(move |(r, _)| (*k, *r))
+                })
+                .collect();
+            for (k, r) in stale {
+                remove(model, k, r);
+            }
+        }
+        Op::RemoveKeys { keys } => {
+            for k in keys {
+                let reps: Vec<u32> = model
+                    .get(k)
+                    .map(|e| e.keys().copied().collect())
+                    .unwrap_or_default();
+                for r in reps {
+                    remove(model, *k, r);
+                }
             }
         }
     }
@@ -192,6 +226,14 @@ fn perform(store: &RunStore, op: &Op) -> (usize, usize) {
         }
         Op::Clear { rep } => {
             let report = store.clear_replica(*rep, &guard);
+            (report.removed, report.keys_removed)
+        }
+        Op::Sweep { cutoff } => {
+            let report = store.remove_holders(|h| h.last_seen_ms() < *cutoff, &guard);
+            (report.removed, report.keys_removed)
+        }
+        Op::RemoveKeys { keys } => {
+            let report = store.remove_keys(keys, &guard);
             (report.removed, report.keys_removed)
         }
     }
