@@ -41,6 +41,7 @@ pub mod layout {
         BlockRun, FLAG, HINTS, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, pack, unpack,
     };
     pub use crate::raw::node::Holder;
+    pub use crate::raw::reaper::{Reaper, Reclaim};
     pub use crate::raw::run_store::{EvictReport, IngestReport, RunStore, StoreOptions, Writing};
     pub use crate::raw::slots::{SlotTable, SlotValue, SlotWriter};
 }

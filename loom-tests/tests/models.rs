@@ -22,7 +22,7 @@ mod fixed_policy;
 use crossbeam_epoch::Guard;
 use fixed_policy::FixedPolicy;
 use inferencecache_engine::layout::{
-    BlockRun, Holder, IdAllocator, RunIds, RunStore, SlotTable, SlotValue, SlotWriter,
+    BlockRun, Holder, IdAllocator, Reaper, RunIds, RunStore, SlotTable, SlotValue, SlotWriter,
     StoreOptions, Writing, pack, unpack,
 };
 use inferencecache_engine::loom_api::{self, Kind};
@@ -1565,6 +1565,7 @@ fn m14c_run_retire_vs_pinned_reader() {
         let table = Arc::new(SlotTable::with_seed(0));
         let ids = Arc::new(RunIds::new());
         let mut alloc = IdAllocator::default();
+        let reaper = Arc::new(Reaper::default());
         let a = block_run(&[1], 1, &[1]);
         {
             let guard = crossbeam_epoch::pin();
@@ -1589,7 +1590,7 @@ fn m14c_run_retire_vs_pinned_reader() {
             point(&mut w, b, 0, &[1], &guard);
             assert!(ra.release(1), "A's last reference");
             // SAFETY: registered, no slot names it, retired once.
-            unsafe { BlockRun::retire(a, &ids, &mut alloc, &guard) };
+            unsafe { BlockRun::retire(a, &ids, &mut alloc, &reaper, &guard) };
         }
         loom_api::reclaim_step();
         loom_api::reclaim_step();
@@ -1599,7 +1600,10 @@ fn m14c_run_retire_vs_pinned_reader() {
             other => panic!("the reader saw {other:?}"),
         }
         assert!(
-            loom_api::collect_garbage(|| loom_api::live(Kind::BlockRun) == 1),
+            loom_api::collect_garbage(|| {
+                reaper.free_all();
+                loom_api::live(Kind::BlockRun) == 1
+            }),
             "A is freed once the reader has left"
         );
         assert_eq!(
@@ -1623,6 +1627,7 @@ fn m14d_run_hint_vs_reuse() {
         let table = Arc::new(SlotTable::with_seed(0));
         let ids = Arc::new(RunIds::new());
         let mut alloc = IdAllocator::default();
+        let reaper = Arc::new(Reaper::default());
         let a = block_run(&[1], 1, &[1]);
         let b = block_run(&[2], 1, &[2]);
         let id_b = {
@@ -1666,7 +1671,7 @@ fn m14d_run_hint_vs_reuse() {
             w.remove(2, &guard);
             assert!(rb.release(1));
             // SAFETY: registered, no slot names it, retired once.
-            unsafe { BlockRun::retire(b, &ids, &mut alloc, &guard) };
+            unsafe { BlockRun::retire(b, &ids, &mut alloc, &reaper, &guard) };
             let id_c = ids.register(&mut alloc, c).expect("an id");
             assert_eq!(id_c, id_b, "C takes B's freed id");
             point(&mut w, c, 0, &[2], &guard);
@@ -1684,7 +1689,10 @@ fn m14d_run_hint_vs_reuse() {
             other => panic!("the reader saw {other:?}"),
         }
         assert!(
-            loom_api::collect_garbage(|| loom_api::live(Kind::BlockRun) == 2),
+            loom_api::collect_garbage(|| {
+                reaper.free_all();
+                loom_api::live(Kind::BlockRun) == 2
+            }),
             "B is freed once the reader has left"
         );
         // SAFETY: the model is over.
@@ -1805,7 +1813,10 @@ fn m15b_store_removals_vs_walk() {
         });
         assert_eq!(store_walk(&store, &[1, 2]), [vec![1]]);
         assert!(
-            loom_api::collect_garbage(|| loom_api::live(Kind::BlockRun) == 1),
+            loom_api::collect_garbage(|| {
+                store.free_retired();
+                loom_api::live(Kind::BlockRun) == 1
+            }),
             "the retired run is freed once the reader has left"
         );
     });

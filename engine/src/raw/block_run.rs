@@ -83,15 +83,18 @@
 //!
 //! `refs` counts what names the run: the slots of its live offsets, counted by the writer that
 //! points them ([`BlockRun::add_refs`], [`BlockRun::release`]). The writer that brings it to zero
-//! calls [`BlockRun::retire`]: deregister, then free through the epoch.
+//! calls [`BlockRun::retire`]: deregister, then, through the epoch, onto the partition's
+//! [`Reaper`], which its writers empty.
 
 use crate::raw::hooks::{self, Kind};
 use crate::raw::node::Holder;
+use crate::raw::reaper::{Reaper, Reclaim};
 use crate::raw::table::prefetch;
 use crate::sync::{AtomicPtr, AtomicU64, Ordering};
 use crossbeam_epoch::Guard;
 use std::alloc::{Layout, alloc, dealloc, handle_alloc_error};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 /// Longest run: offsets are 16 bits in a slot value.
 pub const MAX_LEN: usize = 1 << 16;
@@ -589,8 +592,9 @@ impl BlockRun {
         crate::raw::pages::heap_chunk(layout(self.capacity(), self.len()).size())
     }
 
-    /// Deregisters a run no slot names any more and frees it once every reader pinned now has
-    /// left.
+    /// Deregisters a run no slot names any more and hands it to `reaper` once every reader
+    /// pinned now has left; the reaper's owner frees it (`raw/reaper.rs` says why not the
+    /// epoch's collecting thread).
     ///
     /// # Safety
     /// `run` was built by [`BlockRun::create`] and registered in `ids`, no slot names it, and
@@ -599,20 +603,31 @@ impl BlockRun {
         run: NonNull<BlockRun>,
         ids: &RunIds,
         alloc: &mut IdAllocator,
+        reaper: &Arc<Reaper<BlockRun>>,
         guard: &Guard,
     ) {
-        // SAFETY: live until the deferred free below.
+        // SAFETY: live until the deferred push below and the reaper's free.
         let id = unsafe { run.as_ref() }.id();
         ids.deregister(alloc, id);
         let addr = run.as_ptr() as usize;
+        let reaper = Arc::clone(reaper);
         // SAFETY: no slot and no registry entry names the run any more, so only readers pinned
-        // before this point can reach it, and the deferred free runs after they unpin.
-        unsafe {
-            guard.defer_unchecked(move || {
-                hooks::destroyed(Kind::BlockRun, addr);
-                Self::free(addr as *mut BlockRun)
-            })
-        };
+        // before this point can reach it, and the deferred push runs after they unpin, once:
+        // the reaper owns the run from then on.
+        unsafe { guard.defer_unchecked(move || reaper.push(addr as *mut BlockRun)) };
+    }
+}
+
+impl Reclaim for BlockRun {
+    /// The reference word: a retired run has no references left.
+    fn link(&self) -> &AtomicU64 {
+        &self.refs
+    }
+
+    unsafe fn reclaim(p: *mut BlockRun) {
+        hooks::destroyed(Kind::BlockRun, p as usize);
+        // SAFETY: per the contract, nothing else holds the run.
+        unsafe { BlockRun::free(p) }
     }
 }
 
@@ -940,9 +955,21 @@ mod tests {
         assert!(!x.release(1));
         assert!(x.release(1));
         let guard = crossbeam_epoch::pin();
+        let reaper = Arc::new(Reaper::default());
         // SAFETY: registered, no slot names it, retired once.
-        unsafe { BlockRun::retire(r, &ids, &mut alloc, &guard) };
+        unsafe { BlockRun::retire(r, &ids, &mut alloc, &reaper, &guard) };
         assert_eq!(ids.get(u64::from(id), &guard), None);
         assert_eq!(alloc.free, [id]);
+        drop(guard);
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while reaper.is_empty() && std::time::Instant::now() < until {
+            crossbeam_epoch::pin().flush();
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        assert_eq!(
+            reaper.free_all(),
+            1,
+            "the epoch handed the run to the reaper"
+        );
     }
 }

@@ -191,7 +191,7 @@ pub fn shard_of(key: &[u8]) -> usize {
     crate::raw::table::KeyTable::shard_of(crate::raw::table::Probe::new(key))
 }
 
-/// Model m11: the chain-run reaper's lock-free stack on its own (see `runs::Reaper`): two
+/// Model m11: the chain-run reaper's lock-free stack on its own (see `raw/reaper.rs`): two
 /// threads push retired runs while the calling thread frees the stack; every run is freed
 /// exactly once (the ledger checks it).
 pub fn reaper_push_vs_free_all() {
@@ -208,7 +208,8 @@ pub fn reaper_push_vs_free_all() {
         let reaper = Arc::clone(&reaper);
         loom::thread::spawn(move || {
             for r in runs {
-                reaper.push(r as *mut ChainRun);
+                // SAFETY: a run of this model's own, pushed once, read by nothing else.
+                unsafe { reaper.push(r as *mut ChainRun) };
             }
         })
     };

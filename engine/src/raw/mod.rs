@@ -17,6 +17,7 @@ pub(crate) mod lfu;
 pub mod loom_api;
 pub(crate) mod node;
 pub(crate) mod pages;
+pub(crate) mod reaper;
 pub(crate) mod run_store;
 pub(crate) mod runs;
 pub(crate) mod slots;

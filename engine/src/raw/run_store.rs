@@ -59,10 +59,12 @@ use crate::raw::block_run::{
     BlockRun, FLAG, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, pack, unpack,
 };
 use crate::raw::node::{GEN_MASK, Holder};
+use crate::raw::reaper::Reaper;
 use crate::raw::slots::{SlotTable, SlotValue, SlotWriter};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::Guard;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 /// How many keys ahead a write fetches slot lines while it probes or repoints.
 const AHEAD: usize = 8;
@@ -138,6 +140,8 @@ pub struct RunStore {
     writer: Mutex<StoreWriter>,
     /// Bytes of the live runs (written by the writer-lock holder).
     run_bytes: AtomicU64,
+    /// Retired runs past their grace period; the writers free them (`raw/reaper.rs`).
+    reaper: Arc<Reaper<BlockRun>>,
     options: StoreOptions,
 }
 
@@ -238,6 +242,7 @@ impl RunStore {
             ids: RunIds::new(),
             writer: Mutex::new(StoreWriter::default()),
             run_bytes: AtomicU64::new(0),
+            reaper: Arc::new(Reaper::default()),
             options,
         }
     }
@@ -434,6 +439,21 @@ impl RunStore {
         }
     }
 
+    /// Takes the writer lock and frees the retired runs waiting on the reaper.
+    fn lock_writer(&self) -> crate::sync::MutexGuard<'_, StoreWriter> {
+        let w = self.writer.lock();
+        self.reaper.free_all();
+        w
+    }
+
+    /// Frees the retired runs waiting on the reaper (every write does this when it takes the
+    /// writer lock; a store that gets no more writes can be emptied by this, e.g. from a
+    /// sweep). Returns how many.
+    pub fn free_retired(&self) -> usize {
+        let _w = self.writer.lock();
+        self.reaper.free_all()
+    }
+
     /// A new registered run over `keys`, counting the slots its caller points at it.
     fn new_run(
         &self,
@@ -461,7 +481,7 @@ impl RunStore {
             self.run_bytes
                 .fetch_sub(r.bytes() as u64, Ordering::Relaxed);
             // SAFETY: registered by `new_run`, no slot names it any more, released once.
-            unsafe { BlockRun::retire(run, &self.ids, &mut w.alloc, guard) };
+            unsafe { BlockRun::retire(run, &self.ids, &mut w.alloc, &self.reaper, guard) };
         }
     }
 
@@ -475,7 +495,7 @@ impl RunStore {
     ) -> IngestReport {
         let n = keys.len().min(tokens.len());
         let (keys, tokens) = (&keys[..n], &tokens[..n]);
-        let mut w = self.writer.lock();
+        let mut w = self.lock_writer();
         let mut report = IngestReport::default();
         if has_repeats(keys, &mut w.sorted) {
             for i in 0..n {
@@ -668,7 +688,7 @@ impl RunStore {
 
     /// Removes replica `rep` from `keys` (PREFIX_EVICTED).
     pub fn evict(&self, keys: &[u64], rep: u32, guard: &Guard) -> EvictReport {
-        let mut w = self.writer.lock();
+        let mut w = self.lock_writer();
         let mut report = EvictReport::default();
         if has_repeats(keys, &mut w.sorted) {
             for i in 0..keys.len() {
@@ -689,7 +709,7 @@ impl RunStore {
     /// replica's) from every key it holds. Run by run: each replica a run holds that is picked
     /// leaves the run over its live offsets, one stretch.
     pub fn remove_holders(&self, doomed: impl Fn(&Holder) -> bool, guard: &Guard) -> EvictReport {
-        let mut w = self.writer.lock();
+        let mut w = self.lock_writer();
         let mut runs = Vec::new();
         let mut listed = std::collections::HashSet::new();
         self.table.for_each_value(guard, |v| {
@@ -721,7 +741,7 @@ impl RunStore {
 
     /// Removes `keys` with all their holders (a quota's victims).
     pub fn remove_keys(&self, keys: &[u64], guard: &Guard) -> EvictReport {
-        let mut w = self.writer.lock();
+        let mut w = self.lock_writer();
         let mut report = EvictReport::default();
         for &k in keys {
             let Some(v) = self.table.find(k, guard).map(SlotValue::get) else {
@@ -836,7 +856,7 @@ impl Drop for RunStore {
         // by slot and free each run with its last, in slot order (deterministic for a seeded
         // table, which loom needs).
         let guard = crossbeam_epoch::pin();
-        let mut w = self.writer.lock();
+        let mut w = self.lock_writer();
         let mut runs = Vec::new();
         self.table
             .for_each_value(&guard, |v| runs.push(unpack(v).0));

@@ -60,15 +60,12 @@
 //! before its unlink and therefore before the retirement. A run the ingest never published a
 //! node for (an unchanged re-ingest) is freed at the seal at once: no reader could reach it.
 //!
-//! The epoch does not free a retired run itself: its deferred function, which runs on whatever
-//! thread collects the garbage (often a reader inside a lookup), only pushes the run onto its
-//! table's [`Reaper`], a lock-free stack, and the table's writers free what is there (each
-//! time one takes a shard's lock, and when the last reference to the reaper goes). Freeing a
-//! run that another thread allocated took ~630 ns on the collecting reader (glibc takes the
-//! allocating thread's arena lock once the reader's cache of free chunks is full): with one
-//! writer at 1 M blocks/s, 0.5% of a reader's lookups paid it, which is P7's p99.
+//! The epoch does not free a retired run itself: its deferred function only pushes the run onto
+//! its table's [`Reaper`] (`raw/reaper.rs` says why), and the table's writers free what is there
+//! each time one takes a shard's lock, and when the last reference to the reaper goes.
 
-use crate::sync::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use crate::raw::reaper::Reclaim;
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
 use crossbeam_epoch::Guard;
 use std::alloc::{Layout, alloc, dealloc, handle_alloc_error};
 use std::sync::Arc;
@@ -392,74 +389,20 @@ impl ChainRun {
     }
 }
 
-/// Retired runs whose grace period has passed, waiting for a writer to free them (see
-/// "Reclamation"): a lock-free stack linked through the runs' `refs` words (a retired run has
-/// no references left, so the word is free). [`Reaper::push`] is a compare-and-swap loop on
-/// the head; [`Reaper::free_all`] takes the whole stack with one swap, so no node is ever popped
-/// alone and the stack has no ABA problem. Dropping the reaper frees what it holds; each
-/// deferred push owns a reference to it, so a table dropped with pushes pending leaves them a
-/// reaper to push to.
-#[derive(Default)]
-pub(crate) struct Reaper {
-    head: AtomicPtr<ChainRun>,
-}
-
-impl Reaper {
-    /// Adds a retired run (called from its epoch-deferred function).
-    pub(super) fn push(&self, run: *mut ChainRun) {
-        let mut head = self.head.load(Ordering::Relaxed);
-        loop {
-            // SAFETY: the run is retired and its grace period has passed: only this stack
-            // will reach it, and its `refs` word (0) is the link from here on.
-            unsafe { (*run).refs.store(head as u64, Ordering::Relaxed) };
-            // Release: the link is written before the run is published on the stack.
-            match self
-                .head
-                .compare_exchange_weak(head, run, Ordering::Release, Ordering::Relaxed)
-            {
-                Ok(_) => return,
-                Err(h) => head = h,
-            }
-        }
+impl Reclaim for ChainRun {
+    fn link(&self) -> &AtomicU64 {
+        &self.refs
     }
 
-    /// Frees every run on the stack; returns how many. One load when it is empty.
-    /// Whether no retired run waits (the loom model's final check).
-    #[cfg(loom)]
-    pub(super) fn is_empty(&self) -> bool {
-        self.head.load(Ordering::Relaxed).is_null()
-    }
-
-    pub(crate) fn free_all(&self) -> usize {
-        if self.head.load(Ordering::Relaxed).is_null() {
-            return 0;
-        }
-        // Acquire: synchronizes with every push whose run is on the stack. Each push's
-        // compare-and-swap is a Release that heads a release sequence, and the later pushes'
-        // compare-and-swaps (read-modify-writes) continue it, so the value this swap reads
-        // carries all of them: their links, and through each deferred function the epoch's
-        // guarantee that every reader's last access to its run happened before it.
-        let mut p = self.head.swap(std::ptr::null_mut(), Ordering::Acquire);
-        let mut n = 0;
-        while !p.is_null() {
-            // SAFETY: taken off the stack by the swap, so this thread owns every run of the
-            // list; each was retired once and pushed once.
-            let next = unsafe { (*p).refs.load(Ordering::Relaxed) } as usize as *mut ChainRun;
-            crate::raw::hooks::destroyed(crate::raw::hooks::Kind::Run, p as usize);
-            // SAFETY: as above; no reader can reach it (its grace period has passed).
-            unsafe { ChainRun::free(p) };
-            p = next;
-            n += 1;
-        }
-        n
+    unsafe fn reclaim(p: *mut ChainRun) {
+        crate::raw::hooks::destroyed(crate::raw::hooks::Kind::Run, p as usize);
+        // SAFETY: per the contract, nothing else holds the run.
+        unsafe { ChainRun::free(p) }
     }
 }
 
-impl Drop for Reaper {
-    fn drop(&mut self) {
-        self.free_all();
-    }
-}
+/// The reaper of a key table's chain runs.
+pub(crate) type Reaper = crate::raw::reaper::Reaper<ChainRun>;
 
 /// The run word of a node built for offset `o` of run `p`.
 #[inline]
@@ -497,10 +440,7 @@ mod tests {
         let reaper = Arc::new(Reaper::default());
         // SAFETY: our own run; 0 nodes published, so the seal frees it, at once.
         assert!(unsafe { ChainRun::seal(p, 0, |_| false, &reaper, &guard) } > 0);
-        assert!(
-            reaper.head.load(Ordering::Relaxed).is_null(),
-            "not through the reaper"
-        );
+        assert!(reaper.is_empty(), "not through the reaper");
     }
 
     /// A run retired through the epoch reaches its reaper, which frees it (and only it) once.
@@ -525,13 +465,7 @@ mod tests {
         while std::time::Instant::now() < until {
             epoch::pin().flush();
             std::thread::sleep(std::time::Duration::from_micros(100));
-            let mut n = 0;
-            let mut p = reaper.head.load(Ordering::Acquire);
-            while !p.is_null() {
-                n += 1;
-                // SAFETY: the stack's runs stay allocated until `free_all`, on this thread.
-                p = unsafe { (*p).refs.load(Ordering::Relaxed) } as usize as *mut ChainRun;
-            }
+            let n = reaper.waiting();
             seen = n;
             if n == 3 {
                 break;
