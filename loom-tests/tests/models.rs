@@ -1398,6 +1398,21 @@ fn block_run(reps: &[u32], capacity: usize, keys: &[u64]) -> NonNull<BlockRun> {
     BlockRun::create(&holders, capacity, keys).expect("a valid run")
 }
 
+/// An empty key table, run-id registry with its allocator, and reaper.
+fn run_fixture() -> (
+    Arc<SlotTable>,
+    Arc<RunIds>,
+    IdAllocator,
+    Arc<Reaper<BlockRun>>,
+) {
+    (
+        Arc::new(SlotTable::with_seed(0)),
+        Arc::new(RunIds::new()),
+        IdAllocator::default(),
+        Arc::new(Reaper::default()),
+    )
+}
+
 /// The replicas of a run's live holder entries, in entry order.
 fn run_reps(run: &BlockRun) -> Vec<u32> {
     let mut reps = Vec::new();
@@ -1454,9 +1469,7 @@ fn run_walk(table: &SlotTable, ids: &RunIds, request: &[u64], guard: &Guard) -> 
 #[test]
 fn m14a_run_repoint_vs_walk() {
     model(|| {
-        let table = Arc::new(SlotTable::with_seed(0));
-        let ids = Arc::new(RunIds::new());
-        let mut alloc = IdAllocator::default();
+        let (table, ids, mut alloc, _) = run_fixture();
         let a = block_run(&[1], 2, &[1, 2, 3]);
         {
             let guard = crossbeam_epoch::pin();
@@ -1562,10 +1575,7 @@ fn m14b_run_join_and_gone_vs_reader() {
 #[test]
 fn m14c_run_retire_vs_pinned_reader() {
     model(|| {
-        let table = Arc::new(SlotTable::with_seed(0));
-        let ids = Arc::new(RunIds::new());
-        let mut alloc = IdAllocator::default();
-        let reaper = Arc::new(Reaper::default());
+        let (table, ids, mut alloc, reaper) = run_fixture();
         let a = block_run(&[1], 1, &[1]);
         {
             let guard = crossbeam_epoch::pin();
@@ -1624,10 +1634,7 @@ fn m14c_run_retire_vs_pinned_reader() {
 #[test]
 fn m14d_run_hint_vs_reuse() {
     model(|| {
-        let table = Arc::new(SlotTable::with_seed(0));
-        let ids = Arc::new(RunIds::new());
-        let mut alloc = IdAllocator::default();
-        let reaper = Arc::new(Reaper::default());
+        let (table, ids, mut alloc, reaper) = run_fixture();
         let a = block_run(&[1], 1, &[1]);
         let b = block_run(&[2], 1, &[2]);
         let id_b = {
