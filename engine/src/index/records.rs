@@ -152,12 +152,10 @@ const SLOT_BASE: usize = 4;
 /// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^19 − 1) ≥ 2^20`.
 const SLOT_CHUNKS: usize = 19;
 
-/// Chunk and offset of slot `i`: chunk `k` starts at `SLOT_BASE · (2^k − 1)`.
+/// Chunk and offset of slot `i` (`raw::doubling`).
 #[inline]
 fn slot_place(i: usize) -> (usize, usize) {
-    let x = i / SLOT_BASE + 1;
-    let k = (usize::BITS - 1 - x.leading_zeros()) as usize;
-    (k, i - SLOT_BASE * ((1 << k) - 1))
+    crate::raw::doubling::place(i, SLOT_BASE)
 }
 
 /// A scope's replicas by scope-local index: chunks of doubling length, allocated when the first

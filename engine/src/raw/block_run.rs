@@ -652,9 +652,7 @@ const CHUNKS: usize = 26;
 /// Chunk and index of id `id` (ids start at 1; entry 0 of chunk 0 is never used).
 #[inline]
 fn locate(id: usize) -> (usize, usize) {
-    let x = id / FIRST_CHUNK + 1;
-    let c = (usize::BITS - 1 - x.leading_zeros()) as usize;
-    (c, id - FIRST_CHUNK * ((1 << c) - 1))
+    crate::raw::doubling::place(id, FIRST_CHUNK)
 }
 
 fn chunk_len(c: usize) -> usize {

@@ -11,6 +11,7 @@
 
 pub(crate) mod arena;
 pub(crate) mod block_run;
+pub(crate) mod doubling;
 pub(crate) mod hooks;
 pub(crate) mod lfu;
 #[cfg(loom)]

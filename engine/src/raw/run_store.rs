@@ -160,6 +160,8 @@ struct StoreWriter {
     ordered: Vec<u64>,
     ordered_values: Vec<Option<u64>>,
     sorted: Vec<u64>,
+    /// A stretch's holders after the write.
+    holders: Vec<Holder>,
 }
 
 // SAFETY: the run pointers a `StoreWriter` keeps are scratch of the write in progress, used only
@@ -564,43 +566,55 @@ impl RunStore {
                     descending,
                 } => {
                     let r = run_ref(run);
-                    let mut holders: Vec<Holder> = Vec::with_capacity(r.holder_count() + 1);
+                    let mut holders = std::mem::take(&mut w.holders);
+                    holders.clear();
                     r.for_each_holder(|_, h| holders.push(h));
                     let tok = tokens[from];
-                    match holders.iter().position(|h| h.rep() == writing.rep) {
-                        Some(i) => {
-                            let fresh = holders[i].refreshed(tok, writing.tier, writing.ts_ms);
-                            if fresh == holders[i] {
-                                w.owners.push((run, to));
-                                continue;
+                    // Whether the stretch needs a new run with `holders`.
+                    let copy = 'decide: {
+                        match holders.iter().position(|h| h.rep() == writing.rep) {
+                            Some(i) => {
+                                let fresh = holders[i].refreshed(tok, writing.tier, writing.ts_ms);
+                                if fresh == holders[i] {
+                                    break 'decide false;
+                                }
+                                holders[i] = fresh;
+                                report.refreshed += to - from;
                             }
-                            holders[i] = fresh;
-                            report.refreshed += to - from;
-                        }
-                        None => {
-                            let me = Holder::new(
-                                writing.rep,
-                                writing.tier,
-                                tok,
-                                writing.ts_ms,
-                                w.next_generation(),
-                            );
-                            if to - from == r.live_count() && r.push_holder(me) {
+                            None => {
+                                let me = Holder::new(
+                                    writing.rep,
+                                    writing.tier,
+                                    tok,
+                                    writing.ts_ms,
+                                    w.next_generation(),
+                                );
+                                if to - from == r.live_count() && r.push_holder(me) {
+                                    report.added += to - from;
+                                    break 'decide false;
+                                }
+                                if holders.len() == MAX_HOLDERS {
+                                    report.dropped += to - from;
+                                    break 'decide false;
+                                }
+                                let at = holders.partition_point(|h| h.rep() < writing.rep);
+                                holders.insert(at, me);
                                 report.added += to - from;
-                                w.owners.push((run, to));
-                                continue;
                             }
-                            if holders.len() == MAX_HOLDERS {
-                                report.dropped += to - from;
-                                w.owners.push((run, to));
-                                continue;
-                            }
-                            let at = holders.partition_point(|h| h.rep() < writing.rep);
-                            holders.insert(at, me);
-                            report.added += to - from;
                         }
+                        true
+                    };
+                    let new = if copy {
+                        self.new_run(w, &holders, &keys[from..to])
+                    } else {
+                        None
+                    };
+                    w.holders = holders;
+                    if !copy {
+                        w.owners.push((run, to));
+                        continue;
                     }
-                    let Some(new) = self.new_run(w, &holders, &keys[from..to]) else {
+                    let Some(new) = new else {
                         report.dropped += to - from;
                         continue;
                     };
@@ -819,7 +833,8 @@ impl RunStore {
                 ordered.reverse();
                 ordered_values.reverse();
             }
-            let mut holders = Vec::with_capacity(holding);
+            let mut holders = std::mem::take(&mut w.holders);
+            holders.clear();
             r.for_each_holder(|_, h| {
                 if h.rep() != rep {
                     holders.push(h);
@@ -839,6 +854,7 @@ impl RunStore {
                 // No run could be built for the others: leave the stretch as it was.
                 removed -= to - from;
             }
+            w.holders = holders;
             w.ordered = ordered;
             w.ordered_values = ordered_values;
         }
