@@ -41,10 +41,20 @@ def fake_engine_bin() -> pathlib.Path:
     return binary("INFERENCECACHE_FAKE_ENGINE_BIN", "inferencecache-fake-engine")
 
 
+_GIVEN_PORTS: set = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port (free when asked; the caller binds it soon after), never one this
+    test session was given before: the OS may offer a just-released port again, and two
+    listeners of one server given the same port would fail to start."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 def stop(process: subprocess.Popen) -> None:

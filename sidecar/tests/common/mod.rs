@@ -225,11 +225,21 @@ pub fn sigterm(pid: u32) {
     assert_eq!(rc, 0, "kill(SIGTERM)");
 }
 
-/// A free loopback port (free when asked; the caller binds it soon after).
+/// A free loopback port (free when asked; the caller binds it soon after), never one this test
+/// process was given before: the OS may offer a just-released port again, and two listeners
+/// given the same port would fail to start.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
