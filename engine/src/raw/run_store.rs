@@ -48,6 +48,20 @@
 //! keys are compared), else the key table does. Each run's holders hold every block of its
 //! stretch with the same state, so the caller merges holders once per stretch.
 //!
+//! # Trimming
+//!
+//! A run keeps the keys of its dead offsets (readers may still compare them) until it is
+//! retired. So that a run whose blocks go one by one (an engine evicting a chain from its tail)
+//! does not keep them while its head lives, a write that leaves a run with at most one live
+//! offset in [`TRIM_RATIO`] (and at least that many offsets) copies it, at the write's end,
+//! onto a new run over its live offsets in order, with its live holders and its hints, and
+//! repoints their slots as any copy on write does. Live offsets that were not neighbours become
+//! neighbours in the copy, which is sound: the walk steps from one offset to the next only when
+//! the request's next key is the run's next key, and then that key's slot names the run (a live
+//! offset's slot names it) whatever the chain was. So a run's dead offsets number less than
+//! three times its live ones (or at most three), and the copies cost a write at most a third
+//! of the offsets it killed.
+//!
 //! # Limits
 //!
 //! A run holds at most [`MAX_HOLDERS`] (65,535) holder entries: an ingest that would give a
@@ -68,6 +82,9 @@ use std::sync::Arc;
 
 /// How many keys ahead a write fetches slot lines while it probes or repoints.
 const AHEAD: usize = 8;
+
+/// A run is trimmed once at most one in this many of its offsets is live.
+const TRIM_RATIO: usize = 4;
 
 /// Switches for measuring the layout's aids one by one (`bench/src/bin/layout-probe.rs`); all
 /// on by default.
@@ -162,6 +179,8 @@ struct StoreWriter {
     sorted: Vec<u64>,
     /// A stretch's holders after the write.
     holders: Vec<Holder>,
+    /// Runs a release of this write left sparse, trimmed when the write ends.
+    sparse: Vec<NonNull<BlockRun>>,
 }
 
 // SAFETY: the run pointers a `StoreWriter` keeps are scratch of the write in progress, used only
@@ -200,6 +219,11 @@ fn run_ref<'g>(run: NonNull<BlockRun>) -> &'g BlockRun {
     // SAFETY: every run the store hands out here is named by a slot, a root slot or a checked
     // hint read under the caller's guard, or held by the writer, which alone retires runs.
     unsafe { run.as_ref() }
+}
+
+/// Whether `run` keeps too many dead offsets for its live ones (module docs, "Trimming").
+fn is_sparse(run: &BlockRun) -> bool {
+    run.len() >= TRIM_RATIO && run.refs() as usize * TRIM_RATIO <= run.len()
 }
 
 /// Whether `keys` holds a key twice.
@@ -476,7 +500,8 @@ impl RunStore {
         Some(run)
     }
 
-    /// Drops `n` slot references of `run`; retires it with its last.
+    /// Drops `n` slot references of `run`; retires it with its last, or lists it for trimming
+    /// if it became sparse.
     fn release(&self, w: &mut StoreWriter, run: NonNull<BlockRun>, n: u64, guard: &Guard) {
         let r = run_ref(run);
         if r.release(n) {
@@ -484,6 +509,40 @@ impl RunStore {
                 .fetch_sub(r.bytes() as u64, Ordering::Relaxed);
             // SAFETY: registered by `new_run`, no slot names it any more, released once.
             unsafe { BlockRun::retire(run, &self.ids, &mut w.alloc, &self.reaper, guard) };
+        } else if is_sparse(r) {
+            w.sparse.push(run);
+        }
+    }
+
+    /// Copies each run listed sparse onto a new run over its live offsets (module docs,
+    /// "Trimming"). Runs at the end of a write, once no stretch of it names a run any more.
+    fn trim(&self, w: &mut StoreWriter, guard: &Guard) {
+        while let Some(run) = w.sparse.pop() {
+            let r = run_ref(run);
+            // A run retired since it was listed has no references (its memory waits for this
+            // write's guard); one listed twice is no longer sparse after its first trim.
+            if r.refs() == 0 || !is_sparse(r) {
+                continue;
+            }
+            let mut keys = std::mem::take(&mut w.ordered);
+            let mut values = std::mem::take(&mut w.ordered_values);
+            let mut holders = std::mem::take(&mut w.holders);
+            keys.clear();
+            values.clear();
+            holders.clear();
+            for o in (0..r.len()).filter(|&o| !r.is_dead(o)) {
+                keys.push(r.key(o));
+                values.push(Some(pack(run, o)));
+            }
+            r.for_each_holder(|_, h| holders.push(h));
+            if let Some(new) = self.new_run(w, &holders, &keys) {
+                let n = run_ref(new);
+                r.for_each_hint(|k, v, id| n.set_hint(k, v, id));
+                self.repoint(w, &keys, &values, run, Some(new), guard);
+            }
+            w.ordered = keys;
+            w.ordered_values = values;
+            w.holders = holders;
         }
     }
 
@@ -513,6 +572,7 @@ impl RunStore {
         } else {
             self.ingest_locked(&mut w, keys, tokens, writing, guard, &mut report);
         }
+        self.trim(&mut w, guard);
         report
     }
 
@@ -711,6 +771,7 @@ impl RunStore {
         } else {
             report = self.evict_locked(&mut w, keys, rep, guard);
         }
+        self.trim(&mut w, guard);
         report
     }
 
@@ -750,6 +811,7 @@ impl RunStore {
                 report += self.evict_locked(&mut w, &keys, rep, guard);
             }
         }
+        self.trim(&mut w, guard);
         report
     }
 
@@ -773,6 +835,7 @@ impl RunStore {
             }
             self.release(&mut w, run, 1, guard);
         }
+        self.trim(&mut w, guard);
         report
     }
 

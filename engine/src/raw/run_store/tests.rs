@@ -177,6 +177,19 @@ fn check(store: &RunStore, model: &Model, generations: &mut BTreeMap<(u64, u32),
         );
     });
     assert_eq!(&listed, model, "for_each_key lists the model");
+    // Every run's references are its live offsets, and trimming bounds its dead ones.
+    let mut runs = std::collections::BTreeSet::new();
+    store.for_each_key(&guard, |_, run, _| {
+        if runs.insert(run as *const BlockRun as usize) {
+            let live = run.live_count();
+            assert_eq!(run.refs() as usize, live, "a run's references");
+            assert!(
+                run.len() - live <= 3 * live,
+                "a run of {} offsets keeps only {live} live",
+                run.len()
+            );
+        }
+    });
     generations.retain(|(k, r), _| model.get(k).is_some_and(|e| e.contains_key(r)));
     // Walks from every key along the universe's ascending ranges: the stretches cover the
     // longest present prefix, each block with its model holders.
@@ -317,6 +330,79 @@ fn a_shared_prefix_is_three_runs_and_walks_in_three_stretches() {
         ]
     );
     assert_eq!(store.root_count(), 1, "every chain began with key 1");
+}
+
+/// The stretches a walk of `request` visits: (from, to, live offsets of the run).
+fn stretches(store: &RunStore, request: &[u64]) -> (usize, Vec<(usize, usize, usize)>) {
+    let guard = crossbeam_epoch::pin();
+    let mut seen = Vec::new();
+    let matched = store.walk(request, &guard, |run, from, to| {
+        seen.push((from, to, run.len()));
+        true
+    });
+    (matched, seen)
+}
+
+#[test]
+fn a_chain_evicted_from_its_tail_keeps_a_bounded_run() {
+    let store = RunStore::default();
+    let guard = crossbeam_epoch::pin();
+    let chain: Vec<u64> = (1..=64).collect();
+    let writing = Writing {
+        rep: 7,
+        tier: 1,
+        ts_ms: 5,
+    };
+    store.ingest(&chain, &[16; 64], writing, &guard);
+    let full = store.run_bytes();
+    for last in (2..=64u64).rev() {
+        let report = store.evict(&[last], 7, &guard);
+        assert_eq!(report.keys_removed, 1);
+        let live = last as usize - 1;
+        let (matched, seen) = stretches(&store, &chain);
+        assert_eq!(matched, live, "the head walks whole");
+        // One run holds the head, and it is at most four times its live blocks long.
+        assert_eq!(seen.len(), 1);
+        assert!(
+            seen[0].2 < 4 * live.max(1),
+            "{live} live in a run of {}",
+            seen[0].2
+        );
+    }
+    // What is left costs no more than a fresh run of three blocks.
+    let small = RunStore::default();
+    small.ingest(&chain[..3], &[16; 3], writing, &guard);
+    assert!(
+        store.run_bytes() <= small.run_bytes() && small.run_bytes() < full,
+        "{} run bytes left of {full}",
+        store.run_bytes()
+    );
+}
+
+#[test]
+fn a_trimmed_run_joins_blocks_that_were_not_neighbours() {
+    let store = RunStore::default();
+    let guard = crossbeam_epoch::pin();
+    let chain: Vec<u64> = (1..=16).collect();
+    let writing = Writing {
+        rep: 2,
+        tier: 1,
+        ts_ms: 5,
+    };
+    store.ingest(&chain, &[16; 16], writing, &guard);
+    let report = store.evict(&(3..=14).collect::<Vec<u64>>(), 2, &guard);
+    assert_eq!(report.removed, 12);
+    // Blocks 1, 2, 15, 16 are left, on one run of four.
+    assert_eq!(stretches(&store, &[1, 2, 15, 16]), (4, vec![(0, 4, 4)]));
+    assert_eq!(stretches(&store, &chain), (2, vec![(0, 2, 4)]));
+    // The walk checks each key: the run's next key is no promise about the request's.
+    assert_eq!(stretches(&store, &[2, 15, 3]), (2, vec![(0, 2, 4)]));
+    assert_eq!(stretches(&store, &[15, 1]), (2, vec![(0, 1, 4), (1, 2, 4)]));
+    let holders = store.holders(15, &guard).expect("key 15 is present");
+    assert_eq!(holders.len(), 1);
+    assert_eq!(holders[0].rep(), 2);
+    assert_eq!(store.root_count(), 1, "key 1 keeps its root slot");
+    assert_eq!(stretches(&store, &[1]), (1, vec![(0, 1, 4)]));
 }
 
 #[test]
