@@ -28,7 +28,11 @@
 //! would make two offsets claim one slot); the last occurrence wins, as for any chain.
 //!
 //! Writes report what the index's derived counters need ([`IngestReport`], [`EvictReport`]):
-//! blocks a replica gained or lost, keys that appeared or went. [`RunStore::remove_holders`]
+//! blocks a replica gained or lost, keys that appeared or went; their `_with` forms also call
+//! back once per entry added or removed, with its holder entry (the change events, N1, and
+//! what an entry's generation keys: LFU cells, cap victims), in chain order for a chain write.
+//! Counts and calls follow what was written: a stretch left as it was because no run could be
+//! built for it counts as dropped (ingest) or not at all (removal). [`RunStore::remove_holders`]
 //! (the TTL sweep, ALL_CLEARED) removes the holders it picks run by run, each over the run's
 //! live offsets; [`RunStore::remove_keys`] (a quota's victims) removes whole keys;
 //! [`RunStore::for_each_key`] lists every present key with the run naming it.
@@ -554,6 +558,20 @@ impl RunStore {
         writing: Writing,
         guard: &Guard,
     ) -> IngestReport {
+        self.ingest_with(keys, tokens, writing, guard, |_, _| {})
+    }
+
+    /// [`RunStore::ingest`], calling `added(i, holder)` for each block `keys[i]` the replica did
+    /// not hold before, in chain order (the change events, N1), with the holder entry it got.
+    /// A chain that repeats a key reports each occurrence that added the replica.
+    pub fn ingest_with(
+        &self,
+        keys: &[u64],
+        tokens: &[i32],
+        writing: Writing,
+        guard: &Guard,
+        mut added: impl FnMut(usize, Holder),
+    ) -> IngestReport {
         let n = keys.len().min(tokens.len());
         let (keys, tokens) = (&keys[..n], &tokens[..n]);
         let mut w = self.lock_writer();
@@ -567,15 +585,25 @@ impl RunStore {
                     writing,
                     guard,
                     &mut report,
+                    &mut |_, h| added(i, h),
                 );
             }
         } else {
-            self.ingest_locked(&mut w, keys, tokens, writing, guard, &mut report);
+            self.ingest_locked(
+                &mut w,
+                keys,
+                tokens,
+                writing,
+                guard,
+                &mut report,
+                &mut added,
+            );
         }
         self.trim(&mut w, guard);
         report
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn ingest_locked(
         &self,
         w: &mut StoreWriter,
@@ -584,6 +612,7 @@ impl RunStore {
         writing: Writing,
         guard: &Guard,
         report: &mut IngestReport,
+        added: &mut impl FnMut(usize, Holder),
     ) {
         if keys.is_empty() {
             return;
@@ -615,8 +644,10 @@ impl RunStore {
                         }
                         slots.insert(*k, slot(pack(run, o)), guard);
                     }
+                    drop(slots);
                     report.added += to - from;
                     report.new_keys += to - from;
+                    (from..to).for_each(|i| added(i, me));
                     w.owners.push((run, to));
                 }
                 Stretch::InRun {
@@ -630,16 +661,17 @@ impl RunStore {
                     holders.clear();
                     r.for_each_holder(|_, h| holders.push(h));
                     let tok = tokens[from];
-                    // Whether the stretch needs a new run with `holders`.
-                    let copy = 'decide: {
+                    // What the stretch needs: nothing, or a new run with `holders`, which adds
+                    // the replica's entry `joined` (else refreshes it).
+                    let (copy, joined) = 'decide: {
                         match holders.iter().position(|h| h.rep() == writing.rep) {
                             Some(i) => {
                                 let fresh = holders[i].refreshed(tok, writing.tier, writing.ts_ms);
                                 if fresh == holders[i] {
-                                    break 'decide false;
+                                    break 'decide (false, None);
                                 }
                                 holders[i] = fresh;
-                                report.refreshed += to - from;
+                                (true, None)
                             }
                             None => {
                                 let me = Holder::new(
@@ -651,18 +683,18 @@ impl RunStore {
                                 );
                                 if to - from == r.live_count() && r.push_holder(me) {
                                     report.added += to - from;
-                                    break 'decide false;
+                                    (from..to).for_each(|i| added(i, me));
+                                    break 'decide (false, None);
                                 }
                                 if holders.len() == MAX_HOLDERS {
                                     report.dropped += to - from;
-                                    break 'decide false;
+                                    break 'decide (false, None);
                                 }
                                 let at = holders.partition_point(|h| h.rep() < writing.rep);
                                 holders.insert(at, me);
-                                report.added += to - from;
+                                (true, Some(me))
                             }
                         }
-                        true
                     };
                     let new = if copy {
                         self.new_run(w, &holders, &keys[from..to])
@@ -678,6 +710,13 @@ impl RunStore {
                         report.dropped += to - from;
                         continue;
                     };
+                    match joined {
+                        Some(me) => {
+                            report.added += to - from;
+                            (from..to).for_each(|i| added(i, me));
+                        }
+                        None => report.refreshed += to - from,
+                    }
                     if !descending {
                         let (_, o_from) = unpack(w.values[from].unwrap_or_default());
                         let end = o_from + (to - from);
@@ -762,14 +801,27 @@ impl RunStore {
 
     /// Removes replica `rep` from `keys` (PREFIX_EVICTED).
     pub fn evict(&self, keys: &[u64], rep: u32, guard: &Guard) -> EvictReport {
+        self.evict_with(keys, rep, guard, |_, _| {})
+    }
+
+    /// [`RunStore::evict`], calling `removed(i, holder)` for each block `keys[i]` the replica
+    /// held, in chain order (the change events, N1), with the entry it removed.
+    pub fn evict_with(
+        &self,
+        keys: &[u64],
+        rep: u32,
+        guard: &Guard,
+        mut removed: impl FnMut(usize, Holder),
+    ) -> EvictReport {
         let mut w = self.lock_writer();
         let mut report = EvictReport::default();
         if has_repeats(keys, &mut w.sorted) {
             for i in 0..keys.len() {
-                report += self.evict_locked(&mut w, &keys[i..=i], rep, guard);
+                report +=
+                    self.evict_locked(&mut w, &keys[i..=i], rep, guard, &mut |_, h| removed(i, h));
             }
         } else {
-            report = self.evict_locked(&mut w, keys, rep, guard);
+            report = self.evict_locked(&mut w, keys, rep, guard, &mut removed);
         }
         self.trim(&mut w, guard);
         report
@@ -784,6 +836,16 @@ impl RunStore {
     /// replica's) from every key it holds. Run by run: each replica a run holds that is picked
     /// leaves the run over its live offsets, one stretch.
     pub fn remove_holders(&self, doomed: impl Fn(&Holder) -> bool, guard: &Guard) -> EvictReport {
+        self.remove_holders_with(doomed, guard, |_, _| {})
+    }
+
+    /// [`RunStore::remove_holders`], calling `removed(key, holder)` for each entry it removes.
+    pub fn remove_holders_with(
+        &self,
+        doomed: impl Fn(&Holder) -> bool,
+        guard: &Guard,
+        mut removed: impl FnMut(u64, Holder),
+    ) -> EvictReport {
         let mut w = self.lock_writer();
         let mut runs = Vec::new();
         let mut listed = std::collections::HashSet::new();
@@ -808,7 +870,8 @@ impl RunStore {
             keys.clear();
             keys.extend((0..r.len()).filter(|&o| !r.is_dead(o)).map(|o| r.key(o)));
             for rep in picked {
-                report += self.evict_locked(&mut w, &keys, rep, guard);
+                report +=
+                    self.evict_locked(&mut w, &keys, rep, guard, &mut |i, h| removed(keys[i], h));
             }
         }
         self.trim(&mut w, guard);
@@ -817,6 +880,16 @@ impl RunStore {
 
     /// Removes `keys` with all their holders (a quota's victims).
     pub fn remove_keys(&self, keys: &[u64], guard: &Guard) -> EvictReport {
+        self.remove_keys_with(keys, guard, |_, _| {})
+    }
+
+    /// [`RunStore::remove_keys`], calling `removed(key, holder)` for each entry it removes.
+    pub fn remove_keys_with(
+        &self,
+        keys: &[u64],
+        guard: &Guard,
+        mut removed: impl FnMut(u64, Holder),
+    ) -> EvictReport {
         let mut w = self.lock_writer();
         let mut report = EvictReport::default();
         for &k in keys {
@@ -825,7 +898,10 @@ impl RunStore {
             };
             let (run, o) = unpack(v);
             let r = run_ref(run);
-            r.for_each_holder(|_, _| report.removed += 1);
+            r.for_each_holder(|_, h| {
+                report.removed += 1;
+                removed(k, h);
+            });
             report.keys_removed += 1;
             // Invariant 2: the offset is dead before its slot goes.
             r.set_dead(o);
@@ -855,6 +931,7 @@ impl RunStore {
         keys: &[u64],
         rep: u32,
         guard: &Guard,
+        removed_at: &mut impl FnMut(usize, Holder),
     ) -> EvictReport {
         self.cut(w, keys, None, guard);
         let mut removed = 0;
@@ -875,15 +952,16 @@ impl RunStore {
             r.for_each_holder(|i, h| {
                 holding += 1;
                 if h.rep() == rep {
-                    at = Some(i);
+                    at = Some((i, h));
                 }
             });
-            let Some(at) = at else {
+            let Some((at, gone)) = at else {
                 continue;
             };
-            removed += to - from;
             if holding > 1 && self.options.gone && to - from == r.live_count() {
                 r.set_gone(at);
+                removed += to - from;
+                (from..to).for_each(|i| removed_at(i, gone));
                 continue;
             }
             let mut ordered = std::mem::take(&mut w.ordered);
@@ -908,14 +986,14 @@ impl RunStore {
             } else {
                 self.new_run(w, &holders, &ordered)
             };
+            // Without a run for the others (none could be built), the stretch stays as it was.
             if new.is_some() || holders.is_empty() {
                 self.repoint(w, &ordered, &ordered_values, run, new, guard);
                 if new.is_none() {
                     keys_removed += to - from;
                 }
-            } else {
-                // No run could be built for the others: leave the stretch as it was.
-                removed -= to - from;
+                removed += to - from;
+                (from..to).for_each(|i| removed_at(i, gone));
             }
             w.holders = holders;
             w.ordered = ordered;

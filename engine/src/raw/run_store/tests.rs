@@ -64,14 +64,20 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Applies `op` to the model; returns (blocks added, keys new) for an ingest, (blocks removed,
-/// keys removed) for a removal.
-fn apply(model: &mut Model, op: &Op) -> (usize, usize) {
+/// What a write did: (blocks added, keys new) for an ingest, (blocks removed, keys removed)
+/// for a removal, and the (key, replica) entries it added or removed, in chain order for an
+/// ingest or a PREFIX_EVICTED, sorted for the others.
+type Done = ((usize, usize), Vec<(u64, u32)>);
+
+/// Applies `op` to the model.
+fn apply(model: &mut Model, op: &Op) -> Done {
     let mut counts = (0, 0);
+    let mut changes = Vec::new();
     let mut remove = |model: &mut Model, k: u64, rep: u32| {
         if let Some(e) = model.get_mut(&k)
             && e.remove(&rep).is_some()
         {
+            changes.push((k, rep));
             counts.0 += 1;
             if e.is_empty() {
                 model.remove(&k);
@@ -88,13 +94,17 @@ fn apply(model: &mut Model, op: &Op) -> (usize, usize) {
             ts,
         } => {
             let mut added = (0, 0);
+            let mut changes = Vec::new();
             for (k, t) in keys.iter().zip(tokens) {
                 added.1 += usize::from(!model.contains_key(k));
                 let e = model.entry(*k).or_default();
                 let ls = e.get(rep).map_or(*ts, |&(_, _, old)| old.max(*ts));
-                added.0 += usize::from(e.insert(*rep, (*tier, *t, ls)).is_none());
+                if e.insert(*rep, (*tier, *t, ls)).is_none() {
+                    added.0 += 1;
+                    changes.push((*k, *rep));
+                }
             }
-            return added;
+            return (added, changes);
         }
         Op::Evict { keys, rep } => {
             for k in keys {
@@ -132,7 +142,10 @@ fn apply(model: &mut Model, op: &Op) -> (usize, usize) {
             }
         }
     }
-    counts
+    if !matches!(op, Op::Evict { .. }) {
+        changes.sort_unstable();
+    }
+    (counts, changes)
 }
 
 fn state(holders: &[Holder]) -> BTreeMap<u32, (u8, i32, i64)> {
@@ -214,9 +227,10 @@ fn check(store: &RunStore, model: &Model, generations: &mut BTreeMap<(u64, u32),
 }
 
 /// Applies `op` to the store; returns what [`apply`] does.
-fn perform(store: &RunStore, op: &Op) -> (usize, usize) {
+fn perform(store: &RunStore, op: &Op) -> Done {
     let guard = crossbeam_epoch::pin();
-    match op {
+    let mut changes = Vec::new();
+    let counts = match op {
         Op::Ingest {
             keys,
             rep,
@@ -229,27 +243,48 @@ fn perform(store: &RunStore, op: &Op) -> (usize, usize) {
                 tier: *tier,
                 ts_ms: *ts,
             };
-            let report = store.ingest(keys, &tokens[..keys.len()], writing, &guard);
+            let report = store.ingest_with(keys, &tokens[..keys.len()], writing, &guard, |i, h| {
+                // A new entry: the write's state, its own timestamp.
+                assert_eq!(
+                    (h.tier(), h.tokens(), h.last_seen_ms()),
+                    (*tier, tokens[i], *ts),
+                    "the entry added for block {i}"
+                );
+                changes.push((keys[i], h.rep()));
+            });
             assert_eq!(report.dropped, 0);
             (report.added, report.new_keys)
         }
         Op::Evict { keys, rep } => {
-            let report = store.evict(keys, *rep, &guard);
+            let report =
+                store.evict_with(keys, *rep, &guard, |i, h| changes.push((keys[i], h.rep())));
             (report.removed, report.keys_removed)
         }
         Op::Clear { rep } => {
-            let report = store.clear_replica(*rep, &guard);
+            let report = store.remove_holders_with(
+                |h| h.rep() == *rep,
+                &guard,
+                |k, h| changes.push((k, h.rep())),
+            );
             (report.removed, report.keys_removed)
         }
         Op::Sweep { cutoff } => {
-            let report = store.remove_holders(|h| h.last_seen_ms() < *cutoff, &guard);
+            let report = store.remove_holders_with(
+                |h| h.last_seen_ms() < *cutoff,
+                &guard,
+                |k, h| changes.push((k, h.rep())),
+            );
             (report.removed, report.keys_removed)
         }
         Op::RemoveKeys { keys } => {
-            let report = store.remove_keys(keys, &guard);
+            let report = store.remove_keys_with(keys, &guard, |k, h| changes.push((k, h.rep())));
             (report.removed, report.keys_removed)
         }
+    };
+    if !matches!(op, Op::Ingest { .. } | Op::Evict { .. }) {
+        changes.sort_unstable();
     }
+    (counts, changes)
 }
 
 fn run_ops(options: StoreOptions, ops: &[Op]) {
@@ -258,7 +293,7 @@ fn run_ops(options: StoreOptions, ops: &[Op]) {
     let mut generations = BTreeMap::new();
     for op in ops {
         let done = perform(&store, op);
-        assert_eq!(done, apply(&mut model, op), "counts of {op:?}");
+        assert_eq!(done, apply(&mut model, op), "counts and changes of {op:?}");
         check(&store, &model, &mut generations);
     }
     // Everything removed: nothing left, no run bytes, no root slot.
