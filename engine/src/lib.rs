@@ -38,7 +38,7 @@ pub use raw::loom_api;
 #[doc(hidden)]
 pub mod layout {
     pub use crate::raw::block_run::{
-        BlockRun, FLAG, HINTS, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, pack, unpack,
+        BlockRun, FLAG, HINTS, HintedBlock, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, pack, unpack,
     };
     pub use crate::raw::node::Holder;
     pub use crate::raw::reaper::{Reaper, Reclaim};

@@ -1656,7 +1656,13 @@ fn m14d_run_hint_vs_reuse() {
                 let guard = crossbeam_epoch::pin();
                 // SAFETY: A stays live throughout the model.
                 let ra = unsafe { &*(a_addr as *const BlockRun) };
-                match ra.hint(2, &ids, &guard) {
+                // As the walk does: the hint is read, its block fetched, and only later
+                // checked (the writer may act in between).
+                let peeked = ra.peek_hint(2);
+                if let Some(hinted) = peeked {
+                    hinted.prefetch(&ids);
+                }
+                match peeked.and_then(|hinted| hinted.check(&ids, &guard)) {
                     Some(value) => {
                         let (run, o) = unpack(value);
                         // SAFETY: a checked hint names a live run under the guard.

@@ -115,6 +115,43 @@ struct Hint {
     id: AtomicU64,
 }
 
+/// A hint read from a run and not yet checked ([`BlockRun::peek_hint`]): until
+/// [`HintedBlock::check`] answers, the block it names may be any run, freed or reused, so
+/// nothing but a prefetch may touch it.
+#[derive(Clone, Copy, Debug)]
+pub struct HintedBlock {
+    key: u64,
+    value: u64,
+    id: u64,
+}
+
+impl HintedBlock {
+    /// Fetches the hinted run's lines at its offset and its registry entry. A prefetch never
+    /// faults, so this is sound whatever the words are.
+    #[inline]
+    pub fn prefetch(&self, ids: &RunIds) {
+        let (run, o) = unpack(self.value);
+        BlockRun::prefetch(run.as_ptr(), o);
+        ids.prefetch(self.id);
+    }
+
+    /// The hinted slot value, if it checks out (see the module docs, "Hints"): `ids` still
+    /// names the hinted run, the offset is live in it and holds the key. Dereferences the run
+    /// only after the registry has named it under `guard`.
+    #[inline]
+    pub fn check(self, ids: &RunIds, guard: &Guard) -> Option<u64> {
+        let (run, o) = unpack(self.value);
+        if ids.get(self.id, guard) != Some(run) {
+            return None;
+        }
+        // SAFETY: the registry names `run` under the caller's guard, so it is a live run
+        // until the guard goes (invariant 4, "Memory ordering").
+        let target = unsafe { run.as_ref() };
+        let ok = o < target.len() && !target.is_dead(o) && target.key(o) == self.key;
+        ok.then_some(self.value)
+    }
+}
+
 /// A run's header; the run pointer points at it (see the module docs for the allocation).
 #[repr(C)]
 pub struct BlockRun {
@@ -458,27 +495,24 @@ impl BlockRun {
     /// The slot value of `key` as one of this run's hints names it, if the hint checks out
     /// (see the module docs, "Hints"): `ids` (the run's partition's registry) still names the
     /// hinted run, the offset is live in it and holds `key`. The caller's guard keeps the run
-    /// it names readable.
+    /// it names readable. [`BlockRun::peek_hint`] then [`HintedBlock::check`], in one step.
     #[inline]
     pub fn hint(&self, key: u64, ids: &RunIds, guard: &Guard) -> Option<u64> {
-        for j in 0..HINTS {
-            let h = self.hint_at(j);
-            if h.key.load(Ordering::Relaxed) != key {
-                continue;
-            }
-            let value = h.value.load(Ordering::Relaxed);
-            let id = h.id.load(Ordering::Relaxed);
-            let (run, o) = unpack(value);
-            if ids.get(id, guard) != Some(run) {
-                return None;
-            }
-            // SAFETY: the registry names `run` under the caller's guard, so it is a live run
-            // until the guard goes (invariant 4, "Memory ordering").
-            let target = unsafe { run.as_ref() };
-            let ok = o < target.len() && !target.is_dead(o) && target.key(o) == key;
-            return ok.then_some(value);
-        }
-        None
+        self.peek_hint(key)?.check(ids, guard)
+    }
+
+    /// This run's hint for `key`, not yet checked: a walk fetches the block it names (and its
+    /// registry entry) with [`HintedBlock::prefetch`], compares this run's keys meanwhile, and
+    /// only then checks it, so the hinted run's lines are not waited for twice.
+    #[inline]
+    pub fn peek_hint(&self, key: u64) -> Option<HintedBlock> {
+        (0..HINTS).map(|j| self.hint_at(j)).find_map(|h| {
+            (h.key.load(Ordering::Relaxed) == key).then(|| HintedBlock {
+                key,
+                value: h.value.load(Ordering::Relaxed),
+                id: h.id.load(Ordering::Relaxed),
+            })
+        })
     }
 
     /// Calls `f` with every hint's `(key, slot value, run id)`: for a writer that copies a
@@ -688,6 +722,25 @@ impl RunIds {
         NonNull::new(word as *mut BlockRun)
     }
 
+    /// Fetches the registry entry of `id` (any value: a prefetch never faults, and an id
+    /// outside the registry fetches nothing). Under loom it does nothing, so the models see
+    /// only the loads that decide something.
+    #[inline]
+    pub fn prefetch(&self, id: u64) {
+        #[cfg(not(loom))]
+        if let Some((c, i)) = usize::try_from(id).ok().filter(|&i| i > 0).map(locate)
+            && let Some(chunk) = self.chunks.get(c)
+        {
+            // Relaxed: the address is only prefetched, never read through.
+            let chunk = chunk.load(Ordering::Relaxed);
+            if !chunk.is_null() {
+                prefetch(chunk.wrapping_add(i));
+            }
+        }
+        #[cfg(loom)]
+        let _ = id;
+    }
+
     /// Registers `run`, writing its id into it; `None` when every id is taken (2^32 runs).
     pub fn register(&self, alloc: &mut IdAllocator, run: NonNull<BlockRun>) -> Option<u32> {
         let id = match alloc.free.pop() {
@@ -890,9 +943,23 @@ mod tests {
         xa.set_hint(4, pack(b, 0) | FLAG, id_b);
         assert_eq!(xa.hint(4, &ids, &guard), Some(pack(b, 0) | FLAG));
         assert_eq!(unpack(pack(b, 0) | FLAG), (b, 0));
+        // A hint read before its run went is refused when checked after: the walk's order
+        // (peek, prefetch, compare, check).
+        let early = xa.peek_hint(4).expect("a hint for key 4");
+        early.prefetch(&ids);
         // A deregistered run's hints are refused, and its id is reused by the next run.
         ids.deregister(&mut alloc, id_b);
         assert_eq!(xa.hint(4, &ids, &guard), None);
+        assert_eq!(
+            early.check(&ids, &guard),
+            None,
+            "checked after the run went"
+        );
+        assert!(xa.peek_hint(9).is_none(), "no hint for the key");
+        // Prefetching ids the registry never handed out fetches nothing and faults never.
+        for id in [0, 1, u64::from(u32::MAX), u64::MAX] {
+            ids.prefetch(id);
+        }
         let c = run(&[holder(3, 10)], 1, &[4]);
         assert_eq!(ids.register(&mut alloc, c), Some(id_b));
         assert_eq!(

@@ -47,10 +47,12 @@
 //! # Walk
 //!
 //! Probe block 0 (root slots, then the key table), then compare the request's next keys with the
-//! run's keys up to its next dead offset or its end; at the landing, a checked hint of the run
-//! just left gives the next slot value without the table (its run's lines are fetched while the
-//! keys are compared), else the key table does. Each run's holders hold every block of its
-//! stretch with the same state, so the caller merges holders once per stretch.
+//! run's keys up to its next dead offset or its end; at the landing, a hint of the run just left
+//! gives the next slot value without the table, else the key table does. The hint is read
+//! before the keys are compared and the run it names fetched then, but it is checked (which
+//! reads that run) only after the compare and the caller's visit, so its lines come in
+//! meanwhile instead of being waited for. Each run's holders hold every block of its stretch
+//! with the same state, so the caller merges holders once per stretch.
 //!
 //! # Trimming
 //!
@@ -78,7 +80,7 @@ use crate::raw::block_run::{
 };
 use crate::raw::node::{GEN_MASK, Holder};
 use crate::raw::reaper::Reaper;
-use crate::raw::slots::{SlotTable, SlotValue, SlotWriter};
+use crate::raw::slots::{SlotTable, SlotValue, SlotWriter, home, random_seed};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::Guard;
 use std::ptr::NonNull;
@@ -180,7 +182,10 @@ struct StoreWriter {
     /// A stretch's keys in old-offset order, and their values (removals).
     ordered: Vec<u64>,
     ordered_values: Vec<Option<u64>>,
-    sorted: Vec<u64>,
+    /// Scratch of [`has_repeats`].
+    seen: Vec<u64>,
+    /// Placement seed of `seen`.
+    seed: u64,
     /// A stretch's holders after the write.
     holders: Vec<Holder>,
     /// Runs a release of this write left sparse, trimmed when the write ends.
@@ -192,6 +197,11 @@ struct StoreWriter {
 unsafe impl Send for StoreWriter {}
 
 impl StoreWriter {
+    /// Whether `keys` holds a key twice (see [`has_repeats`]).
+    fn has_repeats(&mut self, keys: &[u64]) -> bool {
+        has_repeats(keys, &mut self.seen, self.seed)
+    }
+
     fn next_generation(&mut self) -> u32 {
         self.generation = self.generation.wrapping_add(1) & GEN_MASK;
         self.generation
@@ -230,18 +240,44 @@ fn is_sparse(run: &BlockRun) -> bool {
     run.len() >= TRIM_RATIO && run.refs() as usize * TRIM_RATIO <= run.len()
 }
 
-/// Whether `keys` holds a key twice.
-fn has_repeats(keys: &[u64], sorted: &mut Vec<u64>) -> bool {
+/// Whether `keys` holds a key twice: pairwise for a short chain, else through `seen`, an
+/// open-addressed set of at least twice the chain's length (scratch reused between writes)
+/// placed by `seed`, so a caller cannot choose keys that share a probe sequence. Linear in the
+/// chain's length: every write runs it.
+fn has_repeats(keys: &[u64], seen: &mut Vec<u64>, seed: u64) -> bool {
     if keys.len() <= 16 {
         return keys
             .iter()
             .enumerate()
             .any(|(i, k)| keys[i + 1..].contains(k));
     }
-    sorted.clear();
-    sorted.extend_from_slice(keys);
-    sorted.sort_unstable();
-    sorted.windows(2).any(|w| w[0] == w[1])
+    let len = (keys.len() * 2).next_power_of_two();
+    let shift = 64 - len.trailing_zeros();
+    seen.clear();
+    seen.resize(len, 0);
+    // Key 0 marks an empty entry, so it is tracked on its own.
+    let mut zero = false;
+    for &key in keys {
+        if key == 0 {
+            if zero {
+                return true;
+            }
+            zero = true;
+            continue;
+        }
+        let mut i = home(seed, shift, key);
+        loop {
+            match seen[i] {
+                0 => {
+                    seen[i] = key;
+                    break;
+                }
+                k if k == key => return true,
+                _ => i = (i + 1) & (len - 1),
+            }
+        }
+    }
+    false
 }
 
 impl Default for RunStore {
@@ -251,26 +287,30 @@ impl Default for RunStore {
 }
 
 impl RunStore {
-    /// An empty store whose slot tables are seeded per process.
+    /// An empty store whose slot tables and scratch are seeded per process.
     pub fn new(options: StoreOptions) -> Self {
-        Self::with_tables(options, SlotTable::new(), SlotTable::new())
+        Self::with_tables(options, SlotTable::new(), SlotTable::new(), random_seed())
     }
 
-    /// An empty store with fixed slot-table seeds (tests and models).
+    /// An empty store with fixed seeds (tests and models).
     pub fn with_seed(options: StoreOptions, seed: u64) -> Self {
         Self::with_tables(
             options,
             SlotTable::with_seed(seed),
             SlotTable::with_seed(seed ^ 1),
+            seed ^ 2,
         )
     }
 
-    fn with_tables(options: StoreOptions, table: SlotTable, roots: SlotTable) -> Self {
+    fn with_tables(options: StoreOptions, table: SlotTable, roots: SlotTable, seed: u64) -> Self {
         Self {
             table,
             roots,
             ids: RunIds::new(),
-            writer: Mutex::new(StoreWriter::default()),
+            writer: Mutex::new(StoreWriter {
+                seed,
+                ..StoreWriter::default()
+            }),
             run_bytes: AtomicU64::new(0),
             reaper: Arc::new(Reaper::default()),
             options,
@@ -343,20 +383,15 @@ impl RunStore {
             let run = run_ref(run);
             let max = (run.live_end(o) - o - 1).min(request.len() - pos - 1);
             let landing = pos + 1 + max;
-            // The next slot value if the request follows the stretch to its end: fetched now,
-            // so its run's lines come in while the keys are compared.
+            // The next block if the request follows the stretch to its end: its hint is read
+            // now and its run's lines fetched, so they come in while the keys are compared; the
+            // hint is checked (which reads that run) only after the compare.
             let mut ahead = None;
             if let Some(&k) = request.get(landing) {
-                match self
-                    .options
-                    .hints
-                    .then(|| run.hint(k, &self.ids, guard))
-                    .flatten()
-                {
-                    Some(v) => {
-                        let (r, ro) = unpack(v);
-                        BlockRun::prefetch(r.as_ptr(), ro);
-                        ahead = Some(v);
+                match self.options.hints.then(|| run.peek_hint(k)).flatten() {
+                    Some(hinted) => {
+                        hinted.prefetch(&self.ids);
+                        ahead = Some(hinted);
                     }
                     None => self.table.prefetch(k, guard),
                 }
@@ -372,9 +407,11 @@ impl RunStore {
                 return to;
             }
             pos = to;
-            let next = match ahead {
-                Some(v) if m == max => Some(v),
-                _ => self.table.find(request[pos], guard).map(SlotValue::get),
+            let next = match ahead.filter(|_| m == max) {
+                Some(hinted) => hinted
+                    .check(&self.ids, guard)
+                    .or_else(|| self.table.find(request[pos], guard).map(SlotValue::get)),
+                None => self.table.find(request[pos], guard).map(SlotValue::get),
             };
             match next {
                 Some(v) => value = v,
@@ -576,7 +613,7 @@ impl RunStore {
         let (keys, tokens) = (&keys[..n], &tokens[..n]);
         let mut w = self.lock_writer();
         let mut report = IngestReport::default();
-        if has_repeats(keys, &mut w.sorted) {
+        if w.has_repeats(keys) {
             for i in 0..n {
                 self.ingest_locked(
                     &mut w,
@@ -815,7 +852,7 @@ impl RunStore {
     ) -> EvictReport {
         let mut w = self.lock_writer();
         let mut report = EvictReport::default();
-        if has_repeats(keys, &mut w.sorted) {
+        if w.has_repeats(keys) {
             for i in 0..keys.len() {
                 report +=
                     self.evict_locked(&mut w, &keys[i..=i], rep, guard, &mut |_, h| removed(i, h));

@@ -72,8 +72,17 @@ const HOME_MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 /// Multiplier of the summary bits (independent of the home's bits).
 const SUMMARY_MIX: u64 = 0xC2B2_AE3D_27D4_EB4F;
 
+/// A placement seed of its own for each caller (std's per-process random hasher keys), so
+/// that a caller cannot choose keys that share a probe sequence.
+pub(crate) fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0);
+    h.finish()
+}
+
 /// The home slot of `key`: the top bits of the seeded, multiplied key.
-fn home(seed: u64, shift: u32, key: u64) -> usize {
+pub(crate) fn home(seed: u64, shift: u32, key: u64) -> usize {
     ((key ^ seed).wrapping_mul(HOME_MIX) >> shift) as usize
 }
 
@@ -205,10 +214,7 @@ impl SlotTable {
     /// An empty table whose key placement is seeded per process, so a caller cannot choose
     /// keys that share a probe sequence.
     pub fn new() -> Self {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(0);
-        Self::with_seed(h.finish())
+        Self::with_seed(random_seed())
     }
 
     /// An empty table with a fixed placement seed (tests and models).
@@ -259,6 +265,10 @@ impl SlotTable {
         let table = unsafe { table.deref() };
         let home = table.home(key);
         prefetch(std::ptr::from_ref(&table.slots[home]));
+        // The next line too: at the loads writers keep, a probe often runs past its home line.
+        prefetch(std::ptr::from_ref(
+            &table.slots[((home | 3) + 1) & table.mask()],
+        ));
         prefetch(std::ptr::from_ref(table.summary_word(home)));
     }
 

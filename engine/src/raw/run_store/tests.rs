@@ -50,6 +50,8 @@ fn chain() -> impl Strategy<Value = Vec<u64>> {
             keys
         }),
         prop::collection::vec(1..=UNIVERSE, 1..12),
+        // Longer than `has_repeats`' pairwise bound, so its set finds the repeats.
+        prop::collection::vec(1..=UNIVERSE, 17..40),
     ]
 }
 
@@ -309,6 +311,24 @@ fn run_ops(options: StoreOptions, ops: &[Op]) {
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn repeats_are_found_exactly(
+        keys in prop_oneof![
+            prop::collection::vec(0..64u64, 0..200),
+            prop::collection::vec(any::<u64>(), 0..200),
+        ],
+        seed in any::<u64>(),
+    ) {
+        let naive = keys.iter().enumerate().any(|(i, k)| keys[i + 1..].contains(k));
+        let mut seen = Vec::new();
+        prop_assert_eq!(has_repeats(&keys, &mut seen, seed), naive);
+        // The scratch is reused: a second call on other keys is as exact.
+        let mut distinct = keys.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        prop_assert!(!has_repeats(&distinct, &mut seen, seed));
+    }
 
     #[test]
     fn matches_the_model(ops in prop::collection::vec(op(), 1..40)) {
