@@ -66,6 +66,17 @@
 //!   it unpins: the run is deregistered and its slots changed before it is retired, so its
 //!   retirement comes after the pin.
 //!
+//! # Keys of other lengths
+//!
+//! A key is named by its 64-bit digest: an 8-byte key's big-endian value, any other length's
+//! XXH3-64. The digests are what slots hold and walks compare. A run with a key of another
+//! length than 8 (a *long* run, flagged in the header) also keeps, after its gone words, one
+//! descriptor per key (`start << 32 | length`, or a mark for an 8-byte key), the byte total and
+//! the bytes; like the digests they are written once, before the run is shared. Two keys are
+//! the same when their digests are equal and so are their *long parts* (the bytes of a key of
+//! another length, none for an 8-byte key: [`BlockRun::is_key`]), so a long key never answers
+//! for an 8-byte key of its digest's value, nor for another long key of the same digest.
+//!
 //! # Hints
 //!
 //! Each run keeps [`HINTS`] pairs `(key, slot value)` of blocks that followed its stretch in the
@@ -105,6 +116,12 @@ pub const HINTS: usize = 4;
 /// Bit 0 of a slot value, free for the index (run pointers are 8-byte aligned).
 pub const FLAG: u64 = 1;
 const OFFSET_SHIFT: u32 = 48;
+/// `meta`'s bits 32.. hold the length (≤ [`MAX_LEN`], 17 bits).
+const LEN_MASK: u64 = 0x1_FFFF;
+/// `meta`'s bit 63: the run keeps its keys' bytes (see "Keys of other lengths").
+const LONG: u64 = 1 << 63;
+/// A key descriptor's length marking an 8-byte key (its bytes are its digest's).
+const EIGHT: u64 = u32::MAX as u64;
 const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
 
 /// A successor hint (see the module docs, "Hints").
@@ -186,13 +203,35 @@ fn front_bytes(capacity: usize) -> usize {
     capacity * ENTRY + HINTS * HINT
 }
 
-fn layout(capacity: usize, len: usize) -> Layout {
+/// Bytes of a run's key area of other lengths: `len` descriptors, the byte total, the bytes
+/// (rounded up to words); 0 for a run of 8-byte keys (`long_bytes` is `None`).
+fn long_area(len: usize, long_bytes: Option<usize>) -> usize {
+    long_bytes.map_or(0, |b| (len + 1) * WORD + b.next_multiple_of(WORD))
+}
+
+/// `None` when the sizes do not fit an allocation.
+fn layout(capacity: usize, len: usize, long_bytes: Option<usize>) -> Option<Layout> {
     let size = front_bytes(capacity)
         + HEADER
         + len * 8
-        + (extra_dead_words(len) + extra_gone_words(capacity)) * WORD;
-    Layout::from_size_align(size, std::mem::align_of::<BlockRun>().max(8))
-        .expect("block run layout")
+        + (extra_dead_words(len) + extra_gone_words(capacity)) * WORD
+        + long_area(len, long_bytes);
+    Layout::from_size_align(size, std::mem::align_of::<BlockRun>().max(8)).ok()
+}
+
+/// Where the key descriptors of the run at `run` with room for `capacity` holders and `len`
+/// keys start (after its gone words; only a long run has them). Plain address arithmetic.
+fn descriptors_of(run: *const BlockRun, capacity: usize, len: usize) -> *const u64 {
+    (run as *const u8).wrapping_add(
+        HEADER + len * 8 + (extra_dead_words(len) + extra_gone_words(capacity)) * WORD,
+    ) as *const u64
+}
+
+/// The part of a key a run compares besides its digest: the bytes of a key of another length
+/// than 8 (an 8-byte key is its digest's big-endian bytes, so it has none).
+#[inline]
+pub fn long_part(key: &[u8]) -> Option<&[u8]> {
+    (key.len() != 8).then_some(key)
 }
 
 /// The slot value naming offset `o` of `run`.
@@ -218,16 +257,48 @@ impl BlockRun {
     /// address does not fit a slot value (never on today's 64-bit targets, whose user
     /// addresses have at most 48 bits).
     pub fn create(holders: &[Holder], capacity: usize, keys: &[u64]) -> Option<NonNull<BlockRun>> {
-        let len = keys.len();
+        Self::create_keyed::<[u8; 8]>(holders, capacity, keys, None)
+    }
+
+    /// [`BlockRun::create`] over keys of any length: `digests[i]` is the digest of `bytes[i]`
+    /// (an 8-byte key's big-endian value, else its XXH3-64). A run with a key of another length
+    /// than 8 keeps every such key's bytes (see "Keys of other lengths"); `bytes` of `None`
+    /// means every key is 8 bytes long. `None` also when `bytes` and `digests` differ in
+    /// length or the bytes do not fit 32-bit offsets.
+    pub fn create_keyed<K: AsRef<[u8]>>(
+        holders: &[Holder],
+        capacity: usize,
+        digests: &[u64],
+        bytes: Option<&[K]>,
+    ) -> Option<NonNull<BlockRun>> {
+        let len = digests.len();
         if holders.is_empty()
             || holders.len() > capacity
             || capacity > MAX_HOLDERS
             || len == 0
             || len > MAX_LEN
+            || bytes.is_some_and(|b| b.len() != len)
         {
             return None;
         }
-        let lay = layout(capacity, len);
+        // Only a key of another length than 8 makes the run keep bytes.
+        let bytes = bytes.filter(|b| b.iter().any(|k| long_part(k.as_ref()).is_some()));
+        let long_bytes = match bytes {
+            Some(b) => {
+                let total: usize = b
+                    .iter()
+                    .filter_map(|k| long_part(k.as_ref()))
+                    .map(<[u8]>::len)
+                    .sum();
+                if total >= u32::MAX as usize {
+                    return None;
+                }
+                Some(total)
+            }
+            None => None,
+        };
+        let lay = layout(capacity, len, long_bytes)?;
+        let keys = digests;
         // SAFETY: the layout has a non-zero size (the header).
         let base = unsafe { alloc(lay) };
         if base.is_null() {
@@ -243,9 +314,13 @@ impl BlockRun {
             for i in 0..front_bytes(capacity) / WORD {
                 front.add(i).write(AtomicU64::new(0));
             }
+            let long_flag = if long_bytes.is_some() { LONG } else { 0 };
             header.write(BlockRun {
                 meta: AtomicU64::new(
-                    holders.len() as u64 | (capacity as u64) << 16 | (len as u64) << 32,
+                    holders.len() as u64
+                        | (capacity as u64) << 16
+                        | (len as u64) << 32
+                        | long_flag,
                 ),
                 refs: AtomicU64::new(0),
                 dead: AtomicU64::new(0),
@@ -261,8 +336,30 @@ impl BlockRun {
             let k = (header as *mut u8).add(HEADER) as *mut u64;
             std::ptr::copy_nonoverlapping(keys.as_ptr(), k, len);
             let extra = k.add(len) as *mut AtomicU64;
-            for i in 0..extra_dead_words(len) + extra_gone_words(capacity) {
+            let words = extra_dead_words(len) + extra_gone_words(capacity);
+            for i in 0..words {
                 extra.add(i).write(AtomicU64::new(0));
+            }
+            if let (Some(b), Some(total)) = (bytes, long_bytes) {
+                // Descriptors `start << 32 | length` (length `EIGHT` for an 8-byte key), the
+                // byte total, then the bytes, zero-padded to a word.
+                let descriptors = extra.add(words) as *mut u64;
+                let area = descriptors.add(len + 1) as *mut u8;
+                std::ptr::write_bytes(area, 0, total.next_multiple_of(WORD));
+                let mut start = 0usize;
+                for (i, key) in b.iter().enumerate() {
+                    let descriptor = match long_part(key.as_ref()) {
+                        Some(long) => {
+                            std::ptr::copy_nonoverlapping(long.as_ptr(), area.add(start), long.len());
+                            let d = (start as u64) << 32 | long.len() as u64;
+                            start += long.len();
+                            d
+                        }
+                        None => EIGHT,
+                    };
+                    descriptors.add(i).write(descriptor);
+                }
+                descriptors.add(len).write(total as u64);
             }
         }
         if header as u64 & !PTR_MASK != 0 {
@@ -284,7 +381,12 @@ impl BlockRun {
         unsafe {
             // Not through `len()`: the ledger already counts the run as freed.
             let meta = (*p).meta.load(Ordering::Relaxed);
-            let (capacity, len) = ((meta >> 16 & 0xFFFF) as usize, (meta >> 32) as usize);
+            let (capacity, len) = (
+                (meta >> 16 & 0xFFFF) as usize,
+                (meta >> 32 & LEN_MASK) as usize,
+            );
+            let long_bytes =
+                (meta & LONG != 0).then(|| *descriptors_of(p, capacity, len).add(len) as usize);
             let base = (p as *mut u8).sub(front_bytes(capacity));
             std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
                 base as *mut AtomicU64,
@@ -296,7 +398,10 @@ impl BlockRun {
                 extra_dead_words(len) + extra_gone_words(capacity),
             ));
             std::ptr::drop_in_place(p);
-            dealloc(base, layout(capacity, len));
+            // The layout `create` allocated with (it fitted then).
+            if let Some(lay) = layout(capacity, len, long_bytes) {
+                dealloc(base, lay);
+            }
         }
     }
 
@@ -341,7 +446,59 @@ impl BlockRun {
     #[inline]
     pub fn len(&self) -> usize {
         self.touch();
-        (self.meta.load(Ordering::Relaxed) >> 32) as usize
+        (self.meta.load(Ordering::Relaxed) >> 32 & LEN_MASK) as usize
+    }
+
+    /// Whether the run keeps key bytes: it has a key of another length than 8.
+    #[inline]
+    pub fn is_long(&self) -> bool {
+        self.meta.load(Ordering::Relaxed) & LONG != 0
+    }
+
+    /// The key descriptors of a long run (`len` of them, then the byte total).
+    #[inline]
+    fn descriptors(&self) -> *const u64 {
+        descriptors_of(self, self.capacity(), self.len())
+    }
+
+    /// Bytes of a long run's keys of other lengths than 8.
+    fn long_total(&self) -> usize {
+        debug_assert!(self.is_long());
+        // SAFETY: entry `len` of a long run's descriptors is the byte total, written by
+        // `create` and never again.
+        unsafe { *self.descriptors().add(self.len()) as usize }
+    }
+
+    /// The bytes of key `o` if it is not 8 bytes long (see [`long_part`]): `None` for an
+    /// 8-byte key, whose bytes are its digest's big-endian value.
+    #[inline]
+    pub fn long_key(&self, o: usize) -> Option<&[u8]> {
+        if !self.is_long() {
+            return None;
+        }
+        let len = self.len();
+        assert!(o < len, "key offset {o} of a run of {len}");
+        let descriptors = self.descriptors();
+        // SAFETY: `o < len`: descriptor `o` and the bytes it names are inside the allocation,
+        // written by `create` and never again (invariant 1).
+        unsafe {
+            let d = *descriptors.add(o);
+            if d & 0xFFFF_FFFF == EIGHT {
+                return None;
+            }
+            let area = descriptors.add(len + 1) as *const u8;
+            Some(std::slice::from_raw_parts(
+                area.add((d >> 32) as usize),
+                (d & 0xFFFF_FFFF) as usize,
+            ))
+        }
+    }
+
+    /// Whether key `o` is the key with `digest` and long part `long` ([`long_part`] of its
+    /// bytes): the digests are equal and so are the long parts (both absent for 8-byte keys).
+    #[inline]
+    pub fn is_key(&self, o: usize, digest: u64, long: Option<&[u8]>) -> bool {
+        self.key(o) == digest && (!(self.is_long() || long.is_some()) || self.long_key(o) == long)
     }
 
     /// Always false: a run holds at least one block.
@@ -623,7 +780,10 @@ impl BlockRun {
 
     /// Bytes this run holds (glibc chunk sizes, see `pages::heap_chunk`).
     pub fn bytes(&self) -> usize {
-        crate::raw::pages::heap_chunk(layout(self.capacity(), self.len()).size())
+        let long_bytes = self.is_long().then(|| self.long_total());
+        // A live run's layout fitted when `create` allocated it.
+        let size = layout(self.capacity(), self.len(), long_bytes).map_or(0, |l| l.size());
+        crate::raw::pages::heap_chunk(size)
     }
 
     /// Deregisters a run no slot names any more and hands it to `reaper` once every reader
@@ -826,6 +986,53 @@ mod tests {
 
     fn run(holders: &[Holder], capacity: usize, keys: &[u64]) -> NonNull<BlockRun> {
         BlockRun::create(holders, capacity, keys).expect("a valid run")
+    }
+
+    #[test]
+    fn long_runs_keep_their_keys_bytes_and_compare_them() {
+        use crate::raw::node::digest;
+        let long = b"a key of twenty-four bytes".as_slice();
+        let keys: [&[u8]; 5] = [b"12345678", b"", long, &[7u8; 8], b"abc"];
+        let digests: Vec<u64> = keys.iter().map(|k| digest(k)).collect();
+        let r = BlockRun::create_keyed(&[holder(1, 10)], 2, &digests, Some(&keys[..]))
+            .expect("a valid long run");
+        // SAFETY: just built; freed at the end of the test.
+        let x = unsafe { r.as_ref() };
+        assert!(x.is_long());
+        assert_eq!(x.keys(), &digests[..]);
+        let parts: Vec<Option<&[u8]>> = (0..keys.len()).map(|o| x.long_key(o)).collect();
+        assert_eq!(parts, [None, Some(&b""[..]), Some(long), None, Some(&b"abc"[..])]);
+        for (o, k) in keys.iter().enumerate() {
+            assert!(x.is_key(o, digest(k), long_part(k)), "key {o} is itself");
+        }
+        // The same digest with another long part, or an 8-byte key of a long key's digest.
+        assert!(!x.is_key(2, digests[2], Some(b"another key, same digest")));
+        assert!(!x.is_key(2, digests[2], None), "an 8-byte key of the long key's digest");
+        assert!(!x.is_key(0, digests[0], Some(b"12345678-and-more")));
+        assert!(!x.is_key(1, digests[1], None));
+        // A run of 8-byte keys compares digests alone, and refuses a long key of its digest.
+        let short = BlockRun::create_keyed(&[holder(1, 10)], 1, &digests[..1], Some(&keys[..1]))
+            .expect("a valid run");
+        // SAFETY: just built; freed at the end of the test.
+        let y = unsafe { short.as_ref() };
+        assert!(!y.is_long());
+        assert_eq!(y.long_key(0), None);
+        assert!(y.is_key(0, digests[0], None));
+        assert!(!y.is_key(0, digests[0], Some(long)));
+        // Bytes beside the keys: the run is larger than the same run of 8-byte keys.
+        let plain = run(&[holder(1, 10)], 2, &digests);
+        // SAFETY: just built; freed below.
+        assert!(x.bytes() > unsafe { plain.as_ref() }.bytes());
+        assert!(
+            BlockRun::create_keyed(&[holder(1, 10)], 1, &digests, Some(&keys[..2])).is_none(),
+            "bytes and digests differ in length"
+        );
+        // SAFETY: none of them was ever shared.
+        unsafe {
+            BlockRun::discard(r);
+            BlockRun::discard(short);
+            BlockRun::discard(plain);
+        }
     }
 
     #[test]
