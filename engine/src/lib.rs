@@ -42,7 +42,9 @@ pub mod layout {
     };
     pub use crate::raw::node::Holder;
     pub use crate::raw::reaper::{Reaper, Reclaim};
-    pub use crate::raw::run_store::{EvictReport, IngestReport, RunStore, StoreOptions, Writing};
+    pub use crate::raw::run_store::{
+        EvictReport, IngestReport, Keys, RunStore, StoreOptions, Writing,
+    };
     pub use crate::raw::slots::{SlotTable, SlotValue, SlotWriter};
 }
 pub use replica_id::ReplicaId;

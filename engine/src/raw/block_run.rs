@@ -317,10 +317,7 @@ impl BlockRun {
             let long_flag = if long_bytes.is_some() { LONG } else { 0 };
             header.write(BlockRun {
                 meta: AtomicU64::new(
-                    holders.len() as u64
-                        | (capacity as u64) << 16
-                        | (len as u64) << 32
-                        | long_flag,
+                    holders.len() as u64 | (capacity as u64) << 16 | (len as u64) << 32 | long_flag,
                 ),
                 refs: AtomicU64::new(0),
                 dead: AtomicU64::new(0),
@@ -350,7 +347,11 @@ impl BlockRun {
                 for (i, key) in b.iter().enumerate() {
                     let descriptor = match long_part(key.as_ref()) {
                         Some(long) => {
-                            std::ptr::copy_nonoverlapping(long.as_ptr(), area.add(start), long.len());
+                            std::ptr::copy_nonoverlapping(
+                                long.as_ptr(),
+                                area.add(start),
+                                long.len(),
+                            );
                             let d = (start as u64) << 32 | long.len() as u64;
                             start += long.len();
                             d
@@ -1001,13 +1002,19 @@ mod tests {
         assert!(x.is_long());
         assert_eq!(x.keys(), &digests[..]);
         let parts: Vec<Option<&[u8]>> = (0..keys.len()).map(|o| x.long_key(o)).collect();
-        assert_eq!(parts, [None, Some(&b""[..]), Some(long), None, Some(&b"abc"[..])]);
+        assert_eq!(
+            parts,
+            [None, Some(&b""[..]), Some(long), None, Some(&b"abc"[..])]
+        );
         for (o, k) in keys.iter().enumerate() {
             assert!(x.is_key(o, digest(k), long_part(k)), "key {o} is itself");
         }
         // The same digest with another long part, or an 8-byte key of a long key's digest.
         assert!(!x.is_key(2, digests[2], Some(b"another key, same digest")));
-        assert!(!x.is_key(2, digests[2], None), "an 8-byte key of the long key's digest");
+        assert!(
+            !x.is_key(2, digests[2], None),
+            "an 8-byte key of the long key's digest"
+        );
         assert!(!x.is_key(0, digests[0], Some(b"12345678-and-more")));
         assert!(!x.is_key(1, digests[1], None));
         // A run of 8-byte keys compares digests alone, and refuses a long key of its digest.

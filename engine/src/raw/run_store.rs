@@ -37,6 +37,16 @@
 //! live offsets; [`RunStore::remove_keys`] (a quota's victims) removes whole keys;
 //! [`RunStore::for_each_key`] lists every present key with the run naming it.
 //!
+//! # Keys of other lengths
+//!
+//! Chains come as [`Keys`]: digests, and the keys' bytes when some may not be 8 bytes long.
+//! Slots and runs are keyed by digest; a long run keeps its keys' bytes (`block_run`, "Keys
+//! of other lengths"), and every place a key is taken for another (a slot or a hint at block 0
+//! or a landing, a run's next keys in a walk or a write's stretch) compares the long parts
+//! too. A key whose digest another present key holds is such a mismatch: a walk stops before
+//! it, an ingest leaves it out ([`IngestReport::dropped`]), a removal finds nothing of it. A
+//! chain of 8-byte keys pays one header bit test per run for this.
+//!
 //! # Root slots
 //!
 //! A second, small slot table holds a copy of the slot of every key an ingest began with; bit 0
@@ -76,7 +86,7 @@
 //! replicas joining one shared stretch one by one copy `O(n²)` holder entries in all.
 
 use crate::raw::block_run::{
-    BlockRun, FLAG, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, pack, unpack,
+    BlockRun, FLAG, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, long_part, pack, unpack,
 };
 use crate::raw::node::{GEN_MASK, Holder};
 use crate::raw::reaper::Reaper;
@@ -155,6 +165,129 @@ pub struct Writing {
     pub ts_ms: i64,
 }
 
+/// A chain's keys as the store takes them: their digests (what slots hold and walks compare)
+/// and, when some may be of another length than 8 bytes, the keys themselves (`bytes[i]` is the
+/// key whose digest is `digests[i]`: an 8-byte key's big-endian value, else its XXH3-64; see
+/// `block_run`, "Keys of other lengths"). Without bytes every key is 8 bytes long.
+pub struct Keys<'a, K = [u8; 8]> {
+    digests: &'a [u64],
+    bytes: Option<&'a [K]>,
+}
+
+impl<K> Clone for Keys<'_, K> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<K> Copy for Keys<'_, K> {}
+
+impl<'a> From<&'a [u64]> for Keys<'a> {
+    fn from(digests: &'a [u64]) -> Self {
+        Keys {
+            digests,
+            bytes: None,
+        }
+    }
+}
+
+impl<'a, const N: usize> From<&'a [u64; N]> for Keys<'a> {
+    fn from(digests: &'a [u64; N]) -> Self {
+        Keys::from(&digests[..])
+    }
+}
+
+impl<'a> From<&'a Vec<u64>> for Keys<'a> {
+    fn from(digests: &'a Vec<u64>) -> Self {
+        Keys::from(&digests[..])
+    }
+}
+
+impl<'a, K: AsRef<[u8]>> Keys<'a, K> {
+    /// Keys of any length with their digests; `None` when the two differ in length.
+    pub fn with_bytes(digests: &'a [u64], bytes: &'a [K]) -> Option<Self> {
+        (digests.len() == bytes.len()).then_some(Keys {
+            digests,
+            bytes: Some(bytes),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.digests.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.digests.is_empty()
+    }
+
+    /// The digests.
+    pub fn digests(&self) -> &'a [u64] {
+        self.digests
+    }
+
+    #[inline]
+    fn digest(&self, i: usize) -> u64 {
+        self.digests[i]
+    }
+
+    /// Key `i`'s long part ([`long_part`]): its bytes if it is not 8 bytes long.
+    #[inline]
+    fn long(&self, i: usize) -> Option<&'a [u8]> {
+        self.bytes.and_then(|b| long_part(b[i].as_ref()))
+    }
+
+    /// Keys `range` of these.
+    fn range(&self, range: std::ops::Range<usize>) -> Self {
+        Keys {
+            digests: &self.digests[range.clone()],
+            bytes: self.bytes.map(|b| &b[range]),
+        }
+    }
+
+    /// Whether key `i` is key `o` of `run` (digest and long part).
+    #[inline]
+    fn is_at(&self, i: usize, run: &BlockRun, o: usize) -> bool {
+        run.is_key(o, self.digest(i), self.long(i))
+    }
+}
+
+/// A key copied out of a run to build another (trimming, a removal's copy on write).
+enum KeyCopy<'g> {
+    Eight([u8; 8]),
+    Long(&'g [u8]),
+}
+
+impl AsRef<[u8]> for KeyCopy<'_> {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            KeyCopy::Eight(bytes) => bytes,
+            KeyCopy::Long(bytes) => bytes,
+        }
+    }
+}
+
+/// The keys of `run` at `offsets`, for a new run over them: their digests into `digests` and,
+/// if the run is long, their bytes (returned).
+fn copy_keys<'g>(
+    run: &'g BlockRun,
+    offsets: impl Iterator<Item = usize>,
+    digests: &mut Vec<u64>,
+) -> Option<Vec<KeyCopy<'g>>> {
+    digests.clear();
+    let mut bytes = run.is_long().then(Vec::new);
+    for o in offsets {
+        let digest = run.key(o);
+        digests.push(digest);
+        if let Some(bytes) = &mut bytes {
+            bytes.push(match run.long_key(o) {
+                Some(long) => KeyCopy::Long(long),
+                None => KeyCopy::Eight(digest.to_be_bytes()),
+            });
+        }
+    }
+    bytes
+}
+
 /// One partition's storage (see the module docs).
 pub struct RunStore {
     table: SlotTable,
@@ -222,6 +355,9 @@ enum Stretch {
         /// The keys name decreasing offsets (a chain given tail to head).
         descending: bool,
     },
+    /// A key whose digest another key holds (a digest collision of keys of other lengths than
+    /// 8): nothing can be written for it, and it holds nothing to remove.
+    Taken,
 }
 
 fn slot(value: u64) -> SlotValue {
@@ -344,24 +480,41 @@ impl RunStore {
         self.run_bytes.load(Ordering::Relaxed) as usize
     }
 
-    /// The live holders of `key`, if present.
+    /// The live holders of the 8-byte key `key`, if present.
     pub fn holders(&self, key: u64, guard: &Guard) -> Option<Vec<Holder>> {
-        let value = self.table.find(key, guard)?.get();
-        let (run, _) = unpack(value);
+        self.holders_keyed(key, None, guard)
+    }
+
+    /// The live holders of the key with `digest` and long part `long` ([`long_part`]), if
+    /// present.
+    pub fn holders_keyed(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        guard: &Guard,
+    ) -> Option<Vec<Holder>> {
+        let value = self.table.find(digest, guard)?.get();
+        let (run, o) = unpack(value);
+        let run = run_ref(run);
+        if !run.is_key(o, digest, long) {
+            return None;
+        }
         let mut out = Vec::new();
-        run_ref(run).for_each_holder(|_, h| out.push(h));
+        run.for_each_holder(|_, h| out.push(h));
         Some(out)
     }
 
     /// Walks the longest prefix of `request` present in the store: calls `visit(run, from, to)`
     /// for each stretch `request[from..to]` whose blocks `run`'s live holders hold, in request
     /// order, until a block is absent or `visit` returns false. Returns the blocks visited.
-    pub fn walk(
+    pub fn walk<'k, K: AsRef<[u8]> + 'k>(
         &self,
-        request: &[u64],
+        request: impl Into<Keys<'k, K>>,
         guard: &Guard,
         mut visit: impl FnMut(&BlockRun, usize, usize) -> bool,
     ) -> usize {
+        let keys: Keys<'k, K> = request.into();
+        let request = keys.digests;
         let Some(&first) = request.first() else {
             return 0;
         };
@@ -381,6 +534,12 @@ impl RunStore {
             let (run, o) = unpack(value);
             BlockRun::prefetch(run.as_ptr(), o);
             let run = run_ref(run);
+            // The slot or hint matched the digest; a key of another length (the request's or
+            // the run's) must match its bytes too.
+            let long = keys.long(pos);
+            if (long.is_some() || run.is_long()) && run.long_key(o) != long {
+                return pos;
+            }
             let max = (run.live_end(o) - o - 1).min(request.len() - pos - 1);
             let landing = pos + 1 + max;
             // The next block if the request follows the stretch to its end: its hint is read
@@ -396,12 +555,17 @@ impl RunStore {
                     None => self.table.prefetch(k, guard),
                 }
             }
-            let keys = &run.keys()[o + 1..o + 1 + max];
-            let m = keys
+            let run_keys = &run.keys()[o + 1..o + 1 + max];
+            let mut m = run_keys
                 .iter()
                 .zip(&request[pos + 1..landing])
                 .take_while(|(a, b)| a == b)
                 .count();
+            if run.is_long() || keys.bytes.is_some() {
+                m = (0..m)
+                    .take_while(|&j| keys.is_at(pos + 1 + j, run, o + 1 + j))
+                    .count();
+            }
             let to = pos + 1 + m;
             if !visit(run, pos, to) || to == request.len() {
                 return to;
@@ -422,7 +586,14 @@ impl RunStore {
 
     /// Cuts `keys` into stretches (module docs, "Writes"); with `tokens`, also where the token
     /// count changes. Fills `w.values` and `w.stretches`.
-    fn cut(&self, w: &mut StoreWriter, keys: &[u64], tokens: Option<&[i32]>, guard: &Guard) {
+    fn cut<K: AsRef<[u8]>>(
+        &self,
+        w: &mut StoreWriter,
+        chain: Keys<'_, K>,
+        tokens: Option<&[i32]>,
+        guard: &Guard,
+    ) {
+        let keys = chain.digests;
         let StoreWriter {
             values, stretches, ..
         } = w;
@@ -465,14 +636,20 @@ impl RunStore {
             let (run, o) = unpack(v);
             let r = run_ref(run);
             let from = i;
+            if !chain.is_at(i, r, o) {
+                values.push(None);
+                stretches.push(Stretch::Taken);
+                i += 1;
+                continue;
+            }
             values.push(Some(pack(run, o)));
             i += 1;
             let live = |p: usize| p < r.len() && !r.is_dead(p);
             let descending = i < keys.len()
                 && o > 0
                 && live(o - 1)
-                && r.key(o - 1) == keys[i]
-                && !(live(o + 1) && r.key(o + 1) == keys[i]);
+                && chain.is_at(i, r, o - 1)
+                && !(live(o + 1) && chain.is_at(i, r, o + 1));
             while i < keys.len() && same_tokens(i, from) {
                 let step = i - from;
                 let p = if descending {
@@ -483,7 +660,7 @@ impl RunStore {
                 } else {
                     o + step
                 };
-                if !live(p) || r.key(p) != keys[i] {
+                if !live(p) || !chain.is_at(i, r, p) {
                     break;
                 }
                 values.push(Some(pack(run, p)));
@@ -522,13 +699,14 @@ impl RunStore {
     }
 
     /// A new registered run over `keys`, counting the slots its caller points at it.
-    fn new_run(
+    fn new_run<K: AsRef<[u8]>>(
         &self,
         w: &mut StoreWriter,
         holders: &[Holder],
-        keys: &[u64],
+        keys: Keys<'_, K>,
     ) -> Option<NonNull<BlockRun>> {
-        let run = BlockRun::create(holders, self.holder_capacity(holders.len()), keys)?;
+        let capacity = self.holder_capacity(holders.len());
+        let run = BlockRun::create_keyed(holders, capacity, keys.digests, keys.bytes)?;
         if self.ids.register(&mut w.alloc, run).is_none() {
             // SAFETY: never registered, never in a slot.
             unsafe { BlockRun::discard(run) };
@@ -571,12 +749,15 @@ impl RunStore {
             keys.clear();
             values.clear();
             holders.clear();
-            for o in (0..r.len()).filter(|&o| !r.is_dead(o)) {
-                keys.push(r.key(o));
-                values.push(Some(pack(run, o)));
-            }
+            let live = || (0..r.len()).filter(|&o| !r.is_dead(o));
+            let bytes = copy_keys(r, live(), &mut keys);
+            values.extend(live().map(|o| Some(pack(run, o))));
             r.for_each_holder(|_, h| holders.push(h));
-            if let Some(new) = self.new_run(w, &holders, &keys) {
+            let copied = Keys {
+                digests: &keys,
+                bytes: bytes.as_deref(),
+            };
+            if let Some(new) = self.new_run(w, &holders, copied) {
                 let n = run_ref(new);
                 r.for_each_hint(|k, v, id| n.set_hint(k, v, id));
                 self.repoint(w, &keys, &values, run, Some(new), guard);
@@ -588,9 +769,9 @@ impl RunStore {
     }
 
     /// Ingests `keys` (with their token counts) for `writing`.
-    pub fn ingest(
+    pub fn ingest<'k, K: AsRef<[u8]> + 'k>(
         &self,
-        keys: &[u64],
+        keys: impl Into<Keys<'k, K>>,
         tokens: &[i32],
         writing: Writing,
         guard: &Guard,
@@ -601,23 +782,26 @@ impl RunStore {
     /// [`RunStore::ingest`], calling `added(i, holder)` for each block `keys[i]` the replica did
     /// not hold before, in chain order (the change events, N1), with the holder entry it got.
     /// A chain that repeats a key reports each occurrence that added the replica.
-    pub fn ingest_with(
+    /// A key whose digest another key of the store holds (keys of other lengths than 8 whose
+    /// digests collide) is left as it was and counted in [`IngestReport::dropped`].
+    pub fn ingest_with<'k, K: AsRef<[u8]> + 'k>(
         &self,
-        keys: &[u64],
+        keys: impl Into<Keys<'k, K>>,
         tokens: &[i32],
         writing: Writing,
         guard: &Guard,
         mut added: impl FnMut(usize, Holder),
     ) -> IngestReport {
+        let keys: Keys<'k, K> = keys.into();
         let n = keys.len().min(tokens.len());
-        let (keys, tokens) = (&keys[..n], &tokens[..n]);
+        let (keys, tokens) = (keys.range(0..n), &tokens[..n]);
         let mut w = self.lock_writer();
         let mut report = IngestReport::default();
-        if w.has_repeats(keys) {
+        if w.has_repeats(keys.digests) {
             for i in 0..n {
                 self.ingest_locked(
                     &mut w,
-                    &keys[i..=i],
+                    keys.range(i..i + 1),
                     &tokens[i..=i],
                     writing,
                     guard,
@@ -641,24 +825,26 @@ impl RunStore {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn ingest_locked(
+    fn ingest_locked<K: AsRef<[u8]>>(
         &self,
         w: &mut StoreWriter,
-        keys: &[u64],
+        chain: Keys<'_, K>,
         tokens: &[i32],
         writing: Writing,
         guard: &Guard,
         report: &mut IngestReport,
         added: &mut impl FnMut(usize, Holder),
     ) {
+        let keys = chain.digests;
         if keys.is_empty() {
             return;
         }
-        self.cut(w, keys, Some(tokens), guard);
+        self.cut(w, chain, Some(tokens), guard);
         w.owners.clear();
         let stretches = std::mem::take(&mut w.stretches);
         for &s in &stretches {
             match s {
+                Stretch::Taken => report.dropped += 1,
                 Stretch::Absent { from, to } => {
                     let me = Holder::new(
                         writing.rep,
@@ -667,7 +853,7 @@ impl RunStore {
                         writing.ts_ms,
                         w.next_generation(),
                     );
-                    let Some(run) = self.new_run(w, &[me], &keys[from..to]) else {
+                    let Some(run) = self.new_run(w, &[me], chain.range(from..to)) else {
                         report.dropped += to - from;
                         continue;
                     };
@@ -734,7 +920,7 @@ impl RunStore {
                         }
                     };
                     let new = if copy {
-                        self.new_run(w, &holders, &keys[from..to])
+                        self.new_run(w, &holders, chain.range(from..to))
                     } else {
                         None
                     };
@@ -837,25 +1023,31 @@ impl RunStore {
     }
 
     /// Removes replica `rep` from `keys` (PREFIX_EVICTED).
-    pub fn evict(&self, keys: &[u64], rep: u32, guard: &Guard) -> EvictReport {
+    pub fn evict<'k, K: AsRef<[u8]> + 'k>(
+        &self,
+        keys: impl Into<Keys<'k, K>>,
+        rep: u32,
+        guard: &Guard,
+    ) -> EvictReport {
         self.evict_with(keys, rep, guard, |_, _| {})
     }
 
     /// [`RunStore::evict`], calling `removed(i, holder)` for each block `keys[i]` the replica
     /// held, in chain order (the change events, N1), with the entry it removed.
-    pub fn evict_with(
+    pub fn evict_with<'k, K: AsRef<[u8]> + 'k>(
         &self,
-        keys: &[u64],
+        keys: impl Into<Keys<'k, K>>,
         rep: u32,
         guard: &Guard,
         mut removed: impl FnMut(usize, Holder),
     ) -> EvictReport {
+        let keys: Keys<'k, K> = keys.into();
         let mut w = self.lock_writer();
         let mut report = EvictReport::default();
-        if w.has_repeats(keys) {
+        if w.has_repeats(keys.digests) {
             for i in 0..keys.len() {
-                report +=
-                    self.evict_locked(&mut w, &keys[i..=i], rep, guard, &mut |_, h| removed(i, h));
+                let one = keys.range(i..i + 1);
+                report += self.evict_locked(&mut w, one, rep, guard, &mut |_, h| removed(i, h));
             }
         } else {
             report = self.evict_locked(&mut w, keys, rep, guard, &mut removed);
@@ -873,15 +1065,16 @@ impl RunStore {
     /// replica's) from every key it holds. Run by run: each replica a run holds that is picked
     /// leaves the run over its live offsets, one stretch.
     pub fn remove_holders(&self, doomed: impl Fn(&Holder) -> bool, guard: &Guard) -> EvictReport {
-        self.remove_holders_with(doomed, guard, |_, _| {})
+        self.remove_holders_with(doomed, guard, |_, _, _| {})
     }
 
-    /// [`RunStore::remove_holders`], calling `removed(key, holder)` for each entry it removes.
+    /// [`RunStore::remove_holders`], calling `removed(digest, long part, holder)` for each entry
+    /// it removes.
     pub fn remove_holders_with(
         &self,
         doomed: impl Fn(&Holder) -> bool,
         guard: &Guard,
-        mut removed: impl FnMut(u64, Holder),
+        mut removed: impl FnMut(u64, Option<&[u8]>, Holder),
     ) -> EvictReport {
         let mut w = self.lock_writer();
         let mut runs = Vec::new();
@@ -904,11 +1097,15 @@ impl RunStore {
         let mut keys = Vec::new();
         for (run, picked) in runs {
             let r = run_ref(run);
-            keys.clear();
-            keys.extend((0..r.len()).filter(|&o| !r.is_dead(o)).map(|o| r.key(o)));
+            let bytes = copy_keys(r, (0..r.len()).filter(|&o| !r.is_dead(o)), &mut keys);
+            let live = Keys {
+                digests: &keys,
+                bytes: bytes.as_deref(),
+            };
             for rep in picked {
-                report +=
-                    self.evict_locked(&mut w, &keys, rep, guard, &mut |i, h| removed(keys[i], h));
+                report += self.evict_locked(&mut w, live, rep, guard, &mut |i, h| {
+                    removed(live.digest(i), live.long(i), h)
+                });
             }
         }
         self.trim(&mut w, guard);
@@ -916,28 +1113,38 @@ impl RunStore {
     }
 
     /// Removes `keys` with all their holders (a quota's victims).
-    pub fn remove_keys(&self, keys: &[u64], guard: &Guard) -> EvictReport {
-        self.remove_keys_with(keys, guard, |_, _| {})
+    pub fn remove_keys<'k, K: AsRef<[u8]> + 'k>(
+        &self,
+        keys: impl Into<Keys<'k, K>>,
+        guard: &Guard,
+    ) -> EvictReport {
+        self.remove_keys_with(keys, guard, |_, _, _| {})
     }
 
-    /// [`RunStore::remove_keys`], calling `removed(key, holder)` for each entry it removes.
-    pub fn remove_keys_with(
+    /// [`RunStore::remove_keys`], calling `removed(digest, long part, holder)` for each entry it
+    /// removes.
+    pub fn remove_keys_with<'k, K: AsRef<[u8]> + 'k>(
         &self,
-        keys: &[u64],
+        keys: impl Into<Keys<'k, K>>,
         guard: &Guard,
-        mut removed: impl FnMut(u64, Holder),
+        mut removed: impl FnMut(u64, Option<&[u8]>, Holder),
     ) -> EvictReport {
+        let keys: Keys<'k, K> = keys.into();
         let mut w = self.lock_writer();
         let mut report = EvictReport::default();
-        for &k in keys {
+        for i in 0..keys.len() {
+            let k = keys.digest(i);
             let Some(v) = self.table.find(k, guard).map(SlotValue::get) else {
                 continue;
             };
             let (run, o) = unpack(v);
             let r = run_ref(run);
+            if !keys.is_at(i, r, o) {
+                continue;
+            }
             r.for_each_holder(|_, h| {
                 report.removed += 1;
-                removed(k, h);
+                removed(k, keys.long(i), h);
             });
             report.keys_removed += 1;
             // Invariant 2: the offset is dead before its slot goes.
@@ -962,10 +1169,10 @@ impl RunStore {
         });
     }
 
-    fn evict_locked(
+    fn evict_locked<K: AsRef<[u8]>>(
         &self,
         w: &mut StoreWriter,
-        keys: &[u64],
+        keys: Keys<'_, K>,
         rep: u32,
         guard: &Guard,
         removed_at: &mut impl FnMut(usize, Holder),
@@ -1001,16 +1208,28 @@ impl RunStore {
                 (from..to).for_each(|i| removed_at(i, gone));
                 continue;
             }
+            // The stretch's keys in old-offset order (the chain's, matched in `cut`; a long
+            // run's with their bytes).
             let mut ordered = std::mem::take(&mut w.ordered);
             let mut ordered_values = std::mem::take(&mut w.ordered_values);
-            ordered.clear();
-            ordered.extend_from_slice(&keys[from..to]);
             ordered_values.clear();
             ordered_values.extend_from_slice(&w.values[from..to]);
             if descending {
-                ordered.reverse();
                 ordered_values.reverse();
             }
+            let bytes = if r.is_long() {
+                let offsets = ordered_values
+                    .iter()
+                    .map(|v| unpack(v.unwrap_or_default()).1);
+                copy_keys(r, offsets, &mut ordered)
+            } else {
+                ordered.clear();
+                ordered.extend_from_slice(&keys.digests[from..to]);
+                if descending {
+                    ordered.reverse();
+                }
+                None
+            };
             let mut holders = std::mem::take(&mut w.holders);
             holders.clear();
             r.for_each_holder(|_, h| {
@@ -1021,7 +1240,11 @@ impl RunStore {
             let new = if holders.is_empty() {
                 None
             } else {
-                self.new_run(w, &holders, &ordered)
+                let copied = Keys {
+                    digests: &ordered,
+                    bytes: bytes.as_deref(),
+                };
+                self.new_run(w, &holders, copied)
             };
             // Without a run for the others (none could be built), the stretch stays as it was.
             if new.is_some() || holders.is_empty() {

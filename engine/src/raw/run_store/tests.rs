@@ -150,6 +150,47 @@ fn apply(model: &mut Model, op: &Op) -> Done {
     (counts, changes)
 }
 
+/// How the model's key ids become the store's keys: `Plain` passes the ids as 8-byte keys
+/// (`&[u64]`); `Mixed` passes bytes, every third id a key of another length than 8 (id 3 the
+/// empty key), the others the id's 8 big-endian bytes.
+#[derive(Clone, Copy, Debug)]
+enum Naming {
+    Plain,
+    Mixed,
+}
+
+impl Naming {
+    fn bytes(self, id: u64) -> Vec<u8> {
+        match self {
+            Naming::Mixed if id == 3 => Vec::new(),
+            Naming::Mixed if id.is_multiple_of(3) => format!("long key {id}")
+                .repeat(1 + (id % 4) as usize)
+                .into_bytes(),
+            _ => id.to_be_bytes().to_vec(),
+        }
+    }
+
+    /// The digests and bytes of `ids`.
+    fn keys(self, ids: &[u64]) -> (Vec<u64>, Vec<Vec<u8>>) {
+        let bytes: Vec<Vec<u8>> = ids.iter().map(|&id| self.bytes(id)).collect();
+        (bytes.iter().map(|b| digest(b)).collect(), bytes)
+    }
+
+    /// The id of the key with `digest` and long part `long`.
+    fn id(self, digest: u64, long: Option<&[u8]>) -> u64 {
+        (1..=UNIVERSE)
+            .find(|&id| {
+                let b = self.bytes(id);
+                crate::raw::node::digest(&b) == digest && long_part(&b) == long
+            })
+            .unwrap_or_else(|| panic!("no key id has digest {digest:#x} and part {long:?}"))
+    }
+}
+
+fn digest(bytes: &[u8]) -> u64 {
+    crate::raw::node::digest(bytes)
+}
+
 fn state(holders: &[Holder]) -> BTreeMap<u32, (u8, i32, i64)> {
     holders
         .iter()
@@ -157,11 +198,17 @@ fn state(holders: &[Holder]) -> BTreeMap<u32, (u8, i32, i64)> {
         .collect()
 }
 
-fn check(store: &RunStore, model: &Model, generations: &mut BTreeMap<(u64, u32), u32>) {
+fn check(
+    store: &RunStore,
+    naming: Naming,
+    model: &Model,
+    generations: &mut BTreeMap<(u64, u32), u32>,
+) {
     let guard = crossbeam_epoch::pin();
     assert_eq!(store.len(), model.len(), "keys present");
     for k in 1..=UNIVERSE {
-        let got = store.holders(k, &guard);
+        let bytes = naming.bytes(k);
+        let got = store.holders_keyed(digest(&bytes), long_part(&bytes), &guard);
         match model.get(&k) {
             None => assert_eq!(got, None, "key {k} should be absent"),
             Some(want) => {
@@ -182,8 +229,9 @@ fn check(store: &RunStore, model: &Model, generations: &mut BTreeMap<(u64, u32),
         }
     }
     let mut listed = BTreeMap::new();
-    store.for_each_key(&guard, |k, run, o| {
-        assert_eq!(run.key(o), k);
+    store.for_each_key(&guard, |d, run, o| {
+        assert_eq!(run.key(o), d);
+        let k = naming.id(d, run.long_key(o));
         let mut hs = Vec::new();
         run.for_each_holder(|_, h| hs.push(h));
         assert!(
@@ -210,15 +258,21 @@ fn check(store: &RunStore, model: &Model, generations: &mut BTreeMap<(u64, u32),
     // longest present prefix, each block with its model holders.
     for start in 1..=UNIVERSE {
         let request: Vec<u64> = (start..=UNIVERSE).chain(1..start).collect();
+        let (digests, bytes) = naming.keys(&request);
+        let keys = Keys::with_bytes(&digests, &bytes).expect("as many bytes as digests");
         let mut blocks = Vec::new();
-        let matched = store.walk(&request, &guard, |run, from, to| {
+        let mut visit = |run: &BlockRun, from: usize, to: usize| {
             let mut hs = Vec::new();
             run.for_each_holder(|_, h| hs.push(h));
             for k in &request[from..to] {
                 blocks.push((*k, state(&hs)));
             }
             true
-        });
+        };
+        let matched = match naming {
+            Naming::Plain => store.walk(&request, &guard, &mut visit),
+            Naming::Mixed => store.walk(keys, &guard, &mut visit),
+        };
         let want = request.iter().take_while(|k| model.contains_key(k)).count();
         assert_eq!(matched, want, "walk from {start}");
         assert_eq!(blocks.len(), want);
@@ -229,9 +283,16 @@ fn check(store: &RunStore, model: &Model, generations: &mut BTreeMap<(u64, u32),
 }
 
 /// Applies `op` to the store; returns what [`apply`] does.
-fn perform(store: &RunStore, op: &Op) -> Done {
+fn perform(store: &RunStore, naming: Naming, op: &Op) -> Done {
     let guard = crossbeam_epoch::pin();
     let mut changes = Vec::new();
+    let chain = match op {
+        Op::Ingest { keys, .. } | Op::Evict { keys, .. } | Op::RemoveKeys { keys } => {
+            naming.keys(keys)
+        }
+        Op::Clear { .. } | Op::Sweep { .. } => (Vec::new(), Vec::new()),
+    };
+    let mixed = Keys::with_bytes(&chain.0, &chain.1).expect("as many bytes as digests");
     let counts = match op {
         Op::Ingest {
             keys,
@@ -245,7 +306,8 @@ fn perform(store: &RunStore, op: &Op) -> Done {
                 tier: *tier,
                 ts_ms: *ts,
             };
-            let report = store.ingest_with(keys, &tokens[..keys.len()], writing, &guard, |i, h| {
+            let tokens = &tokens[..keys.len()];
+            let added = |i: usize, h: Holder| {
                 // A new entry: the write's state, its own timestamp.
                 assert_eq!(
                     (h.tier(), h.tokens(), h.last_seen_ms()),
@@ -253,20 +315,27 @@ fn perform(store: &RunStore, op: &Op) -> Done {
                     "the entry added for block {i}"
                 );
                 changes.push((keys[i], h.rep()));
-            });
+            };
+            let report = match naming {
+                Naming::Plain => store.ingest_with(keys, tokens, writing, &guard, added),
+                Naming::Mixed => store.ingest_with(mixed, tokens, writing, &guard, added),
+            };
             assert_eq!(report.dropped, 0);
             (report.added, report.new_keys)
         }
         Op::Evict { keys, rep } => {
-            let report =
-                store.evict_with(keys, *rep, &guard, |i, h| changes.push((keys[i], h.rep())));
+            let removed = |i: usize, h: Holder| changes.push((keys[i], h.rep()));
+            let report = match naming {
+                Naming::Plain => store.evict_with(keys, *rep, &guard, removed),
+                Naming::Mixed => store.evict_with(mixed, *rep, &guard, removed),
+            };
             (report.removed, report.keys_removed)
         }
         Op::Clear { rep } => {
             let report = store.remove_holders_with(
                 |h| h.rep() == *rep,
                 &guard,
-                |k, h| changes.push((k, h.rep())),
+                |d, long, h| changes.push((naming.id(d, long), h.rep())),
             );
             (report.removed, report.keys_removed)
         }
@@ -274,12 +343,17 @@ fn perform(store: &RunStore, op: &Op) -> Done {
             let report = store.remove_holders_with(
                 |h| h.last_seen_ms() < *cutoff,
                 &guard,
-                |k, h| changes.push((k, h.rep())),
+                |d, long, h| changes.push((naming.id(d, long), h.rep())),
             );
             (report.removed, report.keys_removed)
         }
         Op::RemoveKeys { keys } => {
-            let report = store.remove_keys_with(keys, &guard, |k, h| changes.push((k, h.rep())));
+            let removed =
+                |d, long: Option<&[u8]>, h: Holder| changes.push((naming.id(d, long), h.rep()));
+            let report = match naming {
+                Naming::Plain => store.remove_keys_with(keys, &guard, removed),
+                Naming::Mixed => store.remove_keys_with(mixed, &guard, removed),
+            };
             (report.removed, report.keys_removed)
         }
     };
@@ -289,20 +363,25 @@ fn perform(store: &RunStore, op: &Op) -> Done {
     (counts, changes)
 }
 
-fn run_ops(options: StoreOptions, ops: &[Op]) {
+fn run_ops(options: StoreOptions, naming: Naming, ops: &[Op]) {
     let store = RunStore::new(options);
     let mut model = Model::new();
     let mut generations = BTreeMap::new();
     for op in ops {
-        let done = perform(&store, op);
+        let done = perform(&store, naming, op);
         assert_eq!(done, apply(&mut model, op), "counts and changes of {op:?}");
-        check(&store, &model, &mut generations);
+        check(&store, naming, &model, &mut generations);
     }
     // Everything removed: nothing left, no run bytes, no root slot.
     let guard = crossbeam_epoch::pin();
+    let all: Vec<u64> = (1..=UNIVERSE).collect();
+    let (digests, bytes) = naming.keys(&all);
     for rep in 0..5 {
-        let all: Vec<u64> = (1..=UNIVERSE).collect();
-        store.evict(&all, rep, &guard);
+        store.evict(
+            Keys::with_bytes(&digests, &bytes).expect("as many"),
+            rep,
+            &guard,
+        );
     }
     assert!(store.is_empty());
     assert_eq!(store.root_count(), 0);
@@ -332,12 +411,17 @@ proptest! {
 
     #[test]
     fn matches_the_model(ops in prop::collection::vec(op(), 1..40)) {
-        run_ops(StoreOptions::default(), &ops);
+        run_ops(StoreOptions::default(), Naming::Plain, &ops);
+    }
+
+    #[test]
+    fn matches_the_model_with_keys_of_other_lengths(ops in prop::collection::vec(op(), 1..40)) {
+        run_ops(StoreOptions::default(), Naming::Mixed, &ops);
     }
 
     #[test]
     fn matches_the_model_without_aids(ops in prop::collection::vec(op(), 1..40)) {
-        run_ops(StoreOptions { hints: false, roots: false, gone: false, join: false }, &ops);
+        run_ops(StoreOptions { hints: false, roots: false, gone: false, join: false }, Naming::Plain, &ops);
     }
 }
 
@@ -603,12 +687,115 @@ fn concurrent_walks_see_held_blocks_while_a_writer_churns() {
                 ts,
             }
         };
-        let done = perform(&store, &op);
+        let done = perform(&store, Naming::Plain, &op);
         assert_eq!(done, apply(&mut model, &op), "counts of {op:?}");
     }
     stop.store(true, AtomicOrdering::Relaxed);
     for r in readers {
         assert!(r.join().expect("a reader panicked") > 0);
     }
-    check(&store, &model, &mut BTreeMap::new());
+    check(&store, Naming::Plain, &model, &mut BTreeMap::new());
+}
+
+#[test]
+fn a_key_whose_digest_another_key_holds_is_neither_stored_nor_answered() {
+    let store = RunStore::default();
+    let guard = crossbeam_epoch::pin();
+    let long = b"a key longer than eight bytes".to_vec();
+    // An 8-byte key whose value is the long key's digest: the same slot key, another key.
+    let eight = digest(&long).to_be_bytes().to_vec();
+    let (a, b) = (1u64.to_be_bytes().to_vec(), 2u64.to_be_bytes().to_vec());
+    let keys = |ks: &[&Vec<u8>]| -> (Vec<u64>, Vec<Vec<u8>>) {
+        (
+            ks.iter().map(|k| digest(k)).collect(),
+            ks.iter().map(|k| k.to_vec()).collect(),
+        )
+    };
+    let writing = |rep| Writing {
+        rep,
+        tier: 1,
+        ts_ms: 5,
+    };
+    let (d, by) = keys(&[&a, &long, &b]);
+    let report = store.ingest(
+        Keys::with_bytes(&d, &by).expect("keys"),
+        &[16; 3],
+        writing(1),
+        &guard,
+    );
+    assert_eq!((report.added, report.dropped), (3, 0));
+    let holders = |k: &Vec<u8>| store.holders_keyed(digest(k), long_part(k), &guard);
+    assert!(holders(&long).is_some());
+    assert_eq!(
+        holders(&eight),
+        None,
+        "the long key does not answer for the 8-byte one"
+    );
+    // A walk through the run stops where the request's key is the other one, though the run's
+    // digest there is the same.
+    let (d, by) = keys(&[&a, &eight, &b]);
+    let matched = store.walk(
+        Keys::with_bytes(&d, &by).expect("keys"),
+        &guard,
+        |_, _, _| true,
+    );
+    assert_eq!(matched, 1);
+    let (d, by) = keys(&[&a, &long, &b]);
+    let matched = store.walk(
+        Keys::with_bytes(&d, &by).expect("keys"),
+        &guard,
+        |_, _, _| true,
+    );
+    assert_eq!(matched, 3);
+    // A request beginning with the other key matches nothing.
+    let (d, by) = keys(&[&eight]);
+    assert_eq!(
+        store.walk(
+            Keys::with_bytes(&d, &by).expect("keys"),
+            &guard,
+            |_, _, _| true
+        ),
+        0
+    );
+    // Writes of the other key: not stored, nothing of the long key's removed.
+    let report = store.ingest(
+        Keys::with_bytes(&d, &by).expect("keys"),
+        &[16],
+        writing(2),
+        &guard,
+    );
+    assert_eq!((report.added, report.dropped), (0, 1));
+    assert_eq!(
+        store
+            .evict(Keys::with_bytes(&d, &by).expect("keys"), 1, &guard)
+            .removed,
+        0
+    );
+    let gone = store.remove_keys(Keys::with_bytes(&d, &by).expect("keys"), &guard);
+    assert_eq!(gone.removed, 0);
+    // Both in one chain: the long key is written, the other dropped.
+    let (d, by) = keys(&[&long, &eight]);
+    let report = store.ingest(
+        Keys::with_bytes(&d, &by).expect("keys"),
+        &[16; 2],
+        writing(3),
+        &guard,
+    );
+    assert_eq!((report.added, report.dropped), (1, 1));
+    let reps: Vec<u32> = holders(&long)
+        .expect("held")
+        .iter()
+        .map(Holder::rep)
+        .collect();
+    assert_eq!(reps, [1, 3]);
+    assert_eq!(store.len(), 3);
+    // Removed by its own bytes, the long key goes.
+    let (d, by) = keys(&[&long]);
+    assert_eq!(
+        store
+            .remove_keys(Keys::with_bytes(&d, &by).expect("keys"), &guard)
+            .removed,
+        2
+    );
+    assert_eq!(holders(&long), None);
 }
