@@ -25,7 +25,9 @@
 //! stretches' runs hints at the block after it ([`BlockRun::set_hint`]), and a run copied on
 //! write inherits the old run's hints when it ends where that one did, else hints at the old
 //! run's next live block. A chain that repeats a key is written key by key (its repeated keys
-//! would make two offsets claim one slot); the last occurrence wins, as for any chain.
+//! would make two offsets claim one slot); the last occurrence wins, as for any chain. An
+//! ingest finds repeats in the chain's digests (a seeded set, linear in the chain); a removal
+//! only needs to rule out two stretches naming one held block, which its cut shows directly.
 //!
 //! Writes report what the index's derived counters need ([`IngestReport`], [`EvictReport`]):
 //! blocks a replica gained or lost, keys that appeared or went; their `_with` forms also call
@@ -333,6 +335,36 @@ impl StoreWriter {
     /// Whether `keys` holds a key twice (see [`has_repeats`]).
     fn has_repeats(&mut self, keys: &[u64]) -> bool {
         has_repeats(keys, &mut self.seen, self.seed)
+    }
+
+    /// After a removal's [`RunStore::cut`] of `keys`: whether two of its stretches name one
+    /// block. Only blocks the store holds can be removed twice, and two stretches name one
+    /// exactly when they are in one run and their offset ranges meet (a stretch's offsets are
+    /// consecutive, a run's keys distinct), so this is exact for a removal. Many stretches are
+    /// checked through [`has_repeats`] instead of pairwise.
+    fn blocks_repeat(&mut self, keys: &[u64]) -> bool {
+        let mut ranges = [(0usize, 0usize, 0usize); 16];
+        let mut n = 0;
+        for s in &self.stretches {
+            let Stretch::InRun { from, to, run, .. } = *s else {
+                continue;
+            };
+            let offset = |i: usize| unpack(self.values[i].unwrap_or_default()).1;
+            let (a, b) = (offset(from), offset(to - 1));
+            let range = (run.as_ptr() as usize, a.min(b), a.max(b));
+            if n == ranges.len() {
+                return self.has_repeats(keys);
+            }
+            let meets = ranges[..n]
+                .iter()
+                .any(|&(r, lo, hi)| r == range.0 && lo <= range.2 && range.1 <= hi);
+            if meets {
+                return true;
+            }
+            ranges[n] = range;
+            n += 1;
+        }
+        false
     }
 
     fn next_generation(&mut self) -> u32 {
@@ -1043,15 +1075,20 @@ impl RunStore {
     ) -> EvictReport {
         let keys: Keys<'k, K> = keys.into();
         let mut w = self.lock_writer();
-        let mut report = EvictReport::default();
-        if w.has_repeats(keys.digests) {
-            for i in 0..keys.len() {
-                let one = keys.range(i..i + 1);
-                report += self.evict_locked(&mut w, one, rep, guard, &mut |_, h| removed(i, h));
+        let report = match self.evict_locked(&mut w, keys, rep, guard, &mut removed) {
+            Some(report) => report,
+            None => {
+                let mut report = EvictReport::default();
+                for i in 0..keys.len() {
+                    let one = keys.range(i..i + 1);
+                    let mut at = |_, h| removed(i, h);
+                    report += self
+                        .evict_locked(&mut w, one, rep, guard, &mut at)
+                        .unwrap_or_default();
+                }
+                report
             }
-        } else {
-            report = self.evict_locked(&mut w, keys, rep, guard, &mut removed);
-        }
+        };
         self.trim(&mut w, guard);
         report
     }
@@ -1097,15 +1134,17 @@ impl RunStore {
         let mut keys = Vec::new();
         for (run, picked) in runs {
             let r = run_ref(run);
+            // A run's live keys are distinct, so these removals never meet a repeat.
             let bytes = copy_keys(r, (0..r.len()).filter(|&o| !r.is_dead(o)), &mut keys);
             let live = Keys {
                 digests: &keys,
                 bytes: bytes.as_deref(),
             };
             for rep in picked {
-                report += self.evict_locked(&mut w, live, rep, guard, &mut |i, h| {
-                    removed(live.digest(i), live.long(i), h)
-                });
+                let mut at = |i: usize, h| removed(live.digest(i), live.long(i), h);
+                report += self
+                    .evict_locked(&mut w, live, rep, guard, &mut at)
+                    .unwrap_or_default();
             }
         }
         self.trim(&mut w, guard);
@@ -1169,6 +1208,8 @@ impl RunStore {
         });
     }
 
+    /// Removes `rep` from `keys`; `None`, having changed nothing, when two of the chain's keys
+    /// name one block (a repeated key the store holds: written key by key instead).
     fn evict_locked<K: AsRef<[u8]>>(
         &self,
         w: &mut StoreWriter,
@@ -1176,8 +1217,11 @@ impl RunStore {
         rep: u32,
         guard: &Guard,
         removed_at: &mut impl FnMut(usize, Holder),
-    ) -> EvictReport {
+    ) -> Option<EvictReport> {
         self.cut(w, keys, None, guard);
+        if w.blocks_repeat(keys.digests) {
+            return None;
+        }
         let mut removed = 0;
         let mut keys_removed = 0;
         let stretches = std::mem::take(&mut w.stretches);
@@ -1260,10 +1304,10 @@ impl RunStore {
             w.ordered_values = ordered_values;
         }
         w.stretches = stretches;
-        EvictReport {
+        Some(EvictReport {
             removed,
             keys_removed,
-        }
+        })
     }
 }
 
