@@ -676,12 +676,18 @@ impl RunStore {
             }
             values.push(Some(pack(run, o)));
             i += 1;
-            let live = |p: usize| p < r.len() && !r.is_dead(p);
+            let run_keys = r.keys();
+            let live = |p: usize| p < run_keys.len() && !r.is_dead(p);
+            // Digests first; long parts only where a key has one.
+            let compare_bytes = chain.bytes.is_some() || r.is_long();
+            let same = |i: usize, p: usize| {
+                run_keys[p] == keys[i] && (!compare_bytes || chain.is_at(i, r, p))
+            };
             let descending = i < keys.len()
                 && o > 0
                 && live(o - 1)
-                && chain.is_at(i, r, o - 1)
-                && !(live(o + 1) && chain.is_at(i, r, o + 1));
+                && same(i, o - 1)
+                && !(live(o + 1) && same(i, o + 1));
             while i < keys.len() && same_tokens(i, from) {
                 let step = i - from;
                 let p = if descending {
@@ -692,7 +698,7 @@ impl RunStore {
                 } else {
                     o + step
                 };
-                if !live(p) || !chain.is_at(i, r, p) {
+                if !live(p) || !same(i, p) {
                     break;
                 }
                 values.push(Some(pack(run, p)));
