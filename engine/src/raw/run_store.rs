@@ -37,7 +37,9 @@
 //! built for it counts as dropped (ingest) or not at all (removal). [`RunStore::remove_holders`]
 //! (the TTL sweep, ALL_CLEARED) removes the holders it picks run by run, each over the run's
 //! live offsets; [`RunStore::remove_keys`] (a quota's victims) removes whole keys;
-//! [`RunStore::for_each_key`] lists every present key with the run naming it.
+//! [`RunStore::for_each_key`] lists every present key with the run naming it, and
+//! [`RunStore::scan`] a stretch of them from a cursor (a sampling hand); the cap's victim, one
+//! replica's copy of a run, goes through [`RunStore::remove_run_holder_with`].
 //!
 //! # Keys of other lengths
 //!
@@ -1140,18 +1142,7 @@ impl RunStore {
         let mut keys = Vec::new();
         for (run, picked) in runs {
             let r = run_ref(run);
-            // A run's live keys are distinct, so these removals never meet a repeat.
-            let bytes = copy_keys(r, (0..r.len()).filter(|&o| !r.is_dead(o)), &mut keys);
-            let live = Keys {
-                digests: &keys,
-                bytes: bytes.as_deref(),
-            };
-            for rep in picked {
-                let mut at = |i: usize, h| removed(live.digest(i), live.long(i), h);
-                report += self
-                    .evict_locked(&mut w, live, rep, guard, &mut at)
-                    .unwrap_or_default();
-            }
+            report += self.evict_from_run(&mut w, r, &picked, &mut keys, guard, &mut removed);
         }
         self.trim(&mut w, guard);
         report
@@ -1201,6 +1192,82 @@ impl RunStore {
             self.release(&mut w, run, 1, guard);
         }
         self.trim(&mut w, guard);
+        report
+    }
+
+    /// Calls `f(digest, run, offset)` for the present keys among `count` key-table slots from
+    /// cursor `from` on, and returns the cursor after them (wrapping): a sampling scan spread
+    /// over calls, as the cap's hand takes victims. One lap of the cursor over an unchanging
+    /// store visits every key once.
+    pub fn scan(
+        &self,
+        from: usize,
+        count: usize,
+        guard: &Guard,
+        mut f: impl FnMut(u64, &BlockRun, usize),
+    ) -> usize {
+        self.table.for_each_value_from(from, count, guard, |v| {
+            let (run, o) = unpack(v);
+            let r = run_ref(run);
+            f(r.key(o), r, o);
+        })
+    }
+
+    /// Slots of the key table (a scan's lap).
+    pub fn scan_len(&self, guard: &Guard) -> usize {
+        self.table.capacity(guard)
+    }
+
+    /// Removes `rep` from every live block of the run that holds the key with `digest` and
+    /// long part `long` (the cap's victim: one replica's copy of a stretch, all blocks of one
+    /// age), calling `removed(digest, long part, holder)` for each entry it removes. Nothing
+    /// when the key is absent or `rep` does not hold it.
+    pub fn remove_run_holder_with(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        rep: u32,
+        guard: &Guard,
+        mut removed: impl FnMut(u64, Option<&[u8]>, Holder),
+    ) -> EvictReport {
+        let mut w = self.lock_writer();
+        let Some(value) = self.table.find(digest, guard).map(SlotValue::get) else {
+            return EvictReport::default();
+        };
+        let (run, o) = unpack(value);
+        let r = run_ref(run);
+        if !r.is_key(o, digest, long) {
+            return EvictReport::default();
+        }
+        let report = self.evict_from_run(&mut w, r, &[rep], &mut Vec::new(), guard, &mut removed);
+        self.trim(&mut w, guard);
+        report
+    }
+
+    /// Removes each of `reps` from every live block of `r`, calling `removed(digest, long
+    /// part, holder)` for each entry it removes; `digests` is scratch.
+    fn evict_from_run(
+        &self,
+        w: &mut StoreWriter,
+        r: &BlockRun,
+        reps: &[u32],
+        digests: &mut Vec<u64>,
+        guard: &Guard,
+        removed: &mut impl FnMut(u64, Option<&[u8]>, Holder),
+    ) -> EvictReport {
+        let bytes = copy_keys(r, (0..r.len()).filter(|&o| !r.is_dead(o)), digests);
+        let live = Keys {
+            digests,
+            bytes: bytes.as_deref(),
+        };
+        let mut report = EvictReport::default();
+        for &rep in reps {
+            // A run's live keys are distinct: no repeat to rule out.
+            let mut at = |i: usize, h| removed(live.digest(i), live.long(i), h);
+            report += self
+                .evict_locked(w, live, rep, guard, &mut at)
+                .unwrap_or_default();
+        }
         report
     }
 

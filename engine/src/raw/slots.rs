@@ -311,6 +311,33 @@ impl SlotTable {
         }
     }
 
+    /// Calls `f` with the value of every live slot among `count` slots of the current table
+    /// from position `from` on (wrapping at its end; positions of a table a rebuild replaced
+    /// are taken modulo the new one's length), and returns the position after the last slot
+    /// visited: a cursor for a scan spread over many calls (the cap's sampling hand). A
+    /// concurrent writer may move values past the visit, as in [`SlotTable::for_each_value`].
+    pub fn for_each_value_from(
+        &self,
+        from: usize,
+        count: usize,
+        guard: &Guard,
+        mut f: impl FnMut(u64),
+    ) -> usize {
+        let table = self.current.load(Ordering::Acquire, guard);
+        // SAFETY: as in `SlotTable::find`: the table stays allocated while `guard` is pinned.
+        let table = unsafe { table.deref() };
+        let mask = table.mask();
+        let mut at = from & mask;
+        for _ in 0..count.min(table.slots.len()) {
+            let v = table.slots[at].value.load(Ordering::Acquire);
+            if v != 0 {
+                f(v);
+            }
+            at = (at + 1) & mask;
+        }
+        at
+    }
+
     /// Slot count of the current table (tests and models).
     pub fn capacity(&self, guard: &Guard) -> usize {
         let table = self.current.load(Ordering::Acquire, guard);

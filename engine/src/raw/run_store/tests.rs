@@ -799,3 +799,60 @@ fn a_key_whose_digest_another_key_holds_is_neither_stored_nor_answered() {
     );
     assert_eq!(holders(&long), None);
 }
+
+#[test]
+fn a_scan_lap_visits_every_key_once_and_a_run_holder_goes_with_its_run_mates() {
+    let store = RunStore::default();
+    let guard = crossbeam_epoch::pin();
+    let writing = |rep| Writing {
+        rep,
+        tier: 1,
+        ts_ms: 5,
+    };
+    let a: Vec<u64> = (1..=32).collect();
+    store.ingest(&a, &[16; 32], writing(1), &guard);
+    store.ingest(&a[..16], &[16; 16], writing(2), &guard);
+    // One lap in uneven steps: every key once, with the run naming it.
+    let lap = store.scan_len(&guard);
+    let mut seen = BTreeMap::new();
+    let mut cursor = 5;
+    let mut visited = 0;
+    while visited < lap {
+        let step = 7.min(lap - visited);
+        cursor = store.scan(cursor, step, &guard, |k, run, o| {
+            assert_eq!(run.key(o), k);
+            *seen.entry(k).or_insert(0) += 1;
+        });
+        visited += step;
+    }
+    assert_eq!(cursor, 5, "a lap ends where it began");
+    assert_eq!(seen.len(), 32);
+    assert!(seen.values().all(|&n| n == 1));
+    // Replica 1's copy of the shared stretch (keys 1..=16) goes whole; replica 2 keeps it.
+    let mut removed = Vec::new();
+    let report = store.remove_run_holder_with(5, None, 1, &guard, |k, long, h| {
+        assert_eq!(long, None);
+        removed.push((k, h.rep()));
+    });
+    assert_eq!((report.removed, report.keys_removed), (16, 0));
+    removed.sort_unstable();
+    assert_eq!(removed, (1..=16).map(|k| (k, 1)).collect::<Vec<_>>());
+    let reps = |k| -> Vec<u32> {
+        store
+            .holders(k, &guard)
+            .map(|hs| hs.iter().map(Holder::rep).collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(reps(1), [2]);
+    assert_eq!(reps(17), [1]);
+    // A replica that does not hold the key's run, or an absent key: nothing.
+    let none = store.remove_run_holder_with(20, None, 2, &guard, |_, _, _| unreachable!());
+    assert_eq!(none, EvictReport::default());
+    let none = store.remove_run_holder_with(99, None, 1, &guard, |_, _, _| unreachable!());
+    assert_eq!(none, EvictReport::default());
+    // The tail's only holder: its keys go.
+    let report = store.remove_run_holder_with(20, None, 1, &guard, |_, _, _| {});
+    assert_eq!((report.removed, report.keys_removed), (16, 16));
+    assert_eq!(store.len(), 16);
+    assert_eq!(reps(20), Vec::<u32>::new());
+}
