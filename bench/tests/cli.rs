@@ -50,6 +50,7 @@ const BINARIES: [(&str, &str, &[&str]); 5] = [
             "--no-roots",
             "--no-gone",
             "--no-join",
+            "--key-bytes",
             "--json",
         ],
     ),
@@ -80,6 +81,8 @@ fn bad_flags_and_values_exit_2() {
         ("rw", BINARIES[3].1, &["--chains", "8"][..]),
         ("layout-probe", BINARIES[4].1, &["--chains", "3"][..]),
         ("layout-probe", BINARIES[4].1, &["--queries", "0"][..]),
+        ("layout-probe", BINARIES[4].1, &["--key-bytes", "7"][..]),
+        ("layout-probe", BINARIES[4].1, &["--key-bytes", "65"][..]),
     ] {
         let out = Command::new(path).args(args).output().expect(name);
         assert_eq!(out.status.code(), Some(2), "{name} {args:?}");
@@ -110,13 +113,16 @@ fn a_small_eviction_run_prints_its_table() {
 }
 
 /// The design probe's lookups give W1M's expected answers (it exits 1 when a round's sums
-/// differ), with and without its lookup aids, and its removals leave nothing behind.
+/// differ), with and without its lookup aids, with keys of other lengths than 8 (kept as
+/// bytes and compared), and its removals leave nothing behind.
 #[test]
 fn a_small_layout_probe_run_checks_its_answers() {
     for flags in [
         &[][..],
         &["--no-hints", "--no-roots"][..],
         &["--no-gone", "--no-join"][..],
+        &["--key-bytes", "32"][..],
+        &["--key-bytes", "13"][..],
     ] {
         let out = Command::new(BINARIES[4].1)
             .args(["--chains", "64", "--queries", "300", "--json"])

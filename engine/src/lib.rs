@@ -38,9 +38,10 @@ pub use raw::loom_api;
 #[doc(hidden)]
 pub mod layout {
     pub use crate::raw::block_run::{
-        BlockRun, FLAG, HINTS, HintedBlock, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, pack, unpack,
+        BlockRun, FLAG, HINTS, HintedBlock, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, long_part,
+        pack, unpack,
     };
-    pub use crate::raw::node::Holder;
+    pub use crate::raw::node::{Holder, digest};
     pub use crate::raw::reaper::{Reaper, Reclaim};
     pub use crate::raw::run_store::{
         EvictReport, IngestReport, Keys, RunStore, StoreOptions, Writing,

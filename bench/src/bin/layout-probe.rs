@@ -3,10 +3,12 @@
 //! same method as `w1m`, so its figures sit next to the engine's and the peers' on one host.
 //!
 //! ```text
-//! layout-probe [--chains N] [--queries N] [--no-hints] [--no-roots] [--no-gone] [--no-join] [--json]
+//! layout-probe [--chains N] [--queries N] [--no-hints] [--no-roots] [--no-gone] [--no-join]
+//!              [--key-bytes N] [--json]
 //! ```
 //!
-//! This is not an index: one thread, one partition, keys of 8 bytes, replica indices below 64,
+//! This is not an index: one thread, one partition, keys of 8 bytes (or `--key-bytes`: each
+//! value widened to that many bytes, kept by the runs and compared), replica indices below 64,
 //! no LFU, TTL sweep or tiers beyond what the walk reads. Its storage is the engine's pieces of
 //! the run layout (`inferencecache_engine::layout`): the key-inline `SlotTable` (atomic slots,
 //! epoch-retired tables, a writer lock, taken once per stretch here) and `BlockRun` with its
@@ -45,7 +47,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use clap::builder::TypedValueParser;
 use crossbeam_epoch as epoch;
-use inferencecache_engine::layout::{RunStore, StoreOptions, Writing};
+use inferencecache_engine::layout::{Keys, RunStore, StoreOptions, Writing, digest};
 use std::time::Instant;
 
 use inferencecache_bench::measure::{Plan, Recorder, Sums, bench_lookup, vm_rss_bytes};
@@ -63,8 +65,14 @@ const ROW: &str = "inferencecache run-layout probe";
 /// `[Σ blocks, Σ tokens, replicas]`. Each stretch the walk visits is held by exactly its run's
 /// live holders: the open replicas it lacks close at the tokens before it and, at block 0, the
 /// live ones open.
-fn lookup(store: &RunStore, hashes: &[u64], counts: &[i32], now_ms: i64, ttl_ms: i64) -> Sums {
-    let n = hashes.len().min(counts.len());
+fn lookup(
+    store: &RunStore,
+    keys: Keys<'_, KeyBytes>,
+    counts: &[i32],
+    now_ms: i64,
+    ttl_ms: i64,
+) -> Sums {
+    debug_assert!(keys.len() <= counts.len());
     let guard = epoch::pin();
     let mut open = 0u64;
     let mut sums = [0u64; 3];
@@ -75,7 +83,7 @@ fn lookup(store: &RunStore, hashes: &[u64], counts: &[i32], now_ms: i64, ttl_ms:
         sums[1] += c * tokens as u64;
         sums[2] += c;
     };
-    let matched = store.walk(&hashes[..n], &guard, |run, from, to| {
+    let matched = store.walk(keys, &guard, |run, from, to| {
         let mut here = 0u64;
         run.for_each_holder(|_, h| {
             if now_ms - h.last_seen_ms() < ttl_ms {
@@ -100,6 +108,62 @@ fn lookup(store: &RunStore, hashes: &[u64], counts: &[i32], now_ms: i64, ttl_ms:
         close(open, matched, tokens, &mut sums);
     }
     sums
+}
+
+/// A key of `--key-bytes` bytes (at most [`MAX_KEY_BYTES`]).
+#[derive(Clone, Copy)]
+struct KeyBytes {
+    bytes: [u8; MAX_KEY_BYTES],
+    len: usize,
+}
+
+const MAX_KEY_BYTES: usize = 64;
+
+impl AsRef<[u8]> for KeyBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
+/// A chain's keys as the store takes them: 8-byte keys are W1M's values themselves (no bytes);
+/// with longer keys each value becomes `len` bytes (its 8 big-endian bytes, then the value
+/// rotated, so distinct values stay distinct) and its digest is computed here, as an index
+/// computes it for every block it is given. Scratch: `digests`, `bytes`.
+struct ChainKeys {
+    len: usize,
+    digests: Vec<u64>,
+    bytes: Vec<KeyBytes>,
+}
+
+impl ChainKeys {
+    fn new(len: usize) -> Self {
+        ChainKeys {
+            len,
+            digests: Vec::with_capacity(LEN),
+            bytes: Vec::with_capacity(LEN),
+        }
+    }
+
+    fn of<'a>(&'a mut self, values: &'a [u64]) -> Keys<'a, KeyBytes> {
+        if self.len == 8 {
+            return Keys::eight(values);
+        }
+        self.bytes.clear();
+        self.digests.clear();
+        for &v in values {
+            let mut key = KeyBytes {
+                bytes: [0; MAX_KEY_BYTES],
+                len: self.len,
+            };
+            for (i, chunk) in key.bytes[..self.len].chunks_mut(8).enumerate() {
+                let word = v.rotate_left(8 * i as u32).to_be_bytes();
+                chunk.copy_from_slice(&word[..chunk.len()]);
+            }
+            self.digests.push(digest(key.as_ref()));
+            self.bytes.push(key);
+        }
+        Keys::with_bytes(&self.digests, &self.bytes).unwrap_or_else(|| Keys::eight(values))
+    }
 }
 
 fn expected(kind: Kind) -> Sums {
@@ -134,6 +198,13 @@ struct Args {
     /// Runs keep no spare holder entry: a holder joining a run is added by copying the run.
     #[arg(long)]
     no_join: bool,
+    /// Bytes per block key, 8 to 64 (8: W1M's 8-byte values; more: each value widened, so the
+    /// store keeps the keys' bytes and compares them). The timed loops then also build every
+    /// block's key and digest, a request's whole chain before its walk (Q0 included): a check
+    /// of that path at W1M's size and an upper bound of its cost, not a figure to set beside
+    /// the peers'.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(8..=MAX_KEY_BYTES as u64).map(|v| v as usize))]
+    key_bytes: usize,
     /// Print one JSON line per figure instead of the table.
     #[arg(long)]
     json: bool,
@@ -154,6 +225,7 @@ fn run(args: &Args) -> Result<(), String> {
         gone: !args.no_gone,
         join: !args.no_join,
     });
+    let mut chain_keys = ChainKeys::new(args.key_bytes);
     let t = Instant::now();
     for (c, s) in w.seq.iter().enumerate() {
         let writing = Writing {
@@ -161,7 +233,7 @@ fn run(args: &Args) -> Result<(), String> {
             tier: 1,
             ts_ms: now_ms,
         };
-        store.ingest(s, &counts, writing, &epoch::pin());
+        store.ingest(chain_keys.of(s), &counts, writing, &epoch::pin());
     }
     let insert = t.elapsed();
     let rss = vm_rss_bytes().saturating_sub(rss0);
@@ -176,7 +248,7 @@ fn run(args: &Args) -> Result<(), String> {
             qs.len(),
             Plan::FULL,
             expected(set.kind),
-            |i| lookup(&store, &qs[i], &counts, now_ms, ttl_ms),
+            |i| lookup(&store, chain_keys.of(&qs[i]), &counts, now_ms, ttl_ms),
         )?;
         rows.push((set.kind.label(), st));
     }
@@ -185,7 +257,7 @@ fn run(args: &Args) -> Result<(), String> {
     for (c, s) in w.seq.iter().enumerate() {
         let mut rev = *s;
         rev.reverse();
-        store.evict(&rev, worker(c) as u32, &epoch::pin());
+        store.evict(chain_keys.of(&rev), worker(c) as u32, &epoch::pin());
     }
     let remove = t.elapsed();
     if !store.is_empty() || store.root_count() != 0 || store.run_bytes() != 0 {
@@ -207,6 +279,9 @@ fn run(args: &Args) -> Result<(), String> {
         if off {
             row.push_str(suffix);
         }
+    }
+    if args.key_bytes != 8 {
+        row.push_str(&format!(", {}-byte keys", args.key_bytes));
     }
     let row = row.as_str();
     let mut rec = Recorder::default();

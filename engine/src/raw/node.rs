@@ -511,7 +511,7 @@ impl KeyNode {
 
 /// The 64-bit digest of a key: an 8-byte key's big-endian value, else XXH3-64.
 #[inline]
-pub(crate) fn digest(b: &[u8]) -> u64 {
+pub fn digest(b: &[u8]) -> u64 {
     match <[u8; 8]>::try_from(b) {
         Ok(a) => u64::from_be_bytes(a),
         Err(_) => xxhash_rust::xxh3::xxh3_64(b),

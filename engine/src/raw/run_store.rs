@@ -186,12 +186,19 @@ impl<K> Clone for Keys<'_, K> {
 
 impl<K> Copy for Keys<'_, K> {}
 
-impl<'a> From<&'a [u64]> for Keys<'a> {
-    fn from(digests: &'a [u64]) -> Self {
+impl<'a, K> Keys<'a, K> {
+    /// 8-byte keys, given as their values (their own digests).
+    pub fn eight(digests: &'a [u64]) -> Self {
         Keys {
             digests,
             bytes: None,
         }
+    }
+}
+
+impl<'a> From<&'a [u64]> for Keys<'a> {
+    fn from(digests: &'a [u64]) -> Self {
+        Keys::eight(digests)
     }
 }
 
