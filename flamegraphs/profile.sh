@@ -4,7 +4,8 @@
 #   flamegraphs/profile.sh            # everything: W1M lookups + ingest + server under load
 #   SERVER=0 flamegraphs/profile.sh   # skip the server/loadgen profile
 #   W1M=0 flamegraphs/profile.sh      # server profile only (server.svg, server-lookup.svg)
-#   W1M=0 SERVER=0 flamegraphs/profile.sh   # the cap-eviction profile only (eviction-cap.svg)
+#   W1M=0 SERVER=0 flamegraphs/profile.sh   # the cap-eviction profile only
+#   W1M=0 SERVER=0 EVICTION=0 flamegraphs/profile.sh   # the run-layout probe only (eviction-cap.svg)
 #
 # What it does:
 #   1. installs perf (Debian `linux-perf`) and inferno when they are missing;
@@ -16,7 +17,10 @@
 #        b. W1M_REPEAT short W1M runs (full index, 1,000 queries/set): the ingest (insert) and
 #           remove phases take ~70 ms per run, so they need several runs to get samples;
 #        c. EVICTION_REPEAT runs of the T86 eviction bench (N = 100,000, LRU): ingest at the cap;
-#        d. the server while ic-loadgen drives it for SERVER_SECS seconds (optional);
+#        d. the run-layout design probe (`layout-probe`, the engine's RunStore on W1M): its
+#           walk over PROBE_QUERIES queries per set, and PROBE_REPEAT short runs for its
+#           ingest and removal;
+#        e. the server while ic-loadgen drives it for SERVER_SECS seconds (optional);
 #   4. collapses the stacks (perf script | inferno-collapse-perf), splits the W1M profile into
 #      phases by grepping the folded stacks on function names (w1m has no flag to run a single
 #      phase), and draws the SVGs with inferno-flamegraph --minwidth (small enough to commit).
@@ -38,6 +42,9 @@ W1M_REPEAT="${W1M_REPEAT:-20}"               # ingest profile: number of short r
 SERVER="${SERVER:-1}"                        # 0 = skip the server profile
 W1M="${W1M:-1}"                              # 0 = skip the W1M profiles (server only)
 EVICTION="${EVICTION:-1}"                    # 0 = skip the cap-eviction profile
+PROBE="${PROBE:-1}"                          # 0 = skip the run-layout probe profiles
+PROBE_QUERIES="${PROBE_QUERIES:-400000}"     # queries per set of the probe's lookup profile
+PROBE_REPEAT="${PROBE_REPEAT:-12}"           # short probe runs for its ingest and removal
 EVICTION_REPEAT="${EVICTION_REPEAT:-20}"     # T86 runs (each spends ~0.1 s at the cap)
 EVICTION_FREQ="${EVICTION_FREQ:-4999}"       # short runs: sample faster than the W1M profile
 LOADGEN_BIN="${LOADGEN_BIN:-}"               # prebuilt ic-loadgen (it is not profiled)
@@ -86,12 +93,26 @@ if [ "$EVICTION" != 0 ]; then
     log "build eviction (release profile)"
     cargo build --release -p inferencecache-bench --bin eviction
 fi
+if [ "$PROBE" != 0 ]; then
+    log "build layout-probe (release profile)"
+    cargo build --release -p inferencecache-bench --bin layout-probe
+fi
 mkdir -p "$WORK" "$OUT"
 
 # ---- helpers -------------------------------------------------------------------------------
 # collapse DATA FOLDED: perf.data -> folded stacks ("frame;frame;... count")
 collapse() {
     perf script $PERF_INLINE -i "$1" 2>/dev/null | inferno-collapse-perf --all >"$2"
+}
+
+# record_runs DATA LOG REPEAT FREQ BINARY ARGS...: perf record of REPEAT runs of BINARY ARGS
+# (short runs whose phase of interest is too brief for one run to give enough samples)
+record_runs() {
+    local data=$1 out=$2 repeat=$3 freq=$4
+    shift 4
+    perf record -e cpu-clock -F "$freq" -g --call-graph "$CALLGRAPH" -o "$data" \
+        -- bash -c 'n=$1; shift; for _ in $(seq "$n"); do "$@" || exit 1; done' _ "$repeat" "$@" \
+        >"$out" 2>&1
 }
 
 # svg FOLDED NAME TITLE: draws flamegraphs/NAME.svg and writes $WORK/NAME.top.txt
@@ -167,9 +188,8 @@ svg "$WORK/lookup-route.folded" lookup-route "W1M full LookupRoute: Index::looku
 
 # ---- 3b. W1M ingest / remove profile -------------------------------------------------------
 log "perf record: $W1M_REPEAT x w1m --smoke --chains 16384 --queries 1000 (ingest + remove)"
-perf record -e cpu-clock -F "$FREQ" -g --call-graph "$CALLGRAPH" -o "$WORK/ingest.perf.data" \
-    -- bash -c 'for _ in $(seq "$1"); do "$2" --smoke --chains 16384 --queries 1000 || exit 1; done' \
-    _ "$W1M_REPEAT" "$BIN/w1m" >"$WORK/ingest.out" 2>&1
+record_runs "$WORK/ingest.perf.data" "$WORK/ingest.out" "$W1M_REPEAT" "$FREQ" \
+    "$BIN/w1m" --smoke --chains 16384 --queries 1000
 log "collapse ingest"
 collapse "$WORK/ingest.perf.data" "$WORK/ingest-all.folded"
 phase "$WORK/ingest-all.folded" "$WORK/ingest.folded" 'ours::insert|Index::ingest'
@@ -181,10 +201,8 @@ fi
 # ---- 3c. cap eviction (T86) ----------------------------------------------------------------
 if [ "$EVICTION" != 0 ]; then
     log "perf record: $EVICTION_REPEAT x eviction --n 100000 --no-t94 --alg lru (T86)"
-    perf record -e cpu-clock -F "$EVICTION_FREQ" -g --call-graph "$CALLGRAPH" \
-        -o "$WORK/eviction.perf.data" \
-        -- bash -c 'for _ in $(seq "$1"); do "$2" --n 100000 --no-t94 --alg lru || exit 1; done' \
-        _ "$EVICTION_REPEAT" "$BIN/eviction" >"$WORK/eviction.out" 2>&1
+    record_runs "$WORK/eviction.perf.data" "$WORK/eviction.out" "$EVICTION_REPEAT" \
+        "$EVICTION_FREQ" "$BIN/eviction" --n 100000 --no-t94 --alg lru
     log "collapse eviction"
     collapse "$WORK/eviction.perf.data" "$WORK/eviction-all.folded"
     phase "$WORK/eviction-all.folded" "$WORK/eviction-cap.folded" 'enforce_cap'
@@ -192,7 +210,33 @@ if [ "$EVICTION" != 0 ]; then
         "T86 at the cap: Index::enforce_cap (LRU, N = 100,000, $EVICTION_REPEAT runs)"
 fi
 
-# ---- 3d. server under load -----------------------------------------------------------------
+# ---- 3d. run-layout probe (RunStore) -------------------------------------------------------
+if [ "$PROBE" != 0 ]; then
+    log "perf record: layout-probe --queries $PROBE_QUERIES (lookups)"
+    perf record -e cpu-clock -F "$EVICTION_FREQ" -g --call-graph "$CALLGRAPH" \
+        -o "$WORK/probe.perf.data" -- "$BIN/layout-probe" --queries "$PROBE_QUERIES" \
+        >"$WORK/probe.out" 2>&1
+    log "collapse probe lookups"
+    collapse "$WORK/probe.perf.data" "$WORK/probe-all.folded"
+    # Inlined frames carry no module path: the store's entry points are matched by name.
+    phase "$WORK/probe-all.folded" "$WORK/probe-lookup.folded" ';walk<|layout_probe::lookup' \
+        'ingest_with|evict_with'
+    svg "$WORK/probe-lookup.folded" probe-lookup \
+        "Run-layout probe lookups (Q50, Q100, Q0): RunStore::walk ($PROBE_QUERIES queries per set)"
+    log "perf record: $PROBE_REPEAT x layout-probe --queries 1000 (ingest + removal)"
+    record_runs "$WORK/probe-writes.perf.data" "$WORK/probe-writes.out" "$PROBE_REPEAT" \
+        "$EVICTION_FREQ" "$BIN/layout-probe" --queries 1000
+    log "collapse probe writes"
+    collapse "$WORK/probe-writes.perf.data" "$WORK/probe-writes.folded"
+    phase "$WORK/probe-writes.folded" "$WORK/probe-ingest.folded" 'ingest_with'
+    phase "$WORK/probe-writes.folded" "$WORK/probe-remove.folded" 'evict_with'
+    svg "$WORK/probe-ingest.folded" probe-ingest \
+        "Run-layout probe insert: RunStore::ingest of 16,384 x 64-block chains ($PROBE_REPEAT runs)"
+    svg "$WORK/probe-remove.folded" probe-remove \
+        "Run-layout probe remove: RunStore::evict of every chain, tail first ($PROBE_REPEAT runs)"
+fi
+
+# ---- 3e. server under load -----------------------------------------------------------------
 if [ "$SERVER" != 0 ]; then
     for p in "$GRPC_PORT" "$HTTP_PORT" "$CTRL_PORT"; do
         if (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then

@@ -697,6 +697,15 @@ fn concurrent_walks_see_held_blocks_while_a_writer_churns() {
     check(&store, Naming::Plain, &model, &mut BTreeMap::new());
 }
 
+/// Replica `rep` writing at tier 1, time 5.
+fn writing(rep: u32) -> Writing {
+    Writing {
+        rep,
+        tier: 1,
+        ts_ms: 5,
+    }
+}
+
 #[test]
 fn a_key_whose_digest_another_key_holds_is_neither_stored_nor_answered() {
     let store = RunStore::default();
@@ -710,11 +719,6 @@ fn a_key_whose_digest_another_key_holds_is_neither_stored_nor_answered() {
             ks.iter().map(|k| digest(k)).collect(),
             ks.iter().map(|k| k.to_vec()).collect(),
         )
-    };
-    let writing = |rep| Writing {
-        rep,
-        tier: 1,
-        ts_ms: 5,
     };
     let (d, by) = keys(&[&a, &long, &b]);
     let report = store.ingest(
@@ -804,11 +808,6 @@ fn a_key_whose_digest_another_key_holds_is_neither_stored_nor_answered() {
 fn a_scan_lap_visits_every_key_once_and_a_run_holder_goes_with_its_run_mates() {
     let store = RunStore::default();
     let guard = crossbeam_epoch::pin();
-    let writing = |rep| Writing {
-        rep,
-        tier: 1,
-        ts_ms: 5,
-    };
     let a: Vec<u64> = (1..=32).collect();
     store.ingest(&a, &[16; 32], writing(1), &guard);
     store.ingest(&a[..16], &[16; 16], writing(2), &guard);
