@@ -88,7 +88,11 @@
 //! invariant 2 the key's slot then names that block. This makes a hint's words free to tear (a
 //! torn hint fails a check) and a run id free to be reused at once: whatever run an id names
 //! when it is read, the key comparison decides. A hint holds no reference, so a dead run is
-//! never kept alive by one.
+//! never kept alive by one. A walk reads a hint ([`BlockRun::peek_hint`]) before it compares
+//! the current run's keys, fetches the block it names (a prefetch touches nothing), and checks
+//! it ([`HintedBlock::check`]) only after: between the read and the check the hinted run may
+//! be retired and its id reused, which the check sees as above (loom m14d reads, fetches, then
+//! checks).
 //!
 //! # Reclamation
 //!
