@@ -713,6 +713,13 @@ impl RunStore {
                 values.push(Some(pack(run, p)));
                 i += 1;
             }
+            // A removal's stretch of a run with one holder will most likely lose its slots:
+            // their first lines are fetched now, while the rest of the chain is cut.
+            if tokens.is_none() && r.holder_count() == 1 {
+                for k in &keys[from..i.min(from + AHEAD)] {
+                    self.table.prefetch(*k, guard);
+                }
+            }
             stretches.push(Stretch::InRun {
                 from,
                 to: i,
