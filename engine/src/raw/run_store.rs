@@ -231,11 +231,6 @@ impl<'a, K: AsRef<[u8]>> Keys<'a, K> {
         self.digests.is_empty()
     }
 
-    /// The digests.
-    pub fn digests(&self) -> &'a [u64] {
-        self.digests
-    }
-
     #[inline]
     fn digest(&self, i: usize) -> u64 {
         self.digests[i]
@@ -534,15 +529,24 @@ impl RunStore {
         long: Option<&[u8]>,
         guard: &Guard,
     ) -> Option<Vec<Holder>> {
-        let value = self.table.find(digest, guard)?.get();
-        let (run, o) = unpack(value);
-        let run = run_ref(run);
-        if !run.is_key(o, digest, long) {
-            return None;
-        }
+        let (_, run, _) = self.find_key(digest, long, guard)?;
         let mut out = Vec::new();
         run.for_each_holder(|_, h| out.push(h));
         Some(out)
+    }
+
+    /// The slot value of the key with `digest` and long part `long`, with the run and offset
+    /// it names; `None` when the key is absent (its digest's slot, if any, is another key's).
+    fn find_key<'g>(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        guard: &'g Guard,
+    ) -> Option<(u64, &'g BlockRun, usize)> {
+        let value = self.table.find(digest, guard)?.get();
+        let (run, o) = unpack(value);
+        let run = run_ref(run);
+        run.is_key(o, digest, long).then_some((value, run, o))
     }
 
     /// Walks the longest prefix of `request` present in the store: calls `visit(run, from, to)`
@@ -1184,14 +1188,10 @@ impl RunStore {
         let mut report = EvictReport::default();
         for i in 0..keys.len() {
             let k = keys.digest(i);
-            let Some(v) = self.table.find(k, guard).map(SlotValue::get) else {
+            let Some((v, r, o)) = self.find_key(k, keys.long(i), guard) else {
                 continue;
             };
-            let (run, o) = unpack(v);
-            let r = run_ref(run);
-            if !keys.is_at(i, r, o) {
-                continue;
-            }
+            let (run, _) = unpack(v);
             r.for_each_holder(|_, h| {
                 report.removed += 1;
                 removed(k, keys.long(i), h);
@@ -1245,12 +1245,12 @@ impl RunStore {
         mut removed: impl FnMut(u64, Option<&[u8]>, Holder),
     ) -> EvictReport {
         let mut w = self.lock_writer();
-        let Some(value) = self.table.find(digest, guard).map(SlotValue::get) else {
+        let Some((_, r, _)) = self.find_key(digest, long, guard) else {
             return EvictReport::default();
         };
-        let (run, o) = unpack(value);
-        let r = run_ref(run);
-        if !r.is_key(o, digest, long) {
+        let mut held = false;
+        r.for_each_holder(|_, h| held |= h.rep() == rep);
+        if !held {
             return EvictReport::default();
         }
         let report = self.evict_from_run(&mut w, r, &[rep], &mut Vec::new(), guard, &mut removed);
