@@ -21,7 +21,8 @@
 //!   (see "Hints");
 //! - **header** (40 bytes): `holders | capacity << 16 | len << 32`, the count of references
 //!   (slots naming the run), the dead bits of offsets 0–63, the *gone* bits of holder entries
-//!   0–63 whose replica holds none of the run's blocks any more, and the run's id;
+//!   0–63 whose replica holds none of the run's blocks any more, and the run's id with its
+//!   token step (see "Token counts");
 //! - the `len` **keys** (8 bytes each), then the dead bits of offsets 64 on, then the gone bits
 //!   of entries 64 on.
 //!
@@ -76,6 +77,17 @@
 //! the same when their digests are equal and so are their *long parts* (the bytes of a key of
 //! another length, none for an 8-byte key: [`BlockRun::is_key`]), so a long key never answers
 //! for an 8-byte key of its digest's value, nor for another long key of the same digest.
+//!
+//! # Token counts
+//!
+//! A chain block's entry holds the chain's cumulative token count at that block (the index's
+//! K8), so the entries of one replica along a run differ by the blocks' own counts. A run
+//! keeps them affine: a holder entry's token field is the count of its entry at offset 0, and
+//! the run's *step* is what each next offset adds, so the entry at offset `o` holds
+//! `tokens + step · o` (wrapping, as the chain's sum wraps: [`BlockRun::tokens_at`]). Writers
+//! keep every run affine: a chain's stretch continues only while its blocks' own counts equal
+//! the step, a copy takes consecutive offsets and moves each holder's base to its first, and
+//! a join or refresh writes the base its stretch implies. A run of one block has step 0.
 //!
 //! # Hints
 //!
@@ -182,8 +194,10 @@ pub struct BlockRun {
     /// Dead bits of offsets 0..64.
     dead: AtomicU64,
     gone: AtomicU64,
-    /// The run's id in its partition's [`RunIds`] (0 while unregistered); writers only.
-    id: AtomicU64,
+    /// The run's id in its partition's [`RunIds`] (bits 0–31, 0 while unregistered; written by
+    /// the registering writer) and its token step (bits 32–63, an `i32` written by `create`;
+    /// see "Token counts").
+    id_step: AtomicU64,
 }
 
 const HEADER: usize = std::mem::size_of::<BlockRun>();
@@ -261,19 +275,21 @@ impl BlockRun {
     /// address does not fit a slot value (never on today's 64-bit targets, whose user
     /// addresses have at most 48 bits).
     pub fn create(holders: &[Holder], capacity: usize, keys: &[u64]) -> Option<NonNull<BlockRun>> {
-        Self::create_keyed::<[u8; 8]>(holders, capacity, keys, None)
+        Self::create_keyed::<[u8; 8]>(holders, capacity, keys, None, 0)
     }
 
     /// [`BlockRun::create`] over keys of any length: `digests[i]` is the digest of `bytes[i]`
     /// (an 8-byte key's big-endian value, else its XXH3-64). A run with a key of another length
     /// than 8 keeps every such key's bytes (see "Keys of other lengths"); `bytes` of `None`
     /// means every key is 8 bytes long. `None` also when `bytes` and `digests` differ in
-    /// length or the bytes do not fit 32-bit offsets.
+    /// length or the bytes do not fit 32-bit offsets. `step` is the run's token step (see
+    /// "Token counts").
     pub fn create_keyed<K: AsRef<[u8]>>(
         holders: &[Holder],
         capacity: usize,
         digests: &[u64],
         bytes: Option<&[K]>,
+        step: i32,
     ) -> Option<NonNull<BlockRun>> {
         let len = digests.len();
         if holders.is_empty()
@@ -326,7 +342,7 @@ impl BlockRun {
                 refs: AtomicU64::new(0),
                 dead: AtomicU64::new(0),
                 gone: AtomicU64::new(0),
-                id: AtomicU64::new(0),
+                id_step: AtomicU64::new(u64::from(step as u32) << 32),
             });
             let run = &*header;
             for (i, h) in holders.iter().enumerate() {
@@ -780,7 +796,22 @@ impl BlockRun {
 
     /// The run's id in its partition's registry (0 while unregistered).
     pub fn id(&self) -> u32 {
-        self.id.load(Ordering::Relaxed) as u32
+        self.id_step.load(Ordering::Relaxed) as u32
+    }
+
+    /// The token count a block's count adds to the previous block's in this run (see "Token
+    /// counts"; immutable, invariant 1).
+    #[inline]
+    pub fn step(&self) -> i32 {
+        (self.id_step.load(Ordering::Relaxed) >> 32) as u32 as i32
+    }
+
+    /// The token count of `holder`'s entry of block `o` (see "Token counts").
+    #[inline]
+    pub fn tokens_at(&self, holder: &Holder, o: usize) -> i32 {
+        holder
+            .tokens()
+            .wrapping_add(self.step().wrapping_mul(o as i32))
     }
 
     /// Bytes this run holds (glibc chunk sizes, see `pages::heap_chunk`).
@@ -788,6 +819,14 @@ impl BlockRun {
         let long_bytes = self.is_long().then(|| self.long_total());
         // A live run's layout fitted when `create` allocated it.
         let size = layout(self.capacity(), self.len(), long_bytes).map_or(0, |l| l.size());
+        crate::raw::pages::heap_chunk(size)
+    }
+
+    /// Bytes a copy of `len` of this run's offsets would hold, with room for as many holders
+    /// (a long run's copy is counted with all of its key bytes).
+    pub fn copy_bytes(&self, len: usize) -> usize {
+        let long_bytes = self.is_long().then(|| self.long_total());
+        let size = layout(self.capacity(), len, long_bytes).map_or(0, |l| l.size());
         crate::raw::pages::heap_chunk(size)
     }
 
@@ -927,9 +966,10 @@ impl RunIds {
             }
         };
         // SAFETY: live, the caller's own run.
-        unsafe { run.as_ref() }
-            .id
-            .store(u64::from(id), Ordering::Relaxed);
+        let word = &unsafe { run.as_ref() }.id_step;
+        // The step in the high half stays; only the registering writer writes the id.
+        let step = word.load(Ordering::Relaxed) & !u64::from(u32::MAX);
+        word.store(step | u64::from(id), Ordering::Relaxed);
         // Release: the run's contents before the entry that names it (module docs).
         self.entry(id).store(run.as_ptr() as u64, Ordering::Release);
         Some(id)
@@ -999,7 +1039,7 @@ mod tests {
         let long = b"a key of twenty-four bytes".as_slice();
         let keys: [&[u8]; 5] = [b"12345678", b"", long, &[7u8; 8], b"abc"];
         let digests: Vec<u64> = keys.iter().map(|k| digest(k)).collect();
-        let r = BlockRun::create_keyed(&[holder(1, 10)], 2, &digests, Some(&keys[..]))
+        let r = BlockRun::create_keyed(&[holder(1, 10)], 2, &digests, Some(&keys[..]), 0)
             .expect("a valid long run");
         // SAFETY: just built; freed at the end of the test.
         let x = unsafe { r.as_ref() };
@@ -1022,7 +1062,7 @@ mod tests {
         assert!(!x.is_key(0, digests[0], Some(b"12345678-and-more")));
         assert!(!x.is_key(1, digests[1], None));
         // A run of 8-byte keys compares digests alone, and refuses a long key of its digest.
-        let short = BlockRun::create_keyed(&[holder(1, 10)], 1, &digests[..1], Some(&keys[..1]))
+        let short = BlockRun::create_keyed(&[holder(1, 10)], 1, &digests[..1], Some(&keys[..1]), 0)
             .expect("a valid run");
         // SAFETY: just built; freed at the end of the test.
         let y = unsafe { short.as_ref() };
@@ -1035,7 +1075,7 @@ mod tests {
         // SAFETY: just built; freed below.
         assert!(x.bytes() > unsafe { plain.as_ref() }.bytes());
         assert!(
-            BlockRun::create_keyed(&[holder(1, 10)], 1, &digests, Some(&keys[..2])).is_none(),
+            BlockRun::create_keyed(&[holder(1, 10)], 1, &digests, Some(&keys[..2]), 0).is_none(),
             "bytes and digests differ in length"
         );
         // SAFETY: none of them was ever shared.

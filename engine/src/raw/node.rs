@@ -121,6 +121,14 @@ impl Holder {
     pub fn tokens(&self) -> i32 {
         self.b as u32 as i32
     }
+    /// This holder with its token count replaced.
+    #[inline]
+    pub fn with_tokens(&self, tokens: i32) -> Self {
+        Self {
+            a: self.a,
+            b: (self.b & !u64::from(u32::MAX)) | u64::from(tokens as u32),
+        }
+    }
     #[inline]
     pub fn tier(&self) -> u8 {
         ((self.b >> 32) & 3) as u8 + 1

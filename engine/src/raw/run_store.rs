@@ -8,8 +8,10 @@
 //!
 //! A write takes the store's writer lock once, for the whole chain. It cuts the chain into
 //! *stretches*, probing only each stretch's first key: a stretch is a maximal run of absent
-//! keys with one token count, or of keys naming consecutive offsets of one run (either
-//! direction) with one token count. The keys after a stretch's first are matched against the
+//! keys, or of keys naming consecutive offsets of one run (forwards, or for a removal either
+//! direction), and an ingest's stretch keeps its run's token counts affine (`block_run`,
+//! "Token counts": after its first block, each block's own count is the run's step, an absent
+//! stretch taking its second block's). The keys after a stretch's first are matched against the
 //! run's own keys, which is exact by `block_run`'s invariant 2 (a live offset's slot names
 //! it). Then, per stretch:
 //!
@@ -74,13 +76,12 @@
 //! retired. So that a run whose blocks go one by one (an engine evicting a chain from its tail)
 //! does not keep them while its head lives, a write that leaves a run with at most one live
 //! offset in [`TRIM_RATIO`] (and at least that many offsets) copies it, at the write's end,
-//! onto a new run over its live offsets in order, with its live holders and its hints, and
-//! repoints their slots as any copy on write does. Live offsets that were not neighbours become
-//! neighbours in the copy, which is sound: the walk steps from one offset to the next only when
-//! the request's next key is the run's next key, and then that key's slot names the run (a live
-//! offset's slot names it) whatever the chain was. So a run's dead offsets number less than
-//! three times its live ones (or at most three), and the copies cost a write at most a third
-//! of the offsets it killed.
+//! onto one new run per stretch of consecutive live offsets, with its live holders (their
+//! token counts moved to the stretch's first offset) and its hints, and repoints their slots
+//! as any copy on write does. A run whose live stretches would cost more bytes as runs of their
+//! own than it does stays as it is. So a run's dead offsets number less than three times its
+//! live ones (or at most three), or the run costs no more than its live stretches would on
+//! their own, and the copies cost a write at most a third of the offsets it killed.
 //!
 //! # Limits
 //!
@@ -327,6 +328,8 @@ struct StoreWriter {
     seed: u64,
     /// A stretch's holders after the write.
     holders: Vec<Holder>,
+    /// The chain's cumulative token counts (an ingest).
+    cumulative: Vec<i32>,
     /// Runs a release of this write left sparse, trimmed when the write ends.
     sparse: Vec<NonNull<BlockRun>>,
 }
@@ -516,22 +519,22 @@ impl RunStore {
         self.run_bytes.load(Ordering::Relaxed) as usize
     }
 
-    /// The live holders of the 8-byte key `key`, if present.
+    /// The live holders of the 8-byte key `key`, if present, each with its entry's token count.
     pub fn holders(&self, key: u64, guard: &Guard) -> Option<Vec<Holder>> {
         self.holders_keyed(key, None, guard)
     }
 
     /// The live holders of the key with `digest` and long part `long` ([`long_part`]), if
-    /// present.
+    /// present, each with its entry's token count ([`BlockRun::tokens_at`]).
     pub fn holders_keyed(
         &self,
         digest: u64,
         long: Option<&[u8]>,
         guard: &Guard,
     ) -> Option<Vec<Holder>> {
-        let (_, run, _) = self.find_key(digest, long, guard)?;
+        let (_, run, o) = self.find_key(digest, long, guard)?;
         let mut out = Vec::new();
-        run.for_each_holder(|_, h| out.push(h));
+        run.for_each_holder(|_, h| out.push(h.with_tokens(run.tokens_at(&h, o))));
         Some(out)
     }
 
@@ -629,13 +632,16 @@ impl RunStore {
         }
     }
 
-    /// Cuts `keys` into stretches (module docs, "Writes"); with `tokens`, also where the token
-    /// count changes. Fills `w.values` and `w.stretches`.
+    /// Cuts `keys` into stretches (module docs, "Writes"). With `counts` (an ingest: the
+    /// blocks' own token counts), a stretch also ends where its run's token step would break
+    /// (`block_run`, "Token counts"): after its first block, every block's count is the step
+    /// (an absent stretch's is its second block's count), and it follows its run forwards
+    /// only. Fills `w.values` and `w.stretches`.
     fn cut<K: AsRef<[u8]>>(
         &self,
         w: &mut StoreWriter,
         chain: Keys<'_, K>,
-        tokens: Option<&[i32]>,
+        counts: Option<&[i32]>,
         guard: &Guard,
     ) {
         let keys = chain.digests;
@@ -644,7 +650,9 @@ impl RunStore {
         } = w;
         values.clear();
         stretches.clear();
-        let same_tokens = |a: usize, b: usize| tokens.is_none_or(|t| t[a] == t[b]);
+        // Whether block `i` may continue the absent stretch that began at `from`.
+        let steady =
+            |i: usize, from: usize| i == from + 1 || counts.is_none_or(|c| c[i] == c[from + 1]);
         let mut fetched = 0;
         let mut i = 0;
         // The probe of `keys[i]` when an absent stretch's loop made it already.
@@ -670,7 +678,7 @@ impl RunStore {
                         carried = Some(Some(v.get()));
                         break;
                     }
-                    if !same_tokens(i, from) {
+                    if !steady(i, from) {
                         carried = Some(None);
                         break;
                     }
@@ -696,12 +704,14 @@ impl RunStore {
             let same = |i: usize, p: usize| {
                 run_keys[p] == keys[i] && (!compare_bytes || chain.is_at(i, r, p))
             };
-            let descending = i < keys.len()
+            let step = r.step();
+            let descending = counts.is_none()
+                && i < keys.len()
                 && o > 0
                 && live(o - 1)
                 && same(i, o - 1)
                 && !(live(o + 1) && same(i, o + 1));
-            while i < keys.len() && same_tokens(i, from) {
+            while i < keys.len() && counts.is_none_or(|c| c[i] == step) {
                 let step = i - from;
                 let p = if descending {
                     match o.checked_sub(step) {
@@ -719,7 +729,7 @@ impl RunStore {
             }
             // A removal's stretch of a run with one holder will most likely lose its slots:
             // their first lines are fetched now, while the rest of the chain is cut.
-            if tokens.is_none() && r.holder_count() == 1 {
+            if counts.is_none() && r.holder_count() == 1 {
                 for k in &keys[from..i.min(from + AHEAD)] {
                     self.table.prefetch(*k, guard);
                 }
@@ -756,15 +766,17 @@ impl RunStore {
         self.reaper.free_all()
     }
 
-    /// A new registered run over `keys`, counting the slots its caller points at it.
+    /// A new registered run over `keys` with token step `step`, counting the slots its caller
+    /// points at it.
     fn new_run<K: AsRef<[u8]>>(
         &self,
         w: &mut StoreWriter,
         holders: &[Holder],
         keys: Keys<'_, K>,
+        step: i32,
     ) -> Option<NonNull<BlockRun>> {
         let capacity = self.holder_capacity(holders.len());
-        let run = BlockRun::create_keyed(holders, capacity, keys.digests, keys.bytes)?;
+        let run = BlockRun::create_keyed(holders, capacity, keys.digests, keys.bytes, step)?;
         if self.ids.register(&mut w.alloc, run).is_none() {
             // SAFETY: never registered, never in a slot.
             unsafe { BlockRun::discard(run) };
@@ -791,8 +803,11 @@ impl RunStore {
         }
     }
 
-    /// Copies each run listed sparse onto a new run over its live offsets (module docs,
-    /// "Trimming"). Runs at the end of a write, once no stretch of it names a run any more.
+    /// Copies each run listed sparse onto new runs over its live offsets (module docs,
+    /// "Trimming"), one per stretch of consecutive live offsets (a copy keeps its tokens
+    /// affine: `block_run`, "Token counts"); a run whose stretches would take more bytes as
+    /// runs of their own than it does is left as it is. Runs at the end of a write, once no
+    /// stretch of it names a run any more.
     fn trim(&self, w: &mut StoreWriter, guard: &Guard) {
         while let Some(run) = w.sparse.pop() {
             let r = run_ref(run);
@@ -801,66 +816,105 @@ impl RunStore {
             if r.refs() == 0 || !is_sparse(r) {
                 continue;
             }
-            let mut keys = std::mem::take(&mut w.ordered);
-            let mut values = std::mem::take(&mut w.ordered_values);
-            let mut holders = std::mem::take(&mut w.holders);
-            keys.clear();
-            values.clear();
-            holders.clear();
-            let live = || (0..r.len()).filter(|&o| !r.is_dead(o));
-            let bytes = copy_keys(r, live(), &mut keys);
-            values.extend(live().map(|o| Some(pack(run, o))));
-            r.for_each_holder(|_, h| holders.push(h));
-            let copied = Keys {
-                digests: &keys,
-                bytes: bytes.as_deref(),
-            };
-            if let Some(new) = self.new_run(w, &holders, copied) {
-                let n = run_ref(new);
-                r.for_each_hint(|k, v, id| n.set_hint(k, v, id));
-                self.repoint(w, &keys, &values, run, Some(new), guard);
+            let mut ranges = Vec::new();
+            let mut o = 0;
+            while o < r.len() {
+                if r.is_dead(o) {
+                    o += 1;
+                    continue;
+                }
+                let end = r.live_end(o);
+                ranges.push(o..end);
+                o = end;
             }
-            w.ordered = keys;
-            w.ordered_values = values;
-            w.holders = holders;
+            let copies: usize = ranges.iter().map(|range| r.copy_bytes(range.len())).sum();
+            if ranges.len() > 1 && copies >= r.bytes() {
+                continue;
+            }
+            for range in ranges {
+                self.copy_range(w, run, range, guard);
+            }
         }
     }
 
-    /// Ingests `keys` (with their token counts) for `writing`.
+    /// Copies the live offsets `range` of `run` onto a new run with its live holders (their
+    /// tokens moved to the range's first offset) and its hints, and repoints their slots.
+    fn copy_range(
+        &self,
+        w: &mut StoreWriter,
+        run: NonNull<BlockRun>,
+        range: std::ops::Range<usize>,
+        guard: &Guard,
+    ) {
+        let r = run_ref(run);
+        let mut keys = std::mem::take(&mut w.ordered);
+        let mut values = std::mem::take(&mut w.ordered_values);
+        let mut holders = std::mem::take(&mut w.holders);
+        values.clear();
+        holders.clear();
+        let bytes = copy_keys(r, range.clone(), &mut keys);
+        values.extend(range.clone().map(|o| Some(pack(run, o))));
+        r.for_each_holder(|_, h| holders.push(h.with_tokens(r.tokens_at(&h, range.start))));
+        let copied = Keys {
+            digests: &keys,
+            bytes: bytes.as_deref(),
+        };
+        if let Some(new) = self.new_run(w, &holders, copied, r.step()) {
+            let n = run_ref(new);
+            r.for_each_hint(|k, v, id| n.set_hint(k, v, id));
+            self.repoint(w, &keys, &values, run, Some(new), guard);
+        }
+        w.ordered = keys;
+        w.ordered_values = values;
+        w.holders = holders;
+    }
+
+    /// Ingests `keys` for `writing`, with the blocks' own token counts `counts`: block `i`'s
+    /// entry holds the chain's cumulative count `counts[0] + … + counts[i]` (wrapping; the
+    /// index's K8), a chain that repeats a key leaving it with its last occurrence's.
     pub fn ingest<'k, K: AsRef<[u8]> + 'k>(
         &self,
         keys: impl Into<Keys<'k, K>>,
-        tokens: &[i32],
+        counts: &[i32],
         writing: Writing,
         guard: &Guard,
     ) -> IngestReport {
-        self.ingest_with(keys, tokens, writing, guard, |_, _| {})
+        self.ingest_with(keys, counts, writing, guard, |_, _| {})
     }
 
     /// [`RunStore::ingest`], calling `added(i, holder)` for each block `keys[i]` the replica did
-    /// not hold before, in chain order (the change events, N1), with the holder entry it got.
-    /// A chain that repeats a key reports each occurrence that added the replica.
-    /// A key whose digest another key of the store holds (keys of other lengths than 8 whose
-    /// digests collide) is left as it was and counted in [`IngestReport::dropped`].
+    /// not hold before, in chain order (the change events, N1), with the entry it got (its
+    /// token count the block's). A chain that repeats a key reports each occurrence that added
+    /// the replica. A key whose digest another key of the store holds (keys of other lengths
+    /// than 8 whose digests collide) is left as it was and counted in
+    /// [`IngestReport::dropped`].
     pub fn ingest_with<'k, K: AsRef<[u8]> + 'k>(
         &self,
         keys: impl Into<Keys<'k, K>>,
-        tokens: &[i32],
+        counts: &[i32],
         writing: Writing,
         guard: &Guard,
         mut added: impl FnMut(usize, Holder),
     ) -> IngestReport {
         let keys: Keys<'k, K> = keys.into();
-        let n = keys.len().min(tokens.len());
-        let (keys, tokens) = (keys.range(0..n), &tokens[..n]);
+        let n = keys.len().min(counts.len());
+        let (keys, counts) = (keys.range(0..n), &counts[..n]);
         let mut w = self.lock_writer();
         let mut report = IngestReport::default();
+        let mut cumulative = std::mem::take(&mut w.cumulative);
+        cumulative.clear();
+        cumulative.extend(counts.iter().scan(0i32, |sum, &c| {
+            *sum = sum.wrapping_add(c);
+            Some(*sum)
+        }));
         if w.has_repeats(keys.digests) {
+            // Key by key, each a chain of one block holding its cumulative count.
             for i in 0..n {
                 self.ingest_locked(
                     &mut w,
                     keys.range(i..i + 1),
-                    &tokens[i..=i],
+                    &cumulative[i..=i],
+                    &cumulative[i..=i],
                     writing,
                     guard,
                     &mut report,
@@ -871,23 +925,28 @@ impl RunStore {
             self.ingest_locked(
                 &mut w,
                 keys,
-                tokens,
+                counts,
+                &cumulative,
                 writing,
                 guard,
                 &mut report,
                 &mut added,
             );
         }
+        w.cumulative = cumulative;
         self.trim(&mut w, guard);
         report
     }
 
+    /// The ingest of a chain without repeats: `counts` are its blocks' own token counts,
+    /// `cumulative` their running sums (the entries' token counts).
     #[allow(clippy::too_many_arguments)]
     fn ingest_locked<K: AsRef<[u8]>>(
         &self,
         w: &mut StoreWriter,
         chain: Keys<'_, K>,
-        tokens: &[i32],
+        counts: &[i32],
+        cumulative: &[i32],
         writing: Writing,
         guard: &Guard,
         report: &mut IngestReport,
@@ -897,7 +956,7 @@ impl RunStore {
         if keys.is_empty() {
             return;
         }
-        self.cut(w, chain, Some(tokens), guard);
+        self.cut(w, chain, Some(counts), guard);
         w.owners.clear();
         let stretches = std::mem::take(&mut w.stretches);
         for &s in &stretches {
@@ -907,11 +966,12 @@ impl RunStore {
                     let me = Holder::new(
                         writing.rep,
                         writing.tier,
-                        tokens[from],
+                        cumulative[from],
                         writing.ts_ms,
                         w.next_generation(),
                     );
-                    let Some(run) = self.new_run(w, &[me], chain.range(from..to)) else {
+                    let step = if to - from > 1 { counts[from + 1] } else { 0 };
+                    let Some(run) = self.new_run(w, &[me], chain.range(from..to), step) else {
                         report.dropped += to - from;
                         continue;
                     };
@@ -928,26 +988,25 @@ impl RunStore {
                     drop(slots);
                     report.added += to - from;
                     report.new_keys += to - from;
-                    (from..to).for_each(|i| added(i, me));
+                    (from..to).for_each(|i| added(i, me.with_tokens(cumulative[i])));
                     w.owners.push((run, to));
                 }
-                Stretch::InRun {
-                    from,
-                    to,
-                    run,
-                    descending,
-                } => {
+                Stretch::InRun { from, to, run, .. } => {
                     let r = run_ref(run);
+                    // The stretch names offsets `o_from..` forwards (an ingest's cut follows a
+                    // run forwards only), so its entries' counts are `base + step · o`.
+                    let (_, o_from) = unpack(w.values[from].unwrap_or_default());
+                    let step = r.step();
+                    let base = cumulative[from].wrapping_sub(step.wrapping_mul(o_from as i32));
                     let mut holders = std::mem::take(&mut w.holders);
                     holders.clear();
                     r.for_each_holder(|_, h| holders.push(h));
-                    let tok = tokens[from];
                     // What the stretch needs: nothing, or a new run with `holders`, which adds
                     // the replica's entry `joined` (else refreshes it).
                     let (copy, joined) = 'decide: {
                         match holders.iter().position(|h| h.rep() == writing.rep) {
                             Some(i) => {
-                                let fresh = holders[i].refreshed(tok, writing.tier, writing.ts_ms);
+                                let fresh = holders[i].refreshed(base, writing.tier, writing.ts_ms);
                                 if fresh == holders[i] {
                                     break 'decide (false, None);
                                 }
@@ -958,13 +1017,14 @@ impl RunStore {
                                 let me = Holder::new(
                                     writing.rep,
                                     writing.tier,
-                                    tok,
+                                    base,
                                     writing.ts_ms,
                                     w.next_generation(),
                                 );
                                 if to - from == r.live_count() && r.push_holder(me) {
                                     report.added += to - from;
-                                    (from..to).for_each(|i| added(i, me));
+                                    (from..to)
+                                        .for_each(|i| added(i, me.with_tokens(cumulative[i])));
                                     break 'decide (false, None);
                                 }
                                 if holders.len() == MAX_HOLDERS {
@@ -978,7 +1038,11 @@ impl RunStore {
                         }
                     };
                     let new = if copy {
-                        self.new_run(w, &holders, chain.range(from..to))
+                        // The copy's offset 0 is the stretch's first block.
+                        for h in holders.iter_mut() {
+                            *h = h.with_tokens(r.tokens_at(h, o_from));
+                        }
+                        self.new_run(w, &holders, chain.range(from..to), step)
                     } else {
                         None
                     };
@@ -994,19 +1058,16 @@ impl RunStore {
                     match joined {
                         Some(me) => {
                             report.added += to - from;
-                            (from..to).for_each(|i| added(i, me));
+                            (from..to).for_each(|i| added(i, me.with_tokens(cumulative[i])));
                         }
                         None => report.refreshed += to - from,
                     }
-                    if !descending {
-                        let (_, o_from) = unpack(w.values[from].unwrap_or_default());
-                        let end = o_from + (to - from);
-                        let n = run_ref(new);
-                        if end == r.len() {
-                            r.for_each_hint(|k, v, id| n.set_hint(k, v, id));
-                        } else if !r.is_dead(end) {
-                            n.set_hint(r.key(end), pack(run, end), r.id());
-                        }
+                    let end = o_from + (to - from);
+                    let n = run_ref(new);
+                    if end == r.len() {
+                        r.for_each_hint(|k, v, id| n.set_hint(k, v, id));
+                    } else if !r.is_dead(end) {
+                        n.set_hint(r.key(end), pack(run, end), r.id());
                     }
                     let olds = std::mem::take(&mut w.values);
                     self.repoint(w, &keys[from..to], &olds[from..to], run, Some(new), guard);
@@ -1194,7 +1255,7 @@ impl RunStore {
             let (run, _) = unpack(v);
             r.for_each_holder(|_, h| {
                 report.removed += 1;
-                removed(k, keys.long(i), h);
+                removed(k, keys.long(i), h.with_tokens(r.tokens_at(&h, o)));
             });
             report.keys_removed += 1;
             // Invariant 2: the offset is dead before its slot goes.
@@ -1333,10 +1394,15 @@ impl RunStore {
             let Some((at, gone)) = at else {
                 continue;
             };
+            // The removed entry of chain block `i`, with its token count.
+            let entry = |values: &[Option<u64>], i: usize| {
+                let o = unpack(values[i].unwrap_or_default()).1;
+                gone.with_tokens(r.tokens_at(&gone, o))
+            };
             if holding > 1 && self.options.gone && to - from == r.live_count() {
                 r.set_gone(at);
                 removed += to - from;
-                (from..to).for_each(|i| removed_at(i, gone));
+                (from..to).for_each(|i| removed_at(i, entry(&w.values, i)));
                 continue;
             }
             // The stretch's keys in old-offset order (the chain's, matched in `cut`; a long
@@ -1361,11 +1427,14 @@ impl RunStore {
                 }
                 None
             };
+            // The copy's offset 0 is the stretch's first offset in the run (`block_run`,
+            // "Token counts").
+            let first = unpack(ordered_values[0].unwrap_or_default()).1;
             let mut holders = std::mem::take(&mut w.holders);
             holders.clear();
             r.for_each_holder(|_, h| {
                 if h.rep() != rep {
-                    holders.push(h);
+                    holders.push(h.with_tokens(r.tokens_at(&h, first)));
                 }
             });
             let new = if holders.is_empty() {
@@ -1375,7 +1444,7 @@ impl RunStore {
                     digests: &ordered,
                     bytes: bytes.as_deref(),
                 };
-                self.new_run(w, &holders, copied)
+                self.new_run(w, &holders, copied, r.step())
             };
             // Without a run for the others (none could be built), the stretch stays as it was.
             if new.is_some() || holders.is_empty() {
@@ -1384,7 +1453,7 @@ impl RunStore {
                     keys_removed += to - from;
                 }
                 removed += to - from;
-                (from..to).for_each(|i| removed_at(i, gone));
+                (from..to).for_each(|i| removed_at(i, entry(&w.values, i)));
             }
             w.holders = holders;
             w.ordered = ordered;
