@@ -41,7 +41,7 @@ pub mod layout {
         BlockRun, FLAG, HINTS, HintedBlock, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, long_part,
         pack, unpack,
     };
-    pub use crate::raw::node::{Holder, digest};
+    pub use crate::raw::holder::{Holder, digest};
     pub use crate::raw::reaper::{Reaper, Reclaim};
     pub use crate::raw::run_store::{
         EvictReport, IngestReport, Keys, RunStore, StoreOptions, Writing,

@@ -23,7 +23,6 @@ mod dump;
 mod events;
 pub(crate) mod eviction;
 mod ingest;
-mod lookahead;
 mod records;
 mod removal;
 mod replicate;
@@ -35,11 +34,10 @@ mod sweep;
 mod testing;
 mod walk;
 
-pub use crate::raw::table::MemoryBreakdown;
 pub use dump::{DumpPartition, DumpedEntry, DumpedStats, LoadEntry, LoadOutcome, LoadTarget};
 pub use eviction::EvictionReason;
 pub use replicate::{Decided, DecisionLog, IndexDigest};
-pub use reports::RecordCounts;
+pub use reports::{MemoryBreakdown, RecordCounts};
 pub use resolution::PartitionHandle;
 pub use route::{CapturedHits, RouteBuffer, RouteResult};
 pub use sweep::SweepOutcome;
@@ -59,8 +57,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use sweep::Ticker;
 
-/// Largest number of slots a sliced walk processes under one shard lock (V1, C5).
-pub const SLICE: usize = 4096;
+pub use crate::raw::run_store::SLICE;
 
 /// The cache-aware routing index.
 pub struct Index {

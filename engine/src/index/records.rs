@@ -18,7 +18,8 @@
 
 use crate::ReplicaId;
 use crate::directory::{Directory, Life, Rcu, hash_strs, same_str};
-use crate::raw::table::KeyTable;
+use crate::raw::lfu::LfuCells;
+use crate::raw::run_store::RunStore;
 use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
 use std::sync::atomic::{
@@ -313,7 +314,7 @@ impl std::ops::Index<usize> for ReplicaView<'_> {
 }
 
 /// Most replicas one scope can name: a holder stores the scope-local index in 20 bits.
-pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::raw::node::REP_MASK as usize + 1;
+pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::raw::holder::REP_MASK as usize + 1;
 
 /// Writer-side state of a scope's replica names.
 #[derive(Default)]
@@ -528,14 +529,15 @@ impl ScopeRec {
     }
 }
 
-/// A partition: scope + adapter, with its key table.
+/// A partition: scope + adapter, with its storage and its entries' LFU cells.
 pub(crate) struct Partition {
     pub(crate) tenant: Arc<TenantRec>,
     pub(crate) model: Arc<ModelRec>,
     pub(crate) scope: Arc<ScopeRec>,
     pub(crate) scheme: Arc<str>,
     pub(crate) adapter: Arc<str>,
-    pub(crate) table: KeyTable,
+    pub(crate) store: RunStore,
+    pub(crate) lfu: LfuCells,
     /// Distinct keys of the partition (eviction sampling weights, V5).
     pub(crate) keys: AtomicI64,
     /// Storage entries of the partition (eviction sampling weights, V2).

@@ -114,9 +114,9 @@
 //! [`Reaper`], which its writers empty.
 
 use crate::raw::hooks::{self, Kind};
-use crate::raw::node::Holder;
+use crate::raw::holder::Holder;
 use crate::raw::reaper::{Reaper, Reclaim};
-use crate::raw::table::prefetch;
+use crate::raw::slots::prefetch;
 use crate::sync::{AtomicPtr, AtomicU64, Ordering};
 use crossbeam_epoch::Guard;
 use std::alloc::{Layout, alloc, dealloc, handle_alloc_error};
@@ -1035,7 +1035,7 @@ mod tests {
 
     #[test]
     fn long_runs_keep_their_keys_bytes_and_compare_them() {
-        use crate::raw::node::digest;
+        use crate::raw::holder::digest;
         let long = b"a key of twenty-four bytes".as_slice();
         let keys: [&[u8]; 5] = [b"12345678", b"", long, &[7u8; 8], b"abc"];
         let digests: Vec<u64> = keys.iter().map(|k| digest(k)).collect();

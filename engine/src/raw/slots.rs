@@ -55,8 +55,8 @@
 //! Loom model m13a checks a reader against the insert, replace, removal and reuse of its
 //! slot; m13b against a growth rebuild.
 
-use crate::raw::table::prefetch;
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::raw::pages::PageArray;
 use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 use std::num::NonZeroU64;
 
@@ -71,6 +71,19 @@ const SUMMARY_SLOTS: usize = 32;
 const HOME_MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 /// Multiplier of the summary bits (independent of the home's bits).
 const SUMMARY_MIX: u64 = 0xC2B2_AE3D_27D4_EB4F;
+
+/// Prefetches the cache line at `p` into all cache levels. A hint only: never faults.
+#[inline(always)]
+pub(crate) fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` is a hint; it does not dereference `p` architecturally and never
+    // faults, whatever the address. SSE is part of the x86_64 baseline.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
 
 /// A placement seed of its own for each caller (std's per-process random hasher keys), so
 /// that a caller cannot choose keys that share a probe sequence.
@@ -99,8 +112,11 @@ struct Slot {
 
 /// One table: slots, summary words, and what places a key in them.
 struct Slots {
-    slots: Box<[Slot]>,
-    summary: Box<[AtomicU64]>,
+    /// In page-granular blocks (`raw/pages.rs`): a table a rebuild replaces goes back to the
+    /// system when freed, so RSS follows the tables' sizes under churn; and each 16-byte slot
+    /// sits inside one cache line (the block is line-aligned).
+    slots: PageArray<Slot>,
+    summary: PageArray<AtomicU64>,
     /// `64 − log2(slots)`: the home is the top bits of the mixed key.
     shift: u32,
     seed: u64,
@@ -109,15 +125,11 @@ struct Slots {
 impl Slots {
     fn new(len: usize, seed: u64) -> Self {
         debug_assert!(len.is_power_of_two() && len >= MIN_SLOTS);
-        let slots = (0..len)
-            .map(|_| Slot {
-                key: AtomicU64::new(0),
-                value: AtomicU64::new(0),
-            })
-            .collect();
-        let summary = (0..len.div_ceil(SUMMARY_SLOTS))
-            .map(|_| AtomicU64::new(0))
-            .collect();
+        let slots = PageArray::new(len, |_| Slot {
+            key: AtomicU64::new(0),
+            value: AtomicU64::new(0),
+        });
+        let summary = PageArray::new(len.div_ceil(SUMMARY_SLOTS), |_| AtomicU64::new(0));
         Slots {
             slots,
             summary,
@@ -144,9 +156,9 @@ impl Slots {
     }
 
     fn bytes(&self) -> usize {
-        std::mem::size_of::<Slots>()
-            + self.slots.len() * std::mem::size_of::<Slot>()
-            + self.summary.len() * std::mem::size_of::<AtomicU64>()
+        crate::raw::pages::heap_chunk(std::mem::size_of::<Slots>())
+            + self.slots.footprint()
+            + self.summary.footprint()
     }
 
     /// Writer side: the index of the live slot holding `key`, and the first vacated or empty
@@ -343,6 +355,13 @@ impl SlotTable {
         let table = self.current.load(Ordering::Acquire, guard);
         // SAFETY: as in `find`.
         unsafe { table.deref() }.slots.len()
+    }
+
+    /// Which table is current: equal answers under one pinned guard mean no rebuild replaced
+    /// it between them (a replaced table is not freed, so its address not reused, while the
+    /// guard is pinned).
+    pub fn table_id(&self, guard: &Guard) -> usize {
+        self.current.load(Ordering::Acquire, guard).as_raw() as usize
     }
 
     /// The home slot of `key` in a table of `slots` slots seeded `seed` (tests and models use it
