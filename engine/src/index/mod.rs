@@ -192,11 +192,24 @@ impl Index {
             .map_or(0, |s| s.serving_n.load(Ordering::Relaxed))
     }
 
-    /// Frees the chain runs the epoch has handed to every partition's reaper (what a writer
-    /// does when it takes a shard lock); returns how many.
+    /// Frees the runs the epoch has handed to every partition's reaper (what a writer does when
+    /// it takes a partition's writer lock); returns how many.
     pub fn loom_reap(&self) -> usize {
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
-        parts.iter().map(|p| p.table.reaper().free_all()).sum()
+        parts.iter().map(|p| p.store.free_retired()).sum()
+    }
+
+    /// Distinct runs the partitions' key tables name (the runs the index links).
+    pub fn loom_live_runs(&self) -> usize {
+        let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
+        let guard = epoch::pin();
+        let mut runs = std::collections::HashSet::new();
+        for p in &parts {
+            p.store.for_each_key(&guard, |_, run, _| {
+                runs.insert(run as *const crate::raw::block_run::BlockRun as usize);
+            });
+        }
+        runs.len()
     }
 }
 
