@@ -170,10 +170,7 @@ fn dropped_indexes_with_chain_runs_do_not_accumulate() {
                 }),
             });
         }
-        assert!(
-            ix.memory_breakdown().runs > 200 * 8,
-            "a run was built"
-        );
+        assert!(ix.memory_breakdown().runs > 200 * 8, "a run was built");
         drop(ix);
     };
     for _ in 0..50 {

@@ -22,9 +22,9 @@
 //! beyond the global cap (`max_entries`); reserved tenants are never dumped or loaded. Loading
 //! never publishes change notifications and does not count as ingest.
 
+use super::Index;
 use super::ingest::{ChainWrite, Pending};
 use super::records::Partition;
-use super::Index;
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
 use crate::raw::holder::{clamp_ts, key_parts, tier_code, tier_wire};
@@ -319,15 +319,16 @@ impl Index {
             self.write_chain(&write, &keys, counts, digests, &guard, ingest, pend);
             for e in chain.iter().filter(|e| e.lfu_count > 0) {
                 let (digest, long) = key_parts(e.key);
-                part.store.with_entry_locked(digest, long, rep, &guard, |entry| {
-                    if let Some(h) = entry {
-                        let cell = part.lfu.cell_or_create(e.key, rep, h.generation(), &guard);
-                        let gained = cell.restore(e.lfu_count, thr);
-                        if gained != 0 {
-                            self.add_key_access(&part.model, cell.ksum(), gained);
+                part.store
+                    .with_entry_locked(digest, long, rep, &guard, |entry| {
+                        if let Some(h) = entry {
+                            let cell = part.lfu.cell_or_create(e.key, rep, h.generation(), &guard);
+                            let gained = cell.restore(e.lfu_count, thr);
+                            if gained != 0 {
+                                self.add_key_access(&part.model, cell.ksum(), gained);
+                            }
                         }
-                    }
-                });
+                    });
             }
             chain.clear();
             counts.clear();
@@ -354,7 +355,13 @@ impl Index {
                 .last()
                 .is_some_and(|last| last.tier != e.tier || last.last_seen_ms != e.last_seen_ms)
             {
-                flush(&mut chain, &mut counts, &mut digests, &mut pend, &mut ingest);
+                flush(
+                    &mut chain,
+                    &mut counts,
+                    &mut digests,
+                    &mut pend,
+                    &mut ingest,
+                );
             }
             let count = match chain.last() {
                 Some(last) => e.tokens.wrapping_sub(last.tokens),
@@ -363,7 +370,13 @@ impl Index {
             chain.push(e);
             counts.push(count);
         }
-        flush(&mut chain, &mut counts, &mut digests, &mut pend, &mut ingest);
+        flush(
+            &mut chain,
+            &mut counts,
+            &mut digests,
+            &mut pend,
+            &mut ingest,
+        );
         self.flush_pending(part, rep, &mut pend, &guard);
         part.scope.exit(rep);
         part.life.exit();

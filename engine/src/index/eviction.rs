@@ -748,7 +748,9 @@ impl Index {
             // Positions are fractions of the key table, so a table rebuilt at another size
             // mid-lap is still covered where the lap stands (homes scale with the length).
             let len = p.store.scan_len(&guard);
-            let step = ((WALK_STEP as u64) << 32).div_ceil(len.max(1) as u64).min(WHOLE);
+            let step = ((WALK_STEP as u64) << 32)
+                .div_ceil(len.max(1) as u64)
+                .min(WHOLE);
             let end_pos = (pos + step).min(WHOLE);
             let first = ((pos as u128 * len as u128) >> 32) as usize;
             let last = ((end_pos as u128 * len as u128) >> 32) as usize;
@@ -896,17 +898,18 @@ impl Index {
         // The victim's run mates, read before it goes (re-validated when they are taken).
         let mut queued = Vec::new();
         if mates.is_some() && alg == Algorithm::Lru {
-            part.store.for_each_run_mate(digest, long, v.rep, &guard, |mate| {
-                if queued.len() < MAX_MATES {
-                    queued.push(Victim {
-                        rank: v.rank,
-                        part: v.part,
-                        key: own_key(mate.as_ref()),
-                        rep: v.rep,
-                        generation: v.generation,
-                    });
-                }
-            });
+            part.store
+                .for_each_run_mate(digest, long, v.rep, &guard, |mate| {
+                    if queued.len() < MAX_MATES {
+                        queued.push(Victim {
+                            rank: v.rank,
+                            part: v.part,
+                            key: own_key(mate.as_ref()),
+                            rep: v.rep,
+                            generation: v.generation,
+                        });
+                    }
+                });
         }
         let mut pend = Pending::default();
         let mut gone = None;

@@ -77,13 +77,15 @@ impl Index {
         mut on_removed: impl FnMut(&[u8], &Holder),
     ) -> EvictReport {
         let guard = epoch::pin();
-        let report = part.store.remove_holders_with(select, &guard, |digest, long, h| {
-            let key = KeyBytes::new(digest, long);
-            on_removed(key.as_ref(), &h);
-            let mut pend = Pending::default();
-            self.entry_removed(part, key.as_ref(), &h, &guard, &mut pend);
-            self.flush_derived(part, h.rep(), &mut pend, &guard);
-        });
+        let report = part
+            .store
+            .remove_holders_with(select, &guard, |digest, long, h| {
+                let key = KeyBytes::new(digest, long);
+                on_removed(key.as_ref(), &h);
+                let mut pend = Pending::default();
+                self.entry_removed(part, key.as_ref(), &h, &guard, &mut pend);
+                self.flush_derived(part, h.rep(), &mut pend, &guard);
+            });
         self.drop_keys(part, report.keys_removed, &guard);
         report
     }

@@ -25,10 +25,10 @@
 //! - **Clearing** ([`Index::remove_everything`]): a server that must re-bootstrap drops what
 //!   it holds before it loads a checkpoint.
 
+use super::DumpPartition;
 use super::ingest::Pending;
 use super::records::Partition;
 use super::{CapturedHits, Index};
-use super::DumpPartition;
 use crate::raw::holder::key_parts;
 use crossbeam_epoch as epoch;
 use std::sync::Arc;

@@ -608,7 +608,8 @@ impl Index {
         guard: &Guard,
     ) {
         let (digest, long) = key_parts(key);
-        let live = |h: Option<crate::raw::holder::Holder>| h.is_some_and(|h| h.generation() == generation);
+        let live =
+            |h: Option<crate::raw::holder::Holder>| h.is_some_and(|h| h.generation() == generation);
         if !live(part.store.entry(digest, long, rep, guard)) {
             return;
         }

@@ -59,29 +59,29 @@ impl Index {
             let logged = self.decision_log_installed();
             let n = self
                 .walk_remove(
-                p,
-                |h| t_ms - h.last_seen_ms() >= ttl,
-                |key, h| {
-                    if sink.is_some() || logged {
-                        let guard = epoch::pin();
-                        let reps = p.scope.replicas.load(&guard);
-                        if let Some(rr) = reps.get(h.rep() as usize) {
-                            if let Some(s) = &sink {
-                                s.publish(&ChangeEvent {
-                                    kind: ChangeKind::Removed,
-                                    tenant_id: &p.tenant.name,
-                                    model_id: &p.model.name,
-                                    replica_id: &rr.name,
-                                    prefix_hash: key,
-                                    adapter_id: &p.adapter,
-                                    timestamp_us: t_us,
-                                });
+                    p,
+                    |h| t_ms - h.last_seen_ms() >= ttl,
+                    |key, h| {
+                        if sink.is_some() || logged {
+                            let guard = epoch::pin();
+                            let reps = p.scope.replicas.load(&guard);
+                            if let Some(rr) = reps.get(h.rep() as usize) {
+                                if let Some(s) = &sink {
+                                    s.publish(&ChangeEvent {
+                                        kind: ChangeKind::Removed,
+                                        tenant_id: &p.tenant.name,
+                                        model_id: &p.model.name,
+                                        replica_id: &rr.name,
+                                        prefix_hash: key,
+                                        adapter_id: &p.adapter,
+                                        timestamp_us: t_us,
+                                    });
+                                }
+                                self.log_decision(p, key, &rr.name, h.last_seen_ms());
                             }
-                            self.log_decision(p, key, &rr.name, h.last_seen_ms());
                         }
-                    }
-                },
-            )
+                    },
+                )
                 .removed as u64;
             out.entries_removed += n;
             self.evictions[evict_slot(alg, EvictionReason::Ttl)].fetch_add(n, Ordering::Relaxed);

@@ -113,8 +113,8 @@
 //! calls [`BlockRun::retire`]: deregister, then, through the epoch, onto the partition's
 //! [`Reaper`], which its writers empty.
 
-use crate::raw::hooks::{self, Kind};
 use crate::raw::holder::Holder;
+use crate::raw::hooks::{self, Kind};
 use crate::raw::reaper::{Reaper, Reclaim};
 use crate::raw::slots::prefetch;
 use crate::sync::{AtomicPtr, AtomicU64, Ordering};

@@ -136,15 +136,27 @@ mod tests {
     fn a_holder_packs_its_fields() {
         let h = Holder::new(REP_MASK, 4, -2, -5, GEN_MASK);
         assert_eq!(
-            (h.rep(), h.tier(), h.tokens(), h.last_seen_ms(), h.generation()),
+            (
+                h.rep(),
+                h.tier(),
+                h.tokens(),
+                h.last_seen_ms(),
+                h.generation()
+            ),
             (REP_MASK, 4, -2, -5, GEN_MASK)
         );
         let h = h.with_tokens(i32::MAX);
-        assert_eq!((h.tokens(), h.tier(), h.generation()), (i32::MAX, 4, GEN_MASK));
+        assert_eq!(
+            (h.tokens(), h.tier(), h.generation()),
+            (i32::MAX, 4, GEN_MASK)
+        );
         assert_eq!(clamp_ts(i64::MAX), TS_MAX);
         assert_eq!(Holder::new(0, 1, 0, i64::MIN, 0).last_seen_ms(), TS_MIN);
         let r = h.refreshed(7, 2, -10);
-        assert_eq!((r.tokens(), r.tier(), r.last_seen_ms(), r.generation()), (7, 2, -5, GEN_MASK));
+        assert_eq!(
+            (r.tokens(), r.tier(), r.last_seen_ms(), r.generation()),
+            (7, 2, -5, GEN_MASK)
+        );
     }
 
     #[test]

@@ -18,6 +18,15 @@ pub enum Kind {
     BlockRun,
 }
 
+/// The placement seed of every table and scratch set a loom model builds: loom replays a model
+/// many times and needs each execution to take the same path, so its tables may not be placed
+/// by a per-process random seed (`slots::random_seed`). `None` outside loom.
+pub(crate) const FIXED_SEED: Option<u64> = if cfg!(loom) {
+    Some(0x5EED_0F_10_0A)
+} else {
+    None
+};
+
 /// An object of `kind` at `addr` was initialised (before it is published).
 #[inline(always)]
 pub(crate) fn created(kind: Kind, addr: usize) {

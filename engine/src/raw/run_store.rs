@@ -1413,7 +1413,13 @@ impl RunStore {
 
     /// Replica `rep`'s entry of the key with `digest` and long part `long`, if present, with
     /// its token count (lock-free).
-    pub fn entry(&self, digest: u64, long: Option<&[u8]>, rep: u32, guard: &Guard) -> Option<Holder> {
+    pub fn entry(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        rep: u32,
+        guard: &Guard,
+    ) -> Option<Holder> {
         let (_, run, o) = self.find_key(digest, long, guard)?;
         let mut found = None;
         run.for_each_holder(|_, h| {
