@@ -106,12 +106,12 @@ mod tests {
     use crate::index::testing::{NOW, all_cleared, chain, index_at_now};
     use crate::types::*;
 
-    /// Walks that remove (the sweep's TTL pass, ALL_CLEARED, PREFIX_EVICTED) visit only the
-    /// shards a writer created: a one-key partition keeps its one shard. (They used to create
-    /// all sixteen: a sweep over 100,000 one-entry tenants took the server from 340 MB to
-    /// 1.4 GB of RSS while it reclaimed them.)
+    /// Walks that remove (the sweep's TTL pass, ALL_CLEARED, PREFIX_EVICTED) allocate nothing
+    /// that stays: a one-key partition keeps its size. (A walk that created per-partition state
+    /// once took the server from 340 MB to 1.4 GB of RSS while a sweep over 100,000 one-entry
+    /// tenants reclaimed them.)
     #[test]
-    fn removal_walks_create_no_shards() {
+    fn removal_walks_create_nothing() {
         let ix = index_at_now();
         chain(&ix, "a", &[*b"key-0001"]);
         let held = ix.memory_bytes();
@@ -126,7 +126,7 @@ mod tests {
             adapter_id: "",
         });
         ix.sweep_now();
-        assert_eq!(ix.memory_bytes(), held, "no shard was created");
+        assert_eq!(ix.memory_bytes(), held, "nothing was allocated");
         assert_eq!(ix.storage_entries(), 1);
     }
 }

@@ -1657,16 +1657,26 @@ impl Drop for RunStore {
     fn drop(&mut self) {
         // Each live run's references are exactly the key table slots naming it: drop them slot
         // by slot and free each run with its last, in slot order (deterministic for a seeded
-        // table, which loom needs).
-        let guard = crossbeam_epoch::pin();
-        let mut w = self.lock_writer();
+        // table, which loom needs). No pin: a store may be dropped by an epoch's deferred
+        // function (its partition's last reference), where pinning again is not allowed.
+        let RunStore {
+            table,
+            ids,
+            writer,
+            reaper,
+            ..
+        } = self;
+        let w = writer.get_mut();
+        reaper.free_all();
+        // SAFETY: `&mut self`: no reader or writer is left, so nothing can free what the table
+        // names while it is read.
+        let guard = unsafe { crossbeam_epoch::unprotected() };
         let mut runs = Vec::new();
-        self.table
-            .for_each_value(&guard, |v| runs.push(unpack(v).0));
+        table.for_each_value(guard, |v| runs.push(unpack(v).0));
         for run in runs {
             let r = run_ref(run);
             if r.release(1) {
-                self.ids.deregister(&mut w.alloc, r.id());
+                ids.deregister(&mut w.alloc, r.id());
                 // SAFETY: the store is being dropped, so no reader can reach its runs, and this
                 // was the run's last reference.
                 unsafe { BlockRun::discard(run) };
