@@ -1,8 +1,8 @@
 //! Global cap (V2) and tenant quotas (V5): victim selection and removal (D6).
 //!
 //! Both run at the end of an ingest (K14 steps 3 and 4), never in the sweep and never on events
-//! (E7), and only remove through the same writer-side shard locks as every other removal (one
-//! short lock per victim), so readers are never blocked (C1, C5).
+//! (E7), and only remove through the partitions' writer locks as every other removal does (one
+//! short hold per victim), so readers are never blocked (C1, C5).
 //!
 //! **Ideal order.** Cap: `(eff_count, last_seen, tenant, model, scheme, adapter, hash,
 //! replica_id)` ascending over non-reserved storage entries, `eff_count` = the entry's access
@@ -17,43 +17,42 @@
 //! **Approximate path** (a sampled threshold plus a walking hand, amortized O(1) expected per
 //! victim, no full scan or sort per ingest):
 //! 1. *Sample*: [`SAMPLES`] random keys (partition chosen with probability proportional to its
-//!    entry — or key — count, then a random shard and slot id; empty slots are retried), every
+//!    entry — or key — count, then a random key-table slot; empty slots are retried), every
 //!    holder of a sampled key contributing its rank `(eff_count, last_seen)` (cap) or the key's
 //!    rank `(0, max last_seen)` (quota). The threshold is the sample at rank [`THRESHOLD_RANK`]
 //!    (≈ the 6% quantile of the population), or at [`THRESHOLD_RANK_BY_AGE`] (≈ 14%) when all
 //!    samples share one `eff_count` (pure age order); the samples at or below it are the first
 //!    candidates.
-//! 2. *Walk*: a persistent cursor (partition, shard, position) walks the table lock-free, collecting
-//!    entries whose rank is ≤ the threshold into a small candidate buffer (≤ [`CANDIDATES`], at
-//!    most [`WALK_BUDGET`] groups per refill), sorted so the smallest rank goes first.
-//! 3. *Evict*: pop the smallest candidate, re-validate it under its shard lock (still present,
-//!    same generation, rank still ≤ the threshold: a re-ingest or credit since the walk saves
-//!    it) and remove it.
-//! 4. *Run mates* (cap, LRU): a victim whose node names a chain run queues the run's other
-//!    linked blocks (up to [`MAX_MATES`]) as the next candidates. They are the entries the same
-//!    chain ingest left unchanged — the victim's replica with the same `last_seen`, so tied
-//!    with it in the ideal order — and are taken while the index is still over the cap, each
-//!    re-validated like any candidate (present, naming the same run, rank ≤ threshold). A chain
-//!    thus leaves whole, and its run (8 B per block) with it, instead of block by block over a
-//!    lap of the walk (test `cap_evicts_chains_whole_with_their_run_mates`: without mates, 35
-//!    chains at the cap were half-evicted, with them none).
+//! 2. *Walk*: a persistent cursor (partition, position) walks the key tables lock-free,
+//!    collecting entries whose rank is ≤ the threshold into a small candidate buffer
+//!    (≤ [`CANDIDATES`], at most [`WALK_BUDGET`] slots per refill), sorted so the smallest rank
+//!    goes first.
+//! 3. *Evict*: pop the smallest candidate, re-validate it under its partition's writer lock
+//!    (still present, same generation, rank still ≤ the threshold, index still over the cap: a
+//!    re-ingest or credit since the walk saves it) and remove it.
+//! 4. *Run mates* (cap, LRU): a victim queues the other live blocks of its run (up to
+//!    [`MAX_MATES`]) as the next candidates. They carry the same holder entry — the victim's
+//!    replica with the same `last_seen` and generation, so tied with it in the ideal order —
+//!    and are taken while the index is still over the cap, each re-validated like any
+//!    candidate (present, same generation, rank ≤ threshold). A chain thus leaves whole, and
+//!    its run with it, instead of block by block over a lap of the walk (test
+//!    `cap_evicts_chains_whole_with_their_run_mates`).
 //! 5. *Re-sample* after a lap of the cursor, after about half of the estimated population below
 //!    the threshold was evicted (the threshold goes stale as its entries disappear), or when a
 //!    walk finds nothing within its budget.
 //!
 //! Quality: every victim has a rank within the lowest ~6% (age order: ~14%) (± sampling noise)
 //! of the population at sampling time, and below-threshold candidates are taken smallest first.
-//! Measured (T86, N = 100,000, cap 50,000, LRU): 95.0–98.6% of survivors from the newest half
-//! over sampler seeds (median ~96%); T87 (LFU): ~49,000 of the 50,000 credited entries survive
-//! (`cargo run --release -p inferencecache-bench --bin eviction` for N = 100k and 1M).
+//! T86 (LRU, N = 100,000, cap 50,000: ≥ 95% of survivors from the newest half) and T87 (LFU)
+//! check it over sampler seeds; `cargo run --release -p inferencecache-bench --bin eviction`
+//! measures quality and cost for N = 100k and 1M (`bench/results/eviction.md`).
 //!
-//! Cost: ≈ 1/quantile ≈ 7 (age order) to 15 lock-free node visits per victim (sequential over
-//! the group arrays, occupied lanes from the tag word, nodes prefetched two groups ahead) plus
-//! one re-probe and the removal under the shard lock; the 64-sample re-estimation is amortized
-//! over ~3% of the population. A lower quantile buys quality with walk cost (rank 1 of 64:
-//! ~99.8% / ~35 visits per victim). Measured T86 per-ingest cost at the cap: 1.8–1.9× the
-//! cost below it at N = 100k (bar 2×). Quotas, which have no cost bar, sample at the 7th of 64
-//! (≈ 11%): V5's N/2 quality is then 96.5–99.0% over 16 seeds (94.5–98.3% at the cap's rank).
+//! Cost: ≈ 1/quantile ≈ 7 (age order) to 15 lock-free slot visits per victim (sequential over
+//! the key table) plus one re-probe and the removal under the partition's writer lock; the
+//! 64-sample re-estimation is amortized over ~3% of the population. A lower quantile buys
+//! quality with walk cost (rank 1 of 64: ~99.8% / ~35 visits per victim). Quotas, which have no
+//! cost bar, sample at the 7th of 64 (≈ 11%), which keeps V5's N/2 quality above its 95% bar
+//! over sampler seeds where the cap's rank did not always.
 //!
 //! **Counters.** The cap runs holding the calling ingest's key and entry deltas ([`HeldBackDeltas`]): a
 //! victim of the same partition folds its own deltas into them (and of the same replica, its

@@ -1,4 +1,4 @@
-//! Ingest (K1–K16, S1–S4): one `CacheStateUpdate` upserted chain by chain under the shard
+//! Ingest (K1–K16, S1–S4): one `CacheStateUpdate` upserted chain by chain under the partitions'
 //! writers, its stats stored, then the ingesting tenant's quota (V5) and the global cap (V2).
 //!
 //! Each chain is one write of the partition's run store (`raw/run_store.rs`: one writer lock

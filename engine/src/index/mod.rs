@@ -1,15 +1,14 @@
 //! The index: ingest (K), stats and events (S, E), lookups (L), ranking (R), orchestration (O), TTL
 //! sweep (V1), aggregates (G) and change notifications (N).
 //!
-//! Concurrency summary (details in `raw/table.rs` and `docs/engine.md`): readers pin an epoch
-//! guard, resolve the partition through a wait-free directory, probe the partition's key table and
-//! read immutable key nodes; they take no lock and never retry. Writers lock one table shard at a
-//! time (per key, or per shard group of a chain), build a replacement node and publish it with a
-//! Release store. Derived counters are atomics whose deltas writers apply once per (partition,
-//! replica) run of an ingest or eviction batch; they may lag an in-flight write and are exact once
-//! writes quiesce (C3). The chain walk is software-pipelined (prefetch, candidate, resolve), and
-//! steps over the blocks of a chain run (`raw/runs.rs`) whose keys follow the request's: every
-//! chain ingest builds one over its blocks.
+//! Concurrency summary (details in the `raw/` module docs and `docs/engine.md`): readers pin an
+//! epoch guard, resolve the partition through a wait-free directory and walk its run store
+//! (`raw/run_store.rs`): a key-table probe names a block run, whose keys the walk compares with
+//! the request's, stretch by stretch; they take no lock and never retry. Writers take their
+//! partition's writer lock once per chain, write new runs or change runs in place where readers
+//! can tell (joins, gone and dead bits), and publish with Release stores. Derived counters are
+//! atomics whose deltas writers apply once per (partition, replica) run of an ingest or eviction
+//! batch; they may lag an in-flight write and are exact once writes quiesce (C3).
 //!
 //! This file holds the [`Index`] itself: its fields, constructor, configuration and change sink.
 //! Each area of its work is one child module with the types it owns, most of them adding an `impl

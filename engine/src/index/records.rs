@@ -164,7 +164,7 @@ fn slot_place(i: usize) -> (usize, usize) {
 /// and an empty scope costs one small array of chunk pointers.
 ///
 /// Invariants: a slot is written by the interning writer (scope name lock held), with a
-/// Release store of a fully built record, before any key node naming the index is published;
+/// Release store of a fully built record, before any holder naming the index is published;
 /// it then does not change while any holder names the index. A chunk pointer is stored
 /// (Release) before any of its slots. A reader reaches a slot only through a holder it loaded
 /// with Acquire, so it sees the chunk and the record. A reclaimed slot is emptied, and its
@@ -461,7 +461,7 @@ impl ScopeRec {
     /// by whichever thread pins, often a reader inside a lookup, which should not drop ids
     /// under the interner's lock.)
     ///
-    /// Why serving 0 means no key node names the index: the count is the replica's entries
+    /// Why serving 0 means no holder names the index: the count is the replica's entries
     /// in the scope; ingests add to it only while entered (so not after the retirement), and
     /// removals subtract after their unlink (AcqRel, read here with Acquire), so the unlinks
     /// of all its entries happen before this check and before the deferral. Returns the slots

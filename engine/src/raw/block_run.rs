@@ -1,7 +1,6 @@
-//! Block runs: the storage unit of the run layout (`docs/perf-log.md`, "The run layout"), with
-//! the registry of run ids that lets a run's successor hints name other runs without keeping
-//! them alive. Built ahead of the index moving onto it; the design probe
-//! (`bench/src/bin/layout-probe.rs`) and loom m14a–m14d drive it today.
+//! Block runs: the storage unit of every partition (`docs/engine.md`, "Storage: the run
+//! layout"), with the registry of run ids that lets a run's successor hints name other runs
+//! without keeping them alive. Loom m14a–m14d check its protocols on their own.
 //!
 //! # Structure
 //!

@@ -45,7 +45,7 @@ pub(crate) fn read(kind: Kind, addr: usize) {
     let _ = (kind, addr);
 }
 
-/// The object of `kind` at `addr` is freed (or its memory goes back to an arena).
+/// The object of `kind` at `addr` is freed.
 #[inline(always)]
 pub(crate) fn destroyed(kind: Kind, addr: usize) {
     #[cfg(loom)]

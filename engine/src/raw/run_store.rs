@@ -1,8 +1,7 @@
-//! One partition's storage on the run layout (`docs/perf-log.md`, "The run layout"): the
-//! key-inline slot table naming `(run, offset)`, the [`BlockRun`]s the slots name, their ids,
-//! and the root slots. Built ahead of the index moving onto it; the design probe
-//! (`bench/src/bin/layout-probe.rs`) runs W1M on it and `tests` below compare it with a plain
-//! map after random ingests and removals.
+//! One partition's storage (`docs/engine.md`, "Storage: the run layout"): the key-inline slot
+//! table naming `(run, offset)`, the [`BlockRun`]s the slots name, their ids, and the root
+//! slots. `tests` below compare it with a plain map after random ingests and removals; the
+//! design probe (`bench/src/bin/layout-probe.rs`) runs W1M on it without the index.
 //!
 //! # Writes
 //!
@@ -597,24 +596,43 @@ impl RunStore {
         &self,
         request: impl Into<Keys<'k, K>>,
         guard: &Guard,
-        mut visit: impl FnMut(&BlockRun, usize, usize) -> bool,
+        visit: impl FnMut(&BlockRun, usize, usize) -> bool,
     ) -> usize {
         let keys: Keys<'k, K> = request.into();
-        let request = keys.digests;
-        let Some(&first) = request.first() else {
-            return 0;
-        };
+        match keys.digests.first() {
+            Some(&first) => match self.first_block(first, guard) {
+                Some(value) => self.walk_from(value, keys, guard, visit),
+                None => 0,
+            },
+            None => 0,
+        }
+    }
+
+    /// The slot value of the key with digest `digest` as a walk's block 0 finds it (root slots
+    /// first, then the key table), if some key has that digest: a caller can rule out a walk
+    /// whose block 0 is absent before it prepares the rest of its request
+    /// ([`RunStore::walk_from`]).
+    #[inline]
+    pub fn first_block(&self, digest: u64, guard: &Guard) -> Option<u64> {
         let root = if self.options.roots {
-            self.roots.find(first, guard)
+            self.roots.find(digest, guard)
         } else {
             None
         };
-        let Some(mut value) = root
-            .or_else(|| self.table.find(first, guard))
+        root.or_else(|| self.table.find(digest, guard))
             .map(SlotValue::get)
-        else {
-            return 0;
-        };
+    }
+
+    /// [`RunStore::walk`] from block 0's slot value `value`, as [`RunStore::first_block`]
+    /// found it for `request`'s first key.
+    pub fn walk_from<'k, K: AsRef<[u8]> + 'k>(
+        &self,
+        mut value: u64,
+        keys: Keys<'k, K>,
+        guard: &Guard,
+        mut visit: impl FnMut(&BlockRun, usize, usize) -> bool,
+    ) -> usize {
+        let request = keys.digests;
         let mut pos = 0;
         loop {
             let (run, o) = unpack(value);
