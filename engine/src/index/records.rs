@@ -287,6 +287,15 @@ impl<'g> ReplicaView<'g> {
         self.slots.get(i)
     }
 
+    /// Fetches replica `i`'s record (a lookup that will rank it: the record is a line of its
+    /// own, read per ranked replica).
+    #[inline]
+    pub(crate) fn prefetch(&self, i: usize) {
+        if let Some(record) = self.slots.get(i) {
+            crate::raw::slots::prefetch(record);
+        }
+    }
+
     /// Indices handed out so far (tests).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {

@@ -5,7 +5,7 @@
 //! 0 has a scope-local index below 64, and the general path.
 
 use super::Index;
-use super::records::Partition;
+use super::records::{Partition, ReplicaView};
 use super::resolution::PartitionHandle;
 use super::route::Ranked;
 use crate::clock::us_to_ms;
@@ -112,6 +112,7 @@ impl Index {
             fast.resize(64, Run::default());
         }
         let mut merge = Merge {
+            replicas: part.scope.replicas.load(guard),
             now_ms,
             ttl_ms,
             counts,
@@ -171,6 +172,9 @@ impl Index {
 
 /// The replicas' runs as a walk merges them, stretch by stretch.
 struct Merge<'s> {
+    /// The scope's replica records: each replica that opens a run has its record fetched then,
+    /// so the ranking that follows the walk does not wait for it.
+    replicas: ReplicaView<'s>,
     now_ms: i64,
     ttl_ms: i64,
     counts: &'s [i32],
@@ -250,10 +254,13 @@ impl Merge<'_> {
 
     /// Block 0's stretch: every live holder opens a run.
     fn start(&mut self, run: &BlockRun) {
-        let (now_ms, ttl_ms) = (self.now_ms, self.ttl_ms);
+        let (now_ms, ttl_ms, replicas) = (self.now_ms, self.ttl_ms, self.replicas);
         let mut wide = false;
         run.for_each_holder(|_, h| {
-            wide |= h.rep() >= 64 && is_live(now_ms, h.last_seen_ms(), ttl_ms);
+            if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
+                wide |= h.rep() >= 64;
+                replicas.prefetch(h.rep() as usize);
+            }
         });
         let fresh = |h: &crate::raw::holder::Holder| Run {
             rep: h.rep(),

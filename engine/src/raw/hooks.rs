@@ -22,7 +22,7 @@ pub enum Kind {
 /// many times and needs each execution to take the same path, so its tables may not be placed
 /// by a per-process random seed (`slots::random_seed`). `None` outside loom.
 pub(crate) const FIXED_SEED: Option<u64> = if cfg!(loom) {
-    Some(0x5EED_0F_10_0A)
+    Some(0x5EED_0F10_0A5E_ED00)
 } else {
     None
 };

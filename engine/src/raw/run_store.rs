@@ -262,6 +262,16 @@ impl<'a, K: AsRef<[u8]>> Keys<'a, K> {
     }
 }
 
+/// Calls `f` with the one key of digest `digest` and long part `long` as [`Keys`].
+fn one_key<R>(digest: u64, long: Option<&[u8]>, f: impl FnOnce(Keys<'_, &[u8]>) -> R) -> R {
+    let digests = [digest];
+    let bytes = long.map(|l| [l]);
+    f(Keys {
+        digests: &digests,
+        bytes: bytes.as_ref().map(|b| &b[..]),
+    })
+}
+
 /// A key's bytes as a run names it: an 8-byte key rebuilt from its digest, or the bytes of a
 /// key of another length (a key copied out of a run to build another, a key a removal reports).
 pub enum KeyBytes<'g> {
@@ -614,13 +624,20 @@ impl RunStore {
     /// ([`RunStore::walk_from`]).
     #[inline]
     pub fn first_block(&self, digest: u64, guard: &Guard) -> Option<u64> {
-        let root = if self.options.roots {
-            self.roots.find(digest, guard)
-        } else {
-            None
-        };
-        root.or_else(|| self.table.find(digest, guard))
-            .map(SlotValue::get)
+        if !self.options.roots {
+            return self.table.find(digest, guard).map(SlotValue::get);
+        }
+        // The key table's summary word is loaded beside the root probe, not after it: the two
+        // loads are independent, so an absent key (most often stopped by that word) does not
+        // wait for them one after the other, and a key with a root slot never waits for it.
+        let present = self.table.may_contain(digest, guard);
+        if let Some(root) = self.roots.find(digest, guard) {
+            return Some(root.get());
+        }
+        if !present {
+            return None;
+        }
+        self.table.find(digest, guard).map(SlotValue::get)
     }
 
     /// [`RunStore::walk`] from block 0's slot value `value`, as [`RunStore::first_block`]
@@ -1482,15 +1499,10 @@ impl RunStore {
         if !doomed(&h) {
             return EvictReport::default();
         }
-        let digests = [digest];
-        let bytes = long.map(|l| [l]);
-        let key = Keys {
-            digests: &digests,
-            bytes: bytes.as_ref().map(|b| &b[..]),
-        };
-        let report = self
-            .evict_locked(&mut w, key, rep, guard, &mut |_, h| removed(h))
-            .unwrap_or_default();
+        let report = one_key(digest, long, |key| {
+            self.evict_locked(&mut w, key, rep, guard, &mut |_, h| removed(h))
+                .unwrap_or_default()
+        });
         self.trim(&mut w, guard);
         report
     }
@@ -1515,13 +1527,9 @@ impl RunStore {
         if !doomed(&holders) {
             return EvictReport::default();
         }
-        let digests = [digest];
-        let bytes = long.map(|l| [l]);
-        let key = Keys {
-            digests: &digests,
-            bytes: bytes.as_ref().map(|b| &b[..]),
-        };
-        let report = self.remove_keys_locked(&mut w, key, guard, &mut |_, _, h| removed(h));
+        let report = one_key(digest, long, |key| {
+            self.remove_keys_locked(&mut w, key, guard, &mut |_, _, h| removed(h))
+        });
         self.trim(&mut w, guard);
         report
     }

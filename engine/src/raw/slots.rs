@@ -274,6 +274,17 @@ impl SlotTable {
         None
     }
 
+    /// Whether `key` may be present: false when its presence-summary bits are not both set
+    /// (one load; the summary is a superset, so true proves nothing).
+    #[inline]
+    pub fn may_contain(&self, key: u64, guard: &Guard) -> bool {
+        let table = self.current.load(Ordering::Acquire, guard);
+        // SAFETY: as in `find`.
+        let table = unsafe { table.deref() };
+        let bits = table.summary_bits(key);
+        table.summary_word(table.home(key)).load(Ordering::Relaxed) & bits == bits
+    }
+
     /// Prefetches the summary word and home slot line of `key` (a later [`SlotTable::find`]).
     #[inline]
     pub fn prefetch(&self, key: u64, guard: &Guard) {
