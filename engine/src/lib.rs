@@ -32,16 +32,16 @@ pub use index::{
 #[cfg(loom)]
 pub use raw::loom_api;
 
-/// Pieces of the run layout (`docs/perf-log.md`, "The run layout") built ahead of the index
-/// moving onto them. Public for the design probe (`bench/src/bin/layout-probe.rs`) and the loom
-/// models; not part of the index's API, and free to change with the layout.
+/// The storage's pieces (`docs/engine.md`, "Storage: the run layout"), public for the design
+/// probe (`bench/src/bin/layout-probe.rs`) and the loom models; not part of the index's API,
+/// and free to change with the layout.
 #[doc(hidden)]
 pub mod layout {
     pub use crate::raw::block_run::{
         BlockRun, FLAG, HINTS, HintedBlock, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, long_part,
         pack, unpack,
     };
-    pub use crate::raw::node::{Holder, digest};
+    pub use crate::raw::holder::{Holder, digest};
     pub use crate::raw::reaper::{Reaper, Reclaim};
     pub use crate::raw::run_store::{
         EvictReport, IngestReport, Keys, RunStore, StoreOptions, Writing,

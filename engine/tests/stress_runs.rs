@@ -100,7 +100,7 @@ fn walks_never_step_over_a_changed_block_of_a_run() {
     }
     assert_eq!(walk(&ix, &mut MatchScratch::default()), [LEN as u32; 3]);
     assert!(
-        ix.memory_breakdown().chain_runs > 0,
+        ix.memory_breakdown().runs > 0,
         "the later ingests built runs"
     );
 

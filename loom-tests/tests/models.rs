@@ -176,10 +176,10 @@ fn assert_counters(ix: &Index, keys: i64, entries: i64) {
 }
 
 /// The final state of the models where only replica `a` holds entries and no LFU cell is left:
-/// `n` keys of one entry each, exact counters (C3) and exactly `n` key nodes still linked.
+/// `n` keys of one entry each, exact counters (C3), every run unlinked freed.
 fn assert_final(ix: &Index, n: i64) {
     assert_counters(ix, n, n);
-    assert_reclaimed(usize::try_from(n).expect("a key count"), 0, 0);
+    assert_reclaimed(ix, 0, 0);
 }
 
 /// The LFU models' starting point: `a` holds k1 (10 tokens, 1 s) under LFU with hot threshold
@@ -209,12 +209,12 @@ fn setup_capped(alg: Algorithm, hot: u32) -> Arc<Index> {
 }
 
 /// After k1 of `a` was removed in an LFU model: the entry is gone, its credits left the hot count
-/// with it, the index is empty and every node, cell and key sum is freed.
+/// with it, the index is empty and every run, cell and key sum is freed.
 fn assert_killed(ix: &Index) {
     assert!(ix.entry(T, M, S, "", &key(1), A).is_none());
     assert_eq!(ix.cache_state(T, M).hot_prefixes, 0, "hot count after kill");
     assert_counters(ix, 0, 0);
-    assert_reclaimed(0, 0, 0);
+    assert_reclaimed(ix, 0, 0);
 }
 
 /// PREFIX_EVICTED of key `k` by `replica`.
@@ -272,19 +272,23 @@ fn outcome(label: &'static str) {
     OUTCOMES.with(|o| *o.borrow_mut().entry(label).or_default() += 1);
 }
 
-/// After every other thread has been joined: collect the epoch garbage, then check the ledger
-/// exactly. Every object still linked in the index is alive (never freed early), every object
-/// that was unlinked has been freed (no leak once the readers have left), and nothing was freed
-/// twice (the ledger panics on a double free). `*_linked` are the objects the final index state
-/// links: key nodes (one per key), LFU cells (one per credited live entry), key sums (one per key
-/// with a cell).
-fn assert_reclaimed(nodes_linked: usize, cells_linked: usize, sums_linked: usize) {
+/// After every other thread has been joined: collect the epoch garbage (and free the runs it
+/// handed to the partitions' reapers, as the next writer would), then check the ledger exactly.
+/// Every object still linked in the index is alive (never freed early), every object that was
+/// unlinked has been freed (no leak once the readers have left), and nothing was freed twice
+/// (the ledger panics on a double free). The linked objects are the block runs the index's key
+/// tables name and `cells_linked` LFU cells (one per credited live entry) and `sums_linked` key
+/// sums (one per key with a cell).
+fn assert_reclaimed(ix: &Index, cells_linked: usize, sums_linked: usize) {
     let want = [
-        (Kind::Node, nodes_linked),
+        (Kind::BlockRun, ix.loom_live_runs()),
         (Kind::LfuCell, cells_linked),
         (Kind::KeySum, sums_linked),
     ];
-    let settled = || want.iter().all(|&(k, n)| loom_api::live(k) == n);
+    let settled = || {
+        ix.loom_reap();
+        want.iter().all(|&(k, n)| loom_api::live(k) == n)
+    };
     loom_api::collect_garbage(settled);
     for (k, linked) in want {
         assert_eq!(
@@ -301,33 +305,20 @@ fn assert_reclaimed(nodes_linked: usize, cells_linked: usize, sums_linked: usize
 // ------------------------------------------------------------------------------------------------
 // 1. Publication
 
-/// Model 1: a writer publishes a new holder set for an existing key (node replacement: one
-/// pointer swap) and a brand-new key (node + tag publication, presence-summary bit) in one
-/// ingest, while a reader looks both keys up. The reader sees each entry either before or after
-/// the write, never torn (C3): the holder set is `[a]` or `[a, b]`, and an entry it sees carries
-/// exactly the written token count and last_seen. Shadow cells make loom check that the node's
-/// initialisation happens-before every read through the published pointer. On narrow tables
-/// (the models' size: tag and index in one lane word) and, in `m1w`, on wide ones (index, then
-/// tag word).
+/// Model 1: a writer adds a holder to an existing key (a join in its run's spare holder entry:
+/// the entry's words, then the count with Release) and writes a brand-new key (a new run,
+/// published by its registration and its slot's Release store) in one ingest, while a reader
+/// looks both keys up. The reader sees each entry either before or after the write, never torn
+/// (C3): the holder set is `[a]` or `[a, b]`, and an entry it sees carries exactly the written
+/// token count and last_seen. Shadow cells make loom check that a run's initialisation
+/// happens-before every read through the published pointer.
 #[test]
 fn m1_publish_vs_reader() {
-    publish_vs_reader();
-}
-
-/// Model 1 on wide tables (the group format of shards past 128 MiB of nodes).
-#[test]
-fn m1w_publish_vs_reader_wide() {
-    loom_api::set_wide_tables(true);
-    publish_vs_reader();
-}
-
-fn publish_vs_reader() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
-        put(&ix, A, &[(key(1), 10)], 1_000);
+        put(&ix, A, &[(key(1), 20)], 1_000);
         let w = spawn_on(&ix, |ix| {
             put(ix, B, &[(key(1), 20), (key(2), 30)], 1_000);
-            // Eager reclamation: the replaced node can be freed while the reader is pinned.
             loom_api::reclaim_step();
             loom_api::reclaim_step();
         });
@@ -347,84 +338,58 @@ fn publish_vs_reader() {
         assert_eq!(holders(&ix, &key(1)), [A, B]);
         assert_eq!(entry(&ix, &key(1), B), Some((20, 1_000)));
         assert_eq!(entry(&ix, &key(2), B), Some((30, 1_000)));
-        // 3 nodes built (k1 [a], k1 [a, b], k2 [b]); the replaced one is reclaimed.
-        assert_reclaimed(2, 0, 0);
+        // Two runs built (k1's, which b joined in place, and k2's), none retired.
+        assert_eq!(loom_api::built(Kind::BlockRun), 2);
+        assert_reclaimed(&ix, 0, 0);
     });
 }
 
-/// Model 1b: a table rebuild (growth) moves every node of a shard into a new group array and
-/// publishes it (Release) while a reader probes: an existing key is always found with its holder,
-/// whichever table the reader loaded; the new key is absent or complete.
+/// Model 1b: a key-table rebuild (growth) copies every slot into a new table and publishes it
+/// (Release) while a reader probes: an existing key is always found with its holder, whichever
+/// table the reader loaded; the new key is absent or complete. Six keys fill the 8-slot table
+/// to its load bound; the 7th insert rebuilds it.
 #[test]
 fn m1b_rebuild_vs_reader() {
-    rebuild_vs_reader(false);
-}
-
-/// Model 1b on wide tables.
-#[test]
-fn m1bw_rebuild_vs_reader_wide() {
-    rebuild_vs_reader(true);
-}
-
-fn rebuild_vs_reader(wide: bool) {
-    loom_api::set_wide_tables(wide);
-    // Keys of one shard until its 1-group table (8 narrow lanes, 6 wide) passes the 17/20 load
-    // bound: the 7th insert (narrow) or the 6th (wide) rebuilds it.
-    let n = if wide { 6 } else { 7 };
-    let shard = loom_api::shard_of(&key(1));
-    let same: Vec<u64> = (1..)
-        .filter(|&i| loom_api::shard_of(&key(i)) == shard)
-        .take(n)
-        .collect();
-    model(move || {
+    const N: u64 = 7;
+    model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
-        let first: Vec<_> = same[..n - 1].iter().map(|&i| (key(i), 1)).collect();
+        let first: Vec<_> = (1..N).map(|i| (key(i), 1)).collect();
         put(&ix, A, &first, 1_000);
-        let last = key(same[n - 1]);
+        let last = key(N);
         let w = spawn_on(&ix, move |ix| {
             put(ix, A, &[(last, 7)], 1_000);
         });
-        assert_eq!(entry(&ix, &key(same[0]), A), Some((1, 1_000)));
+        assert_eq!(entry(&ix, &key(1), A), Some((1, 1_000)));
         assert!(matches!(entry(&ix, &last, A), None | Some((7, 1_000))));
         w.join().unwrap();
-        for &i in &same[..n - 1] {
+        for i in 1..N {
             assert_eq!(entry(&ix, &key(i), A), Some((1, 1_000)));
         }
         assert_eq!(entry(&ix, &last, A), Some((7, 1_000)));
-        assert_final(&ix, n as i64);
+        assert_final(&ix, N as i64);
     });
 }
 
 // ------------------------------------------------------------------------------------------------
 // 2. Removal and reclamation
 
-/// Model 2: a writer replaces a key's node twice and then removes the key (three retirements
-/// through crossbeam-epoch) while a pinned reader walks it. The reader sees one of the four
-/// states; loom checks that no node is freed while a reader pinned before its unlink can still
-/// read it (shadow cells), and once the reader has left every retired node is freed exactly once
-/// (no leak, no double free). `m2w`: the same on wide tables, whose removal stores the index
-/// and the tag separately.
+/// Model 2: a writer changes a key three ways and then removes it while a pinned reader looks
+/// it up: `b` joins `a`'s run (spare entry), `a` re-ingests with another token count (a copy on
+/// write: a new run, the old one retired), `a` is evicted (its gone bit), then `b` (the run
+/// retired). The reader sees one of the four holder sets; loom checks that no run is freed
+/// while a reader pinned before its unlink can still read it (shadow cells), and once the
+/// reader has left every retired run is freed exactly once (no leak, no double free).
 #[test]
 fn m2_remove_reclaim_vs_pinned_reader() {
-    remove_reclaim_vs_pinned_reader();
-}
-
-/// Model 2 on wide tables.
-#[test]
-fn m2w_remove_reclaim_vs_pinned_reader_wide() {
-    loom_api::set_wide_tables(true);
-    remove_reclaim_vs_pinned_reader();
-}
-
-fn remove_reclaim_vs_pinned_reader() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         put(&ix, A, &[(key(1), 10)], 1_000);
         let w = spawn_on(&ix, |ix| {
             put(ix, B, &[(key(1), 10)], 1_000);
+            put(ix, A, &[(key(1), 20)], 1_000);
             evict(ix, A, &key(1));
             evict(ix, B, &key(1));
-            // Eager reclamation: retired nodes can be freed while the reader is pinned.
+            // Eager reclamation: retired runs can be freed while the reader is pinned.
             loom_api::reclaim_step();
             loom_api::reclaim_step();
         });
@@ -433,13 +398,6 @@ fn remove_reclaim_vs_pinned_reader() {
             h.is_empty() || h == [A] || h == [A, B] || h == [B],
             "impossible holder set {h:?}"
         );
-        // Frees that happened while the reader was still running: the epoch really reclaims
-        // concurrently with a pinned reader in the explored interleavings.
-        outcome(match loom_api::freed(Kind::Node) {
-            0 => "0 nodes freed before the reader returned",
-            1 => "1 node freed before the reader returned",
-            _ => "2+ nodes freed before the reader returned",
-        });
         outcome(match h.len() {
             0 => "reader saw []",
             2 => "reader saw [a, b]",
@@ -450,56 +408,8 @@ fn remove_reclaim_vs_pinned_reader() {
         assert!(holders(&ix, &key(1)).is_empty());
         assert_eq!(ix.total_keys(), 0);
         assert_eq!(ix.storage_entries(), 0);
-        assert_eq!(loom_api::built(Kind::Node), 3);
-        assert_reclaimed(0, 0, 0);
-    });
-}
-
-/// Model 2b: node memory is reused only after its epoch. A writer replaces key 1's node twice
-/// (`[a]` → `[a, b]` → `[b]`), collects eagerly, then ingests two new keys of the same shard,
-/// whose one-holder nodes are carved from the arena's free list when the retired `[a]` / `[a, b]`
-/// nodes have been handed back. A reader pinned meanwhile looks key 1 up. If the arena handed a
-/// node out again while the reader could still reach it, the reuse's initialising write would
-/// race the reader's read (a causality failure), or the reader would see foreign holders; the
-/// ledger's leak check covers the free lists too.
-#[test]
-fn m2b_arena_reuse_vs_pinned_reader() {
-    // Two more keys in key 1's shard (same arena).
-    let same: Vec<[u8; 8]> = (2..200u64)
-        .map(key)
-        .filter(|k| loom_api::shard_of(k) == loom_api::shard_of(&key(1)))
-        .take(2)
-        .collect();
-    assert_eq!(same.len(), 2);
-    let (k2, k3) = (same[0], same[1]);
-    model(move || {
-        let ix = index(Algorithm::Lru, None, 8, 1_000);
-        put(&ix, A, &[(key(1), 10)], 1_000);
-        let w = {
-            let ix = ix.clone();
-            spawn(move || {
-                put(&ix, B, &[(key(1), 10)], 1_000);
-                event(&ix, event_type::PREFIX_EVICTED, A, &key(1));
-                loom_api::reclaim_step();
-                loom_api::reclaim_step();
-                put(&ix, A, &[(k2, 20), (k3, 30)], 1_000);
-            })
-        };
-        let h = holders(&ix, &key(1));
-        assert!(
-            h == [A] || h == [A, B] || h == [B],
-            "impossible holder set {h:?}"
-        );
-        outcome(match loom_api::reuses() {
-            0 => "no node memory reused before the reader returned",
-            _ => "node memory reused before the reader returned",
-        });
-        w.join().unwrap();
-        assert_eq!(holders(&ix, &key(1)), [B]);
-        assert_eq!(holders(&ix, &k2), [A]);
-        assert_eq!(holders(&ix, &k3), [A]);
-        assert_eq!(ix.storage_entries(), 3);
-        assert_reclaimed(3, 0, 0);
+        assert_eq!(loom_api::built(Kind::BlockRun), 2);
+        assert_reclaimed(&ix, 0, 0);
     });
 }
 
@@ -554,7 +464,7 @@ fn m4a_lfu_first_credit_race() {
         let e = ix.entry(T, M, S, "", &key(1), A).expect("entry");
         assert_eq!(e.access_count, 2, "lost increment");
         assert_eq!(ix.cache_state(T, M).hot_prefixes, 1);
-        assert_reclaimed(1, 1, 1);
+        assert_reclaimed(&ix, 1, 1);
     });
 }
 
@@ -787,7 +697,7 @@ fn m7a_serving_n_crossings() {
         assert_eq!(ix.classify(T, M, S), Strategy::None);
         evict(&ix, A, &key(2));
         assert_eq!(ix.loom_serving_n(T, M, S), 1);
-        assert_reclaimed(1, 0, 0);
+        assert_reclaimed(&ix, 0, 0);
     });
 }
 
@@ -831,7 +741,7 @@ fn m7b_change_sink_install_vs_ingest() {
         let n = sink.events.lock().unwrap().len();
         put(&ix, A, &[(key(2), 10)], 1_000);
         assert_eq!(sink.events.lock().unwrap().len(), n + 1);
-        assert_reclaimed(3, 0, 0);
+        assert_reclaimed(&ix, 0, 0);
     });
 }
 
@@ -916,7 +826,7 @@ fn m8b_lfu_cap_eviction_vs_credit() {
         );
         assert_counters(&ix, 2, 2);
         let cells = usize::from(k1.is_some());
-        assert_reclaimed(2, cells, cells);
+        assert_reclaimed(&ix, cells, cells);
         outcome(if k1.is_some() {
             "credit first, k2 evicted"
         } else {
@@ -983,7 +893,7 @@ fn m9_concurrent_partition_creation() {
         assert_eq!(ix.serving_count(T, M, S, A), 1);
         assert_eq!(ix.serving_count(T, M, S, B), 1);
         assert_eq!(ix.loom_serving_n(T, M, S), 2);
-        assert_reclaimed(1, 0, 0);
+        assert_reclaimed(&ix, 0, 0);
     });
 }
 
@@ -1025,33 +935,20 @@ fn chain_blocks(ix: &Index, keys: &[[u8; 8]]) -> (i32, i32) {
     (of(A), of(B))
 }
 
-/// Collects the epoch garbage (and frees the runs it handed to the partitions' reapers, as the
-/// next writer would), then checks that exactly `linked` chain runs are still allocated (the
-/// ones live nodes name) and every other run built was freed once.
+/// Checks that the index links exactly `linked` runs and that every other run built was freed
+/// once ([`assert_reclaimed`]).
 fn assert_runs(ix: &Index, linked: usize) {
-    loom_api::collect_garbage(|| {
-        ix.loom_reap();
-        loom_api::live(Kind::Run) == linked
-    });
-    assert_eq!(
-        loom_api::live(Kind::Run),
-        linked,
-        "chain runs still allocated"
-    );
-    assert_eq!(
-        loom_api::built(Kind::Run) - loom_api::freed(Kind::Run),
-        linked as u64,
-        "chain runs: leak or early free"
-    );
+    assert_eq!(ix.loom_live_runs(), linked, "runs the index links");
+    assert_reclaimed(ix, 0, 0);
 }
 
-/// Model 10a: a reader walks a chain while a writer removes one block from inside the chain
-/// run that covers it. `b` holds the four blocks through a run (`a` had ingested the chain
-/// first, so `b`'s ingest built one; stretch 0..4), and the writer evicts `b` from block 3: it
-/// sets the block's dead bit before it publishes the replacement node. The reader may step over
-/// block 3 only while the bit is unset, so it sees `b` with 4 blocks (before the removal) or 2
-/// (after), never anything else, and `a` with 4 throughout. The run's reads (keys, bits) must
-/// happen-after its creation (loom causality, via the ledger).
+/// Model 10a: a reader walks a chain while a writer removes one block from inside the run that
+/// holds it. `b` joined `a`'s run over the four blocks, and the writer evicts `b` from block 3:
+/// a copy of that block without `b` (a new run held by `a`), the shared run's offset 2 marked
+/// dead before its slot is repointed. The reader steps over block 3 only while the bit is unset,
+/// so it sees `b` with 4 blocks (before the removal) or 2 (after), never anything else, and `a`
+/// with 4 throughout. The runs' reads (keys, bits, holders) must happen-after their creation
+/// (loom causality, via the ledger).
 #[test]
 fn m10a_run_block_removed_vs_walk() {
     model(|| {
@@ -1060,9 +957,9 @@ fn m10a_run_block_removed_vs_walk() {
         put_chain(&ix, A, &c, 1_000);
         put_chain(&ix, B, &c, 1_000);
         assert_eq!(
-            loom_api::built(Kind::Run),
-            2,
-            "a's ingest built a run (its member nodes), b's another"
+            loom_api::built(Kind::BlockRun),
+            1,
+            "b joined a's run in its spare holder entry"
         );
         let w = spawn_on(&ix, move |ix| evict(ix, B, &c[2]));
         let (a, b) = chain_blocks(&ix, &c);
@@ -1075,58 +972,42 @@ fn m10a_run_block_removed_vs_walk() {
         });
         w.join().unwrap();
         assert_eq!(chain_blocks(&ix, &c), (4, 2));
-        // Three of the run's nodes are still linked.
-        assert_runs(&ix, 1);
+        // The shared run (blocks 1, 2, 4) and block 3's copy.
+        assert_runs(&ix, 2);
     });
 }
 
-/// Model 10b: a reader walks a chain while the ingest that builds its run publishes the nodes
-/// and seals the run. Before the seal the walk probes block by block; after it, it may step
-/// over the run. Either way `b`'s match is the prefix of blocks published so far (0..=4, the
-/// chain form publishes in chain order), and reading the run's keys and bits happens-after
-/// they were written (Release stores of the lanes and of the seal). `a`'s blocks start as
-/// member nodes of `a`'s own run, whose holder the reader rebuilds from that run; `b`'s ingest
-/// replaces them one by one and the last replacement retires `a`'s run while the reader may
-/// still be reading it (a free not ordered after those reads is a causality failure).
+/// Model 10b: a reader walks a chain while `b` joins the run `a`'s ingest built (the spare
+/// holder entry's words, then the count with Release). The run's four blocks have one holder
+/// set, so the reader sees `b` with all 4 blocks or none, and reads the new entry only after
+/// its words (loom causality).
 #[test]
-fn m10b_run_build_vs_walk() {
+fn m10b_run_join_vs_walk() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         let c = run_chain();
         put_chain(&ix, A, &c, 1_000);
         let w = spawn_on(&ix, move |ix| put_chain(ix, B, &c, 1_000));
-        walk_while(&ix, &c, w, 4, 1);
+        let (a, b) = chain_blocks(&ix, &c);
+        assert_eq!(a, 4);
+        assert!(b == 0 || b == 4, "b matched {b} blocks");
+        outcome(if b == 4 {
+            "reader saw b with 4 blocks"
+        } else {
+            "reader saw b with 0 blocks"
+        });
+        w.join().unwrap();
+        assert_eq!(chain_blocks(&ix, &c), (4, 4));
+        assert_runs(&ix, 1);
     });
 }
 
-/// The reader of m10b / m10c: walks the chain while `w` changes `b`'s blocks. `a` keeps all 4
-/// blocks; `b` shows some prefix of them. After the join `b` has `b_after` blocks and `runs`
-/// chain runs are still allocated.
-fn walk_while(
-    ix: &Index,
-    c: &[[u8; 8]],
-    w: loom::thread::JoinHandle<()>,
-    b_after: i32,
-    runs: usize,
-) {
-    let (a, b) = chain_blocks(ix, c);
-    assert_eq!(a, 4);
-    assert!((0..=4).contains(&b), "b matched {b} blocks");
-    outcome(match b {
-        0 => "reader saw b with 0 blocks",
-        4 => "reader saw b with 4 blocks",
-        _ => "reader saw b with 1-3 blocks",
-    });
-    w.join().unwrap();
-    assert_eq!(chain_blocks(ix, c), (4, b_after));
-    assert_runs(ix, runs);
-}
-
-/// Model 10c: reclamation. A writer removes `b` from every block of the chain (each removal
-/// replaces a run node, the last one drops the run's last reference and retires it) and
-/// collects eagerly, while a pinned reader may be reading the run. The run is freed only after
-/// the reader is done (a free not ordered after the reader's reads is a causality failure, a
-/// read of a freed run panics), and it is freed: no leak.
+/// Model 10c: reclamation. `a` and `b` hold a chain in one run; a writer re-ingests `a`'s chain
+/// at tier 3 (a copy on write of the whole run: the old run retired once its last slot is
+/// repointed) and collects eagerly, while a pinned reader may be walking the old run. The old
+/// run is freed only after the reader is done (a free not ordered after the reader's reads is
+/// a causality failure, a read of a freed run panics), and it is freed: no leak. The reader
+/// sees both replicas with all 4 blocks throughout.
 #[test]
 fn m10c_run_reclaim_vs_pinned_walk() {
     model(|| {
@@ -1135,21 +1016,34 @@ fn m10c_run_reclaim_vs_pinned_walk() {
         put_chain(&ix, A, &c, 1_000);
         put_chain(&ix, B, &c, 1_000);
         let w = spawn_on(&ix, move |ix| {
-            ix.evict_prefixes(T, M, B, "", &c, 0);
+            let counts = [16; 4];
+            let chain = PrefixRef {
+                prefix_hash: &[],
+                token_count: 0,
+                block_hashes: &c,
+                block_token_counts: &counts,
+                tier: 3,
+                adapter_id: "",
+            };
+            ingest_refs(ix, A, 1_000, std::iter::once(chain));
             loom_api::reclaim_step();
             loom_api::reclaim_step();
         });
-        walk_while(&ix, &c, w, 0, 0);
+        assert_eq!(chain_blocks(&ix, &c), (4, 4));
+        w.join().unwrap();
+        assert_eq!(chain_blocks(&ix, &c), (4, 4));
+        assert_eq!(loom_api::built(Kind::BlockRun), 2, "one copy on write");
+        assert_runs(&ix, 1);
     });
 }
 
-/// Model 10d: a run's stop bits. `a` holds the chain at tier 1 except block 3, which it
-/// re-ingested at tier 3 (colder), so `b`'s ingest builds a run whose stretch breaks around
-/// block 3. A walk that steps over it with the stretch's holders would report `a`'s coldest
-/// tier as 1; every walk must report 3, whether it reads the run before its seal (no skip),
-/// after it (the stop bits, published by the seal's Release store), or not at all.
+/// Model 10d: stretches follow holder state. `a` holds the chain at tier 1 except block 3,
+/// which it re-ingested at tier 3 (colder), so block 3 sits in a run of its own; `b`'s ingest
+/// meanwhile copies or joins the runs it meets. A walk that stepped over block 3 with the first
+/// stretch's holders would report `a`'s coldest tier as 1; every walk must report 3, whatever it
+/// reads of `b`'s write.
 #[test]
-fn m10d_run_stop_bits_vs_walk() {
+fn m10d_stretch_state_vs_walk() {
     model(|| {
         let ix = index(Algorithm::Lru, None, 8, 1_000);
         let c = run_chain();
@@ -1170,20 +1064,22 @@ fn m10d_run_stop_bits_vs_walk() {
         );
         w.join().unwrap();
         assert_eq!(chain_blocks(&ix, &c), (4, 4));
-        assert_runs(&ix, 1);
+        // Blocks 1–2 copied with `b`, block 3's run joined, block 4 trimmed out of the
+        // first run with `b` in its spare entry.
+        assert_runs(&ix, 3);
     });
 }
 
-/// Model 11: the chain-run reaper (a lock-free stack the epoch's deferred functions push
-/// retired runs onto, drained by writers with one swap): two threads push while the main
-/// thread frees the stack; each run is freed exactly once, after its link was written.
+/// Model 11: the run reaper (a lock-free stack the epoch's deferred functions push retired
+/// runs onto, drained by writers with one swap): two threads push while the main thread frees
+/// the stack; each run is freed exactly once, after its link was written.
 #[test]
 fn m11_reaper_push_vs_free_all() {
     model(|| {
         loom_api::reaper_push_vs_free_all();
         assert_eq!(
-            loom_api::built(Kind::Run),
-            loom_api::freed(Kind::Run),
+            loom_api::built(Kind::BlockRun),
+            loom_api::freed(Kind::BlockRun),
             "every run freed"
         );
     });

@@ -201,7 +201,7 @@ fn main() -> ExitCode {
     println!();
     println!(
         "| t (s) | VmRSS (MiB) | storage_entries | memory_bytes (MiB) | RSS−baseline B/entry | \
-         tables | live nodes | free nodes | chunk tails | other (MiB) | blocks ingested (M) |"
+         slot tables | runs | run ids | LFU | other (MiB) | blocks ingested (M) |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for s in &samples {
@@ -218,10 +218,10 @@ fn main() -> ExitCode {
             s.entries,
             mib(s.mem),
             per,
-            mib(s.parts.key_tables),
-            mib(s.parts.nodes_live),
-            mib(s.parts.nodes_free),
-            mib(s.parts.arena_unused),
+            mib(s.parts.slot_tables),
+            mib(s.parts.runs),
+            mib(s.parts.run_ids),
+            mib(s.parts.lfu),
             mib(s.parts.other),
             s.blocks as f64 / 1e6
         );
@@ -241,11 +241,11 @@ fn main() -> ExitCode {
     let max_of = |f: fn(&Sample) -> i64| samples.iter().map(f).max().unwrap_or(0);
     println!(
         "\nsummary: cap {cap} rss0_kib {rss0} rss_max_kib {} mem_max {} tables_max {} \
-         nodes_max {} blocks_per_s {:.0}",
+         runs_max {} blocks_per_s {:.0}",
         max_of(|s| s.rss_kib as i64),
         max_of(|s| s.mem),
-        max_of(|s| s.parts.key_tables),
-        max_of(|s| s.parts.nodes_live),
+        max_of(|s| s.parts.slot_tables),
+        max_of(|s| s.parts.runs),
         blocks as f64 / secs
     );
     match (first, second) {
@@ -331,7 +331,7 @@ fn per_entry_fit(
          process per cap, allocator {ALLOCATOR}\n"
     );
     println!(
-        "| cap | max VmRSS (MiB) | max memory_bytes (MiB) | tables (MiB) | live nodes (MiB) | \
+        "| cap | max VmRSS (MiB) | max memory_bytes (MiB) | slot tables (MiB) | runs (MiB) | \
          writer M blocks/s |"
     );
     println!("|---:|---:|---:|---:|---:|---:|");
@@ -367,7 +367,7 @@ fn per_entry_fit(
             get("rss_max_kib") * 1024.0,
             get("mem_max"),
             get("tables_max"),
-            get("nodes_max"),
+            get("runs_max"),
         ];
         let mib = |b: f64| b / 1048576.0;
         println!(
@@ -390,7 +390,7 @@ fn per_entry_fit(
     println!();
     println!(
         "RSS = {:.1} MiB + {rss_b:.2} B × entries (memory_bytes = {:.1} MiB + {mem_b:.2} B × \
-         entries; tables {tab_b:.2} B, live nodes {node_b:.2} B per entry)",
+         entries; slot tables {tab_b:.2} B, runs {node_b:.2} B per entry)",
         rss_a / 1048576.0,
         mem_a / 1048576.0
     );

@@ -1,31 +1,41 @@
 //! Dumping the index for a checkpoint and loading one back (warm restart).
 //!
-//! A dump walks partitions shard by shard without a lock, like the G2 snapshot: each entry it
-//! reports is one published holder (per-entry consistent, C3), but entries written during the
-//! walk may or may not be included, and an entry moved by a concurrent table rebuild may be
-//! reported twice (a load applies both; the later one wins) or missed (a miss, never a false
-//! entry). That cut is enough for soft state: the index is a hint, and anything written after
-//! the cut is reported again by its producer or expires by TTL.
+//! A dump walks each partition's key table in [`DumpPartition::SHARDS`] slices of slot
+//! positions without a lock, like the G2 snapshot: each entry it reports is one published
+//! holder (per-entry consistent, C3), but entries written during the walk may or may not be
+//! included, and an entry moved by a concurrent write may be reported twice (a load applies
+//! both; the later one wins) or missed (a miss, never a false entry). That cut is enough for
+//! soft state: the index is a hint, and anything written after the cut is reported again by its
+//! producer or expires by TTL.
 //!
-//! A load upserts entries with their own `last_seen`, tier and token counts under the shard
-//! writer (one lock acquisition per run of same-shard entries, at most [`SLICE`] entries each),
-//! then restores their LFU counts into fresh cells and applies the derived counters once per
-//! (partition, replica) batch, so a loaded index answers lookups, aggregates and evictions
-//! exactly as the dumped one did. Entries already past their tenant's TTL are skipped, and so
-//! is anything beyond the global cap (`max_entries`); reserved tenants are never dumped or
-//! loaded. Loading never publishes change notifications and does not count as ingest.
+//! Entries are reported run by run: a slice reports the stretches of live offsets whose first
+//! key it holds, each holder's entries in offset order. So a replica's entries come in the
+//! order its chains had, and a load writes consecutive entries of one tier and `last_seen` as
+//! one chain (its blocks' counts the differences of their token counts, which K8's sums give
+//! back exactly): the loaded runs share stretches as the dumped ones did, instead of one run per
+//! entry.
+//!
+//! A load writes entries with their own `last_seen`, tier and token counts, then restores
+//! their LFU counts into fresh cells and applies the derived counters once per (partition,
+//! replica) batch, so a loaded index answers lookups, aggregates and evictions exactly as the
+//! dumped one did. Entries already past their tenant's TTL are skipped, and so is anything
+//! beyond the global cap (`max_entries`); reserved tenants are never dumped or loaded. Loading
+//! never publishes change notifications and does not count as ingest.
 
-use super::ingest::Pending;
+use super::Index;
+use super::ingest::{ChainWrite, Pending};
 use super::records::Partition;
-use super::{Index, SLICE};
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
-use crate::raw::node::{clamp_ts, tier_code, tier_wire};
-use crate::raw::table::{KeyTable, Probe, SHARDS};
+use crate::raw::holder::{clamp_ts, key_parts, tier_code, tier_wire};
+use crate::raw::run_store::{KeyBytes, Writing};
 use crate::sync::Ordering;
 use crate::types::{IngestOutcome, ReplicaStatsInput};
 use crossbeam_epoch as epoch;
 use std::sync::Arc;
+
+/// Slices of a partition's dump.
+const SHARDS: usize = 16;
 
 /// One partition of a dump.
 pub struct DumpPartition {
@@ -83,13 +93,13 @@ impl DumpPartition {
         &self.part.adapter
     }
 
-    /// Number of shards ([`DumpPartition::for_each_entry`] takes `0..SHARDS`).
+    /// Number of slices ([`DumpPartition::for_each_entry`] takes `0..SHARDS`).
     pub const SHARDS: usize = SHARDS;
 
-    /// Calls `f(key, slot, replica, entry)` for every entry of shard `shard` (lock-free; see
-    /// the module docs for the cut it takes). `slot` is the replica's small dense number in
-    /// this partition's scope (stable for the walk), so callers can group by it without
-    /// hashing names. Shards out of range report nothing.
+    /// Calls `f(key, slot, replica, entry)` for every entry of slice `shard` (lock-free; see
+    /// the module docs for the cut it takes and the order). `slot` is the replica's small
+    /// dense number in this partition's scope (stable for the walk), so callers can group by
+    /// it without hashing names. Slices out of range report nothing.
     pub fn for_each_entry(
         &self,
         shard: usize,
@@ -100,35 +110,44 @@ impl DumpPartition {
         }
         let guard = epoch::pin();
         let part = &*self.part;
+        let len = part.store.scan_len(&guard);
+        let from = shard * len / SHARDS;
+        let count = (shard + 1) * len / SHARDS - from;
         let mut reps = part.scope.replicas.load(&guard);
-        part.table.for_each_node_in(shard, &guard, |node| {
-            let key = node.key();
-            let probe = Probe::new(key);
-            for h in node.holders().iter() {
+        part.store.scan(from, count, &guard, |_, run, o| {
+            // A stretch is reported from its first live offset.
+            if o > 0 && !run.is_dead(o - 1) {
+                return;
+            }
+            let end = run.live_end(o);
+            run.for_each_holder(|_, h| {
                 if reps.get(h.rep() as usize).is_none() {
-                    // A replica interned after the list was loaded: its node was published
+                    // A replica interned after the list was loaded: its entry was written
                     // after the intern, so a fresh load names it.
                     reps = part.scope.replicas.load(&guard);
                 }
                 let Some(replica) = reps.get(h.rep() as usize) else {
-                    continue;
+                    return;
                 };
-                let lfu_count = part
-                    .table
-                    .lfu_cell(probe, h.rep(), h.generation(), &guard)
-                    .map_or(0, |c| c.count());
-                f(
-                    key,
-                    h.rep(),
-                    replica.name.clone(),
-                    DumpedEntry {
-                        tokens: h.tokens(),
-                        tier: tier_wire(h.tier()),
-                        last_seen_ms: h.last_seen_ms(),
-                        lfu_count,
-                    },
-                );
-            }
+                for at in o..end {
+                    let key = KeyBytes::new(run.key(at), run.long_key(at));
+                    let lfu_count = part
+                        .lfu
+                        .cell(run.key(at), h.rep(), h.generation(), &guard)
+                        .map_or(0, |c| c.count());
+                    f(
+                        key.as_ref(),
+                        h.rep(),
+                        replica.name.clone(),
+                        DumpedEntry {
+                            tokens: run.tokens_at(&h, at),
+                            tier: tier_wire(h.tier()),
+                            last_seen_ms: h.last_seen_ms(),
+                            lfu_count,
+                        },
+                    );
+                }
+            });
         });
     }
 }
@@ -246,16 +265,9 @@ impl Index {
         )
     }
 
-    /// Presizes shard `shard` of `target` for `keys` keys (a checkpoint's size hint, see
-    /// `ShardWriter::reserve`). Shards out of range are ignored; the caller bounds `keys`.
-    pub fn reserve_shard(&self, target: &LoadTarget<'_>, shard: usize, keys: usize) {
-        if shard < SHARDS {
-            let guard = epoch::pin();
-            let part = self.enter_target(target, &guard);
-            part.table.writer(shard).reserve(keys, &guard);
-            part.life.exit();
-        }
-    }
+    /// A checkpoint's size hint for slice `shard` of `target`: accepted and ignored (a
+    /// partition's tables grow as the load writes).
+    pub fn reserve_shard(&self, _target: &LoadTarget<'_>, _shard: usize, _keys: usize) {}
 
     /// Loads `entries` of `replica` into `target` (see the module docs).
     pub fn load_entries(
@@ -278,63 +290,93 @@ impl Index {
         let thr = self.hot_threshold();
         let mut pend = Pending::default();
         let mut ingest = IngestOutcome::default();
-        let mut i = 0;
-        while i < entries.len() {
-            let shard = KeyTable::shard_of(Probe::new(entries[i].key));
-            let mut w = part.table.writer(shard);
-            let mut in_lock = 0;
-            while i < entries.len() && in_lock < SLICE {
-                let e = &entries[i];
-                let p = Probe::new(e.key);
-                if KeyTable::shard_of(p) != shard {
-                    break;
-                }
-                i += 1;
-                in_lock += 1;
-                if e.key.is_empty() {
-                    out.dropped += 1;
-                    continue;
-                }
-                if ttl > 0 && now_ms - e.last_seen_ms >= ttl {
-                    out.expired += 1;
-                    continue;
-                }
-                if cap > 0
-                    && self.storage_entries.load(Ordering::Relaxed) + pend.added >= cap
-                    && w.find_p(p, &guard)
-                        .and_then(|(_, n)| n.holder(rep))
-                        .is_none()
-                {
-                    out.dropped += 1;
-                    continue;
-                }
-                let ts = clamp_ts(e.last_seen_ms);
-                let tier = tier_code(e.tier);
-                Self::upsert_locked(
-                    &mut w,
-                    p,
+        // The entries to write, with the count each adds to the one before it in its chain.
+        let mut chain: Vec<&LoadEntry<'_>> = Vec::new();
+        let mut counts: Vec<i32> = Vec::new();
+        let mut digests: Vec<u64> = Vec::new();
+        // New entries this load will write, for the cap.
+        let mut fresh = 0i64;
+        let flush = |chain: &mut Vec<&LoadEntry<'_>>,
+                     counts: &mut Vec<i32>,
+                     digests: &mut Vec<u64>,
+                     pend: &mut Pending,
+                     ingest: &mut IngestOutcome| {
+            let Some(first) = chain.first() else {
+                return;
+            };
+            let write = ChainWrite {
+                part,
+                writing: Writing {
                     rep,
-                    e.tokens,
-                    ts,
-                    tier,
-                    None,
-                    &guard,
-                    &mut ingest,
-                    &mut pend,
-                );
-                out.loaded += 1;
-                if e.lfu_count > 0
-                    && let Some(h) = w.find_p(p, &guard).and_then(|(_, n)| n.holder(rep))
-                {
-                    let cell = w.lfu_cell_or_create(e.key, rep, h.generation(), &guard);
-                    let gained = cell.restore(e.lfu_count, thr);
-                    if gained != 0 {
-                        self.add_key_access(&part.model, cell.ksum(), gained);
-                    }
-                }
+                    tier: tier_code(first.tier),
+                    ts_ms: clamp_ts(first.last_seen_ms),
+                },
+                replica,
+                ts_us: 0,
+                sink: None,
+            };
+            let keys: Vec<&[u8]> = chain.iter().map(|e| e.key).collect();
+            self.write_chain(&write, &keys, counts, digests, &guard, ingest, pend);
+            for e in chain.iter().filter(|e| e.lfu_count > 0) {
+                let (digest, long) = key_parts(e.key);
+                part.store
+                    .with_entry_locked(digest, long, rep, &guard, |entry| {
+                        if let Some(h) = entry {
+                            let cell = part.lfu.cell_or_create(e.key, rep, h.generation(), &guard);
+                            let gained = cell.restore(e.lfu_count, thr);
+                            if gained != 0 {
+                                self.add_key_access(&part.model, cell.ksum(), gained);
+                            }
+                        }
+                    });
             }
-            drop(w);
+            chain.clear();
+            counts.clear();
+        };
+        for e in entries {
+            if e.key.is_empty() {
+                out.dropped += 1;
+                continue;
+            }
+            if ttl > 0 && now_ms - e.last_seen_ms >= ttl {
+                out.expired += 1;
+                continue;
+            }
+            let (digest, long) = key_parts(e.key);
+            let present = part.store.entry(digest, long, rep, &guard).is_some();
+            if cap > 0 && !present && self.storage_entries.load(Ordering::Relaxed) + fresh >= cap {
+                out.dropped += 1;
+                continue;
+            }
+            fresh += i64::from(!present);
+            out.loaded += 1;
+            // One chain per stretch of entries with one tier and `last_seen`.
+            if chain
+                .last()
+                .is_some_and(|last| last.tier != e.tier || last.last_seen_ms != e.last_seen_ms)
+            {
+                flush(
+                    &mut chain,
+                    &mut counts,
+                    &mut digests,
+                    &mut pend,
+                    &mut ingest,
+                );
+            }
+            let count = match chain.last() {
+                Some(last) => e.tokens.wrapping_sub(last.tokens),
+                None => e.tokens,
+            };
+            chain.push(e);
+            counts.push(count);
         }
+        flush(
+            &mut chain,
+            &mut counts,
+            &mut digests,
+            &mut pend,
+            &mut ingest,
+        );
         self.flush_pending(part, rep, &mut pend, &guard);
         part.scope.exit(rep);
         part.life.exit();

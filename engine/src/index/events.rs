@@ -4,11 +4,11 @@
 //! types are ignored. Events never run quota or cap enforcement (E7).
 
 use super::ingest::Pending;
-use super::lookahead::Lookahead;
 use super::records::{ModelRec, Partition};
 use super::{Index, STATS_RECORD_BYTES};
 use crate::clock::us_to_ms;
-use crate::raw::table::{KeyTable, Probe};
+use crate::raw::holder::digest;
+use crate::raw::run_store::Keys;
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
 use crate::types::*;
@@ -100,42 +100,33 @@ impl Index {
             };
             let guard = epoch::pin();
             let mut pend = Pending::default();
-            let n = prefix_hashes.len();
-            let probe = |j: usize| Probe::new(prefix_hashes[j].as_ref());
-            let mut ahead = Lookahead::start(&p.table, n, probe, &guard);
-            for (j, key) in prefix_hashes.iter().enumerate() {
-                ahead.step(&p.table, j, n, probe, &guard);
-                let key = key.as_ref();
-                if key.is_empty() {
-                    continue;
+            // D8: empty keys name nothing.
+            let named: Vec<&[u8]> = prefix_hashes
+                .iter()
+                .map(|h| h.as_ref())
+                .filter(|h| !h.is_empty())
+                .collect();
+            let digests: Vec<u64> = named.iter().map(|h| digest(h)).collect();
+            let keys = match Keys::with_bytes(&digests, &named) {
+                Some(keys) if named.iter().any(|h| h.len() != 8) => keys,
+                _ => Keys::eight(&digests),
+            };
+            let report = p.store.evict_with(keys, rep, &guard, |i, h| {
+                self.entry_removed(p, named[i], &h, &guard, &mut pend);
+                removed += 1;
+                if let Some(s) = &sink {
+                    s.publish(&ChangeEvent {
+                        kind: ChangeKind::Removed,
+                        tenant_id,
+                        model_id,
+                        replica_id,
+                        prefix_hash: named[i],
+                        adapter_id: &p.adapter,
+                        timestamp_us: ts_us,
+                    });
                 }
-                let pr = Probe::new(key);
-                let Some(mut w) = p.table.writer_if_created(KeyTable::shard_of(pr)) else {
-                    continue;
-                };
-                let Some((i, node)) = w.find_p(pr, &guard) else {
-                    continue;
-                };
-                if self
-                    .remove_holder(&mut w, p, i, node, rep, &guard, &mut pend)
-                    .is_some()
-                {
-                    removed += 1;
-                    w.maybe_shrink(&guard);
-                    drop(w);
-                    if let Some(s) = &sink {
-                        s.publish(&ChangeEvent {
-                            kind: ChangeKind::Removed,
-                            tenant_id,
-                            model_id,
-                            replica_id,
-                            prefix_hash: key,
-                            adapter_id: &p.adapter,
-                            timestamp_us: ts_us,
-                        });
-                    }
-                }
-            }
+            });
+            pend.keys -= report.keys_removed as i64;
             // Counters once per partition (they may lag the batch, exact after it, C3).
             self.flush_pending(p, rep, &mut pend, &guard);
             p.scope.exit(rep);

@@ -1,8 +1,8 @@
 //! Global cap (V2) and tenant quotas (V5): victim selection and removal (D6).
 //!
 //! Both run at the end of an ingest (K14 steps 3 and 4), never in the sweep and never on events
-//! (E7), and only remove through the same writer-side shard locks as every other removal (one
-//! short lock per victim), so readers are never blocked (C1, C5).
+//! (E7), and only remove through the partitions' writer locks as every other removal does (one
+//! short hold per victim), so readers are never blocked (C1, C5).
 //!
 //! **Ideal order.** Cap: `(eff_count, last_seen, tenant, model, scheme, adapter, hash,
 //! replica_id)` ascending over non-reserved storage entries, `eff_count` = the entry's access
@@ -17,43 +17,42 @@
 //! **Approximate path** (a sampled threshold plus a walking hand, amortized O(1) expected per
 //! victim, no full scan or sort per ingest):
 //! 1. *Sample*: [`SAMPLES`] random keys (partition chosen with probability proportional to its
-//!    entry — or key — count, then a random shard and slot id; empty slots are retried), every
+//!    entry — or key — count, then a random key-table slot; empty slots are retried), every
 //!    holder of a sampled key contributing its rank `(eff_count, last_seen)` (cap) or the key's
 //!    rank `(0, max last_seen)` (quota). The threshold is the sample at rank [`THRESHOLD_RANK`]
 //!    (≈ the 6% quantile of the population), or at [`THRESHOLD_RANK_BY_AGE`] (≈ 14%) when all
 //!    samples share one `eff_count` (pure age order); the samples at or below it are the first
 //!    candidates.
-//! 2. *Walk*: a persistent cursor (partition, shard, position) walks the table lock-free, collecting
-//!    entries whose rank is ≤ the threshold into a small candidate buffer (≤ [`CANDIDATES`], at
-//!    most [`WALK_BUDGET`] groups per refill), sorted so the smallest rank goes first.
-//! 3. *Evict*: pop the smallest candidate, re-validate it under its shard lock (still present,
-//!    same generation, rank still ≤ the threshold: a re-ingest or credit since the walk saves
-//!    it) and remove it.
-//! 4. *Run mates* (cap, LRU): a victim whose node names a chain run queues the run's other
-//!    linked blocks (up to [`MAX_MATES`]) as the next candidates. They are the entries the same
-//!    chain ingest left unchanged — the victim's replica with the same `last_seen`, so tied
-//!    with it in the ideal order — and are taken while the index is still over the cap, each
-//!    re-validated like any candidate (present, naming the same run, rank ≤ threshold). A chain
-//!    thus leaves whole, and its run (8 B per block) with it, instead of block by block over a
-//!    lap of the walk (test `cap_evicts_chains_whole_with_their_run_mates`: without mates, 35
-//!    chains at the cap were half-evicted, with them none).
+//! 2. *Walk*: a persistent cursor (partition, position) walks the key tables lock-free,
+//!    collecting entries whose rank is ≤ the threshold into a small candidate buffer
+//!    (≤ [`CANDIDATES`], at most [`WALK_BUDGET`] slots per refill), sorted so the smallest rank
+//!    goes first.
+//! 3. *Evict*: pop the smallest candidate, re-validate it under its partition's writer lock
+//!    (still present, same generation, rank still ≤ the threshold, index still over the cap: a
+//!    re-ingest or credit since the walk saves it) and remove it.
+//! 4. *Run mates* (cap, LRU): a victim queues the other live blocks of its run (up to
+//!    [`MAX_MATES`]) as the next candidates. They carry the same holder entry — the victim's
+//!    replica with the same `last_seen` and generation, so tied with it in the ideal order —
+//!    and are taken while the index is still over the cap, each re-validated like any
+//!    candidate (present, same generation, rank ≤ threshold). A chain thus leaves whole, and
+//!    its run with it, instead of block by block over a lap of the walk (test
+//!    `cap_evicts_chains_whole_with_their_run_mates`).
 //! 5. *Re-sample* after a lap of the cursor, after about half of the estimated population below
 //!    the threshold was evicted (the threshold goes stale as its entries disappear), or when a
 //!    walk finds nothing within its budget.
 //!
 //! Quality: every victim has a rank within the lowest ~6% (age order: ~14%) (± sampling noise)
 //! of the population at sampling time, and below-threshold candidates are taken smallest first.
-//! Measured (T86, N = 100,000, cap 50,000, LRU): 95.0–98.6% of survivors from the newest half
-//! over sampler seeds (median ~96%); T87 (LFU): ~49,000 of the 50,000 credited entries survive
-//! (`cargo run --release -p inferencecache-bench --bin eviction` for N = 100k and 1M).
+//! T86 (LRU, N = 100,000, cap 50,000: ≥ 95% of survivors from the newest half) and T87 (LFU)
+//! check it over sampler seeds; `cargo run --release -p inferencecache-bench --bin eviction`
+//! measures quality and cost for N = 100k and 1M (`bench/results/eviction.md`).
 //!
-//! Cost: ≈ 1/quantile ≈ 7 (age order) to 15 lock-free node visits per victim (sequential over
-//! the group arrays, occupied lanes from the tag word, nodes prefetched two groups ahead) plus
-//! one re-probe and the removal under the shard lock; the 64-sample re-estimation is amortized
-//! over ~3% of the population. A lower quantile buys quality with walk cost (rank 1 of 64:
-//! ~99.8% / ~35 visits per victim). Measured T86 per-ingest cost at the cap: 1.8–1.9× the
-//! cost below it at N = 100k (bar 2×). Quotas, which have no cost bar, sample at the 7th of 64
-//! (≈ 11%): V5's N/2 quality is then 96.5–99.0% over 16 seeds (94.5–98.3% at the cap's rank).
+//! Cost: ≈ 1/quantile ≈ 7 (age order) to 15 lock-free slot visits per victim (sequential over
+//! the key table) plus one re-probe and the removal under the partition's writer lock; the
+//! 64-sample re-estimation is amortized over ~3% of the population. A lower quantile buys
+//! quality with walk cost (rank 1 of 64: ~99.8% / ~35 visits per victim). Quotas, which have no
+//! cost bar, sample at the 7th of 64 (≈ 11%), which keeps V5's N/2 quality above its 95% bar
+//! over sampler seeds where the cap's rank did not always.
 //!
 //! **Counters.** The cap runs holding the calling ingest's key and entry deltas ([`HeldBackDeltas`]): a
 //! victim of the same partition folds its own deltas into them (and of the same replica, its
@@ -68,9 +67,9 @@ use super::records::{Partition, TenantRec};
 use super::route::{KeyBytesOwned, own_key};
 use crate::ReplicaId;
 use crate::config::Algorithm;
-use crate::raw::node::{Holder, KeyNode};
-use crate::raw::runs::ChainRun;
-use crate::raw::table::{KeyTable, Probe, SHARDS};
+use crate::raw::block_run::BlockRun;
+use crate::raw::holder::{Holder, key_parts};
+use crate::raw::run_store::KeyBytes;
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
 use crossbeam_epoch::{self as epoch, Guard};
@@ -123,10 +122,10 @@ const CANDIDATES: usize = 32;
 const RECENT_RING: usize = 1024;
 /// Ring entries examined per step before falling back to the buffer.
 const RECENT_TRIES: usize = 4;
-/// Groups (8 lanes each, 6 in wide tables) a refill walks at most.
-const WALK_BUDGET: usize = 1024;
-/// Groups scanned between candidate-buffer checks.
-const WALK_STEP: usize = 4;
+/// Key-table slots a refill walks at most.
+const WALK_BUDGET: usize = 8192;
+/// Slots scanned between candidate-buffer checks.
+const WALK_STEP: usize = 512;
 
 /// Comparable prefix of the ideal order used by the approximate path: `(eff_count, last_seen)`.
 type Rank = (u64, i64);
@@ -170,9 +169,6 @@ struct Victim {
     key: KeyBytesOwned,
     rep: u32,
     generation: u32,
-    /// Non-zero: a run mate of an evicted entry (see [`Index::evict_entry`]), identified by the
-    /// address of the chain run its node names instead of by generation.
-    run: usize,
 }
 
 /// Run mates queued per cap victim at most (longer runs leave the rest to the walk).
@@ -197,12 +193,10 @@ pub(crate) struct Hand {
     budget: u64,
     /// The cursor wrapped around since the last estimate.
     lapped: bool,
-    /// Walk cursor: (partition, shard, position), in shard-interleaved order (see `walk`). The
-    /// position is a fraction of a table in units of 2^-32, not a group index: tables are
-    /// rebuilt at other sizes under the walk, and a key's home keeps its relative position.
-    cursor: (usize, usize, u64),
-    /// The fraction of a table the current round covers in each shard (2^-32 units).
-    step: u64,
+    /// Walk cursor: (partition, position). The position is a fraction of a key table in units
+    /// of 2^-32, not a slot index: tables are rebuilt at other sizes under the walk, and a
+    /// key's home keeps its relative position.
+    cursor: (usize, u64),
     /// Cap only: new entries of LFU namespaces reported by earlier ingests, oldest first.
     recent: VecDeque<RecentEntry>,
     /// The cap's per-enforcement algorithm cache ([`Cx::algs`]), kept here between
@@ -222,8 +216,7 @@ impl Hand {
             thr: None,
             budget: 0,
             lapped: false,
-            cursor: (0, 0, 0),
-            step: 0,
+            cursor: (0, 0),
             recent: VecDeque::new(),
             algs: Vec::new(),
         }
@@ -255,7 +248,7 @@ impl Hand {
             self.thr = None;
             self.budget = 0;
             self.lapped = false;
-            self.cursor = (0, 0, 0);
+            self.cursor = (0, 0);
         }
     }
 
@@ -357,44 +350,53 @@ impl Cx<'_> {
 }
 
 /// An entry's `eff_count` (V2): its access count under LFU, else 0.
-fn eff_count(p: &Partition, key: &[u8], h: &Holder, alg: Algorithm, guard: &Guard) -> u64 {
+fn eff_count(p: &Partition, digest: u64, h: &Holder, alg: Algorithm, guard: &Guard) -> u64 {
     if alg != Algorithm::Lfu {
         return 0;
     }
-    p.table
-        .lfu_cell(Probe::new(key), h.rep(), h.generation(), guard)
+    p.lfu
+        .cell(digest, h.rep(), h.generation(), guard)
         .map_or(0, |c| c.count())
 }
 
 /// A key's quota age (V5): the max `last_seen` over its holders.
-fn key_age(node: &KeyNode) -> i64 {
-    node.holders()
+fn key_age(holders: &[Holder]) -> i64 {
+    holders
         .iter()
         .map(|h| h.last_seen_ms())
         .max()
         .unwrap_or(i64::MIN)
 }
 
+/// The quota age of key `o` of `run` (its holders are the run's).
+fn run_age(run: &BlockRun) -> i64 {
+    let mut age = i64::MIN;
+    run.for_each_holder(|_, h| age = age.max(h.last_seen_ms()));
+    age
+}
+
 impl Index {
-    /// Calls `f(rank, rep, generation)` for each candidate of `node` (cap: each holder; quota:
-    /// the key once).
+    /// Calls `f(rank, rep, generation)` for each candidate of key `o` of `run` (cap: each
+    /// holder; quota: the key once).
     fn visit(
         &self,
         cx: &mut Cx,
         p: &Partition,
-        node: &KeyNode,
+        run: &BlockRun,
+        o: usize,
         guard: &Guard,
         mut f: impl FnMut(Rank, u32, u32),
     ) {
         match cx.mode {
             Mode::Cap => {
                 let alg = cx.alg(self, &p.tenant);
-                for h in node.holders().iter() {
-                    let e = eff_count(p, node.key(), h, alg, guard);
+                let digest = run.key(o);
+                run.for_each_holder(|_, h| {
+                    let e = eff_count(p, digest, &h, alg, guard);
                     f((e, h.last_seen_ms()), h.rep(), h.generation());
-                }
+                });
             }
-            Mode::Quota => f((0, key_age(node)), 0, 0),
+            Mode::Quota => f((0, run_age(run)), 0, 0),
         }
     }
 
@@ -513,7 +515,7 @@ impl Index {
             // New partitions may shift positions: candidates and cursor refer to the old list.
             hand.cands.clear();
             hand.thr = None;
-            hand.cursor = (0, 0, 0);
+            hand.cursor = (0, 0);
         }
         let mut cx = Cx {
             mode: Mode::Quota,
@@ -576,13 +578,12 @@ impl Index {
             let part = unsafe { &*(e.part as *const Partition) };
             let key = e.key.to_be_bytes();
             let rank = part
-                .table
-                .find(&key, &guard)
-                .and_then(|n| n.holder(e.rep))
+                .store
+                .entry(e.key, None, e.rep, &guard)
                 .filter(|h| h.generation() == e.generation)
                 .map(|h| {
                     let alg = cx.alg(self, &part.tenant);
-                    (eff_count(part, &key, &h, alg, &guard), h.last_seen_ms())
+                    (eff_count(part, e.key, &h, alg, &guard), h.last_seen_ms())
                 });
             let Some(rank) = rank.filter(|r| *r <= thr) else {
                 hand.recent.pop_front(); // gone, re-created, or credited since: forget it
@@ -598,7 +599,6 @@ impl Index {
                 key: own_key(&key),
                 rep: e.rep,
                 generation: e.generation,
-                run: 0,
             };
             if self.evict_entry(part, &v, thr, cx, None) {
                 hand.budget = hand.budget.saturating_sub(1);
@@ -675,22 +675,20 @@ impl Index {
             tries += 1;
             let r = hand.below(total as u64) as i64;
             let pi = hand.cum.partition_point(|&c| c <= r);
-            let s = hand.below(SHARDS as u64) as usize;
-            let n = hand.parts[pi].table.slot_ids(s, &guard);
+            let n = hand.parts[pi].store.scan_len(&guard);
             let i = hand.below(n as u64) as usize;
             let p = &hand.parts[pi];
-            let Some(node) = p.table.node_at(s, i, &guard) else {
-                continue;
-            };
             let samples = &mut hand.samples;
-            self.visit(cx, p, node, &guard, |rank, rep, generation| {
-                samples.push(Victim {
-                    rank,
-                    part: pi,
-                    key: own_key(node.key()),
-                    rep,
-                    generation,
-                    run: 0,
+            p.store.scan(i, 1, &guard, |digest, run, o| {
+                let key = own_key(KeyBytes::new(digest, run.long_key(o)).as_ref());
+                self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
+                    samples.push(Victim {
+                        rank,
+                        part: pi,
+                        key: key.clone(),
+                        rep,
+                        generation,
+                    });
                 });
             });
         }
@@ -727,12 +725,12 @@ impl Index {
             return;
         }
         let guard = epoch::pin();
-        let (mut pi, mut s, mut pos) = hand.cursor;
+        let (mut pi, mut pos) = hand.cursor;
         let mut visited = 0;
         let mut wraps = 0;
         while visited < WALK_BUDGET && hand.cands.len() < CANDIDATES {
             if pi >= hand.parts.len() {
-                (pi, s, pos) = (0, 0, 0);
+                (pi, pos) = (0, 0);
                 hand.lapped = true;
                 wraps += 1;
                 if wraps > 1 {
@@ -742,53 +740,42 @@ impl Index {
             }
             let p = &hand.parts[pi];
             if !cx.eligible(p) {
-                (pi, s, pos) = (pi + 1, 0, 0);
+                (pi, pos) = (pi + 1, 0);
                 visited += 1;
                 continue;
             }
-            // Shard-interleaved order: the same slice of every shard's table, then the next
-            // slice. Victims then come evenly from all shards, whose inserts are even too; a
-            // shard-by-shard walk drained one shard at a time, so every shard's arena had to
-            // hold its own high-water mark (~20% above its share under steady churn). Slices
-            // are fractions of each table, so a shard rebuilt at another size mid-lap is still
-            // covered where the lap stands (home groups scale with the table length).
-            let len = p.table.slot_ids(s, &guard) >> 3;
-            if s == 0 {
-                // About `WALK_STEP` groups of each shard per round.
-                hand.step = ((WALK_STEP as u64) << 32)
-                    .div_ceil(len.max(1) as u64)
-                    .min(WHOLE);
-            }
-            let end_pos = (pos + hand.step).min(WHOLE);
+            // Positions are fractions of the key table, so a table rebuilt at another size
+            // mid-lap is still covered where the lap stands (homes scale with the length).
+            let len = p.store.scan_len(&guard);
+            let step = ((WALK_STEP as u64) << 32)
+                .div_ceil(len.max(1) as u64)
+                .min(WHOLE);
+            let end_pos = (pos + step).min(WHOLE);
             let first = ((pos as u128 * len as u128) >> 32) as usize;
             let last = ((end_pos as u128 * len as u128) >> 32) as usize;
             let cands = &mut hand.cands;
-            p.table.scan_groups(s, first, last - first, &guard, |node| {
-                self.visit(cx, p, node, &guard, |rank, rep, generation| {
+            p.store.scan(first, last - first, &guard, |digest, run, o| {
+                let key = KeyBytes::new(digest, run.long_key(o));
+                self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
                     if rank <= thr {
                         cands.push(Victim {
                             rank,
                             part: pi,
-                            key: own_key(node.key()),
+                            key: own_key(key.as_ref()),
                             rep,
                             generation,
-                            run: 0,
                         });
                     }
                 });
             });
             visited += (last - first).max(1);
-            s += 1;
-            if s >= SHARDS {
-                s = 0;
-                pos = end_pos;
-                if pos >= WHOLE {
-                    pos = 0;
-                    pi += 1;
-                }
+            pos = end_pos;
+            if pos >= WHOLE {
+                pos = 0;
+                pi += 1;
             }
         }
-        hand.cursor = (pi, s, pos);
+        hand.cursor = (pi, pos);
     }
 
     // ----------------------------------------------------------------------------------------
@@ -814,30 +801,28 @@ impl Index {
                     continue;
                 }
                 let reps = p.scope.replicas.load(&guard);
-                for s in 0..SHARDS {
-                    p.table.scan_groups(s, 0, usize::MAX / 2, &guard, |node| {
-                        self.visit(cx, p, node, &guard, |rank, rep, generation| {
-                            let full = (
-                                rank,
-                                p.tenant.name.clone(),
-                                p.model.name.clone(),
-                                p.scheme.clone(),
-                                p.adapter.clone(),
-                                node.key().to_vec(),
-                                reps[rep as usize].name.clone(),
-                            );
-                            let v = Victim {
-                                rank,
-                                part: pi,
-                                key: own_key(node.key()),
-                                rep,
-                                generation,
-                                run: 0,
-                            };
-                            all.push((full, v));
-                        });
+                p.store.for_each_key(&guard, |digest, run, o| {
+                    let key = KeyBytes::new(digest, run.long_key(o));
+                    self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
+                        let full = (
+                            rank,
+                            p.tenant.name.clone(),
+                            p.model.name.clone(),
+                            p.scheme.clone(),
+                            p.adapter.clone(),
+                            key.as_ref().to_vec(),
+                            reps[rep as usize].name.clone(),
+                        );
+                        let v = Victim {
+                            rank,
+                            part: pi,
+                            key: own_key(key.as_ref()),
+                            rep,
+                            generation,
+                        };
+                        all.push((full, v));
                     });
-                }
+                });
             }
         }
         all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
@@ -866,18 +851,16 @@ impl Index {
                 if p.keys.load(Ordering::Relaxed) <= 0 {
                     continue;
                 }
-                for s in 0..SHARDS {
-                    p.table.scan_groups(s, 0, usize::MAX / 2, &guard, |node| {
-                        let full = (
-                            key_age(node),
-                            p.model.name.clone(),
-                            p.scheme.clone(),
-                            p.adapter.clone(),
-                            node.key().to_vec(),
-                        );
-                        all.push((full, pi));
-                    });
-                }
+                p.store.for_each_key(&guard, |digest, run, o| {
+                    let full = (
+                        run_age(run),
+                        p.model.name.clone(),
+                        p.scheme.clone(),
+                        p.adapter.clone(),
+                        KeyBytes::new(digest, run.long_key(o)).as_ref().to_vec(),
+                    );
+                    all.push((full, pi));
+                });
             }
         }
         all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
@@ -896,8 +879,9 @@ impl Index {
     // Removal
 
     /// Removes the cap victim `v` if it is still present with the same generation and its rank
-    /// is still ≤ `thr` (re-validated under the shard lock). Counts `index_evictions{alg, cap}`
-    /// and emits N1 REMOVED with the removal time.
+    /// is still ≤ `thr` (re-validated under the partition's writer lock). Counts
+    /// `index_evictions{alg, cap}` and emits N1 REMOVED with the removal time. With `mates`,
+    /// queues the victim's run mates (see the module docs).
     fn evict_entry(
         &self,
         part: &Partition,
@@ -908,60 +892,58 @@ impl Index {
     ) -> bool {
         let alg = cx.alg(self, &part.tenant);
         let key = v.key.as_bytes();
-        let pr = Probe::new(key);
+        let (digest, long) = key_parts(key);
         let guard = epoch::pin();
-        let mut w = part.table.writer(KeyTable::shard_of(pr));
-        let Some((i, node)) = w.find_p(pr, &guard) else {
-            return false;
-        };
-        let Some(h) = node.holder(v.rep) else {
-            return false;
-        };
-        let run = node.run();
-        let same = if v.run != 0 {
-            run.is_some_and(|(r, _)| r as usize == v.run)
-        } else {
-            h.generation() == v.generation
-        };
-        if !same || (eff_count(part, key, &h, alg, &guard), h.last_seen_ms()) > thr {
-            return false;
-        }
-        // Still over the cap? Read after the victim was chosen and its shard locked: a removal
-        // that the choice or the lock observed has already lowered the count (removals
-        // decrement before they unlink, `Index::remove_holder`), so a concurrent PREFIX_EVICTED
-        // of another victim never makes the cap take one entry too many (loom m8a).
-        if self.storage_entries.load(Ordering::Relaxed) <= self.cfg.max_entries {
-            return false;
+        // The victim's run mates, read before it goes (re-validated when they are taken).
+        let mut queued = Vec::new();
+        if mates.is_some() && alg == Algorithm::Lru {
+            part.store
+                .for_each_run_mate(digest, long, v.rep, &guard, |mate| {
+                    if queued.len() < MAX_MATES {
+                        queued.push(Victim {
+                            rank: v.rank,
+                            part: v.part,
+                            key: own_key(mate.as_ref()),
+                            rep: v.rep,
+                            generation: v.generation,
+                        });
+                    }
+                });
         }
         let mut pend = Pending::default();
-        if self
-            .remove_holder(&mut w, part, i, node, v.rep, &guard, &mut pend)
-            .is_none()
-        {
+        let mut gone = None;
+        let report = part.store.remove_entry_if(
+            digest,
+            long,
+            v.rep,
+            &guard,
+            |h| {
+                // Still over the cap? Read under the writer lock, after the victim was chosen: a
+                // removal the choice or the lock observed has already lowered the count
+                // (removals decrement before entries go, `Index::entry_removed`), so a
+                // concurrent PREFIX_EVICTED of another victim never makes the cap take one
+                // entry too many (loom m8a).
+                h.generation() == v.generation
+                    && (eff_count(part, digest, h, alg, &guard), h.last_seen_ms()) <= thr
+                    && self.storage_entries.load(Ordering::Relaxed) > self.cfg.max_entries
+            },
+            |h| {
+                self.entry_removed(part, key, &h, &guard, &mut pend);
+                gone = Some(h);
+            },
+        );
+        let Some(h) = gone else {
             return false;
-        }
-        w.maybe_shrink(&guard);
-        drop(w);
-        // Run mates next: the other blocks the victim's chain ingest left as they were carry
-        // this holder with the same `last_seen`, i.e. the same rank under LRU, so they are the
-        // next victims in the ideal order (ties) and go first. A chain whose blocks the walk
-        // would otherwise find one at a time, across a whole lap, keeps its run (its keys, ~8 B
-        // per block) alive until the last of them goes; evicted together, it goes at once.
-        // (A mate's own mates are already queued: only a victim found otherwise queues them.)
-        if let (Some(out), Some((r, o)), Algorithm::Lru, 0) = (mates, run, alg, v.run) {
-            // SAFETY: the node named the run until its unlink above, and `guard` was pinned
-            // before that: the run is freed (if at all) only after the guard is dropped.
-            let r = unsafe { &*r };
-            for m in r.live_offsets().filter(|&m| m != o).take(MAX_MATES) {
-                out.push(Victim {
-                    rank: v.rank,
-                    part: v.part,
-                    key: KeyBytesOwned::Short(*r.key_bytes(m)),
-                    rep: v.rep,
-                    generation: 0,
-                    run: r as *const ChainRun as usize,
-                });
-            }
+        };
+        pend.keys -= report.keys_removed as i64;
+        // Run mates next: the other blocks of the victim's run carry this holder entry (same
+        // generation, same `last_seen`), i.e. the same rank under LRU, so they are the next
+        // victims in the ideal order (ties) and go first. A chain whose blocks the walk would
+        // otherwise find one at a time, across a whole lap, keeps its run alive until the last
+        // of them goes; evicted together, it goes at once. (A mate's own mates are already
+        // queued: only a victim found otherwise queues them.)
+        if let Some(out) = mates {
+            out.append(&mut queued);
         }
         cx.settle(self, part, v.rep, pend, &guard);
         cx.evicted[evict_slot(alg, EvictionReason::Cap)] += 1;
@@ -987,70 +969,54 @@ impl Index {
     /// Deletes the whole key (every holder) if present and its age is still ≤ `max_age`.
     /// Emits N1 REMOVED per storage entry. Does not count the key (callers do).
     fn evict_key(&self, part: &Partition, key: &[u8], max_age: i64, now_us: i64) -> bool {
-        let pr = Probe::new(key);
+        let (digest, long) = key_parts(key);
         let guard = epoch::pin();
         let sink = self.active_sink(part.tenant.reserved);
-        let mut w = part.table.writer(KeyTable::shard_of(pr));
-        let Some((i, node)) = w.find_p(pr, &guard) else {
-            return false;
-        };
-        if key_age(node) > max_age {
-            return false;
-        }
-        let mut node = node;
         let logged = self.decision_log_installed();
-        loop {
-            let holder = node.holders()[0];
-            let rep = holder.rep();
-            if logged {
-                let reps = part.scope.replicas.load(&guard);
-                self.log_decision(part, key, &reps[rep as usize].name, holder.last_seen_ms());
-            }
-            let mut pend = Pending::default();
-            self.remove_holder(&mut w, part, i, node, rep, &guard, &mut pend);
-            self.flush_pending(part, rep, &mut pend, &guard);
-            if let Some(s) = &sink {
-                let reps = part.scope.replicas.load(&guard);
-                s.publish(&ChangeEvent {
-                    kind: ChangeKind::Removed,
-                    tenant_id: &part.tenant.name,
-                    model_id: &part.model.name,
-                    replica_id: &reps[rep as usize].name,
-                    prefix_hash: key,
-                    adapter_id: &part.adapter,
-                    timestamp_us: now_us,
-                });
-            }
-            match w.node_at(i, &guard) {
-                Some(n) => node = n,
-                None => break,
-            }
-        }
-        w.maybe_shrink(&guard);
-        true
+        let report = part.store.remove_key_if(
+            digest,
+            long,
+            &guard,
+            |holders| key_age(holders) <= max_age,
+            |holder| {
+                let rep = holder.rep();
+                if logged {
+                    let reps = part.scope.replicas.load(&guard);
+                    self.log_decision(part, key, &reps[rep as usize].name, holder.last_seen_ms());
+                }
+                let mut pend = Pending::default();
+                self.entry_removed(part, key, &holder, &guard, &mut pend);
+                self.flush_derived(part, rep, &mut pend, &guard);
+                if let Some(s) = &sink {
+                    let reps = part.scope.replicas.load(&guard);
+                    s.publish(&ChangeEvent {
+                        kind: ChangeKind::Removed,
+                        tenant_id: &part.tenant.name,
+                        model_id: &part.model.name,
+                        replica_id: &reps[rep as usize].name,
+                        prefix_hash: key,
+                        adapter_id: &part.adapter,
+                        timestamp_us: now_us,
+                    });
+                }
+            },
+        );
+        self.drop_keys(part, report.keys_removed, &guard);
+        report.keys_removed > 0
     }
 
     /// Quota `B = 0`: deletes every key of the partition (sliced walk, N1 REMOVED per entry).
     fn remove_all_keys(&self, p: &Partition, cx: &Cx) {
         let sink = self.active_sink(p.tenant.reserved);
         let logged = self.decision_log_installed();
-        let mut keys = 0u64;
-        self.walk_remove(
+        let report = self.walk_remove(
             p,
             |_| true,
-            |node, h| {
-                if node.holders().len() == 1 {
-                    keys += 1;
-                }
+            |key, h| {
                 if logged {
                     let guard = epoch::pin();
                     let reps = p.scope.replicas.load(&guard);
-                    self.log_decision(
-                        p,
-                        node.key(),
-                        &reps[h.rep() as usize].name,
-                        h.last_seen_ms(),
-                    );
+                    self.log_decision(p, key, &reps[h.rep() as usize].name, h.last_seen_ms());
                 }
                 if let Some(s) = &sink {
                     let guard = epoch::pin();
@@ -1060,13 +1026,15 @@ impl Index {
                         tenant_id: &p.tenant.name,
                         model_id: &p.model.name,
                         replica_id: &reps[h.rep() as usize].name,
-                        prefix_hash: node.key(),
+                        prefix_hash: key,
                         adapter_id: &p.adapter,
                         timestamp_us: cx.now_us,
                     });
                 }
             },
         );
-        p.tenant.quota_evictions.fetch_add(keys, Ordering::Relaxed);
+        p.tenant
+            .quota_evictions
+            .fetch_add(report.keys_removed as u64, Ordering::Relaxed);
     }
 }

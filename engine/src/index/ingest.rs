@@ -1,77 +1,33 @@
-//! Ingest (K1–K16, S1–S4): one `CacheStateUpdate` upserted chain by chain under the shard
+//! Ingest (K1–K16, S1–S4): one `CacheStateUpdate` upserted chain by chain under the partitions'
 //! writers, its stats stored, then the ingesting tenant's quota (V5) and the global cap (V2).
 //!
-//! Derived counters (keys, entries, serving counts) are not touched per block: their deltas
-//! collect in a [`Pending`] per (partition, replica) run and are applied once, after the
-//! entries are published (C3). A chain ingest also builds the chain run its blocks share
-//! ([`RunPlan`], `raw/runs.rs`), which lookups then step over.
+//! Each chain is one write of the partition's run store (`raw/run_store.rs`: one writer lock
+//! per chain, its stretches matched against the runs they name), which calls back per entry
+//! it adds (the change events, N1, in chain order). Derived counters (keys, entries, serving
+//! counts) are not touched per block: their deltas collect in a [`Pending`] per (partition,
+//! replica) run and are applied once, after the entries are published (C3).
 
 use super::eviction::RecentEntry;
-use super::lookahead::Lookahead;
 use super::records::{ModelRec, Partition, StatsRecord};
 use super::{Index, STATS_RECORD_BYTES};
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
 use crate::directory::same_str;
-use crate::raw::node::{Holder, KeyNode, tier_code};
-use crate::raw::runs::{ChainRun, MAX_RUN, MIN_RUN};
-use crate::raw::table::{KeyTable, Probe, SHARDS};
-use crate::raw::writer::ShardWriter;
+use crate::raw::holder::{digest, tier_code};
+use crate::raw::run_store::{Keys, Writing};
 use crate::sink::{ChangeEvent, ChangeKind, ChangeSink};
 use crate::sync::Ordering;
 use crate::types::*;
 use crossbeam_epoch::{self as epoch, Guard};
 
-struct Ctx<'a> {
-    part: &'a Partition,
-    sink: Option<&'a dyn ChangeSink>,
-}
-
-/// A chain run being built by one chain ingest (see [`Index::plan_run`]).
-struct RunPlan {
-    run: *const ChainRun,
-    /// The node the ingest published naming each offset (0: none).
-    nodes: Vec<usize>,
-}
-
-impl RunPlan {
-    /// The run word for block `j` of the chain, if the run covers it.
-    #[inline]
-    fn word(&self, j: usize) -> Option<u64> {
-        (j < self.nodes.len()).then(|| crate::raw::runs::run_word(self.run, j))
-    }
-
-    /// Records what the upsert of block `j` published.
-    #[inline]
-    fn note(&mut self, j: usize, node: *const KeyNode) {
-        if let Some(slot) = self.nodes.get_mut(j) {
-            *slot = node as usize;
-        }
-    }
-
-    /// Writes the stop bits and seals the run, then drops the ingest's reference. Call while
-    /// still pinned by the guard the nodes were published under (they may already be replaced;
-    /// the guard keeps them readable).
-    fn seal(self, part: &Partition, guard: &Guard) {
-        let node = |o: usize| -> Option<&KeyNode> {
-            // SAFETY: a node this ingest published under `guard`, which is still pinned.
-            (self.nodes[o] != 0).then(|| unsafe { &*(self.nodes[o] as *const KeyNode) })
-        };
-        let published = self.nodes.iter().filter(|&&n| n != 0).count();
-        let stop = |o: usize| match (node(o - 1), node(o)) {
-            (Some(a), Some(b)) => {
-                let (ha, hb) = (a.holders(), b.holders());
-                ha.len() != hb.len() || ha.iter().zip(hb.iter()).any(|(x, y)| !x.same_for_lookup(y))
-            }
-            _ => true,
-        };
-        // SAFETY: this ingest created the run and has published its last node.
-        let freed =
-            unsafe { ChainRun::seal(self.run, published, stop, part.table.reaper(), guard) };
-        if freed != 0 {
-            part.table.add_run_bytes(-(freed as i64));
-        }
-    }
+/// What a chain write writes with: the partition, the replica's state, and what its change
+/// events name.
+pub(super) struct ChainWrite<'a> {
+    pub(super) part: &'a Partition,
+    pub(super) writing: Writing,
+    pub(super) replica: &'a str,
+    pub(super) ts_us: i64,
+    pub(super) sink: Option<&'a dyn ChangeSink>,
 }
 
 /// Derived counter deltas of an ingest not yet applied (see `Index::flush_pending`).
@@ -147,66 +103,6 @@ impl Created {
     }
 }
 
-/// Chains at least this long are ingested grouped by shard (one lock per shard group).
-const GROUP_MIN: usize = 8;
-
-/// Holders that fit the stack buffers below without allocating.
-const STACK_HOLDERS: usize = 16;
-
-/// Runs `f` on a mutable copy of `hs` (stack buffer when small).
-fn with_holders<R>(hs: &[Holder], f: impl FnOnce(&mut [Holder]) -> R) -> R {
-    if hs.len() <= STACK_HOLDERS {
-        let mut a = [Holder::default(); STACK_HOLDERS];
-        a[..hs.len()].copy_from_slice(hs);
-        f(&mut a[..hs.len()])
-    } else {
-        let mut v = hs.to_vec();
-        f(&mut v)
-    }
-}
-
-/// Runs `f` on `hs` with `h` inserted at `pos`.
-fn with_holders_inserted<R>(
-    hs: &[Holder],
-    pos: usize,
-    h: Holder,
-    f: impl FnOnce(&[Holder]) -> R,
-) -> R {
-    let n = hs.len() + 1;
-    if n <= STACK_HOLDERS {
-        let mut a = [Holder::default(); STACK_HOLDERS];
-        a[..pos].copy_from_slice(&hs[..pos]);
-        a[pos] = h;
-        a[pos + 1..n].copy_from_slice(&hs[pos..]);
-        f(&a[..n])
-    } else {
-        let mut v = Vec::with_capacity(n);
-        v.extend_from_slice(&hs[..pos]);
-        v.push(h);
-        v.extend_from_slice(&hs[pos..]);
-        f(&v)
-    }
-}
-
-/// Runs `f` on `hs` without the holder at `pos`.
-pub(super) fn with_holders_removed<R>(
-    hs: &[Holder],
-    pos: usize,
-    f: impl FnOnce(&[Holder]) -> R,
-) -> R {
-    let n = hs.len() - 1;
-    if n <= STACK_HOLDERS {
-        let mut a = [Holder::default(); STACK_HOLDERS];
-        a[..pos].copy_from_slice(&hs[..pos]);
-        a[pos..n].copy_from_slice(&hs[pos + 1..]);
-        f(&a[..n])
-    } else {
-        let mut v = hs.to_vec();
-        v.remove(pos);
-        f(&v)
-    }
-}
-
 impl Index {
     /// Applies one `CacheStateUpdate` (K14): upserts, stats, then the ingesting tenant's quota
     /// (V5) and the global cap (V2), also for an empty hash_scheme (K4).
@@ -236,7 +132,7 @@ impl Index {
             // end: counters may lag an in-flight ingest, C3).
             let mut cur: Option<(&Partition, u32)> = None;
             let mut pend = Pending::default();
-            let mut order: Vec<(u32, i32)> = Vec::new();
+            let mut digests: Vec<u64> = Vec::new();
             for r in update.prefixes {
                 let adapter = if !r.adapter_id.is_empty() {
                     r.adapter_id
@@ -274,70 +170,41 @@ impl Index {
                         (p, rep)
                     }
                 };
-                let ctx = Ctx {
+                let writing = Writing {
+                    rep,
+                    tier: tier_code(r.tier),
+                    ts_ms,
+                };
+                let chain_write = ChainWrite {
                     part,
+                    writing,
+                    replica: update.replica_id,
+                    ts_us,
                     sink: sink.as_deref(),
                 };
-                let tier = tier_code(r.tier);
-                let up = |key: &[u8],
-                          tokens: i32,
-                          run: Option<u64>,
-                          pend: &mut Pending,
-                          out: &mut IngestOutcome| {
-                    self.upsert(
-                        &ctx,
-                        key,
-                        rep,
-                        update.replica_id,
-                        tokens,
-                        ts_ms,
-                        ts_us,
-                        tier,
-                        run,
-                        &guard,
-                        out,
-                        pend,
-                    )
-                };
-                let mut plan = if chain {
-                    Self::plan_run(part, r.block_hashes, rep, ts_ms)
-                } else {
-                    None
-                };
-                if chain && ctx.sink.is_none() && r.block_hashes.len() >= GROUP_MIN {
-                    self.upsert_chain_grouped(
-                        part,
+                if chain {
+                    // K8: the blocks, each with the chain's running token count.
+                    self.write_chain(
+                        &chain_write,
                         r.block_hashes,
                         r.block_token_counts,
-                        rep,
-                        ts_ms,
-                        tier,
-                        plan.as_mut(),
+                        &mut digests,
                         &guard,
                         &mut out,
                         &mut pend,
-                        &mut order,
                     );
-                } else if chain {
-                    let mut sum: i32 = 0;
-                    let bh = r.block_hashes;
-                    let probe = |j: usize| Probe::new(bh[j].as_ref());
-                    let mut ahead = Lookahead::start(&part.table, bh.len(), probe, &guard);
-                    for (j, (h, c)) in bh.iter().zip(r.block_token_counts).enumerate() {
-                        ahead.step(&part.table, j, bh.len(), probe, &guard);
-                        sum = sum.wrapping_add(*c);
-                        let run = plan.as_ref().and_then(|pl| pl.word(j));
-                        let node = up(h.as_ref(), sum, run, &mut pend, &mut out);
-                        if let Some(pl) = plan.as_mut() {
-                            pl.note(j, node);
-                        }
-                    }
-                }
-                if let Some(pl) = plan {
-                    pl.seal(part, &guard);
                 }
                 if !chain || !r.prefix_hash.is_empty() {
-                    up(r.prefix_hash, r.token_count, None, &mut pend, &mut out);
+                    // K9, K10: the co-set or legacy key with the ref's own token count.
+                    self.write_chain(
+                        &chain_write,
+                        std::slice::from_ref(&r.prefix_hash),
+                        std::slice::from_ref(&r.token_count),
+                        &mut digests,
+                        &guard,
+                        &mut out,
+                        &mut pend,
+                    );
                 }
             }
             if let Some((p, rep)) = cur {
@@ -388,97 +255,6 @@ impl Index {
             self.ingest_blocks.fetch_add(out.upserts, Ordering::Relaxed);
         }
         out
-    }
-
-    /// Chain upsert without a change sink: blocks are grouped by shard (stable, so a key repeated
-    /// in the chain keeps its last value) and each shard's group is applied under one lock
-    /// acquisition. Readers may see the chain's entries appear in any order (C3 asks for no
-    /// cross-entry snapshot). With a sink, [`Index::ingest`] keeps chain order for N1.
-    #[allow(clippy::too_many_arguments)]
-    fn upsert_chain_grouped<H: AsRef<[u8]>>(
-        &self,
-        part: &Partition,
-        hashes: &[H],
-        counts: &[i32],
-        rep: u32,
-        ts_ms: i64,
-        tier: u8,
-        mut plan: Option<&mut RunPlan>,
-        guard: &Guard,
-        out: &mut IngestOutcome,
-        pend: &mut Pending,
-        order: &mut Vec<(u32, i32)>,
-    ) {
-        let n = hashes.len();
-        let mut per = [0u32; SHARDS + 1];
-        for h in hashes {
-            per[KeyTable::shard_of(Probe::new(h.as_ref())) + 1] += 1;
-        }
-        for s in 0..SHARDS {
-            per[s + 1] += per[s];
-        }
-        order.clear();
-        order.resize(n, (0, 0));
-        let mut pos = per;
-        let mut sum: i32 = 0;
-        for (j, (h, c)) in hashes.iter().zip(counts).enumerate() {
-            sum = sum.wrapping_add(*c);
-            let s = KeyTable::shard_of(Probe::new(h.as_ref()));
-            order[pos[s] as usize] = (j as u32, sum);
-            pos[s] += 1;
-        }
-        let probe = |k: usize| Probe::new(hashes[order[k].0 as usize].as_ref());
-        let mut ahead = Lookahead::start(&part.table, n, probe, guard);
-        for s in 0..SHARDS {
-            let (a, b) = (per[s] as usize, per[s + 1] as usize);
-            if a == b {
-                continue;
-            }
-            let mut w = part.table.writer(s);
-            for (k, &(j, tokens)) in order.iter().enumerate().take(b).skip(a) {
-                ahead.step(&part.table, k, n, probe, guard);
-                let j = j as usize;
-                let p = Probe::new(hashes[j].as_ref());
-                let run = plan.as_ref().and_then(|pl| pl.word(j));
-                let (_, node) =
-                    Self::upsert_locked(&mut w, p, rep, tokens, ts_ms, tier, run, guard, out, pend);
-                if let Some(pl) = plan.as_mut() {
-                    pl.note(j, node);
-                }
-            }
-        }
-    }
-
-    /// The chain run for a chain ingest (see [`crate::raw::runs`]): its leading blocks with 8-byte
-    /// keys (at most [`MAX_RUN`]), `None` when fewer than [`MIN_RUN`]. The blocks this ingest
-    /// leaves with several holders get run nodes of their usual size, and those it leaves with
-    /// only its own entry get 16-byte member nodes, so a lookup steps over both the shared
-    /// prefix and the replica's own tail in a few probes instead of one per block.
-    fn plan_run<H: AsRef<[u8]>>(
-        part: &Partition,
-        hashes: &[H],
-        rep: u32,
-        ts_ms: i64,
-    ) -> Option<RunPlan> {
-        let n = hashes.len().min(MAX_RUN);
-        let b = hashes[..n]
-            .iter()
-            .take_while(|h| h.as_ref().len() == 8)
-            .count();
-        if b < MIN_RUN {
-            return None;
-        }
-        let t = &part.table;
-        let keys = hashes[..b]
-            .iter()
-            .map(|h| <[u8; 8]>::try_from(h.as_ref()).unwrap_or_default());
-        let run = ChainRun::create(keys, Holder::member_word(rep, ts_ms))?;
-        // SAFETY: just created; the plan holds the creator's reference.
-        t.add_run_bytes(unsafe { (*run).bytes() } as i64);
-        Some(RunPlan {
-            run,
-            nodes: vec![0; b],
-        })
     }
 
     /// Applies the derived counter deltas of one (partition, replica) run of upserts.
@@ -548,109 +324,51 @@ impl Index {
         }
     }
 
-    /// K11 upsert of one (key, replica) entry. Derived counters go to `pend`.
+    /// K11 upserts of a chain's blocks (`counts` their own token counts, K8) for one replica,
+    /// in one write of the partition's store; `digests` is scratch. Derived counters go to
+    /// `pend`; N1 ADDED is published per new entry, in chain order.
     #[allow(clippy::too_many_arguments)]
-    fn upsert(
+    pub(super) fn write_chain<H: AsRef<[u8]>>(
         &self,
-        ctx: &Ctx<'_>,
-        key: &[u8],
-        rep: u32,
-        replica: &str,
-        tokens: i32,
-        ts_ms: i64,
-        ts_us: i64,
-        tier: u8,
-        run: Option<u64>,
+        w: &ChainWrite<'_>,
+        hashes: &[H],
+        counts: &[i32],
+        digests: &mut Vec<u64>,
         guard: &Guard,
         out: &mut IngestOutcome,
         pend: &mut Pending,
-    ) -> *const KeyNode {
-        let part = ctx.part;
-        let p = Probe::new(key);
-        let mut w = part.table.writer(KeyTable::shard_of(p));
-        let (new_entry, node) =
-            Self::upsert_locked(&mut w, p, rep, tokens, ts_ms, tier, run, guard, out, pend);
-        drop(w);
-        if new_entry && let Some(s) = ctx.sink {
-            s.publish(&ChangeEvent {
-                kind: ChangeKind::Added,
-                tenant_id: &part.tenant.name,
-                model_id: &part.model.name,
-                replica_id: replica,
-                prefix_hash: key,
-                adapter_id: &part.adapter,
-                timestamp_us: ts_us,
-            });
-        }
-        node
-    }
-
-    /// The K11 upsert under the key's shard writer. Returns whether a new entry was created,
-    /// and the node it published naming `run` (null if none: a node of one holder, or nothing
-    /// changed).
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    pub(super) fn upsert_locked(
-        w: &mut ShardWriter<'_>,
-        p: Probe<'_>,
-        rep: u32,
-        tokens: i32,
-        ts_ms: i64,
-        tier: u8,
-        run: Option<u64>,
-        guard: &Guard,
-        out: &mut IngestOutcome,
-        pend: &mut Pending,
-    ) -> (bool, *const KeyNode) {
-        out.upserts += 1;
-        let mut new_entry = false;
-        let mut published = std::ptr::null();
-        match w.find_p(p, guard) {
-            Some((i, node)) => {
-                let hs = node.holders();
-                let pos = hs.partition_point(|h| h.rep() < rep);
-                if pos < hs.len() && hs[pos].rep() == rep {
-                    let h2 = hs[pos].refreshed(tokens, tier, ts_ms);
-                    if !h2.same_data(&hs[pos]) {
-                        with_holders(&hs, |buf| {
-                            buf[pos] = h2;
-                            let nn = w.replace(i, buf, run, guard);
-                            if run.is_some() {
-                                published = nn;
-                            }
-                        });
-                    }
-                } else {
-                    let g = w.next_generation();
-                    let h = Holder::new(rep, tier, tokens, ts_ms, g);
-                    with_holders_inserted(&hs, pos, h, |buf| {
-                        let nn = w.replace(i, buf, run, guard);
-                        if run.is_some() {
-                            published = nn;
-                        }
+    ) {
+        digests.clear();
+        digests.extend(hashes.iter().map(|h| digest(h.as_ref())));
+        let any_long = hashes.iter().any(|h| h.as_ref().len() != 8);
+        let keys = match Keys::with_bytes(digests, hashes) {
+            Some(keys) if any_long => keys,
+            _ => Keys::eight(digests),
+        };
+        let part = w.part;
+        let report = part
+            .store
+            .ingest_with(keys, counts, w.writing, guard, |i, h| {
+                pend.note_created(hashes[i].as_ref(), h.generation());
+                if let Some(s) = w.sink {
+                    s.publish(&ChangeEvent {
+                        kind: ChangeKind::Added,
+                        tenant_id: &part.tenant.name,
+                        model_id: &part.model.name,
+                        replica_id: w.replica,
+                        prefix_hash: hashes[i].as_ref(),
+                        adapter_id: &part.adapter,
+                        timestamp_us: w.ts_us,
                     });
-                    new_entry = true;
-                    pend.note_created(p.key(), g);
                 }
-            }
-            None => {
-                let g = w.next_generation();
-                let nn = w.insert_p(p, &[Holder::new(rep, tier, tokens, ts_ms, g)], run, guard);
-                if run.is_some() {
-                    published = nn;
-                }
-                new_entry = true;
-                pend.note_created(p.key(), g);
-                out.keys_added += 1;
-                pend.keys += 1;
-            }
-        }
-        if new_entry {
-            out.entries_added += 1;
-            pend.entries += 1;
-            pend.added += 1;
-        }
-        (new_entry, published)
+            });
+        let (added, new_keys) = (report.added as i64, report.new_keys as i64);
+        out.upserts += hashes.len().min(counts.len()) as u64;
+        out.keys_added += new_keys as u64;
+        out.entries_added += added as u64;
+        pend.keys += new_keys;
+        pend.entries += added;
+        pend.added += added;
     }
 
     fn store_stats(&self, model: &ModelRec, replica: &str, st: &ReplicaStatsInput, ts_ms: i64) {

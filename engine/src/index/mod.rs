@@ -1,15 +1,14 @@
 //! The index: ingest (K), stats and events (S, E), lookups (L), ranking (R), orchestration (O), TTL
 //! sweep (V1), aggregates (G) and change notifications (N).
 //!
-//! Concurrency summary (details in `raw/table.rs` and `docs/engine.md`): readers pin an epoch
-//! guard, resolve the partition through a wait-free directory, probe the partition's key table and
-//! read immutable key nodes; they take no lock and never retry. Writers lock one table shard at a
-//! time (per key, or per shard group of a chain), build a replacement node and publish it with a
-//! Release store. Derived counters are atomics whose deltas writers apply once per (partition,
-//! replica) run of an ingest or eviction batch; they may lag an in-flight write and are exact once
-//! writes quiesce (C3). The chain walk is software-pipelined (prefetch, candidate, resolve), and
-//! steps over the blocks of a chain run (`raw/runs.rs`) whose keys follow the request's: every
-//! chain ingest builds one over its blocks.
+//! Concurrency summary (details in the `raw/` module docs and `docs/engine.md`): readers pin an
+//! epoch guard, resolve the partition through a wait-free directory and walk its run store
+//! (`raw/run_store.rs`): a key-table probe names a block run, whose keys the walk compares with
+//! the request's, stretch by stretch; they take no lock and never retry. Writers take their
+//! partition's writer lock once per chain, write new runs or change runs in place where readers
+//! can tell (joins, gone and dead bits), and publish with Release stores. Derived counters are
+//! atomics whose deltas writers apply once per (partition, replica) run of an ingest or eviction
+//! batch; they may lag an in-flight write and are exact once writes quiesce (C3).
 //!
 //! This file holds the [`Index`] itself: its fields, constructor, configuration and change sink.
 //! Each area of its work is one child module with the types it owns, most of them adding an `impl
@@ -23,7 +22,6 @@ mod dump;
 mod events;
 pub(crate) mod eviction;
 mod ingest;
-mod lookahead;
 mod records;
 mod removal;
 mod replicate;
@@ -35,11 +33,10 @@ mod sweep;
 mod testing;
 mod walk;
 
-pub use crate::raw::table::MemoryBreakdown;
 pub use dump::{DumpPartition, DumpedEntry, DumpedStats, LoadEntry, LoadOutcome, LoadTarget};
 pub use eviction::EvictionReason;
 pub use replicate::{Decided, DecisionLog, IndexDigest};
-pub use reports::RecordCounts;
+pub use reports::{MemoryBreakdown, RecordCounts};
 pub use resolution::PartitionHandle;
 pub use route::{CapturedHits, RouteBuffer, RouteResult};
 pub use sweep::SweepOutcome;
@@ -59,8 +56,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use sweep::Ticker;
 
-/// Largest number of slots a sliced walk processes under one shard lock (V1, C5).
-pub const SLICE: usize = 4096;
+pub use crate::raw::run_store::SLICE;
 
 /// The cache-aware routing index.
 pub struct Index {
@@ -195,11 +191,24 @@ impl Index {
             .map_or(0, |s| s.serving_n.load(Ordering::Relaxed))
     }
 
-    /// Frees the chain runs the epoch has handed to every partition's reaper (what a writer
-    /// does when it takes a shard lock); returns how many.
+    /// Frees the runs the epoch has handed to every partition's reaper (what a writer does when
+    /// it takes a partition's writer lock); returns how many.
     pub fn loom_reap(&self) -> usize {
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
-        parts.iter().map(|p| p.table.reaper().free_all()).sum()
+        parts.iter().map(|p| p.store.free_retired()).sum()
+    }
+
+    /// Distinct runs the partitions' key tables name (the runs the index links).
+    pub fn loom_live_runs(&self) -> usize {
+        let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
+        let guard = epoch::pin();
+        let mut runs = std::collections::HashSet::new();
+        for p in &parts {
+            p.store.for_each_key(&guard, |_, run, _| {
+                runs.insert(run as *const crate::raw::block_run::BlockRun as usize);
+            });
+        }
+        runs.len()
     }
 }
 

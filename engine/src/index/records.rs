@@ -18,7 +18,8 @@
 
 use crate::ReplicaId;
 use crate::directory::{Directory, Life, Rcu, hash_strs, same_str};
-use crate::raw::table::KeyTable;
+use crate::raw::lfu::LfuCells;
+use crate::raw::run_store::RunStore;
 use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
 use std::sync::atomic::{
@@ -163,7 +164,7 @@ fn slot_place(i: usize) -> (usize, usize) {
 /// and an empty scope costs one small array of chunk pointers.
 ///
 /// Invariants: a slot is written by the interning writer (scope name lock held), with a
-/// Release store of a fully built record, before any key node naming the index is published;
+/// Release store of a fully built record, before any holder naming the index is published;
 /// it then does not change while any holder names the index. A chunk pointer is stored
 /// (Release) before any of its slots. A reader reaches a slot only through a holder it loaded
 /// with Acquire, so it sees the chunk and the record. A reclaimed slot is emptied, and its
@@ -286,6 +287,15 @@ impl<'g> ReplicaView<'g> {
         self.slots.get(i)
     }
 
+    /// Fetches replica `i`'s record (a lookup that will rank it: the record is a line of its
+    /// own, read per ranked replica).
+    #[inline]
+    pub(crate) fn prefetch(&self, i: usize) {
+        if let Some(record) = self.slots.get(i) {
+            crate::raw::slots::prefetch(record);
+        }
+    }
+
     /// Indices handed out so far (tests).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
@@ -313,7 +323,7 @@ impl std::ops::Index<usize> for ReplicaView<'_> {
 }
 
 /// Most replicas one scope can name: a holder stores the scope-local index in 20 bits.
-pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::raw::node::REP_MASK as usize + 1;
+pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::raw::holder::REP_MASK as usize + 1;
 
 /// Writer-side state of a scope's replica names.
 #[derive(Default)]
@@ -460,7 +470,7 @@ impl ScopeRec {
     /// by whichever thread pins, often a reader inside a lookup, which should not drop ids
     /// under the interner's lock.)
     ///
-    /// Why serving 0 means no key node names the index: the count is the replica's entries
+    /// Why serving 0 means no holder names the index: the count is the replica's entries
     /// in the scope; ingests add to it only while entered (so not after the retirement), and
     /// removals subtract after their unlink (AcqRel, read here with Acquire), so the unlinks
     /// of all its entries happen before this check and before the deferral. Returns the slots
@@ -528,14 +538,15 @@ impl ScopeRec {
     }
 }
 
-/// A partition: scope + adapter, with its key table.
+/// A partition: scope + adapter, with its storage and its entries' LFU cells.
 pub(crate) struct Partition {
     pub(crate) tenant: Arc<TenantRec>,
     pub(crate) model: Arc<ModelRec>,
     pub(crate) scope: Arc<ScopeRec>,
     pub(crate) scheme: Arc<str>,
     pub(crate) adapter: Arc<str>,
-    pub(crate) table: KeyTable,
+    pub(crate) store: RunStore,
+    pub(crate) lfu: LfuCells,
     /// Distinct keys of the partition (eviction sampling weights, V5).
     pub(crate) keys: AtomicI64,
     /// Storage entries of the partition (eviction sampling weights, V2).

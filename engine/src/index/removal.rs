@@ -1,16 +1,17 @@
-//! Removal of one entry (a holder of a key) and the sliced walk that removes the holders a
+//! What every removal does per entry it removes, and the walk that removes the holders a
 //! predicate selects; shared by events, the sweep and eviction.
 //!
-//! The index-wide entry count drops before the unlink (loom m8a), and an entry's LFU cell goes
-//! with it (V3), taking its share out of the key's hot-access sum (D4).
+//! The run store calls back per removed entry before readers can see it gone
+//! (`raw/run_store.rs`), so the index-wide entry count drops before the unlink (loom m8a), and
+//! an entry's LFU cell goes with it (V3), taking its share out of the key's hot-access sum
+//! (D4).
 
-use super::ingest::{Pending, with_holders_removed};
+use super::Index;
+use super::ingest::Pending;
 use super::records::{ModelRec, Partition};
-use super::{Index, SLICE};
+use crate::raw::holder::Holder;
 use crate::raw::lfu::KeyAccessSum;
-use crate::raw::node::{Holder, KeyNode};
-use crate::raw::table::SHARDS;
-use crate::raw::writer::ShardWriter;
+use crate::raw::run_store::{EvictReport, KeyBytes};
 use crate::sync::Ordering;
 use crossbeam_epoch::{self as epoch, Guard};
 
@@ -35,24 +36,17 @@ impl Index {
         }
     }
 
-    /// Removes replica `rep` from the key at slot `i` (node `node`). Returns the removed holder.
-    /// Allocates nothing but the replacement node (if other holders remain). Key / entry /
-    /// serving counter deltas go to `pend`; the caller flushes them with
-    /// [`Index::flush_pending`] for `(part, rep)`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn remove_holder(
+    /// Accounts for the removal of `holder`'s entry of `key` from `part` (called by the run
+    /// store before the entry goes): the index-wide entry count at once, the entry's LFU
+    /// cell, and its derived deltas into `pend` (for `(part, holder.rep())`).
+    pub(super) fn entry_removed(
         &self,
-        w: &mut ShardWriter<'_>,
         part: &Partition,
-        i: usize,
-        node: &KeyNode,
-        rep: u32,
+        key: &[u8],
+        holder: &Holder,
         guard: &Guard,
         pend: &mut Pending,
-    ) -> Option<Holder> {
-        let hs = node.holders();
-        let pos = hs.iter().position(|h| h.rep() == rep)?;
-        let h = hs[pos];
+    ) {
         // The index-wide entry count drops *before* the unlink: whoever observes the unlink
         // (a cap enforcement that enumerated or locked this key) then also reads the lower
         // count, so the cap never evicts for an entry that is already gone (loom m8a). The
@@ -62,75 +56,48 @@ impl Index {
         } else {
             self.storage_entries.fetch_sub(1, Ordering::Relaxed);
         }
-        if hs.len() == 1 {
-            w.remove(i, guard);
-            pend.keys -= 1;
-        } else {
-            with_holders_removed(&hs, pos, |buf| w.replace(i, buf, None, guard));
-        }
-        // LFU state is lost on delete (V3); an LRU-only shard has none.
-        if w.has_lfu()
-            && let Some((base, ks)) = w.lfu_kill(node.key(), rep, h.generation(), guard)
+        // LFU state is lost on delete (V3); a partition never credited has none.
+        if let Some((base, ks)) = part.lfu.kill(key, holder.rep(), holder.generation(), guard)
             && base > 0
         {
-            // The cell added min(base, threshold) to the key sum (see `table::LfuCell`).
+            // The cell added min(base, threshold) to the key sum (see `raw::lfu::LfuCell`).
             let contribution = base.min(self.hot_threshold());
             self.add_key_access(&part.model, ks, -(contribution as i64));
         }
         pend.entries -= 1;
-        Some(h)
     }
 
-    /// Walks every key of `part` in slices of ≤ [`SLICE`] slots per shard lock, removing holders
-    /// selected by `select`; `on_removed` is called (outside no lock guarantee) per removal.
+    /// Removes from every key of `part` the holders `select` picks; `on_removed(key, holder)` is
+    /// called per removal (under the partition's writer lock, before the entry goes). Returns
+    /// the entries and keys removed.
     pub(super) fn walk_remove(
         &self,
         part: &Partition,
-        mut select: impl FnMut(&Holder) -> bool,
-        mut on_removed: impl FnMut(&KeyNode, &Holder),
-    ) -> u64 {
-        let mut removed = 0u64;
-        for s in 0..SHARDS {
-            let mut start = 0usize;
-            let Some(mut w) = part.table.writer_if_created(s) else {
-                continue;
-            };
-            let mut rb = w.rebuilds();
-            loop {
-                let guard = epoch::pin();
-                let cap = w.capacity(&guard);
-                let end = (start + SLICE).min(cap);
-                for i in start..end {
-                    while let Some(node) = w.node_at(i, &guard) {
-                        let Some(h) = node.holders().iter().find(|h| select(h)).copied() else {
-                            break;
-                        };
-                        on_removed(node, &h);
-                        let mut pend = Pending::default();
-                        self.remove_holder(&mut w, part, i, node, h.rep(), &guard, &mut pend);
-                        self.flush_pending(part, h.rep(), &mut pend, &guard);
-                        removed += 1;
-                    }
-                }
-                drop(guard);
-                if end >= cap {
-                    break;
-                }
-                start = end;
-                drop(w);
-                w = part
-                    .table
-                    .writer_if_created(s)
-                    .expect("a created shard lives as long as its table");
-                if w.rebuilds() != rb {
-                    rb = w.rebuilds();
-                    start = 0;
-                }
-            }
-            let guard = epoch::pin();
-            w.maybe_shrink(&guard);
+        select: impl Fn(&Holder) -> bool,
+        mut on_removed: impl FnMut(&[u8], &Holder),
+    ) -> EvictReport {
+        let guard = epoch::pin();
+        let report = part
+            .store
+            .remove_holders_with(select, &guard, |digest, long, h| {
+                let key = KeyBytes::new(digest, long);
+                on_removed(key.as_ref(), &h);
+                let mut pend = Pending::default();
+                self.entry_removed(part, key.as_ref(), &h, &guard, &mut pend);
+                self.flush_derived(part, h.rep(), &mut pend, &guard);
+            });
+        self.drop_keys(part, report.keys_removed, &guard);
+        report
+    }
+
+    /// Applies `n` keys' removal to the key counts of `part`.
+    pub(super) fn drop_keys(&self, part: &Partition, n: usize, guard: &Guard) {
+        if n > 0 {
+            let mut pend = Pending::default();
+            pend.keys = -(n as i64);
+            // No entry deltas: any replica index will do.
+            self.flush_derived(part, 0, &mut pend, guard);
         }
-        removed
     }
 }
 
@@ -139,12 +106,12 @@ mod tests {
     use crate::index::testing::{NOW, all_cleared, chain, index_at_now};
     use crate::types::*;
 
-    /// Walks that remove (the sweep's TTL pass, ALL_CLEARED, PREFIX_EVICTED) visit only the
-    /// shards a writer created: a one-key partition keeps its one shard. (They used to create
-    /// all sixteen: a sweep over 100,000 one-entry tenants took the server from 340 MB to
-    /// 1.4 GB of RSS while it reclaimed them.)
+    /// Walks that remove (the sweep's TTL pass, ALL_CLEARED, PREFIX_EVICTED) allocate nothing
+    /// that stays: a one-key partition keeps its size. (A walk that created per-partition state
+    /// once took the server from 340 MB to 1.4 GB of RSS while a sweep over 100,000 one-entry
+    /// tenants reclaimed them.)
     #[test]
-    fn removal_walks_create_no_shards() {
+    fn removal_walks_create_nothing() {
         let ix = index_at_now();
         chain(&ix, "a", &[*b"key-0001"]);
         let held = ix.memory_bytes();
@@ -159,7 +126,7 @@ mod tests {
             adapter_id: "",
         });
         ix.sweep_now();
-        assert_eq!(ix.memory_bytes(), held, "no shard was created");
+        assert_eq!(ix.memory_bytes(), held, "nothing was allocated");
         assert_eq!(ix.storage_entries(), 1);
     }
 }

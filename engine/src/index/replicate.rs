@@ -25,13 +25,14 @@
 //! - **Clearing** ([`Index::remove_everything`]): a server that must re-bootstrap drops what
 //!   it holds before it loads a checkpoint.
 
+use super::DumpPartition;
 use super::ingest::Pending;
 use super::records::Partition;
 use super::{CapturedHits, Index};
-// The switch is a setting outside the loom seam (see `Index::local_eviction`'s field).
-use crate::raw::table::{KeyTable, Probe, SHARDS};
+use crate::raw::holder::key_parts;
 use crossbeam_epoch as epoch;
 use std::sync::Arc;
+// The switch is a setting outside the loom seam (see `Index::local_eviction`'s field).
 use std::sync::atomic::Ordering;
 use xxhash_rust::xxh3::xxh3_128;
 
@@ -151,33 +152,30 @@ impl Index {
             if key.is_empty() {
                 continue;
             }
-            let pr = Probe::new(key);
-            let mut w = part.table.writer(KeyTable::shard_of(pr));
-            let Some((i, node)) = w.find_p(pr, &guard) else {
+            let (digest, long) = key_parts(key);
+            let report = part.store.remove_entry_if(
+                digest,
+                long,
+                rep,
+                &guard,
+                |h| h.last_seen_ms() <= *decided_ms,
+                |h| self.entry_removed(part, key, &h, &guard, &mut pend),
+            );
+            if report.removed == 0 {
                 continue;
-            };
-            match node.holder(rep) {
-                Some(h) if h.last_seen_ms() <= *decided_ms => {}
-                _ => continue,
             }
-            if self
-                .remove_holder(&mut w, part, i, node, rep, &guard, &mut pend)
-                .is_some()
-            {
-                removed += 1;
-                w.maybe_shrink(&guard);
-                drop(w);
-                if let Some(s) = &sink {
-                    s.publish(&crate::ChangeEvent {
-                        kind: crate::ChangeKind::Removed,
-                        tenant_id,
-                        model_id,
-                        replica_id,
-                        prefix_hash: key,
-                        adapter_id,
-                        timestamp_us: now_us,
-                    });
-                }
+            removed += 1;
+            pend.keys -= report.keys_removed as i64;
+            if let Some(s) = &sink {
+                s.publish(&crate::ChangeEvent {
+                    kind: crate::ChangeKind::Removed,
+                    tenant_id,
+                    model_id,
+                    replica_id,
+                    prefix_hash: key,
+                    adapter_id,
+                    timestamp_us: now_us,
+                });
             }
         }
         self.flush_pending(part, rep, &mut pend, &guard);
@@ -205,10 +203,10 @@ impl Index {
         let Some(rep) = part.scope.enter_existing(replica_id) else {
             return;
         };
+        let (digest, long) = key_parts(key);
         let generation = part
-            .table
-            .find_p(Probe::new(key), &guard)
-            .and_then(|node| node.holder(rep))
+            .store
+            .entry(digest, long, rep, &guard)
             .map(|h| h.generation());
         if let Some(generation) = generation {
             for _ in 0..times.min(u32::from(u16::MAX)) {
@@ -225,7 +223,7 @@ impl Index {
         let mut digest = IndexDigest::default();
         let mut buf: Vec<u8> = Vec::with_capacity(256);
         for part in self.dump_partitions() {
-            for shard in 0..SHARDS {
+            for shard in 0..DumpPartition::SHARDS {
                 part.for_each_entry(shard, |key, _slot, replica, entry| {
                     buf.clear();
                     for field in [
@@ -256,7 +254,7 @@ impl Index {
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
         let mut removed = 0;
         for p in parts.iter().filter(|p| !p.tenant.reserved) {
-            removed += self.walk_remove(p, |_| true, |_, _| {});
+            removed += self.walk_remove(p, |_| true, |_, _| {}).removed as u64;
         }
         removed
     }

@@ -9,13 +9,27 @@ use super::records::{ModelRec, Partition, StatsRecord};
 use crate::ReplicaId;
 use crate::config::Algorithm;
 use crate::directory::{hash_strs, same_str};
-use crate::raw::node::tier_wire;
-use crate::raw::table::{MemoryBreakdown, Probe};
+use crate::raw::holder::{key_parts, tier_wire};
 use crate::sync::Ordering;
 use crate::types::*;
 use crossbeam_epoch as epoch;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
+
+/// [`Index::memory_bytes`] by component.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryBreakdown {
+    /// The partitions' key-inline slot tables (key tables and root slots).
+    pub slot_tables: i64,
+    /// Live block runs (their holders, hints, keys, dead and gone bits).
+    pub runs: i64,
+    /// The partitions' run-id registries.
+    pub run_ids: i64,
+    /// LFU cells, their stripes and key sums, and the cells' tables.
+    pub lfu: i64,
+    /// Everything else `memory_bytes` counts: partition and stats records.
+    pub other: i64,
+}
 
 /// Live records of an index, by kind (see [`Index::record_counts`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -79,10 +93,10 @@ impl Index {
         let mut guard = epoch::pin();
         for p in parts.iter().filter(|p| !p.tenant.reserved) {
             let reps = p.scope.replicas.load(&guard);
-            p.table.for_each_node(&guard, |node| {
-                for h in node.holders().iter() {
+            p.store.for_each_key(&guard, |_, run, _| {
+                run.for_each_holder(|_, h| {
                     let Some(rr) = reps.get(h.rep() as usize) else {
-                        continue;
+                        return;
                     };
                     let row = rows
                         .entry((p.tenant.name.clone(), rr.name.clone()))
@@ -98,7 +112,7 @@ impl Index {
                         row.last_event_ms
                             .map_or(h.last_seen_ms(), |x| x.max(h.last_seen_ms())),
                     );
-                }
+                });
             });
             guard.repin();
         }
@@ -271,9 +285,10 @@ impl Index {
     /// Approximate bytes held by the index structures (tables, nodes, cells, records, stats).
     pub fn memory_bytes(&self) -> i64 {
         let parts = self.all_parts.lock();
+        let guard = epoch::pin();
         let t: i64 = parts
             .iter()
-            .map(|p| p.table.bytes() + PARTITION_BYTES)
+            .map(|p| p.store.memory_bytes(&guard) as i64 + p.lfu.bytes() + PARTITION_BYTES)
             .sum();
         t + self.stats_bytes.load(Ordering::Relaxed)
     }
@@ -282,15 +297,15 @@ impl Index {
     pub fn memory_breakdown(&self) -> MemoryBreakdown {
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
         let mut out = MemoryBreakdown::default();
+        let guard = epoch::pin();
         for p in parts.iter() {
-            p.table.breakdown(&mut out);
+            let (slots, runs, ids) = p.store.memory_parts(&guard);
+            out.slot_tables += slots as i64;
+            out.runs += runs as i64;
+            out.run_ids += ids as i64;
+            out.lfu += p.lfu.bytes();
         }
-        out.other = self.memory_bytes()
-            - out.key_tables
-            - out.nodes_live
-            - out.nodes_free
-            - out.arena_unused
-            - out.chain_runs;
+        out.other = self.memory_bytes() - out.slot_tables - out.runs - out.run_ids - out.lfu;
         out
     }
 
@@ -306,9 +321,10 @@ impl Index {
     ) -> Option<EntryView> {
         let guard = epoch::pin();
         let p = self.part_ref(tenant, model, scheme, adapter, &guard)?;
-        let node = p.table.find(key, &guard)?;
+        let (digest, long) = key_parts(key);
+        let holders = p.store.holders_keyed(digest, long, &guard)?;
         let reps = p.scope.replicas.load(&guard);
-        let h = *node.holders().iter().find(|h| {
+        let h = *holders.iter().find(|h| {
             reps.get(h.rep() as usize)
                 .is_some_and(|r| same_str(&r.name, replica))
         })?;
@@ -317,8 +333,8 @@ impl Index {
             last_seen_us: h.last_seen_ms() * 1000,
             tier: tier_wire(h.tier()),
             access_count: p
-                .table
-                .lfu_cell(Probe::new(key), h.rep(), h.generation(), &guard)
+                .lfu
+                .cell(digest, h.rep(), h.generation(), &guard)
                 .map_or(0, |c| c.count() as u32),
         })
     }
@@ -336,12 +352,12 @@ impl Index {
         let Some(p) = self.part_ref(tenant, model, scheme, adapter, &guard) else {
             return Vec::new();
         };
-        let Some(node) = p.table.find(key, &guard) else {
+        let (digest, long) = key_parts(key);
+        let Some(holders) = p.store.holders_keyed(digest, long, &guard) else {
             return Vec::new();
         };
         let reps = p.scope.replicas.load(&guard);
-        let mut v: Vec<Arc<str>> = node
-            .holders()
+        let mut v: Vec<Arc<str>> = holders
             .iter()
             .filter_map(|h| {
                 reps.get(h.rep() as usize)

@@ -15,9 +15,8 @@ use crate::rank::{
     distinguishing_power, freshness, prefix_score, pressure_factor, recency, slo_c,
     tenant_hot_score,
 };
+use crate::raw::holder::{key_parts, tier_wire};
 use crate::raw::lfu::Credited;
-use crate::raw::node::{KeyNode, tier_wire};
-use crate::raw::table::{KeyTable, Probe};
 use crate::sync::Ordering;
 use crate::types::*;
 use crossbeam_epoch::{self as epoch, Guard};
@@ -258,21 +257,20 @@ impl Index {
                     name: rr.name.borrow_id(),
                 });
                 if capture {
-                    for &np in buf.scratch.nodes[..r.blocks as usize].iter() {
-                        // SAFETY: the node pointers were read under `guard`, still pinned.
-                        let node = unsafe { &*(np as *const KeyNode) };
-                        if let Some(h) = node.holder(r.rep) {
+                    // The replica's entries over its matched blocks, stretch by stretch.
+                    for s in buf.scratch.stretches.iter().filter(|s| s.rep == r.rep) {
+                        for key in &req.block_hashes[s.from as usize..s.to.min(r.blocks) as usize] {
                             buf.hits.hits.push(Hit {
                                 replica: rr.name.clone(),
                                 rep: r.rep,
-                                key: own_key(node.key()),
-                                generation: h.generation(),
+                                key: own_key(key.as_ref()),
+                                generation: s.generation,
                             });
                         }
                     }
                 }
             }
-            buf.scratch.nodes.clear();
+            buf.scratch.stretches.clear();
             // Ties are ordered by replica id through the ids' labels (R4, R5): integer
             // compares, the ids themselves only for equal labels.
             if n > 1 && !ranked.is_empty() {
@@ -298,19 +296,18 @@ impl Index {
             if req.prefix_hash.is_empty() {
                 return;
             }
-            let Some(node) = part.table.find(req.prefix_hash, guard) else {
-                return;
-            };
+            let (digest, long) = key_parts(req.prefix_hash);
             let reps = part.scope.replicas.load(guard);
             let ranked = &mut buf.scratch.ranked;
             ranked.clear();
-            for h in node.holders().iter() {
+            let hits = &mut buf.hits.hits;
+            let found = part.store.for_each_holder_keyed(digest, long, guard, |h| {
                 let f = freshness(now_ms, h.last_seen_ms(), ttl);
                 if f <= 0.0 {
-                    continue;
+                    return;
                 }
                 let Some(rr) = reps.get(h.rep() as usize) else {
-                    continue;
+                    return;
                 };
                 let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, guard);
                 ranked.push(Ranked {
@@ -322,13 +319,16 @@ impl Index {
                     name: rr.name.borrow_id(),
                 });
                 if capture && h.tokens() > 0 {
-                    buf.hits.hits.push(Hit {
+                    hits.push(Hit {
                         replica: rr.name.clone(),
                         rep: h.rep(),
-                        key: own_key(node.key()),
+                        key: own_key(req.prefix_hash),
                         generation: h.generation(),
                     });
                 }
+            });
+            if !found {
+                return;
             }
             let dp = distinguishing_power(ranked.len() as i64, n);
             if dp != 1.0 {
@@ -607,35 +607,31 @@ impl Index {
         generation: u32,
         guard: &Guard,
     ) {
-        let p = Probe::new(key);
-        let Some(node) = part.table.find_p(p, guard) else {
+        let (digest, long) = key_parts(key);
+        let live =
+            |h: Option<crate::raw::holder::Holder>| h.is_some_and(|h| h.generation() == generation);
+        if !live(part.store.entry(digest, long, rep, guard)) {
             return;
-        };
-        match node.holder(rep) {
-            Some(h) if h.generation() == generation => {}
-            _ => return,
         }
         // Lock-free once the entry has an LFU cell; the first credit creates it under the
-        // shard mutex after re-validating the entry there (removals kill cells under the
-        // same mutex, so a cell is never created for a removed entry).
-        let cell = match part.table.lfu_cell(p, rep, generation, guard) {
+        // partition's writer lock after re-validating the entry there (removals kill cells
+        // under the same lock, so a cell is never created for a removed entry).
+        let cell = match part.lfu.cell(digest, rep, generation, guard) {
             Some(c) => c,
             None => {
-                let mut w = part.table.writer(KeyTable::shard_of(p));
-                let Some((_, node)) = w.find_p(p, guard) else {
-                    return;
-                };
-                match node.holder(rep) {
-                    Some(h) if h.generation() == generation => {}
-                    _ => return,
+                let created = part.store.with_entry_locked(digest, long, rep, guard, |h| {
+                    live(h).then(|| part.lfu.cell_or_create(key, rep, generation, guard))
+                });
+                match created {
+                    Some(c) => c,
+                    None => return,
                 }
-                w.lfu_cell_or_create(key, rep, generation, guard)
             }
         };
         // Counts above the threshold go to per-core stripes under contention and leave the
         // key sum alone: it only needs min(count, threshold) per cell to decide "hot" (D4).
         let lanes = self.stripe_lanes;
-        if cell.credit(self.hot_threshold(), lanes, &part.table) == Credited::BelowThreshold {
+        if cell.credit(self.hot_threshold(), lanes, &part.lfu) == Credited::BelowThreshold {
             self.add_key_access(&part.model, cell.ksum(), 1);
         }
     }

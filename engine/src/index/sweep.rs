@@ -34,7 +34,8 @@ pub(super) struct Ticker {
 }
 
 impl Index {
-    /// Runs one TTL sweep now (V1). Sliced: ≤ [`SLICE`](super::SLICE) slots per shard lock.
+    /// Runs one TTL sweep now (V1). Sliced: ≤ [`SLICE`](super::SLICE) slots per hold of a
+    /// partition's writer lock.
     pub fn sweep_now(&self) -> SweepOutcome {
         let _l = self.sweep_lock.lock();
         // Entries expire here only when this index decides its evictions (`replicate.rs`).
@@ -56,32 +57,32 @@ impl Index {
             }
             let sink = self.active_sink(p.tenant.reserved);
             let logged = self.decision_log_installed();
-            // No guard held across the walk: it pins per slice, and a sweep-long pin would stall
-            // the epoch (and the reuse of every node retired meanwhile) for the whole sweep.
-            let n = self.walk_remove(
-                p,
-                |h| t_ms - h.last_seen_ms() >= ttl,
-                |node, h| {
-                    if sink.is_some() || logged {
-                        let guard = epoch::pin();
-                        let reps = p.scope.replicas.load(&guard);
-                        if let Some(rr) = reps.get(h.rep() as usize) {
-                            if let Some(s) = &sink {
-                                s.publish(&ChangeEvent {
-                                    kind: ChangeKind::Removed,
-                                    tenant_id: &p.tenant.name,
-                                    model_id: &p.model.name,
-                                    replica_id: &rr.name,
-                                    prefix_hash: node.key(),
-                                    adapter_id: &p.adapter,
-                                    timestamp_us: t_us,
-                                });
+            let n = self
+                .walk_remove(
+                    p,
+                    |h| t_ms - h.last_seen_ms() >= ttl,
+                    |key, h| {
+                        if sink.is_some() || logged {
+                            let guard = epoch::pin();
+                            let reps = p.scope.replicas.load(&guard);
+                            if let Some(rr) = reps.get(h.rep() as usize) {
+                                if let Some(s) = &sink {
+                                    s.publish(&ChangeEvent {
+                                        kind: ChangeKind::Removed,
+                                        tenant_id: &p.tenant.name,
+                                        model_id: &p.model.name,
+                                        replica_id: &rr.name,
+                                        prefix_hash: key,
+                                        adapter_id: &p.adapter,
+                                        timestamp_us: t_us,
+                                    });
+                                }
+                                self.log_decision(p, key, &rr.name, h.last_seen_ms());
                             }
-                            self.log_decision(p, node.key(), &rr.name, h.last_seen_ms());
                         }
-                    }
-                },
-            );
+                    },
+                )
+                .removed as u64;
             out.entries_removed += n;
             self.evictions[evict_slot(alg, EvictionReason::Ttl)].fetch_add(n, Ordering::Relaxed);
         }

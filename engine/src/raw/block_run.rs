@@ -1,7 +1,6 @@
-//! Block runs: the storage unit of the run layout (`docs/perf-log.md`, "The run layout"), with
-//! the registry of run ids that lets a run's successor hints name other runs without keeping
-//! them alive. Built ahead of the index moving onto it; the design probe
-//! (`bench/src/bin/layout-probe.rs`) and loom m14a–m14d drive it today.
+//! Block runs: the storage unit of every partition (`docs/engine.md`, "Storage: the run
+//! layout"), with the registry of run ids that lets a run's successor hints name other runs
+//! without keeping them alive. Loom m14a–m14d check its protocols on their own.
 //!
 //! # Structure
 //!
@@ -113,10 +112,10 @@
 //! calls [`BlockRun::retire`]: deregister, then, through the epoch, onto the partition's
 //! [`Reaper`], which its writers empty.
 
+use crate::raw::holder::Holder;
 use crate::raw::hooks::{self, Kind};
-use crate::raw::node::Holder;
 use crate::raw::reaper::{Reaper, Reclaim};
-use crate::raw::table::prefetch;
+use crate::raw::slots::prefetch;
 use crate::sync::{AtomicPtr, AtomicU64, Ordering};
 use crossbeam_epoch::Guard;
 use std::alloc::{Layout, alloc, dealloc, handle_alloc_error};
@@ -1035,7 +1034,7 @@ mod tests {
 
     #[test]
     fn long_runs_keep_their_keys_bytes_and_compare_them() {
-        use crate::raw::node::digest;
+        use crate::raw::holder::digest;
         let long = b"a key of twenty-four bytes".as_slice();
         let keys: [&[u8]; 5] = [b"12345678", b"", long, &[7u8; 8], b"abc"];
         let digests: Vec<u64> = keys.iter().map(|k| digest(k)).collect();

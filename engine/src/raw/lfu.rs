@@ -1,12 +1,22 @@
-//! Per-entry LFU state (V3) of a key table.
+//! Per-entry LFU state (V3) of a partition.
 //!
-//! LFU state lives in a per-shard side table ([`LfuTable`]) that exists only once an entry of the
-//! shard has been credited: `(digest, replica, generation) → LfuCell {count, key sum}`. An
-//! LRU-only index never allocates it.
+//! LFU state lives in a per-partition side table ([`LfuCells`]) that exists only once an entry
+//! of the partition has been credited: `(digest, replica, generation) → LfuCell {count, key
+//! sum}`. An LRU-only index never allocates it.
+//!
+//! # Creation and removal
+//!
+//! Readers find cells lock-free. A cell is created by an entry's first credit and killed with
+//! the entry's removal, both while the partition's writer lock is held (the creator validates
+//! the entry under it, and removals report their entries under it), so a cell is never created
+//! for an entry already removed, and a removal finds every cell of its entry. Cells and key
+//! sums are retired through the epoch.
 
-use super::table::{KeyTable, mix};
+use crate::raw::holder::digest;
 use crate::raw::pages::heap_chunk as chunk;
-use crate::sync::{AtomicI64, AtomicPtr, AtomicU64, Ordering};
+use crate::sync::{AtomicI64, AtomicPtr, AtomicU64, Mutex, Ordering};
+use crossbeam_epoch::{Atomic, Guard, Owned};
+use std::collections::HashMap;
 // Only the std build numbers lanes with a thread-local of the seam (loom uses its own).
 #[cfg(not(loom))]
 use crate::sync::thread_local;
@@ -33,14 +43,14 @@ use std::ptr::NonNull;
 /// ordered before or after the kill's RMW on the same word: before, it is in the returned
 /// total; after, it sees DEAD and is refused.
 pub(crate) struct LfuCell {
-    pub(super) digest: u64,
-    pub(super) rep: u32,
-    pub(super) generation: u32,
+    digest: u64,
+    rep: u32,
+    generation: u32,
     /// Base access count; [`DEAD`] once the entry was removed.
-    pub(super) access: AtomicU64,
+    access: AtomicU64,
     /// Null, a live [`Stripes`] (owned by this cell, freed with it) or [`stripes_dead`].
-    pub(super) stripes: AtomicPtr<Stripes>,
-    pub(super) ksum: *const KeyAccessSum,
+    stripes: AtomicPtr<Stripes>,
+    ksum: *const KeyAccessSum,
 }
 
 /// Marks an LFU cell whose entry was removed (credits become no-ops).
@@ -49,8 +59,8 @@ pub(crate) const DEAD: u64 = 1 << 63;
 /// Per-key access sum (G1 hot keys), shared by the key's LFU cells: Σ min(count, threshold).
 pub(crate) struct KeyAccessSum {
     pub(crate) sum: AtomicI64,
-    /// Cells pointing here (writer-side, under the shard mutex).
-    pub(super) refs: AtomicI64,
+    /// Cells pointing here (writer-side, under the cells' state lock).
+    refs: AtomicI64,
 }
 
 /// Largest count a base or a stripe reaches (counts saturate, reads clamp the sum).
@@ -152,9 +162,9 @@ impl LfuCell {
         unsafe { &*self.ksum }
     }
 
-    /// Credits one access (V3). `thr` is the hot threshold (≥ 1); `table` pays for a stripe set
-    /// created here.
-    pub(crate) fn credit(&self, thr: u64, lanes: usize, table: &KeyTable) -> Credited {
+    /// Credits one access (V3). `thr` is the hot threshold (≥ 1); `cells` pays for a stripe
+    /// set created here.
+    pub(crate) fn credit(&self, thr: u64, lanes: usize, cells: &LfuCells) -> Credited {
         let mut v = self.access.load(Ordering::Acquire);
         loop {
             if v & DEAD != 0 || v >= COUNT_MAX {
@@ -168,7 +178,7 @@ impl LfuCell {
                 Ok(_) => return Credited::AtOrAbove,
                 // Contended at or above the threshold: count on this core's lane instead.
                 Err(cur) if cur & DEAD == 0 && cur >= thr => {
-                    return if self.credit_striped(lanes, table) {
+                    return if self.credit_striped(lanes, cells) {
                         Credited::AtOrAbove
                     } else {
                         Credited::Refused
@@ -179,7 +189,7 @@ impl LfuCell {
         }
     }
 
-    fn credit_striped(&self, lanes: usize, table: &KeyTable) -> bool {
+    fn credit_striped(&self, lanes: usize, cells: &LfuCells) -> bool {
         let mut s = self.stripes.load(Ordering::Acquire);
         if s.is_null() {
             let fresh = Box::into_raw(Box::new(Stripes::new(lanes)));
@@ -190,7 +200,7 @@ impl LfuCell {
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
-                    table.add_bytes(Stripes::bytes(lanes) as i64);
+                    cells.add_bytes(Stripes::bytes(lanes) as i64);
                     s = fresh;
                 }
                 Err(cur) => {
@@ -244,7 +254,7 @@ impl LfuCell {
 
     /// Marks the cell DEAD (base, stripe pointer, stripes, in that order; see the type docs).
     /// Returns `(total count, base count, stripe bytes to release)`.
-    pub(super) fn kill(&self) -> (u64, u64, usize) {
+    fn kill(&self) -> (u64, u64, usize) {
         let base = self.access.swap(DEAD, Ordering::AcqRel) & !DEAD;
         let mut total = base;
         let mut bytes = 0;
@@ -279,17 +289,27 @@ impl Drop for LfuCell {
     }
 }
 
-pub(super) const LFU_CELL_BYTES: usize = 48; // chunk(size_of::<LfuCell>())
+const LFU_CELL_BYTES: usize = 48; // chunk(size_of::<LfuCell>())
 
 /// Open-addressing table of LFU cell pointers (null = empty, [`ltomb`] = deleted).
-pub(super) struct LfuTable {
-    pub(super) slots: Box<[AtomicPtr<LfuCell>]>,
+struct LfuTable {
+    slots: Box<[AtomicPtr<LfuCell>]>,
     mask: usize,
 }
 
 #[inline]
-pub(super) fn ltomb() -> *mut LfuCell {
+fn ltomb() -> *mut LfuCell {
     NonNull::<LfuCell>::dangling().as_ptr()
+}
+
+/// A 64-bit finalizer (MurmurHash3's), spreading a cell's identity over the table.
+#[inline]
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
 }
 
 #[inline]
@@ -298,7 +318,7 @@ fn lfu_hash(d: u64, rep: u32, generation: u32) -> u64 {
 }
 
 impl LfuTable {
-    pub(super) fn new(cap: usize) -> Self {
+    fn new(cap: usize) -> Self {
         Self {
             slots: (0..cap)
                 .map(|_| AtomicPtr::new(std::ptr::null_mut()))
@@ -306,10 +326,10 @@ impl LfuTable {
             mask: cap - 1,
         }
     }
-    pub(super) fn bytes(&self) -> usize {
+    fn bytes(&self) -> usize {
         chunk(self.slots.len() * 8) + chunk(std::mem::size_of::<Self>())
     }
-    pub(super) fn find(&self, d: u64, rep: u32, generation: u32) -> Option<(usize, *mut LfuCell)> {
+    fn find(&self, d: u64, rep: u32, generation: u32) -> Option<(usize, *mut LfuCell)> {
         let mut i = lfu_hash(d, rep, generation) as usize & self.mask;
         loop {
             let c = self.slots[i].load(Ordering::Acquire);
@@ -327,7 +347,7 @@ impl LfuTable {
             i = (i + 1) & self.mask;
         }
     }
-    pub(super) fn put(&self, c: *mut LfuCell) {
+    fn put(&self, c: *mut LfuCell) {
         // SAFETY: `c` is a live cell owned by this table's writer.
         let r = unsafe { &*c };
         let mut i = lfu_hash(r.digest, r.rep, r.generation) as usize & self.mask;
@@ -338,6 +358,244 @@ impl LfuTable {
                 return;
             }
             i = (i + 1) & self.mask;
+        }
+    }
+}
+
+/// Bytes a key sum costs with its map entry for a key of `len` bytes.
+fn key_sum_bytes(len: usize) -> usize {
+    chunk(16) + chunk(len) + 32
+}
+
+/// The writer side of [`LfuCells`], behind its lock.
+#[derive(Default)]
+struct CellState {
+    /// Key sums by key.
+    sums: HashMap<Box<[u8]>, *mut KeyAccessSum>,
+    /// Live cells.
+    live: usize,
+    /// Table slots full or tombstoned.
+    used: usize,
+}
+
+// SAFETY: the key sums `sums` points to are touched only under the state's lock or through
+// atomics.
+unsafe impl Send for CellState {}
+
+/// The LFU cells of one partition (see the module docs): a table of cell pointers readers
+/// probe lock-free, grown by its writers, and the key sums its cells share.
+pub(crate) struct LfuCells {
+    table: Atomic<LfuTable>,
+    state: Mutex<CellState>,
+    /// Whether a cell was ever created (a partition that never had one skips kill lookups).
+    any: AtomicU64,
+    /// Bytes of the cells, their stripes, key sums and tables.
+    bytes: AtomicI64,
+}
+
+impl Default for LfuCells {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LfuCells {
+    pub(crate) fn new() -> Self {
+        Self {
+            table: Atomic::null(),
+            state: Mutex::new(CellState::default()),
+            any: AtomicU64::new(0),
+            bytes: AtomicI64::new(0),
+        }
+    }
+
+    pub(crate) fn add_bytes(&self, delta: i64) {
+        self.bytes.fetch_add(delta, Ordering::Relaxed);
+    }
+
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> i64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Whether any cell was ever created here (read by writers holding the partition's writer
+    /// lock, under which cells are created).
+    #[inline]
+    pub(crate) fn any(&self) -> bool {
+        self.any.load(Ordering::Relaxed) != 0
+    }
+
+    fn table<'g>(&self, guard: &'g Guard) -> Option<&'g LfuTable> {
+        // SAFETY: tables are retired through the epoch; a non-null one outlives `guard`.
+        unsafe { self.table.load(Ordering::Acquire, guard).as_ref() }
+    }
+
+    /// The cell of entry `(key digest, rep, generation)`, if it was ever credited and is still
+    /// linked (lock-free).
+    pub(crate) fn cell<'g>(
+        &self,
+        digest: u64,
+        rep: u32,
+        generation: u32,
+        guard: &'g Guard,
+    ) -> Option<&'g LfuCell> {
+        let table = self.table(guard)?;
+        // SAFETY: cells are retired through the epoch after being unlinked.
+        table
+            .find(digest, rep, generation)
+            .map(|(_, c)| unsafe { &*c })
+    }
+
+    /// The cell of entry `(key, rep, generation)`, created (count 0) if absent. The caller
+    /// holds the partition's writer lock and has found the entry live under it.
+    pub(crate) fn cell_or_create<'g>(
+        &self,
+        key: &[u8],
+        rep: u32,
+        generation: u32,
+        guard: &'g Guard,
+    ) -> &'g LfuCell {
+        let d = digest(key);
+        let mut st = self.state.lock();
+        if let Some(t) = self.table(guard)
+            && let Some((_, c)) = t.find(d, rep, generation)
+        {
+            // SAFETY: live cell.
+            return unsafe { &*c };
+        }
+        let mut added = LFU_CELL_BYTES;
+        let ks = match st.sums.get(key) {
+            Some(&k) => k,
+            None => {
+                let k = Box::into_raw(Box::new(KeyAccessSum {
+                    sum: AtomicI64::new(0),
+                    refs: AtomicI64::new(0),
+                }));
+                crate::raw::hooks::created(crate::raw::hooks::Kind::KeySum, k as usize);
+                st.sums.insert(key.into(), k);
+                added += key_sum_bytes(key.len());
+                k
+            }
+        };
+        // SAFETY: `ks` is linked in `sums` (mutated under the state lock, which we hold).
+        unsafe { (*ks).refs.fetch_add(1, Ordering::Relaxed) };
+        let cell = Box::into_raw(Box::new(LfuCell {
+            digest: d,
+            rep,
+            generation,
+            access: AtomicU64::new(0),
+            stripes: AtomicPtr::new(std::ptr::null_mut()),
+            ksum: ks,
+        }));
+        crate::raw::hooks::created(crate::raw::hooks::Kind::LfuCell, cell as usize);
+        // Grow or create the table (load ≤ 1/2, tombstones included).
+        let cap = self.table(guard).map_or(0, |t| t.slots.len());
+        if (st.used + 1) * 2 > cap {
+            let old = self.table.load(Ordering::Acquire, guard);
+            let fresh = LfuTable::new(((st.live + 1) * 4).next_power_of_two().max(16));
+            let mut delta = fresh.bytes() as i64;
+            // SAFETY: `old` is null or the live table (we hold the state lock).
+            if let Some(old) = unsafe { old.as_ref() } {
+                delta -= old.bytes() as i64;
+                for s in old.slots.iter() {
+                    let c = s.load(Ordering::Relaxed);
+                    if !c.is_null() && c != ltomb() {
+                        fresh.put(c);
+                    }
+                }
+            }
+            self.add_bytes(delta);
+            self.table.store(Owned::new(fresh), Ordering::Release);
+            if !old.is_null() {
+                // SAFETY: unlinked; dropping an `LfuTable` frees only its slot array.
+                unsafe { guard.defer_destroy(old) };
+            }
+            st.used = st.live;
+        }
+        if let Some(t) = self.table(guard) {
+            t.put(cell);
+        }
+        st.live += 1;
+        st.used += 1;
+        self.any.store(1, Ordering::Relaxed);
+        self.add_bytes(added as i64);
+        // SAFETY: just linked; retired only through the epoch.
+        unsafe { &*cell }
+    }
+
+    /// Kills the cell of a removed entry, if any: marks it DEAD, unlinks it and returns
+    /// `(base count, key sum)` so the caller can take the cell's contribution,
+    /// `min(base, threshold)`, back out of the key sum (see [`LfuCell`]). The caller holds
+    /// the partition's writer lock.
+    pub(crate) fn kill<'g>(
+        &self,
+        key: &[u8],
+        rep: u32,
+        generation: u32,
+        guard: &'g Guard,
+    ) -> Option<(u64, &'g KeyAccessSum)> {
+        if !self.any() {
+            return None;
+        }
+        let mut st = self.state.lock();
+        let t = self.table(guard)?;
+        let (i, c) = t.find(digest(key), rep, generation)?;
+        t.slots[i].store(ltomb(), Ordering::Release);
+        st.live -= 1;
+        // SAFETY: the cell was live and is now unlinked; readers may still hold it.
+        let cell = unsafe { &*c };
+        let (_, base, stripe_bytes) = cell.kill();
+        let ks = cell.ksum;
+        let mut freed = (LFU_CELL_BYTES + stripe_bytes) as i64;
+        // SAFETY: `ks` is linked in `sums` while its refs are above 0.
+        if unsafe { (*ks).refs.fetch_sub(1, Ordering::Relaxed) } == 1 {
+            st.sums.remove(key);
+            freed += key_sum_bytes(key.len()) as i64;
+            let kp = ks as usize;
+            // SAFETY: the key sum is unlinked from `sums` and no live cell points to it;
+            // readers that loaded it earlier are pinned, so it is freed through the epoch.
+            unsafe {
+                guard.defer_unchecked(move || {
+                    crate::raw::hooks::destroyed(crate::raw::hooks::Kind::KeySum, kp);
+                    drop(Box::from_raw(kp as *mut KeyAccessSum))
+                })
+            };
+        }
+        let cp = c as usize;
+        // SAFETY: unlinked above; freed through the epoch.
+        unsafe {
+            guard.defer_unchecked(move || {
+                crate::raw::hooks::destroyed(crate::raw::hooks::Kind::LfuCell, cp);
+                drop(Box::from_raw(cp as *mut LfuCell))
+            })
+        };
+        self.add_bytes(-freed);
+        // SAFETY: retired through the epoch, valid for `guard`.
+        Some((base, unsafe { &*ks }))
+    }
+}
+
+impl Drop for LfuCells {
+    fn drop(&mut self) {
+        // SAFETY: `&mut self`: nothing else can reach these cells; the ones still linked are
+        // owned here (retired ones belong to the epoch collector).
+        unsafe {
+            let guard = crossbeam_epoch::unprotected();
+            let table = self.table.load(Ordering::Relaxed, guard);
+            if !table.is_null() {
+                let table = table.into_owned();
+                for s in table.slots.iter() {
+                    let c = s.load(Ordering::Relaxed);
+                    if !c.is_null() && c != ltomb() {
+                        crate::raw::hooks::destroyed(crate::raw::hooks::Kind::LfuCell, c as usize);
+                        drop(Box::from_raw(c));
+                    }
+                }
+            }
+            for (_, k) in self.state.get_mut().sums.drain() {
+                crate::raw::hooks::destroyed(crate::raw::hooks::Kind::KeySum, k as usize);
+                drop(Box::from_raw(k));
+            }
         }
     }
 }
@@ -372,7 +630,7 @@ mod tests {
 
     #[test]
     fn credits_below_the_threshold_land_in_the_base() {
-        let (t, ks) = (KeyTable::new(), key_sum());
+        let (t, ks) = (LfuCells::new(), key_sum());
         let c = cell(&ks);
         let got: Vec<_> = (0..4).map(|_| c.credit(2, 4, &t)).collect();
         assert_eq!(
@@ -390,7 +648,7 @@ mod tests {
 
     #[test]
     fn stripes_add_to_the_count_and_die_with_the_cell() {
-        let (t, ks) = (KeyTable::new(), key_sum());
+        let (t, ks) = (LfuCells::new(), key_sum());
         let bytes0 = t.bytes();
         let c = cell(&ks);
         for _ in 0..3 {
@@ -410,7 +668,7 @@ mod tests {
 
     #[test]
     fn a_killed_cell_never_grows_stripes() {
-        let (t, ks) = (KeyTable::new(), key_sum());
+        let (t, ks) = (LfuCells::new(), key_sum());
         let c = cell(&ks);
         for _ in 0..3 {
             c.credit(2, 4, &t);
@@ -424,7 +682,7 @@ mod tests {
 
     #[test]
     fn counts_saturate_at_u32_max() {
-        let (t, ks) = (KeyTable::new(), key_sum());
+        let (t, ks) = (LfuCells::new(), key_sum());
         let c = cell(&ks);
         c.access.store(COUNT_MAX - 1, Ordering::Relaxed);
         assert_eq!(c.credit(2, 4, &t), Credited::AtOrAbove);

@@ -1,17 +1,17 @@
 //! Loom-only instrumentation (compiled only with `--cfg loom`; see `loom-tests/`).
 //!
 //! Loom checks causality for its atomics and for `loom::cell::UnsafeCell` accesses, but not for
-//! plain memory reached through raw pointers — and the engine's key nodes, LFU cells and key sums
-//! are exactly that (immutable allocations published through atomic pointers and freed through
+//! plain memory reached through raw pointers — and the engine's block runs, LFU cells and key sums
+//! are exactly that (allocations published through atomic pointers and freed through
 //! crossbeam-epoch). So every such object gets a **shadow cell** in a per-test ledger:
 //!
 //! - creation is a loom *write* access of the shadow cell (the builder initialises the object);
-//! - every engine dereference (`KeyNode::digest` / holder access, LFU cell identity reads, key
-//!   sum access) is a loom *read* access;
+//! - every engine dereference (a run's header, holder, key and bit reads, LFU cell identity
+//!   reads, key sum access) is a loom *read* access;
 //! - freeing is a loom *write* access, and the ledger marks the object dead.
 //!
 //! Loom then reports a causality violation if a reader can see an object whose initialisation
-//! does not happen-before the read (a torn / unpublished node: missing Release/Acquire), or if a
+//! does not happen-before the read (a torn / unpublished run: missing Release/Acquire), or if a
 //! free is not ordered after every read (use-after-free: broken epoch protection). A read of an
 //! object already marked dead, and a double free, panic directly. The ledger also counts
 //! creations and frees so a model can check that nothing leaks once every reader has left.
@@ -33,8 +33,6 @@ struct Entry {
 #[derive(Default)]
 struct Ledger {
     armed: bool,
-    /// Nodes served from an arena free list (memory of a node freed earlier in the execution).
-    reuses: u64,
     live: HashMap<usize, Entry>,
     built: HashMap<Kind, u64>,
     freed: HashMap<Kind, u64>,
@@ -42,22 +40,6 @@ struct Ledger {
 
 std::thread_local! {
     static LEDGER: RefCell<Ledger> = RefCell::new(Ledger::default());
-}
-
-std::thread_local! {
-    static WIDE_TABLES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Makes the key tables created on this thread use wide groups from the start (the format a
-/// shard takes past 128 MiB of nodes; the models' tables are tiny and would otherwise always be
-/// narrow), so the models check both lane formats. Call before `loom::model`.
-pub fn set_wide_tables(on: bool) {
-    WIDE_TABLES.with(|w| w.set(on));
-}
-
-/// Whether [`set_wide_tables`] is on for this thread.
-pub(crate) fn wide_tables() -> bool {
-    WIDE_TABLES.with(|w| w.get())
 }
 
 /// Starts tracking (call first thing inside the `loom::model` closure): clears the ledger.
@@ -82,20 +64,6 @@ pub fn built(kind: Kind) -> u64 {
 /// Objects of `kind` freed since [`arm`].
 pub fn freed(kind: Kind) -> u64 {
     LEDGER.with(|l| l.borrow().freed.get(&kind).copied().unwrap_or(0))
-}
-
-/// Arena allocations served from a free list since [`arm`] (node memory reused after its epoch).
-pub fn reuses() -> u64 {
-    LEDGER.with(|l| l.borrow().reuses)
-}
-
-pub(crate) fn note_reuse() {
-    LEDGER.with(|l| {
-        let mut l = l.borrow_mut();
-        if l.armed {
-            l.reuses += 1;
-        }
-    });
 }
 
 /// Objects of `kind` created since [`arm`] and not freed yet.
@@ -186,22 +154,19 @@ pub fn collect_garbage(mut done: impl FnMut() -> bool) -> bool {
 /// step frees at most 8 bags; the models retire far fewer.
 const COLLECT_ROUNDS: usize = 16;
 
-/// The shard (0..16) of a key in its partition's table (to build same-shard key sets).
-pub fn shard_of(key: &[u8]) -> usize {
-    crate::raw::table::KeyTable::shard_of(crate::raw::table::Probe::new(key))
-}
-
-/// Model m11: the chain-run reaper's lock-free stack on its own (see `raw/reaper.rs`): two
-/// threads push retired runs while the calling thread frees the stack; every run is freed
-/// exactly once (the ledger checks it).
+/// Model m11: a run reaper's lock-free stack on its own (see `raw/reaper.rs`): two threads
+/// push retired runs while the calling thread frees the stack; every run is freed exactly once
+/// (the ledger checks it).
 pub fn reaper_push_vs_free_all() {
-    use crate::raw::runs::{ChainRun, Reaper};
+    use crate::raw::block_run::BlockRun;
+    use crate::raw::holder::Holder;
+    use crate::raw::reaper::Reaper;
     use std::sync::Arc;
-    let reaper = Arc::new(Reaper::default());
+    let reaper: Arc<Reaper<BlockRun>> = Arc::new(Reaper::default());
     let new_run = || {
-        let p = ChainRun::create((0..4u32).map(|k| u64::from(k).to_be_bytes()), 0)
-            .expect("run address");
-        p as usize
+        BlockRun::create(&[Holder::new(0, 1, 16, 1_000, 1)], 1, &[1, 2, 3, 4])
+            .expect("run address")
+            .as_ptr() as usize
     };
     let (r1, r2, r3) = (new_run(), new_run(), new_run());
     let pusher = |runs: Vec<usize>| {
@@ -209,7 +174,7 @@ pub fn reaper_push_vs_free_all() {
         loom::thread::spawn(move || {
             for r in runs {
                 // SAFETY: a run of this model's own, pushed once, read by nothing else.
-                unsafe { reaper.push(r as *mut ChainRun) };
+                unsafe { reaper.push(r as *mut BlockRun) };
             }
         })
     };

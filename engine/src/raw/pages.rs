@@ -1,17 +1,17 @@
-//! Page-granular memory for the index's large arrays: arena chunks and table group arrays.
+//! Page-granular memory for the index's large arrays: the key tables' slot and summary arrays.
 //!
 //! # Why not the global allocator
 //!
-//! Under churn the index keeps replacing multi-page blocks: a table rebuild frees the old group
-//! array a grace period later, a compaction drops a whole arena. Through `malloc`, those blocks
+//! Under churn the index keeps replacing multi-page blocks: a table rebuild frees the old slot
+//! array a grace period later. Through `malloc`, those blocks
 //! land in the heap (glibc raises its mmap threshold to the size of the largest block freed, up
 //! to 32 MiB), where they fragment the heap and the per-thread arenas: freed memory stays
 //! resident and RSS drifts above what the engine holds. Here every block of at least one page
 //! is its own anonymous mapping, unmapped when freed, so the process's RSS follows
 //! [`Index::memory_bytes`](crate::Index::memory_bytes) (measured: churn bench, `bench/RESULTS.md`).
 //!
-//! Smaller blocks (a new shard's first groups, one large node's own chunk) still come from the
-//! global allocator, as does everything in loom and Miri builds, which cannot model `mmap`.
+//! Smaller blocks (a small partition's table) still come from the global allocator, as does
+//! everything in loom and Miri builds, which cannot model `mmap`.
 //!
 //! # Contract
 //!
@@ -139,7 +139,7 @@ fn layout(bytes: usize) -> Layout {
     }
 }
 
-/// A fixed-length array of `T` in a block from [`alloc`] (the group arrays and presence
+/// A fixed-length array of `T` in a block from [`alloc`] (the slot arrays and presence
 /// summaries of the key tables).
 pub(crate) struct PageArray<T> {
     ptr: NonNull<T>,

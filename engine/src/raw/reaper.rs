@@ -72,20 +72,6 @@ impl<T: Reclaim> Reaper<T> {
         self.head.load(Ordering::Relaxed).is_null()
     }
 
-    /// Objects waiting (walks the stack; tests).
-    #[cfg(test)]
-    pub(crate) fn waiting(&self) -> usize {
-        let mut n = 0;
-        let mut p = self.head.load(Ordering::Acquire);
-        while !p.is_null() {
-            n += 1;
-            // SAFETY: the stack's objects stay allocated until `free_all`, which the caller
-            // does not run meanwhile.
-            p = unsafe { (*p).link().load(Ordering::Relaxed) } as usize as *mut T;
-        }
-        n
-    }
-
     /// Frees every object on the stack; returns how many. One load when it is empty.
     pub fn free_all(&self) -> usize {
         if self.is_empty() {

@@ -1,8 +1,7 @@
-//! One partition's storage on the run layout (`docs/perf-log.md`, "The run layout"): the
-//! key-inline slot table naming `(run, offset)`, the [`BlockRun`]s the slots name, their ids,
-//! and the root slots. Built ahead of the index moving onto it; the design probe
-//! (`bench/src/bin/layout-probe.rs`) runs W1M on it and `tests` below compare it with a plain
-//! map after random ingests and removals.
+//! One partition's storage (`docs/engine.md`, "Storage: the run layout"): the key-inline slot
+//! table naming `(run, offset)`, the [`BlockRun`]s the slots name, their ids, and the root
+//! slots. `tests` below compare it with a plain map after random ingests and removals; the
+//! design probe (`bench/src/bin/layout-probe.rs`) runs W1M on it without the index.
 //!
 //! # Writes
 //!
@@ -34,7 +33,9 @@
 //! Writes report what the index's derived counters need ([`IngestReport`], [`EvictReport`]):
 //! blocks a replica gained or lost, keys that appeared or went; their `_with` forms also call
 //! back once per entry added or removed, with its holder entry (the change events, N1, and
-//! what an entry's generation keys: LFU cells, cap victims), in chain order for a chain write.
+//! what an entry's generation keys: LFU cells, cap victims), in chain order for a chain write,
+//! under the writer lock. A removal calls back *before* readers can see the entry gone, so a
+//! count the callback lowers is lower for whoever sees the removal.
 //! Counts and calls follow what was written: a stretch left as it was because no run could be
 //! built for it counts as dropped (ingest) or not at all (removal). [`RunStore::remove_holders`]
 //! (the TTL sweep, ALL_CLEARED) removes the holders it picks run by run, each over the run's
@@ -93,7 +94,7 @@
 use crate::raw::block_run::{
     BlockRun, FLAG, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, long_part, pack, unpack,
 };
-use crate::raw::node::{GEN_MASK, Holder};
+use crate::raw::holder::{GEN_MASK, Holder};
 use crate::raw::reaper::Reaper;
 use crate::raw::slots::{SlotTable, SlotValue, SlotWriter, home, random_seed};
 use crate::sync::{AtomicU64, Mutex, Ordering};
@@ -103,6 +104,9 @@ use std::sync::Arc;
 
 /// How many keys ahead a write fetches slot lines while it probes or repoints.
 const AHEAD: usize = 8;
+
+/// Most key-table slots a walk that removes visits under one hold of the writer lock (C5).
+pub const SLICE: usize = 4096;
 
 /// A run is trimmed once at most one in this many of its offsets is live.
 const TRIM_RATIO: usize = 4;
@@ -258,17 +262,39 @@ impl<'a, K: AsRef<[u8]>> Keys<'a, K> {
     }
 }
 
-/// A key copied out of a run to build another (trimming, a removal's copy on write).
-enum KeyCopy<'g> {
+/// Calls `f` with the one key of digest `digest` and long part `long` as [`Keys`].
+fn one_key<R>(digest: u64, long: Option<&[u8]>, f: impl FnOnce(Keys<'_, &[u8]>) -> R) -> R {
+    let digests = [digest];
+    let bytes = long.map(|l| [l]);
+    f(Keys {
+        digests: &digests,
+        bytes: bytes.as_ref().map(|b| &b[..]),
+    })
+}
+
+/// A key's bytes as a run names it: an 8-byte key rebuilt from its digest, or the bytes of a
+/// key of another length (a key copied out of a run to build another, a key a removal reports).
+pub enum KeyBytes<'g> {
     Eight([u8; 8]),
     Long(&'g [u8]),
 }
 
-impl AsRef<[u8]> for KeyCopy<'_> {
+impl<'g> KeyBytes<'g> {
+    /// The key with `digest` and long part `long` ([`long_part`]).
+    #[inline]
+    pub fn new(digest: u64, long: Option<&'g [u8]>) -> Self {
+        match long {
+            Some(bytes) => KeyBytes::Long(bytes),
+            None => KeyBytes::Eight(digest.to_be_bytes()),
+        }
+    }
+}
+
+impl AsRef<[u8]> for KeyBytes<'_> {
     fn as_ref(&self) -> &[u8] {
         match self {
-            KeyCopy::Eight(bytes) => bytes,
-            KeyCopy::Long(bytes) => bytes,
+            KeyBytes::Eight(bytes) => bytes,
+            KeyBytes::Long(bytes) => bytes,
         }
     }
 }
@@ -279,17 +305,14 @@ fn copy_keys<'g>(
     run: &'g BlockRun,
     offsets: impl Iterator<Item = usize>,
     digests: &mut Vec<u64>,
-) -> Option<Vec<KeyCopy<'g>>> {
+) -> Option<Vec<KeyBytes<'g>>> {
     digests.clear();
     let mut bytes = run.is_long().then(Vec::new);
     for o in offsets {
         let digest = run.key(o);
         digests.push(digest);
         if let Some(bytes) = &mut bytes {
-            bytes.push(match run.long_key(o) {
-                Some(long) => KeyCopy::Long(long),
-                None => KeyCopy::Eight(digest.to_be_bytes()),
-            });
+            bytes.push(KeyBytes::new(digest, run.long_key(o)));
         }
     }
     bytes
@@ -514,6 +537,15 @@ impl RunStore {
             + self.ids.bytes()
     }
 
+    /// [`RunStore::memory_bytes`] by part: the slot tables, the live runs, the run ids.
+    pub fn memory_parts(&self, guard: &Guard) -> (usize, usize, usize) {
+        (
+            self.table.memory_bytes(guard) + self.roots.memory_bytes(guard),
+            self.run_bytes.load(Ordering::Relaxed) as usize,
+            self.ids.bytes(),
+        )
+    }
+
     /// Bytes of the live runs alone.
     pub fn run_bytes(&self) -> usize {
         self.run_bytes.load(Ordering::Relaxed) as usize
@@ -532,10 +564,25 @@ impl RunStore {
         long: Option<&[u8]>,
         guard: &Guard,
     ) -> Option<Vec<Holder>> {
-        let (_, run, o) = self.find_key(digest, long, guard)?;
         let mut out = Vec::new();
-        run.for_each_holder(|_, h| out.push(h.with_tokens(run.tokens_at(&h, o))));
-        Some(out)
+        self.for_each_holder_keyed(digest, long, guard, |h| out.push(h))
+            .then_some(out)
+    }
+
+    /// Calls `f` with each live holder of the key with `digest` and long part `long`, with its
+    /// entry's token count; false when the key is absent. Allocates nothing.
+    pub fn for_each_holder_keyed(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        guard: &Guard,
+        mut f: impl FnMut(Holder),
+    ) -> bool {
+        let Some((_, run, o)) = self.find_key(digest, long, guard) else {
+            return false;
+        };
+        run.for_each_holder(|_, h| f(h.with_tokens(run.tokens_at(&h, o))));
+        true
     }
 
     /// The slot value of the key with `digest` and long part `long`, with the run and offset
@@ -559,24 +606,50 @@ impl RunStore {
         &self,
         request: impl Into<Keys<'k, K>>,
         guard: &Guard,
-        mut visit: impl FnMut(&BlockRun, usize, usize) -> bool,
+        visit: impl FnMut(&BlockRun, usize, usize) -> bool,
     ) -> usize {
         let keys: Keys<'k, K> = request.into();
+        match keys.digests.first() {
+            Some(&first) => match self.first_block(first, guard) {
+                Some(value) => self.walk_from(value, keys, guard, visit),
+                None => 0,
+            },
+            None => 0,
+        }
+    }
+
+    /// The slot value of the key with digest `digest` as a walk's block 0 finds it (root slots
+    /// first, then the key table), if some key has that digest: a caller can rule out a walk
+    /// whose block 0 is absent before it prepares the rest of its request
+    /// ([`RunStore::walk_from`]).
+    #[inline]
+    pub fn first_block(&self, digest: u64, guard: &Guard) -> Option<u64> {
+        if !self.options.roots {
+            return self.table.find(digest, guard).map(SlotValue::get);
+        }
+        // The key table's summary word is loaded beside the root probe, not after it: the two
+        // loads are independent, so an absent key (most often stopped by that word) does not
+        // wait for them one after the other, and a key with a root slot never waits for it.
+        let present = self.table.may_contain(digest, guard);
+        if let Some(root) = self.roots.find(digest, guard) {
+            return Some(root.get());
+        }
+        if !present {
+            return None;
+        }
+        self.table.find(digest, guard).map(SlotValue::get)
+    }
+
+    /// [`RunStore::walk`] from block 0's slot value `value`, as [`RunStore::first_block`]
+    /// found it for `request`'s first key.
+    pub fn walk_from<'k, K: AsRef<[u8]> + 'k>(
+        &self,
+        mut value: u64,
+        keys: Keys<'k, K>,
+        guard: &Guard,
+        mut visit: impl FnMut(&BlockRun, usize, usize) -> bool,
+    ) -> usize {
         let request = keys.digests;
-        let Some(&first) = request.first() else {
-            return 0;
-        };
-        let root = if self.options.roots {
-            self.roots.find(first, guard)
-        } else {
-            None
-        };
-        let Some(mut value) = root
-            .or_else(|| self.table.find(first, guard))
-            .map(SlotValue::get)
-        else {
-            return 0;
-        };
         let mut pos = 0;
         loop {
             let (run, o) = unpack(value);
@@ -1193,38 +1266,54 @@ impl RunStore {
     }
 
     /// [`RunStore::remove_holders`], calling `removed(digest, long part, holder)` for each entry
-    /// it removes.
+    /// it removes. The key table is walked in slices of [`SLICE`] slots, the writer lock taken
+    /// per slice (other writers wait for one slice at most); a slice restarts the walk when
+    /// the table was rebuilt since the last (its positions moved), so every key present
+    /// throughout is visited.
     pub fn remove_holders_with(
         &self,
         doomed: impl Fn(&Holder) -> bool,
         guard: &Guard,
         mut removed: impl FnMut(u64, Option<&[u8]>, Holder),
     ) -> EvictReport {
-        let mut w = self.lock_writer();
-        let mut runs = Vec::new();
-        let mut listed = std::collections::HashSet::new();
-        self.table.for_each_value(guard, |v| {
-            let (run, _) = unpack(v);
-            if listed.insert(run) {
-                let mut picked = Vec::new();
-                run_ref(run).for_each_holder(|_, h| {
-                    if doomed(&h) {
-                        picked.push(h.rep());
-                    }
-                });
-                if !picked.is_empty() {
-                    runs.push((run, picked));
-                }
-            }
-        });
         let mut report = EvictReport::default();
         let mut keys = Vec::new();
-        for (run, picked) in runs {
-            let r = run_ref(run);
-            report += self.evict_from_run(&mut w, r, &picked, &mut keys, guard, &mut removed);
+        let (mut from, mut done) = (0, 0);
+        let mut table = self.table.table_id(guard);
+        loop {
+            let mut w = self.lock_writer();
+            if self.table.table_id(guard) != table {
+                table = self.table.table_id(guard);
+                (from, done) = (0, 0);
+            }
+            let len = self.table.capacity(guard);
+            if done >= len {
+                return report;
+            }
+            let count = SLICE.min(len - done);
+            let mut runs = Vec::new();
+            let mut listed = std::collections::HashSet::new();
+            from = self.table.for_each_value_from(from, count, guard, |v| {
+                let (run, _) = unpack(v);
+                if listed.insert(run) {
+                    let mut picked = Vec::new();
+                    run_ref(run).for_each_holder(|_, h| {
+                        if doomed(&h) {
+                            picked.push(h.rep());
+                        }
+                    });
+                    if !picked.is_empty() {
+                        runs.push((run, picked));
+                    }
+                }
+            });
+            done += count;
+            for (run, picked) in runs {
+                let r = run_ref(run);
+                report += self.evict_from_run(&mut w, r, &picked, &mut keys, guard, &mut removed);
+            }
+            self.trim(&mut w, guard);
         }
-        self.trim(&mut w, guard);
-        report
     }
 
     /// Removes `keys` with all their holders (a quota's victims).
@@ -1246,6 +1335,18 @@ impl RunStore {
     ) -> EvictReport {
         let keys: Keys<'k, K> = keys.into();
         let mut w = self.lock_writer();
+        let report = self.remove_keys_locked(&mut w, keys, guard, &mut removed);
+        self.trim(&mut w, guard);
+        report
+    }
+
+    fn remove_keys_locked<K: AsRef<[u8]>>(
+        &self,
+        w: &mut StoreWriter,
+        keys: Keys<'_, K>,
+        guard: &Guard,
+        removed: &mut impl FnMut(u64, Option<&[u8]>, Holder),
+    ) -> EvictReport {
         let mut report = EvictReport::default();
         for i in 0..keys.len() {
             let k = keys.digest(i);
@@ -1264,9 +1365,8 @@ impl RunStore {
             if v & FLAG != 0 {
                 self.roots.lock().remove(k, guard);
             }
-            self.release(&mut w, run, 1, guard);
+            self.release(w, run, 1, guard);
         }
-        self.trim(&mut w, guard);
         report
     }
 
@@ -1346,6 +1446,118 @@ impl RunStore {
         report
     }
 
+    /// Replica `rep`'s entry of the key with `digest` and long part `long`, if present, with
+    /// its token count (lock-free).
+    pub fn entry(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        rep: u32,
+        guard: &Guard,
+    ) -> Option<Holder> {
+        let (_, run, o) = self.find_key(digest, long, guard)?;
+        let mut found = None;
+        run.for_each_holder(|_, h| {
+            if h.rep() == rep {
+                found = Some(h.with_tokens(run.tokens_at(&h, o)));
+            }
+        });
+        found
+    }
+
+    /// Calls `f` with replica `rep`'s entry of the key (as [`RunStore::entry`] finds it) while
+    /// holding the writer lock, so no write changes the entry until `f` returns (an entry's
+    /// first LFU credit creates its cell so: `raw/lfu.rs`).
+    pub fn with_entry_locked<R>(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        rep: u32,
+        guard: &Guard,
+        f: impl FnOnce(Option<Holder>) -> R,
+    ) -> R {
+        let _w = self.lock_writer();
+        f(self.entry(digest, long, rep, guard))
+    }
+
+    /// Removes replica `rep`'s entry of the key if it is present and `doomed` picks it (checked
+    /// under the writer lock: a cap victim re-validated), calling `removed(holder)` before it
+    /// goes. Returns what it removed.
+    pub fn remove_entry_if(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        rep: u32,
+        guard: &Guard,
+        doomed: impl FnOnce(&Holder) -> bool,
+        mut removed: impl FnMut(Holder),
+    ) -> EvictReport {
+        let mut w = self.lock_writer();
+        let Some(h) = self.entry(digest, long, rep, guard) else {
+            return EvictReport::default();
+        };
+        if !doomed(&h) {
+            return EvictReport::default();
+        }
+        let report = one_key(digest, long, |key| {
+            self.evict_locked(&mut w, key, rep, guard, &mut |_, h| removed(h))
+                .unwrap_or_default()
+        });
+        self.trim(&mut w, guard);
+        report
+    }
+
+    /// Removes the key with `digest` and long part `long` with all its holders if it is
+    /// present and `doomed` picks its holders (checked under the writer lock: a quota victim
+    /// re-validated), calling `removed(holder)` for each before they go.
+    pub fn remove_key_if(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        guard: &Guard,
+        doomed: impl FnOnce(&[Holder]) -> bool,
+        mut removed: impl FnMut(Holder),
+    ) -> EvictReport {
+        let mut w = self.lock_writer();
+        let Some((_, run, o)) = self.find_key(digest, long, guard) else {
+            return EvictReport::default();
+        };
+        let mut holders = Vec::new();
+        run.for_each_holder(|_, h| holders.push(h.with_tokens(run.tokens_at(&h, o))));
+        if !doomed(&holders) {
+            return EvictReport::default();
+        }
+        let report = one_key(digest, long, |key| {
+            self.remove_keys_locked(&mut w, key, guard, &mut |_, _, h| removed(h))
+        });
+        self.trim(&mut w, guard);
+        report
+    }
+
+    /// Calls `f(key)` for each other live key of the run holding the key with `digest` and
+    /// long part `long`, if replica `rep` holds that run (its *run mates*: entries of the same
+    /// holder entry, so of one age; the cap takes them together).
+    pub fn for_each_run_mate(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        rep: u32,
+        guard: &Guard,
+        mut f: impl FnMut(KeyBytes<'_>),
+    ) {
+        let Some((_, run, o)) = self.find_key(digest, long, guard) else {
+            return;
+        };
+        let mut held = false;
+        run.for_each_holder(|_, h| held |= h.rep() == rep);
+        if !held {
+            return;
+        }
+        for p in (0..run.len()).filter(|&p| p != o && !run.is_dead(p)) {
+            f(KeyBytes::new(run.key(p), run.long_key(p)));
+        }
+    }
+
     /// Calls `f(key, run, offset)` for every present key (dump, digest, snapshot). Writers
     /// running meanwhile may move keys past the visit.
     pub fn for_each_key(&self, guard: &Guard, mut f: impl FnMut(u64, &BlockRun, usize)) {
@@ -1400,9 +1612,9 @@ impl RunStore {
                 gone.with_tokens(r.tokens_at(&gone, o))
             };
             if holding > 1 && self.options.gone && to - from == r.live_count() {
+                (from..to).for_each(|i| removed_at(i, entry(&w.values, i)));
                 r.set_gone(at);
                 removed += to - from;
-                (from..to).for_each(|i| removed_at(i, entry(&w.values, i)));
                 continue;
             }
             // The stretch's keys in old-offset order (the chain's, matched in `cut`; a long
@@ -1448,12 +1660,12 @@ impl RunStore {
             };
             // Without a run for the others (none could be built), the stretch stays as it was.
             if new.is_some() || holders.is_empty() {
+                (from..to).for_each(|i| removed_at(i, entry(&w.values, i)));
                 self.repoint(w, &ordered, &ordered_values, run, new, guard);
                 if new.is_none() {
                     keys_removed += to - from;
                 }
                 removed += to - from;
-                (from..to).for_each(|i| removed_at(i, entry(&w.values, i)));
             }
             w.holders = holders;
             w.ordered = ordered;
@@ -1471,16 +1683,26 @@ impl Drop for RunStore {
     fn drop(&mut self) {
         // Each live run's references are exactly the key table slots naming it: drop them slot
         // by slot and free each run with its last, in slot order (deterministic for a seeded
-        // table, which loom needs).
-        let guard = crossbeam_epoch::pin();
-        let mut w = self.lock_writer();
+        // table, which loom needs). No pin: a store may be dropped by an epoch's deferred
+        // function (its partition's last reference), where pinning again is not allowed.
+        let RunStore {
+            table,
+            ids,
+            writer,
+            reaper,
+            ..
+        } = self;
+        let w = writer.get_mut();
+        reaper.free_all();
+        // SAFETY: `&mut self`: no reader or writer is left, so nothing can free what the table
+        // names while it is read.
+        let guard = unsafe { crossbeam_epoch::unprotected() };
         let mut runs = Vec::new();
-        self.table
-            .for_each_value(&guard, |v| runs.push(unpack(v).0));
+        table.for_each_value(guard, |v| runs.push(unpack(v).0));
         for run in runs {
             let r = run_ref(run);
             if r.release(1) {
-                self.ids.deregister(&mut w.alloc, r.id());
+                ids.deregister(&mut w.alloc, r.id());
                 // SAFETY: the store is being dropped, so no reader can reach its runs, and this
                 // was the run's last reference.
                 unsafe { BlockRun::discard(run) };

@@ -11,9 +11,11 @@
 //!
 //! A table is a power-of-two array of 16-byte slots `{key, value}`, probed linearly from the
 //! key's home (the top bits of the seeded, multiplied key), and a **presence summary**: one
-//! 64-bit word per 32 slots in which every key present sets two bits chosen by its hash (a
-//! superset: bits are cleared only by a rebuild), so most absent keys stop at one word, 1/64 the
-//! size of the slots and usually cached. A slot is
+//! 64-bit word per 8 slots in which every key present sets two bits chosen by its hash (a
+//! superset: bits are cleared only by a rebuild), so most absent keys stop at one word, 1/16 the
+//! size of the slots and usually cached. At the loads the table keeps (3/8 to 3/4) a word holds
+//! 3 to 6 keys, so an absent key finds both its bits set about 3–10% of the time (with 32 slots
+//! per word, 40%: a miss then read its slot line from memory). A slot is
 //!
 //! - **live**: `value != 0`; `key` is its key;
 //! - **vacated** (a tombstone): `value == 0`, `key != 0`; a probe goes on past it, an insert may
@@ -55,7 +57,7 @@
 //! Loom model m13a checks a reader against the insert, replace, removal and reuse of its
 //! slot; m13b against a growth rebuild.
 
-use crate::raw::table::prefetch;
+use crate::raw::pages::PageArray;
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 use std::num::NonZeroU64;
@@ -66,16 +68,32 @@ pub type SlotValue = NonZeroU64;
 /// Slots of the smallest table (a power of two).
 const MIN_SLOTS: usize = 8;
 /// Slots per presence-summary word.
-const SUMMARY_SLOTS: usize = 32;
+const SUMMARY_SLOTS: usize = 8;
 /// Multiplier of the home position (Fibonacci hashing: the top bits of `key · φ⁻¹ · 2⁶⁴`).
 const HOME_MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 /// Multiplier of the summary bits (independent of the home's bits).
 const SUMMARY_MIX: u64 = 0xC2B2_AE3D_27D4_EB4F;
 
+/// Prefetches the cache line at `p` into all cache levels. A hint only: never faults.
+#[inline(always)]
+pub(crate) fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` is a hint; it does not dereference `p` architecturally and never
+    // faults, whatever the address. SSE is part of the x86_64 baseline.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// A placement seed of its own for each caller (std's per-process random hasher keys), so
 /// that a caller cannot choose keys that share a probe sequence.
 pub(crate) fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
+    if let Some(seed) = crate::raw::hooks::FIXED_SEED {
+        return seed;
+    }
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(0);
     h.finish()
@@ -99,8 +117,11 @@ struct Slot {
 
 /// One table: slots, summary words, and what places a key in them.
 struct Slots {
-    slots: Box<[Slot]>,
-    summary: Box<[AtomicU64]>,
+    /// In page-granular blocks (`raw/pages.rs`): a table a rebuild replaces goes back to the
+    /// system when freed, so RSS follows the tables' sizes under churn; and each 16-byte slot
+    /// sits inside one cache line (the block is line-aligned).
+    slots: PageArray<Slot>,
+    summary: PageArray<AtomicU64>,
     /// `64 − log2(slots)`: the home is the top bits of the mixed key.
     shift: u32,
     seed: u64,
@@ -109,15 +130,11 @@ struct Slots {
 impl Slots {
     fn new(len: usize, seed: u64) -> Self {
         debug_assert!(len.is_power_of_two() && len >= MIN_SLOTS);
-        let slots = (0..len)
-            .map(|_| Slot {
-                key: AtomicU64::new(0),
-                value: AtomicU64::new(0),
-            })
-            .collect();
-        let summary = (0..len.div_ceil(SUMMARY_SLOTS))
-            .map(|_| AtomicU64::new(0))
-            .collect();
+        let slots = PageArray::new(len, |_| Slot {
+            key: AtomicU64::new(0),
+            value: AtomicU64::new(0),
+        });
+        let summary = PageArray::new(len.div_ceil(SUMMARY_SLOTS), |_| AtomicU64::new(0));
         Slots {
             slots,
             summary,
@@ -144,9 +161,9 @@ impl Slots {
     }
 
     fn bytes(&self) -> usize {
-        std::mem::size_of::<Slots>()
-            + self.slots.len() * std::mem::size_of::<Slot>()
-            + self.summary.len() * std::mem::size_of::<AtomicU64>()
+        crate::raw::pages::heap_chunk(std::mem::size_of::<Slots>())
+            + self.slots.footprint()
+            + self.summary.footprint()
     }
 
     /// Writer side: the index of the live slot holding `key`, and the first vacated or empty
@@ -257,6 +274,17 @@ impl SlotTable {
         None
     }
 
+    /// Whether `key` may be present: false when its presence-summary bits are not both set
+    /// (one load; the summary is a superset, so true proves nothing).
+    #[inline]
+    pub fn may_contain(&self, key: u64, guard: &Guard) -> bool {
+        let table = self.current.load(Ordering::Acquire, guard);
+        // SAFETY: as in `find`.
+        let table = unsafe { table.deref() };
+        let bits = table.summary_bits(key);
+        table.summary_word(table.home(key)).load(Ordering::Relaxed) & bits == bits
+    }
+
     /// Prefetches the summary word and home slot line of `key` (a later [`SlotTable::find`]).
     #[inline]
     pub fn prefetch(&self, key: u64, guard: &Guard) {
@@ -343,6 +371,13 @@ impl SlotTable {
         let table = self.current.load(Ordering::Acquire, guard);
         // SAFETY: as in `find`.
         unsafe { table.deref() }.slots.len()
+    }
+
+    /// Which table is current: equal answers under one pinned guard mean no rebuild replaced
+    /// it between them (a replaced table is not freed, so its address not reused, while the
+    /// guard is pinned).
+    pub fn table_id(&self, guard: &Guard) -> usize {
+        self.current.load(Ordering::Acquire, guard).as_raw() as usize
     }
 
     /// The home slot of `key` in a table of `slots` slots seeded `seed` (tests and models use it

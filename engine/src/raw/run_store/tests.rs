@@ -199,14 +199,14 @@ impl Naming {
         (1..=UNIVERSE)
             .find(|&id| {
                 let b = self.bytes(id);
-                crate::raw::node::digest(&b) == digest && long_part(&b) == long
+                crate::raw::holder::digest(&b) == digest && long_part(&b) == long
             })
             .unwrap_or_else(|| panic!("no key id has digest {digest:#x} and part {long:?}"))
     }
 }
 
 fn digest(bytes: &[u8]) -> u64 {
-    crate::raw::node::digest(bytes)
+    crate::raw::holder::digest(bytes)
 }
 
 fn state(holders: &[Holder]) -> BTreeMap<u32, (u8, i32, i64)> {
