@@ -290,49 +290,10 @@ impl Index {
         let thr = self.hot_threshold();
         let mut pend = Pending::default();
         let mut ingest = IngestOutcome::default();
-        // The entries to write, with the count each adds to the one before it in its chain.
-        let mut chain: Vec<&LoadEntry<'_>> = Vec::new();
-        let mut counts: Vec<i32> = Vec::new();
-        let mut digests: Vec<u64> = Vec::new();
+        // The entries to write, in the order they came.
+        let mut kept: Vec<&LoadEntry<'_>> = Vec::with_capacity(entries.len());
         // New entries this load will write, for the cap.
         let mut fresh = 0i64;
-        let flush = |chain: &mut Vec<&LoadEntry<'_>>,
-                     counts: &mut Vec<i32>,
-                     digests: &mut Vec<u64>,
-                     pend: &mut Pending,
-                     ingest: &mut IngestOutcome| {
-            let Some(first) = chain.first() else {
-                return;
-            };
-            let write = ChainWrite {
-                part,
-                writing: Writing {
-                    rep,
-                    tier: tier_code(first.tier),
-                    ts_ms: clamp_ts(first.last_seen_ms),
-                },
-                replica,
-                ts_us: 0,
-                sink: None,
-            };
-            let keys: Vec<&[u8]> = chain.iter().map(|e| e.key).collect();
-            self.write_chain(&write, &keys, counts, digests, &guard, ingest, pend);
-            for e in chain.iter().filter(|e| e.lfu_count > 0) {
-                let (digest, long) = key_parts(e.key);
-                part.store
-                    .with_entry_locked(digest, long, rep, &guard, |entry| {
-                        if let Some(h) = entry {
-                            let cell = part.lfu.cell_or_create(e.key, rep, h.generation(), &guard);
-                            let gained = cell.restore(e.lfu_count, thr);
-                            if gained != 0 {
-                                self.add_key_access(&part.model, cell.ksum(), gained);
-                            }
-                        }
-                    });
-            }
-            chain.clear();
-            counts.clear();
-        };
         for e in entries {
             if e.key.is_empty() {
                 out.dropped += 1;
@@ -350,33 +311,55 @@ impl Index {
             }
             fresh += i64::from(!present);
             out.loaded += 1;
-            // One chain per stretch of entries with one tier and `last_seen`.
-            if chain
-                .last()
-                .is_some_and(|last| last.tier != e.tier || last.last_seen_ms != e.last_seen_ms)
-            {
-                flush(
-                    &mut chain,
-                    &mut counts,
-                    &mut digests,
-                    &mut pend,
-                    &mut ingest,
-                );
-            }
-            let count = match chain.last() {
-                Some(last) => e.tokens.wrapping_sub(last.tokens),
-                None => e.tokens,
-            };
-            chain.push(e);
-            counts.push(count);
+            kept.push(e);
         }
-        flush(
-            &mut chain,
-            &mut counts,
-            &mut digests,
-            &mut pend,
-            &mut ingest,
-        );
+        let (mut keys, mut counts, mut digests) = (Vec::new(), Vec::new(), Vec::new());
+        // One chain per stretch of entries with one tier and `last_seen`, each block's count
+        // the difference of its token count and the one before it.
+        for chain in kept.chunk_by(|a, b| a.tier == b.tier && a.last_seen_ms == b.last_seen_ms) {
+            let write = ChainWrite {
+                part,
+                writing: Writing {
+                    rep,
+                    tier: tier_code(chain[0].tier),
+                    ts_ms: clamp_ts(chain[0].last_seen_ms),
+                },
+                replica,
+                ts_us: 0,
+                sink: None,
+            };
+            keys.clear();
+            keys.extend(chain.iter().map(|e| e.key));
+            counts.clear();
+            counts.push(chain[0].tokens);
+            counts.extend(
+                chain
+                    .windows(2)
+                    .map(|w| w[1].tokens.wrapping_sub(w[0].tokens)),
+            );
+            self.write_chain(
+                &write,
+                &keys,
+                &counts,
+                &mut digests,
+                &guard,
+                &mut ingest,
+                &mut pend,
+            );
+            for e in chain.iter().filter(|e| e.lfu_count > 0) {
+                let (digest, long) = key_parts(e.key);
+                part.store
+                    .with_entry_locked(digest, long, rep, &guard, |entry| {
+                        if let Some(h) = entry {
+                            let cell = part.lfu.cell_or_create(e.key, rep, h.generation(), &guard);
+                            let gained = cell.restore(e.lfu_count, thr);
+                            if gained != 0 {
+                                self.add_key_access(&part.model, cell.ksum(), gained);
+                            }
+                        }
+                    });
+            }
+        }
         self.flush_pending(part, rep, &mut pend, &guard);
         part.scope.exit(rep);
         part.life.exit();
