@@ -99,39 +99,77 @@ pub fn bench_lookup<F>(
 where
     F: FnMut(usize) -> Sums,
 {
+    let mut stats = bench_lookups(&[label], n, plan, &[expected], |_, i| op(i))?;
+    Ok(stats.remove(0))
+}
+
+/// Queries per turn of the per-op pass of [`bench_lookups`].
+const TURN: usize = 1_000;
+
+/// Runs several lookup variants over the same `n` queries, taking turns: `op(v, i)` performs
+/// query `i` with variant `v` (its check sums must add up to `n × expected[v]`). Each variant
+/// warms up, then every timed round runs each variant over all queries in turn, and the per-op
+/// pass alternates the variants every [`TURN`] queries. So a ratio between two variants (P6:
+/// the full LookupRoute over the core match) compares timings taken side by side: a host that
+/// slows down for a while slows both. One variant is exactly [`bench_lookup`].
+pub fn bench_lookups<F>(
+    labels: &[&str],
+    n: usize,
+    plan: Plan,
+    expected: &[Sums],
+    mut op: F,
+) -> Result<Vec<LookupStats>, String>
+where
+    F: FnMut(usize, usize) -> Sums,
+{
     assert!(n > 0, "no queries");
-    for i in 0..plan.warmup {
-        black_box(op(i % n));
-    }
-    let mut round_means = Vec::with_capacity(plan.rounds);
-    for r in 0..plan.rounds {
-        let mut sums = [0u64; 3];
-        let t = Instant::now();
-        for i in 0..n {
-            add(&mut sums, op(black_box(i)));
+    assert_eq!(labels.len(), expected.len(), "one expected sum per variant");
+    let variants = labels.len();
+    for v in 0..variants {
+        for i in 0..plan.warmup {
+            black_box(op(v, i % n));
         }
-        let el = t.elapsed();
-        check(label, &format!("round {}", r + 1), sums, expected, n)?;
-        round_means.push(el.as_nanos() as f64 / n as f64);
     }
-    let mut samples: Vec<u64> = Vec::with_capacity(n);
-    let mut sums = [0u64; 3];
-    for i in 0..n {
-        let t = Instant::now();
-        let s = op(black_box(i));
-        let el = t.elapsed();
-        add(&mut sums, s);
-        samples.push(el.as_nanos() as u64);
+    let mut round_means = vec![Vec::with_capacity(plan.rounds); variants];
+    for r in 0..plan.rounds {
+        for (v, means) in round_means.iter_mut().enumerate() {
+            let mut sums = [0u64; 3];
+            let t = Instant::now();
+            for i in 0..n {
+                add(&mut sums, op(v, black_box(i)));
+            }
+            let el = t.elapsed();
+            check(labels[v], &format!("round {}", r + 1), sums, expected[v], n)?;
+            means.push(el.as_nanos() as f64 / n as f64);
+        }
     }
-    check(label, "per-op pass", sums, expected, n)?;
-    samples.sort_unstable();
-    Ok(LookupStats {
-        mean: median(&round_means),
-        round_means,
-        p50: percentile(&samples, 0.50),
-        p99: percentile(&samples, 0.99),
-        p999: percentile(&samples, 0.999),
-    })
+    let mut samples = vec![Vec::with_capacity(n); variants];
+    let mut sums = vec![[0u64; 3]; variants];
+    for start in (0..n).step_by(TURN) {
+        let end = (start + TURN).min(n);
+        for v in 0..variants {
+            for i in start..end {
+                let t = Instant::now();
+                let s = op(v, black_box(i));
+                let el = t.elapsed();
+                add(&mut sums[v], s);
+                samples[v].push(el.as_nanos() as u64);
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(variants);
+    for (v, (mut samples, means)) in samples.into_iter().zip(round_means).enumerate() {
+        check(labels[v], "per-op pass", sums[v], expected[v], n)?;
+        samples.sort_unstable();
+        out.push(LookupStats {
+            mean: median(&means),
+            round_means: means,
+            p50: percentile(&samples, 0.50),
+            p99: percentile(&samples, 0.99),
+            p999: percentile(&samples, 0.999),
+        });
+    }
+    Ok(out)
 }
 
 /// `VmRSS` of this process in bytes (0 where `/proc` is unavailable).

@@ -12,7 +12,7 @@ use inferencecache_engine::{
     ManualClock, MatchScratch, PrefixRef, RouteBuffer, Strategy, tier,
 };
 
-use crate::measure::{LookupStats, Plan, Recorder, Sums, bench_lookup, vm_rss_bytes};
+use crate::measure::{LookupStats, Plan, Recorder, Sums, bench_lookups, vm_rss_bytes};
 use crate::w1m::{
     BLOCK_TOKENS, Chain, Kind, LEN, Queries, QuerySet, WORKERS, WireChain, Workload,
     expected_blocks, worker,
@@ -305,59 +305,39 @@ impl WireQueries {
     }
 }
 
-/// Bench of the core match of one set.
-pub fn bench_core(
+/// The three lookups of one set, taking turns over the same queries (`bench_lookups`): the
+/// core match, `lookup_route` and `lookup_route_into`, in that order.
+pub fn bench_set(
     ix: &Index,
     kind: Kind,
     wire: &[WireChain],
     plan: Plan,
-) -> Result<LookupStats, String> {
+) -> Result<[LookupStats; 3], String> {
     let part = ix
         .partition(TENANT, MODEL, SCHEME, ADAPTER)
         .ok_or("W1M partition missing")?;
+    let want = expected_strategy(kind);
     let mut scratch = MatchScratch::default();
-    bench_lookup(
-        &format!("{ROW_CORE} {}", kind.label()),
-        wire.len(),
-        plan,
-        core_expected(kind),
-        |i| core_op(ix, part, &wire[i], &mut scratch),
-    )
-}
-
-/// Bench of `lookup_route` of one set.
-pub fn bench_route(
-    ix: &Index,
-    kind: Kind,
-    wire: &[WireChain],
-    plan: Plan,
-) -> Result<LookupStats, String> {
-    let want = expected_strategy(kind);
-    bench_lookup(
-        &format!("{ROW_ROUTE} {}", kind.label()),
-        wire.len(),
-        plan,
-        route_expected(kind),
-        |i| route_op(ix, &wire[i], want),
-    )
-}
-
-/// Bench of `lookup_route_into` of one set.
-pub fn bench_route_into(
-    ix: &Index,
-    kind: Kind,
-    wire: &[WireChain],
-    plan: Plan,
-) -> Result<LookupStats, String> {
-    let want = expected_strategy(kind);
     let mut buf = RouteBuffer::new();
-    bench_lookup(
-        &format!("{ROW_ROUTE_INTO} {}", kind.label()),
+    let labels = [ROW_CORE, ROW_ROUTE, ROW_ROUTE_INTO].map(|row| format!("{row} {}", kind.label()));
+    let stats = bench_lookups(
+        &labels.each_ref().map(String::as_str),
         wire.len(),
         plan,
-        route_expected(kind),
-        |i| route_into_op(ix, &wire[i], want, &mut buf),
-    )
+        &[
+            core_expected(kind),
+            route_expected(kind),
+            route_expected(kind),
+        ],
+        |variant, i| match variant {
+            0 => core_op(ix, part, &wire[i], &mut scratch),
+            1 => route_op(ix, &wire[i], want),
+            _ => route_into_op(ix, &wire[i], want, &mut buf),
+        },
+    )?;
+    stats
+        .try_into()
+        .map_err(|_| "three variants, three results".to_string())
 }
 
 /// The whole InferenceCache W1M run: insert, memory, verification, core / full lookups, P6
@@ -397,16 +377,10 @@ pub fn run(w: &Workload, q: &Queries, plan: Plan, rec: &mut Recorder) -> Result<
     }
 
     for kind in Kind::ALL {
-        let s = bench_core(&ix, kind, wq.set(kind), plan)?;
-        rec.put_lookup(ROW_CORE, kind.label(), &s);
-    }
-    for kind in Kind::ALL {
-        let s = bench_route(&ix, kind, wq.set(kind), plan)?;
-        rec.put_lookup(ROW_ROUTE, kind.label(), &s);
-    }
-    for kind in Kind::ALL {
-        let s = bench_route_into(&ix, kind, wq.set(kind), plan)?;
-        rec.put_lookup(ROW_ROUTE_INTO, kind.label(), &s);
+        let [core, route, into] = bench_set(&ix, kind, wq.set(kind), plan)?;
+        rec.put_lookup(ROW_CORE, kind.label(), &core);
+        rec.put_lookup(ROW_ROUTE, kind.label(), &route);
+        rec.put_lookup(ROW_ROUTE_INTO, kind.label(), &into);
     }
     // P6: full / core, mean and p99, Q50 and Q100.
     for set in ["q50", "q100"] {

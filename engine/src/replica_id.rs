@@ -136,15 +136,26 @@ impl Clone for ReplicaId {
 }
 
 impl Drop for ReplicaId {
+    /// Inline, as every returned score drops one: the decrement here, the rare free of the
+    /// last handle out of line.
+    #[inline]
     fn drop(&mut self) {
         // SAFETY: `self` is a live handle until this decrement.
         if unsafe { self.0.as_ref() }
             .refs
             .fetch_sub(1, Ordering::Release)
-            != 1
+            == 1
         {
-            return;
+            self.free();
         }
+    }
+}
+
+impl ReplicaId {
+    /// Frees the copy whose count this handle just took to 0.
+    #[cold]
+    #[inline(never)]
+    fn free(&mut self) {
         // Every other handle's uses happen before the free (their decrements were Release).
         fence(Ordering::Acquire);
         let mut set = names();
@@ -159,9 +170,7 @@ impl Drop for ReplicaId {
         // SAFETY: allocated by `Box::new` in `intern`; unreachable now (see above).
         drop(unsafe { Box::from_raw(self.0.as_ptr()) });
     }
-}
 
-impl ReplicaId {
     /// A handle of the interned copy of `id` (created on first use).
     pub fn intern(id: &str) -> Self {
         let mut set = names();

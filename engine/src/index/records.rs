@@ -89,18 +89,17 @@ impl ModelRec {
             .map(|i| &v[i])
     }
 
-    /// The stats record of scope replica `rep` (same as `stats_of(&rep.name)`). Ranking asks
+    /// The stats record of scope replica `rep` among the model's records `v` (loaded once per
+    /// lookup; same as `stats_of(&rep.name)`). Ranking asks
     /// this for every scored replica; a binary search compares long ids (~11 `memcmp`s of
     /// 40-byte pod names in a 2,048-replica fleet), so each replica remembers where its record
     /// was last found and checks that position first. Records only move when a replica's
     /// first report inserts one before them, so the hint is almost always right.
     #[inline]
-    pub(crate) fn stats_for<'g>(
-        &self,
+    pub(crate) fn stats_in<'g>(
+        v: &'g [StatsRecord],
         rep: &ScopeReplica,
-        guard: &'g Guard,
     ) -> Option<&'g StatsRecord> {
-        let v = self.stats.load(guard);
         let hint = rep.stats_hint.load(StdOrdering::Relaxed) as usize;
         if let Some(r) = v.get(hint)
             && r.replica == rep.name
@@ -118,7 +117,7 @@ pub(crate) struct ScopeReplica {
     pub(crate) name: ReplicaId,
     pub(crate) serving: AtomicI64,
     /// Where this replica's record was last found in its model's stats (see
-    /// [`ModelRec::stats_for`]). Only a hint, checked by id (a pointer compare) before use, so
+    /// [`ModelRec::stats_in`]). Only a hint, checked by id (a pointer compare) before use, so
     /// any reader may overwrite it and a stale or racing value only costs a search: `std`
     /// atomics even in loom builds, as nothing is ordered by it.
     stats_hint: StdAtomicU32,
@@ -287,12 +286,17 @@ impl<'g> ReplicaView<'g> {
         self.slots.get(i)
     }
 
-    /// Fetches replica `i`'s record (a lookup that will rank it: the record is a line of its
-    /// own, read per ranked replica).
+    /// Replica `i`'s record as a pointer, its line fetched into cache (a lookup that will rank
+    /// it: the record is a line of its own, read per ranked replica); null if the index was
+    /// not handed out.
     #[inline]
-    pub(crate) fn prefetch(&self, i: usize) {
-        if let Some(record) = self.slots.get(i) {
-            crate::raw::slots::prefetch(record);
+    pub(crate) fn fetch(&self, i: usize) -> *const ScopeReplica {
+        match self.slots.get(i) {
+            Some(record) => {
+                crate::raw::slots::prefetch(record);
+                record
+            }
+            None => std::ptr::null(),
         }
     }
 

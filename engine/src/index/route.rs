@@ -5,7 +5,7 @@
 //! (generation-checked, L9).
 
 use super::Index;
-use super::records::{ModelRec, Partition, ScopeRec, ScopeReplica, TenantRec};
+use super::records::{ModelRec, Partition, ScopeRec, ScopeReplica, StatsRecord, TenantRec};
 use super::walk::MatchScratch;
 use crate::ReplicaId;
 use crate::clock::us_to_ms;
@@ -165,43 +165,242 @@ fn by_id(a: &Ranked, b: &Ranked) -> std::cmp::Ordering {
         .then_with(|| unsafe { a.name.as_str().cmp(b.name.as_str()) })
 }
 
-/// R5 on ranked entries: score desc, then replica id asc.
-fn sort_ranked(v: &mut [Ranked]) {
-    v.sort_unstable_by(|a, b| {
-        b.score
-            .partial_cmp(&a.score)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(by_id(a, b))
-    });
+/// R5's order of two ranked entries: score desc, then replica id asc.
+#[inline]
+fn r5_order(a: &Ranked, b: &Ranked) -> std::cmp::Ordering {
+    b.score
+        .partial_cmp(&a.score)
+        .unwrap_or(std::cmp::Ordering::Equal)
+        .then(by_id(a, b))
 }
 
-/// Sorts `ranked` (R5) and appends the scores to `out` in that order.
+/// Answers of at most this many replicas are ordered by [`network_order`].
+const SMALL_ANSWER: usize = 8;
+
+/// A sorting network for 8 keys (19 compare-exchanges in 6 layers).
+const NETWORK: [(usize, usize); 19] = [
+    (0, 2),
+    (1, 3),
+    (4, 6),
+    (5, 7),
+    (0, 4),
+    (1, 5),
+    (2, 6),
+    (3, 7),
+    (0, 1),
+    (2, 3),
+    (4, 5),
+    (6, 7),
+    (2, 4),
+    (3, 5),
+    (1, 4),
+    (3, 6),
+    (1, 2),
+    (3, 4),
+    (5, 6),
+];
+
+/// R5's order of a few entries without a branch on their order: one integer key per entry
+/// (the score's bits, descending; the id's label; the entry's position), put in order by a
+/// sorting network of branch-free compare-exchanges; returns the entries' positions in R5
+/// order. Scores are never negative, and the bits of non-negative floats order as the floats
+/// do; distinct labels order as their ids do. `None` when the keys cannot decide: more than
+/// [`SMALL_ANSWER`] entries, a negative or NaN score, or two entries with equal scores and
+/// equal labels (their ids must be compared).
+fn network_order(v: &[Ranked]) -> Option<[u8; SMALL_ANSWER]> {
+    if v.len() > SMALL_ANSWER {
+        return None;
+    }
+    // Unused places hold the largest key, which sorts after every entry's.
+    let mut keys = [u128::MAX; SMALL_ANSWER];
+    for (position, (key, r)) in keys.iter_mut().zip(v).enumerate() {
+        if r.score.is_nan() || r.score.is_sign_negative() {
+            return None;
+        }
+        *key = (u128::from(u32::MAX - r.score.to_bits()) << 96)
+            | (u128::from(r.rank) << 32)
+            | position as u128;
+    }
+    for (i, j) in NETWORK {
+        let (a, b) = (keys[i], keys[j]);
+        keys[i] = a.min(b);
+        keys[j] = a.max(b);
+    }
+    if keys[..v.len()].windows(2).any(|w| w[0] >> 32 == w[1] >> 32) {
+        return None;
+    }
+    Some(keys.map(|k| k as u8))
+}
+
+/// Appends `ranked`'s scores to `out` in R5 order (sorting `ranked` itself only when the
+/// network cannot order it).
 fn emit_ranked(ranked: &mut [Ranked], out: &mut Vec<ScoredReplica>) {
-    sort_ranked(ranked);
-    out.extend(ranked.iter().map(|s| ScoredReplica {
+    let scored = |s: &Ranked| ScoredReplica {
         // SAFETY: emitted within the lookup that borrowed the id (its guard still pinned).
         replica_id: unsafe { s.name.to_owned() },
         score: s.score,
         matched_tokens: s.matched,
         estimated_cache_hit_prob: s.fresh,
         tier: tier_wire(s.tier),
-    }));
+    };
+    out.reserve_exact(ranked.len());
+    match network_order(ranked) {
+        Some(order) => out.extend(
+            order[..ranked.len()]
+                .iter()
+                .map(|&position| scored(&ranked[usize::from(position)])),
+        ),
+        None => {
+            ranked.sort_unstable_by(r5_order);
+            out.extend(ranked.iter().map(scored));
+        }
+    }
+}
+
+/// R2's pressure factors of one lookup, over the model's stats records loaded once.
+struct Pressure<'g> {
+    stats: &'g [StatsRecord],
+    weight: f32,
+    now_ms: i64,
+    ttl_ms: i64,
+}
+
+impl Pressure<'_> {
+    /// A replica's pressure counts only while its report is fresh (R2); no report is 0.
+    #[inline]
+    fn factor(&self, replica: &ScopeReplica) -> f32 {
+        let pressure = match ModelRec::stats_in(self.stats, replica) {
+            Some(s) if freshness(self.now_ms, s.reported_ms, self.ttl_ms) > 0.0 => s.pressure,
+            _ => 0.0,
+        };
+        pressure_factor(self.weight, pressure)
+    }
+
+    /// The factor every replica gets when the model has no stats records (no replica reported
+    /// any): one value for the whole lookup.
+    #[inline]
+    fn uniform(&self) -> Option<f32> {
+        self.stats
+            .is_empty()
+            .then(|| pressure_factor(self.weight, 0.0))
+    }
+}
+
+/// R4 on `ranked`: each score times the distinguishing power of the number of replicas that
+/// matched at least its chain length, out of the scope's `n` serving replicas.
+fn apply_distinguishing_power(ranked: &mut [Ranked], n: i64) {
+    if n <= 1 || ranked.is_empty() {
+        return;
+    }
+    // A few replicas (the common answer) count pairwise; many sort by length first (each
+    // group's count is then its end), as a pairwise count would be quadratic.
+    const PAIRWISE: usize = 16;
+    if ranked.len() <= PAIRWISE {
+        // Over a flat array of the lengths, in fixed-length loops the compiler vectorizes;
+        // unused places hold i32::MIN, below every length that matched (lengths are > 0).
+        let mut matched = [i32::MIN; PAIRWISE];
+        for (m, r) in matched.iter_mut().zip(ranked.iter()) {
+            *m = r.matched;
+        }
+        for (i, s) in ranked.iter_mut().enumerate() {
+            let at_least = matched.iter().filter(|&&m| m >= matched[i]).count();
+            let dp = distinguishing_power(at_least as i64, n);
+            if dp != 1.0 {
+                s.score *= dp as f32;
+            }
+        }
+        return;
+    }
+    ranked.sort_unstable_by_key(|r| std::cmp::Reverse(r.matched));
+    let mut i = 0;
+    while i < ranked.len() {
+        let mut j = i;
+        while j < ranked.len() && ranked[j].matched == ranked[i].matched {
+            j += 1;
+        }
+        let dp = distinguishing_power(j as i64, n);
+        if dp != 1.0 {
+            for s in &mut ranked[i..j] {
+                s.score *= dp as f32;
+            }
+        }
+        i = j;
+    }
 }
 
 impl Index {
-    fn pressure_pf(
+    fn pressure<'g>(
         &self,
-        model: &ModelRec,
-        replica: &ScopeReplica,
+        part: &Partition,
+        now_ms: i64,
+        ttl_ms: i64,
+        guard: &'g Guard,
+    ) -> Pressure<'g> {
+        Pressure {
+            stats: part.model.stats.load(guard),
+            weight: self.cfg.ranker.pressure_weight,
+            now_ms,
+            ttl_ms,
+        }
+    }
+
+    /// R1–R5 over the runs a chain walk left in `buf.scratch`: each replica's prefix score,
+    /// R4's distinguishing power, R5's order; with `capture`, the LFU hits of its run.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rank_chain<H: AsRef<[u8]>>(
+        &self,
+        part: &Partition,
+        req: &LookupRequest<'_, H>,
         now_ms: i64,
         ttl: i64,
+        capture: bool,
+        buf: &mut RouteBuffer,
         guard: &Guard,
-    ) -> f32 {
-        let p = match model.stats_for(replica, guard) {
-            Some(s) if freshness(now_ms, s.reported_ms, ttl) > 0.0 => s.pressure,
-            _ => 0.0,
-        };
-        pressure_factor(self.cfg.ranker.pressure_weight, p)
+    ) {
+        let c = slo_c(&self.cfg.ranker, req.ttft_ms);
+        let n = part.scope.serving_n.load(Ordering::Relaxed);
+        let pressure = self.pressure(part, now_ms, ttl, guard);
+        let uniform_pf = pressure.uniform();
+        let ranked = &mut buf.scratch.ranked;
+        ranked.clear();
+        for r in buf.scratch.runs.iter() {
+            if r.matched <= 0 {
+                continue;
+            }
+            let f = freshness(now_ms, r.oldest, ttl);
+            if f <= 0.0 {
+                continue;
+            }
+            // SAFETY: under the guard of the walk that left the run.
+            let Some(rr) = (unsafe { r.replica(guard) }) else {
+                continue;
+            };
+            let pf = uniform_pf.unwrap_or_else(|| pressure.factor(rr));
+            ranked.push(Ranked {
+                score: prefix_score(r.matched, f, pf, c),
+                matched: r.matched,
+                fresh: f,
+                tier: r.tier,
+                rank: rr.label,
+                name: rr.name.borrow_id(),
+            });
+            if capture {
+                // The replica's entries over its matched blocks, stretch by stretch.
+                for s in buf.scratch.stretches.iter().filter(|s| s.rep == r.rep) {
+                    for key in &req.block_hashes[s.from as usize..s.to.min(r.blocks) as usize] {
+                        buf.hits.hits.push(Hit {
+                            replica: rr.name.clone(),
+                            rep: r.rep,
+                            key: own_key(key.as_ref()),
+                            generation: s.generation,
+                        });
+                    }
+                }
+            }
+        }
+        buf.scratch.stretches.clear();
+        apply_distinguishing_power(ranked, n);
+        emit_ranked(ranked, &mut buf.scores);
     }
 
     /// Prefix scores (exact or chain path) into `buf.scores`, capturing LFU hits if `capture`.
@@ -233,71 +432,14 @@ impl Index {
             if buf.scratch.runs.is_empty() {
                 return;
             }
-            let reps = part.scope.replicas.load(guard);
-            let ranked = &mut buf.scratch.ranked;
-            ranked.clear();
-            for r in buf.scratch.runs.iter() {
-                if r.matched <= 0 {
-                    continue;
-                }
-                let f = freshness(now_ms, r.oldest, ttl);
-                if f <= 0.0 {
-                    continue;
-                }
-                let Some(rr) = reps.get(r.rep as usize) else {
-                    continue;
-                };
-                let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, guard);
-                ranked.push(Ranked {
-                    score: prefix_score(r.matched, f, pf, c),
-                    matched: r.matched,
-                    fresh: f,
-                    tier: r.tier,
-                    rank: rr.label,
-                    name: rr.name.borrow_id(),
-                });
-                if capture {
-                    // The replica's entries over its matched blocks, stretch by stretch.
-                    for s in buf.scratch.stretches.iter().filter(|s| s.rep == r.rep) {
-                        for key in &req.block_hashes[s.from as usize..s.to.min(r.blocks) as usize] {
-                            buf.hits.hits.push(Hit {
-                                replica: rr.name.clone(),
-                                rep: r.rep,
-                                key: own_key(key.as_ref()),
-                                generation: s.generation,
-                            });
-                        }
-                    }
-                }
-            }
-            buf.scratch.stretches.clear();
-            // Ties are ordered by replica id through the ids' labels (R4, R5): integer
-            // compares, the ids themselves only for equal labels.
-            if n > 1 && !ranked.is_empty() {
-                // R4 chain grouping.
-                ranked.sort_unstable_by(|a, b| b.matched.cmp(&a.matched).then(by_id(a, b)));
-                let mut i = 0;
-                while i < ranked.len() {
-                    let mut j = i;
-                    while j < ranked.len() && ranked[j].matched == ranked[i].matched {
-                        j += 1;
-                    }
-                    let dp = distinguishing_power(j as i64, n);
-                    if dp != 1.0 {
-                        for s in &mut ranked[i..j] {
-                            s.score *= dp as f32;
-                        }
-                    }
-                    i = j;
-                }
-            }
-            emit_ranked(ranked, &mut buf.scores);
+            self.rank_chain(part, req, now_ms, ttl, capture, buf, guard);
         } else {
             if req.prefix_hash.is_empty() {
                 return;
             }
             let (digest, long) = key_parts(req.prefix_hash);
             let reps = part.scope.replicas.load(guard);
+            let pressure = self.pressure(part, now_ms, ttl, guard);
             let ranked = &mut buf.scratch.ranked;
             ranked.clear();
             let hits = &mut buf.hits.hits;
@@ -309,7 +451,7 @@ impl Index {
                 let Some(rr) = reps.get(h.rep() as usize) else {
                     return;
                 };
-                let pf = self.pressure_pf(&part.model, rr, now_ms, ttl, guard);
+                let pf = pressure.factor(rr);
                 ranked.push(Ranked {
                     score: prefix_score(h.tokens(), f, pf, c),
                     matched: h.tokens(),
@@ -378,10 +520,12 @@ impl Index {
         let reused = BUF.with(|b| {
             // A re-entrant call (a sink or resolver calling back) takes the fresh path.
             let mut buf = b.try_borrow_mut().ok()?;
+            // The buffer's score vector is always handed out (it is empty here), so the
+            // ranking allocates the result's at its exact size and nothing is copied.
             self.lookup_route_into(req, &mut buf);
             Some(RouteResult {
                 strategy: buf.strategy,
-                scores: buf.scores.drain(..).collect(),
+                scores: std::mem::take(&mut buf.scores),
                 hits: std::mem::take(&mut buf.hits),
             })
         });
@@ -643,6 +787,130 @@ mod tests {
     use crate::clock::ManualClock;
     use crate::config::{DefaultResolvers, IndexConfig};
     use crate::index::testing::NOW;
+
+    /// The sorting network sorts every input of 0s and 1s (so, by the 0-1 principle, every
+    /// input).
+    #[test]
+    fn network_sorts_every_zero_one_input() {
+        for bits in 0u32..1 << SMALL_ANSWER {
+            let mut v: [u8; SMALL_ANSWER] = std::array::from_fn(|i| (bits >> i & 1) as u8);
+            for (i, j) in NETWORK {
+                let (a, b) = (v[i], v[j]);
+                v[i] = a.min(b);
+                v[j] = a.max(b);
+            }
+            assert!(
+                v.windows(2).all(|w| w[0] <= w[1]),
+                "input {bits:08b}: {v:?}"
+            );
+        }
+    }
+
+    /// R5 by the network agrees with the comparator sort, ties of scores and of labels
+    /// included (it gives up on equal labels with equal scores, and on NaN), and the emitted
+    /// scores follow it, beyond the network's size too.
+    #[test]
+    fn r5_by_network_matches_the_comparator() {
+        let ids: Vec<ReplicaId> = (0..20)
+            .map(|i| ReplicaId::intern(&format!("r5-{i:02}")))
+            .collect();
+        let mut seed = 11u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        let mut decided = 0;
+        for round in 0..4000 {
+            let len = 1 + (next() as usize % (SMALL_ANSWER + 4));
+            let v: Vec<Ranked> = (0..len)
+                .map(|i| {
+                    let score = match next() % 4 {
+                        0 => 0.0,
+                        1 => (next() % 3) as f32 * 16.0,
+                        2 if round % 50 == 0 => f32::NAN,
+                        _ => (next() % 1000) as f32 / 7.0,
+                    };
+                    // Labels follow the ids' order; every few rounds two of them tie.
+                    let rank = if round % 3 == 0 {
+                        (i / 2) as u64
+                    } else {
+                        i as u64
+                    };
+                    Ranked {
+                        score,
+                        matched: 1,
+                        fresh: 1.0,
+                        tier: 0,
+                        rank,
+                        name: ids[i].borrow_id(),
+                    }
+                })
+                .collect();
+            let mut want = v.clone();
+            want.sort_by(r5_order);
+            if let Some(order) = network_order(&v) {
+                decided += 1;
+                let got: Vec<Ranked> = order[..len].iter().map(|&p| v[usize::from(p)]).collect();
+                let names = |x: &[Ranked]| -> Vec<usize> {
+                    x.iter()
+                        .map(|r| {
+                            ids.iter()
+                                .position(|id| id.borrow_id() == r.name)
+                                .unwrap_or(99)
+                        })
+                        .collect()
+                };
+                assert_eq!(names(&got), names(&want), "round {round}");
+            }
+            // What a lookup returns: the network's order, or the comparator's beyond it.
+            let mut out = Vec::new();
+            emit_ranked(&mut v.clone(), &mut out);
+            let emitted: Vec<&str> = out.iter().map(|s| &*s.replica_id).collect();
+            // SAFETY: the ids are interned above and live for the whole test.
+            let wanted: Vec<&str> = want.iter().map(|r| unsafe { r.name.as_str() }).collect();
+            if want.iter().all(|r| !r.score.is_nan()) {
+                assert_eq!(emitted, wanted, "round {round}: emitted order");
+            }
+        }
+        assert!(decided > 2000, "the network decided only {decided} of 4000");
+    }
+
+    /// R4 on the chain path: a replica's score is multiplied by dp(m, n), m = the replicas that
+    /// matched at least as many tokens; the pairwise count (few replicas) and the sorted
+    /// groups (many) agree with that definition for every size.
+    #[test]
+    fn r4_counts_replicas_matching_at_least_as_much() {
+        let id = ReplicaId::intern("r4-test");
+        let mut seed = 7u64;
+        for len in 1..=40usize {
+            for n in [1i64, 2, len as i64, len as i64 + 3, 64] {
+                let mut ranked: Vec<Ranked> = (0..len)
+                    .map(|_| {
+                        seed = seed
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        Ranked {
+                            score: 1.0,
+                            matched: (seed >> 60) as i32 * 16,
+                            fresh: 1.0,
+                            tier: 0,
+                            rank: 0,
+                            name: id.borrow_id(),
+                        }
+                    })
+                    .collect();
+                let matched: Vec<i32> = ranked.iter().map(|r| r.matched).collect();
+                apply_distinguishing_power(&mut ranked, n);
+                for r in &ranked {
+                    let m = matched.iter().filter(|&&x| x >= r.matched).count() as i64;
+                    let want = (1.0f64 * distinguishing_power(m, n)) as f32;
+                    assert_eq!(r.score, want, "len {len}, n {n}, matched {}", r.matched);
+                }
+            }
+        }
+    }
 
     /// O3 on a partition that exists but was emptied: the route classifies its miss from the
     /// partition's own directory records, with the same answers as the lookups by name.

@@ -5,7 +5,7 @@
 //! 0 has a scope-local index below 64, and the general path.
 
 use super::Index;
-use super::records::{Partition, ReplicaView};
+use super::records::{Partition, ReplicaView, ScopeReplica};
 use super::resolution::PartitionHandle;
 use super::route::Ranked;
 use crate::clock::us_to_ms;
@@ -30,7 +30,7 @@ pub struct ChainMatch<'a> {
     pub blocks: u32,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub(super) struct Run {
     pub(super) rep: u32,
     pub(super) matched: i32,
@@ -38,6 +38,38 @@ pub(super) struct Run {
     pub(super) tier: u8,
     pub(super) blocks: u32,
     pub(super) open: bool,
+    /// The replica's scope record, fetched when its run opened (null: the index names no
+    /// record). Read through [`Run::replica`] within the walk's guard.
+    record: *const ScopeReplica,
+}
+
+impl Default for Run {
+    fn default() -> Self {
+        Self {
+            rep: 0,
+            matched: 0,
+            oldest: 0,
+            tier: 0,
+            blocks: 0,
+            open: false,
+            record: std::ptr::null(),
+        }
+    }
+}
+
+impl Run {
+    /// The replica's scope record.
+    ///
+    /// # Safety
+    ///
+    /// Called under the guard of the walk that left this run: a holder named the replica's
+    /// index under that guard, so its slot keeps the record until the guard is dropped (see
+    /// `ReplicaSlots`). A scratch's runs are cleared by the next walk.
+    #[inline]
+    pub(super) unsafe fn replica<'g>(&self, _guard: &'g Guard) -> Option<&'g ScopeReplica> {
+        // SAFETY: per the contract above.
+        unsafe { self.record.as_ref() }
+    }
 }
 
 /// One replica's entries over one stretch of a walk, for LFU crediting: blocks
@@ -151,12 +183,12 @@ impl Index {
         if scratch.runs.is_empty() {
             return;
         }
-        let reps = p.scope.replicas.load(&guard);
         for r in scratch.runs.iter() {
             if r.matched <= 0 || freshness(now_ms, r.oldest, ttl) <= 0.0 {
                 continue;
             }
-            let Some(rr) = reps.get(r.rep as usize) else {
+            // SAFETY: under the guard of the walk that left the run.
+            let Some(rr) = (unsafe { r.replica(&guard) }) else {
                 continue;
             };
             sink(ChainMatch {
@@ -259,9 +291,10 @@ impl Merge<'_> {
         run.for_each_holder(|_, h| {
             if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
                 wide |= h.rep() >= 64;
-                replicas.prefetch(h.rep() as usize);
             }
         });
+        // Each run keeps its replica's record, fetched now: the ranking after the walk reads
+        // it without looking the index up again, and finds it in cache.
         let fresh = |h: &crate::raw::holder::Holder| Run {
             rep: h.rep(),
             matched: 0,
@@ -269,6 +302,7 @@ impl Merge<'_> {
             tier: h.tier(),
             blocks: 0,
             open: true,
+            record: replicas.fetch(h.rep() as usize),
         };
         if wide {
             self.general = true;
@@ -340,12 +374,10 @@ impl Merge<'_> {
                 (f.matched, f.blocks)
             };
             self.runs.push(Run {
-                rep: r as u32,
                 matched,
-                oldest: f.oldest,
-                tier: f.tier,
                 blocks,
                 open: false,
+                ..*f
             });
         }
     }
