@@ -12,7 +12,7 @@ use crate::clock::us_to_ms;
 use crate::rank::{freshness, is_live};
 use crate::raw::block_run::BlockRun;
 use crate::raw::holder::{digest, tier_wire};
-use crate::raw::run_store::Keys;
+use crate::raw::run_store::{EightByteKeys, Keys};
 use crossbeam_epoch::{self as epoch, Guard};
 
 /// One run of the core longest-prefix match (L4 steps 1–4).
@@ -129,17 +129,6 @@ impl Index {
             fast,
             ..
         } = scratch;
-        digests.clear();
-        let mut any_long = false;
-        digests.extend(hashes.iter().map(|h| {
-            let h = h.as_ref();
-            any_long |= h.len() != 8;
-            digest(h)
-        }));
-        let keys = match Keys::with_bytes(digests, hashes) {
-            Some(keys) if any_long => keys,
-            _ => Keys::eight(digests),
-        };
         if fast.len() < 64 {
             fast.resize(64, Run::default());
         }
@@ -157,9 +146,20 @@ impl Index {
             open_general: 0,
             stretches: capture.then_some(stretches),
         };
-        let end = part.store.walk_from(first, keys, guard, |run, from, to| {
-            merge.stretch(run, from, to)
-        });
+        let visit = |run: &BlockRun, from, to| merge.stretch(run, from, to);
+        // 8-byte keys (the usual request) are compared in place; keys of other lengths get
+        // their digests (XXH3) computed once, up front.
+        let end = match EightByteKeys::new(hashes) {
+            Some(keys) => part.store.walk_from(first, keys, guard, visit),
+            None => {
+                digests.clear();
+                digests.extend(hashes.iter().map(|h| digest(h.as_ref())));
+                match Keys::with_bytes(digests, hashes) {
+                    Some(keys) => part.store.walk_from(first, keys, guard, visit),
+                    None => 0,
+                }
+            }
+        };
         merge.finish(end);
     }
 

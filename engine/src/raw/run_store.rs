@@ -262,6 +262,78 @@ impl<'a, K: AsRef<[u8]>> Keys<'a, K> {
     }
 }
 
+/// The keys a walk follows ([`RunStore::walk_from`]): their digests and, for keys of other
+/// lengths than 8 bytes, their bytes.
+pub trait Request {
+    /// Number of keys.
+    fn len(&self) -> usize;
+    /// Key `i`'s digest.
+    fn digest(&self, i: usize) -> u64;
+    /// Key `i`'s long part ([`long_part`]): its bytes if it is not 8 bytes long.
+    fn long(&self, i: usize) -> Option<&[u8]>;
+    /// Whether some key may be of another length than 8 bytes (its bytes must be compared).
+    fn any_long(&self) -> bool;
+    /// Whether key `i` is key `o` of `run` (digest and long part).
+    #[inline]
+    fn is_at(&self, i: usize, run: &BlockRun, o: usize) -> bool {
+        run.is_key(o, self.digest(i), self.long(i))
+    }
+}
+
+impl<K: AsRef<[u8]>> Request for Keys<'_, K> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.digests.len()
+    }
+    #[inline]
+    fn digest(&self, i: usize) -> u64 {
+        self.digests[i]
+    }
+    #[inline]
+    fn long(&self, i: usize) -> Option<&[u8]> {
+        Keys::long(self, i)
+    }
+    #[inline]
+    fn any_long(&self) -> bool {
+        self.bytes.is_some()
+    }
+}
+
+/// 8-byte keys read in place: a key's digest is its big-endian value, so a walk computes the
+/// digests it compares as it goes, and a request that stops early never computes the rest.
+/// Every key must be 8 bytes long ([`EightByteKeys::new`] checks).
+#[derive(Clone, Copy)]
+pub struct EightByteKeys<'a, K>(&'a [K]);
+
+impl<'a, K: AsRef<[u8]>> EightByteKeys<'a, K> {
+    /// `keys` read in place, if every one is 8 bytes long.
+    #[inline]
+    pub fn new(keys: &'a [K]) -> Option<Self> {
+        keys.iter()
+            .all(|k| k.as_ref().len() == 8)
+            .then_some(EightByteKeys(keys))
+    }
+}
+
+impl<K: AsRef<[u8]>> Request for EightByteKeys<'_, K> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    #[inline]
+    fn digest(&self, i: usize) -> u64 {
+        crate::raw::holder::digest(self.0[i].as_ref())
+    }
+    #[inline]
+    fn long(&self, _: usize) -> Option<&[u8]> {
+        None
+    }
+    #[inline]
+    fn any_long(&self) -> bool {
+        false
+    }
+}
+
 /// Calls `f` with the one key of digest `digest` and long part `long` as [`Keys`].
 fn one_key<R>(digest: u64, long: Option<&[u8]>, f: impl FnOnce(Keys<'_, &[u8]>) -> R) -> R {
     let digests = [digest];
@@ -642,14 +714,14 @@ impl RunStore {
 
     /// [`RunStore::walk`] from block 0's slot value `value`, as [`RunStore::first_block`]
     /// found it for `request`'s first key.
-    pub fn walk_from<'k, K: AsRef<[u8]> + 'k>(
+    pub fn walk_from(
         &self,
         mut value: u64,
-        keys: Keys<'k, K>,
+        keys: impl Request,
         guard: &Guard,
         mut visit: impl FnMut(&BlockRun, usize, usize) -> bool,
     ) -> usize {
-        let request = keys.digests;
+        let len = keys.len();
         let mut pos = 0;
         loop {
             let (run, o) = unpack(value);
@@ -661,13 +733,14 @@ impl RunStore {
             if (long.is_some() || run.is_long()) && run.long_key(o) != long {
                 return pos;
             }
-            let max = (run.live_end(o) - o - 1).min(request.len() - pos - 1);
+            let max = (run.live_end(o) - o - 1).min(len - pos - 1);
             let landing = pos + 1 + max;
             // The next block if the request follows the stretch to its end: its hint is read
             // now and its run's lines fetched, so they come in while the keys are compared; the
             // hint is checked (which reads that run) only after the compare.
             let mut ahead = None;
-            if let Some(&k) = request.get(landing) {
+            if landing < len {
+                let k = keys.digest(landing);
                 match self.options.hints.then(|| run.peek_hint(k)).flatten() {
                     Some(hinted) => {
                         hinted.prefetch(&self.ids);
@@ -679,24 +752,24 @@ impl RunStore {
             let run_keys = &run.keys()[o + 1..o + 1 + max];
             let mut m = run_keys
                 .iter()
-                .zip(&request[pos + 1..landing])
-                .take_while(|(a, b)| a == b)
+                .enumerate()
+                .take_while(|&(j, &k)| k == keys.digest(pos + 1 + j))
                 .count();
-            if run.is_long() || keys.bytes.is_some() {
+            if run.is_long() || keys.any_long() {
                 m = (0..m)
                     .take_while(|&j| keys.is_at(pos + 1 + j, run, o + 1 + j))
                     .count();
             }
             let to = pos + 1 + m;
-            if !visit(run, pos, to) || to == request.len() {
+            if !visit(run, pos, to) || to == len {
                 return to;
             }
             pos = to;
             let next = match ahead.filter(|_| m == max) {
                 Some(hinted) => hinted
                     .check(&self.ids, guard)
-                    .or_else(|| self.table.find(request[pos], guard).map(SlotValue::get)),
-                None => self.table.find(request[pos], guard).map(SlotValue::get),
+                    .or_else(|| self.table.find(keys.digest(pos), guard).map(SlotValue::get)),
+                None => self.table.find(keys.digest(pos), guard).map(SlotValue::get),
             };
             match next {
                 Some(v) => value = v,
