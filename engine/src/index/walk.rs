@@ -284,15 +284,11 @@ impl Merge<'_> {
         }
     }
 
-    /// Block 0's stretch: every live holder opens a run.
+    /// Block 0's stretch: every live holder opens a run. One pass fills the bitset path's
+    /// state; a replica index ≥ 64 among them (rare: the scope has named more than 64
+    /// replicas) switches to the general path, which a second pass fills.
     fn start(&mut self, run: &BlockRun) {
         let (now_ms, ttl_ms, replicas) = (self.now_ms, self.ttl_ms, self.replicas);
-        let mut wide = false;
-        run.for_each_holder(|_, h| {
-            if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
-                wide |= h.rep() >= 64;
-            }
-        });
         // Each run keeps its replica's record, fetched now: the ranking after the walk reads
         // it without looking the index up again, and finds it in cache.
         let fresh = |h: &crate::raw::holder::Holder| Run {
@@ -304,25 +300,32 @@ impl Merge<'_> {
             open: true,
             record: replicas.fetch(h.rep() as usize),
         };
-        if wide {
-            self.general = true;
-            let runs = &mut *self.runs;
-            run.for_each_holder(|_, h| {
-                if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
-                    runs.push(fresh(&h));
+        let mut wide = false;
+        let (fast, open) = (&mut *self.fast, &mut self.open);
+        run.for_each_holder(|_, h| {
+            if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
+                match h.rep() {
+                    r @ 0..64 => {
+                        *open |= 1 << r;
+                        fast[r as usize] = fresh(&h);
+                    }
+                    _ => wide = true,
                 }
-            });
-            self.open_general = runs.len();
-        } else {
-            let (fast, open) = (&mut *self.fast, &mut self.open);
-            run.for_each_holder(|_, h| {
-                if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
-                    *open |= 1 << h.rep();
-                    fast[h.rep() as usize] = fresh(&h);
-                }
-            });
+            }
+        });
+        if !wide {
             self.started = self.open;
+            return;
         }
+        self.open = 0;
+        self.general = true;
+        let runs = &mut *self.runs;
+        run.for_each_holder(|_, h| {
+            if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
+                runs.push(fresh(&h));
+            }
+        });
+        self.open_general = runs.len();
     }
 
     /// General path: each open run continues if `run` holds its replica, live, else closes at
