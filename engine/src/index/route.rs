@@ -177,8 +177,28 @@ fn r5_order(a: &Ranked, b: &Ranked) -> std::cmp::Ordering {
 /// Answers of at most this many replicas are ordered by [`network_order`].
 const SMALL_ANSWER: usize = 8;
 
-/// A sorting network for 8 keys (19 compare-exchanges in 6 layers).
-const NETWORK: [(usize, usize); 19] = [
+/// Defines [`NETWORK`] (tests) and [`sort8`] from one list of compare-exchanges.
+macro_rules! sorting_network {
+    ($(($i:literal, $j:literal)),* $(,)?) => {
+        /// A sorting network for 8 keys (19 compare-exchanges in 6 layers).
+        #[cfg(test)]
+        const NETWORK: &[(usize, usize)] = &[$(($i, $j)),*];
+
+        /// Sorts 8 keys by the network's compare-exchanges, written out: constant indices let
+        /// the keys live in registers, where a loop over the list kept them in memory and paid
+        /// a bounds check and a store-to-load round trip per exchange.
+        #[inline(always)]
+        fn sort8(keys: &mut [u64; SMALL_ANSWER]) {
+            $(
+                let (a, b) = (keys[$i], keys[$j]);
+                keys[$i] = a.min(b);
+                keys[$j] = a.max(b);
+            )*
+        }
+    };
+}
+
+sorting_network![
     (0, 2),
     (1, 3),
     (4, 6),
@@ -218,11 +238,7 @@ fn network_order(v: &[Ranked]) -> Option<[u8; SMALL_ANSWER]> {
         }
         *key = u64::from(u32::MAX - r.score.to_bits()) << 32 | position as u64;
     }
-    for (i, j) in NETWORK {
-        let (a, b) = (keys[i], keys[j]);
-        keys[i] = a.min(b);
-        keys[j] = a.max(b);
-    }
+    sort8(&mut keys);
     let mut order = keys.map(|k| k as u8);
     // Swaps stay within a run of equal scores, so `keys` still tells the runs apart.
     for i in 1..v.len() {
@@ -803,13 +819,10 @@ mod tests {
     /// input).
     #[test]
     fn network_sorts_every_zero_one_input() {
+        assert_eq!(NETWORK.len(), 19);
         for bits in 0u32..1 << SMALL_ANSWER {
-            let mut v: [u8; SMALL_ANSWER] = std::array::from_fn(|i| (bits >> i & 1) as u8);
-            for (i, j) in NETWORK {
-                let (a, b) = (v[i], v[j]);
-                v[i] = a.min(b);
-                v[j] = a.max(b);
-            }
+            let mut v: [u64; SMALL_ANSWER] = std::array::from_fn(|i| u64::from(bits >> i & 1));
+            sort8(&mut v);
             assert!(
                 v.windows(2).all(|w| w[0] <= w[1]),
                 "input {bits:08b}: {v:?}"
