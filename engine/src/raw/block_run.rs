@@ -708,14 +708,17 @@ impl BlockRun {
         }
     }
 
-    /// Fetches the lines a walk at offset `o` reads: the header, the hints and first holders in
-    /// front of it, and key `o`'s line. Any value may be passed: a prefetch never faults.
+    /// Fetches the lines a walk at offset `o` reads: the header, the four lines in front of it
+    /// (the hints and up to ten holders: block 0's stretch reads every holder, and W1M's first
+    /// runs hold eight), and key `o`'s line. Any value may be passed: a prefetch never faults.
     #[inline]
     pub fn prefetch(run: *const BlockRun, o: usize) {
         let p = run as *const u8;
         prefetch(p);
         prefetch(p.wrapping_sub(64));
         prefetch(p.wrapping_sub(128));
+        prefetch(p.wrapping_sub(192));
+        prefetch(p.wrapping_sub(256));
         prefetch(p.wrapping_add(HEADER + 8 * o));
     }
 
