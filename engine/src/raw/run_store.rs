@@ -68,8 +68,11 @@
 //! gives the next slot value without the table, else the key table does. The hint is read
 //! before the keys are compared and the run it names fetched then, but it is checked (which
 //! reads that run) only after the compare and the caller's visit, so its lines come in
-//! meanwhile instead of being waited for. Each run's holders hold every block of its stretch
-//! with the same state, so the caller merges holders once per stretch.
+//! meanwhile instead of being waited for. The hint's span says where the walk will likely land
+//! after the hinted stretch, so the key table's lines for the request's key there are fetched
+//! then too: a request that leaves the stored chain right after it (its key is absent) finds
+//! them in cache. Each run's holders hold every block of its stretch with the same state, so
+//! the caller merges holders once per stretch.
 //!
 //! # Trimming
 //!
@@ -1007,7 +1010,7 @@ impl RunStore {
         };
         if let Some(new) = self.new_run(w, &holders, copied, r.step()) {
             let n = run_ref(new);
-            r.for_each_hint(|k, v, id| n.set_hint(k, v, id));
+            r.for_each_hint(|k, v, id, span| n.set_hint(k, v, id, span));
             self.repoint(w, &keys, &values, run, Some(new), guard);
         }
         w.ordered = keys;
@@ -1211,9 +1214,9 @@ impl RunStore {
                     let end = o_from + (to - from);
                     let n = run_ref(new);
                     if end == r.len() {
-                        r.for_each_hint(|k, v, id| n.set_hint(k, v, id));
+                        r.for_each_hint(|k, v, id, span| n.set_hint(k, v, id, span));
                     } else if !r.is_dead(end) {
-                        n.set_hint(r.key(end), pack(run, end), r.id());
+                        n.set_hint(r.key(end), pack(run, end), r.id(), r.live_end(end) - end);
                     }
                     let olds = std::mem::take(&mut w.values);
                     self.repoint(w, &keys[from..to], &olds[from..to], run, Some(new), guard);
@@ -1236,8 +1239,9 @@ impl RunStore {
         for pair in w.owners.windows(2) {
             let (run, to) = pair[0];
             if let Some(v) = self.table.find(keys[to], guard) {
-                let (target, _) = unpack(v.get());
-                run_ref(run).set_hint(keys[to], v.get(), run_ref(target).id());
+                let (target, o) = unpack(v.get());
+                let target = run_ref(target);
+                run_ref(run).set_hint(keys[to], v.get(), target.id(), target.live_end(o) - o);
             }
         }
     }

@@ -478,16 +478,23 @@ fn a_shared_prefix_is_three_runs_and_walks_in_three_stretches() {
         let mut reps = Vec::new();
         run.for_each_holder(|_, h| reps.push(h.rep()));
         reps.sort_unstable();
-        stretches.push((from, to, reps));
+        let mut spans = Vec::new();
+        run.for_each_hint(|key, _, _, span| spans.push((key, span)));
+        spans.sort_unstable();
+        stretches.push((from, to, reps, spans));
         true
     });
     assert_eq!(matched, 64);
+    // Each run hints at the runs that followed it, with the stretch each of them holds: the
+    // shared run at the four pairs' 16 blocks, each pair's run at its two tails' 32.
+    let pair = |p: u64| (17 + 100 * p, 16);
+    let tail = |rep: u64| (33 + 1_000 * (rep + 1), 32);
     assert_eq!(
         stretches,
         [
-            (0, 16, (0..8).collect()),
-            (16, 32, vec![2, 3]),
-            (32, 64, vec![3])
+            (0, 16, (0..8).collect(), (0..4).map(pair).collect()),
+            (16, 32, vec![2, 3], vec![tail(2), tail(3)]),
+            (32, 64, vec![3], vec![])
         ]
     );
     assert_eq!(store.root_count(), 1, "every chain began with key 1");
