@@ -22,8 +22,8 @@ mod fixed_policy;
 use crossbeam_epoch::Guard;
 use fixed_policy::FixedPolicy;
 use inferencecache_engine::layout::{
-    BlockRun, Holder, IdAllocator, Reaper, RunIds, RunStore, SlotTable, SlotValue, SlotWriter,
-    StoreOptions, Writing, pack, unpack,
+    BlockRun, HintTarget, Holder, IdAllocator, Reaper, RunIds, RunStore, SlotTable, SlotValue,
+    SlotWriter, StoreOptions, Writing, pack, unpack,
 };
 use inferencecache_engine::loom_api::{self, Kind};
 use inferencecache_engine::{
@@ -1386,7 +1386,14 @@ fn m14a_run_repoint_vs_walk() {
             let id_b = ids.register(&mut alloc, b).expect("an id");
             // SAFETY: the model's live runs.
             let (ra, _) = unsafe { (a.as_ref(), b.as_ref()) };
-            ra.set_hint(2, pack(b, 0), id_b, 1);
+            ra.set_hint(
+                2,
+                HintTarget {
+                    value: pack(b, 0),
+                    id: id_b,
+                    span: 1,
+                },
+            );
             ra.set_dead(1);
             ra.set_dead(2);
             point(&mut w, b, 0, &[2, 3], &guard);
@@ -1541,7 +1548,14 @@ fn m14d_run_hint_vs_reuse() {
             point(&mut w, a, 0, &[1], &guard);
             point(&mut w, b, 0, &[2], &guard);
             // SAFETY: the model's live run.
-            unsafe { a.as_ref() }.set_hint(2, pack(b, 0), id_b, 1);
+            unsafe { a.as_ref() }.set_hint(
+                2,
+                HintTarget {
+                    value: pack(b, 0),
+                    id: id_b,
+                    span: 1,
+                },
+            );
             id_b
         };
         let reader = {

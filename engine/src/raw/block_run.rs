@@ -17,7 +17,7 @@
 //!   next to the hints whatever the capacity; the run is built with `holders` of them and room
 //!   for `capacity ≥ holders` (a *spare* entry lets a holder join in place, see below);
 //! - **hints** (24 bytes each): a key, the slot value of that key, the run id of the value's run
-//!   and the live stretch that followed the value when the hint was written (see "Hints");
+//!   and the live stretch from the value on in that run when the hint was written (see "Hints");
 //! - **header** (40 bytes): `holders | capacity << 16 | len << 32`, the count of references
 //!   (slots naming the run), the dead bits of offsets 0–63, the *gone* bits of holder entries
 //!   0–63 whose replica holds none of the run's blocks any more, and the run's id with its
@@ -106,10 +106,10 @@
 //! checks).
 //!
 //! A hint also keeps the hinted block's *span*, the live blocks from it to its run's next dead
-//! offset or end when the hint was written. A walk that follows the hint will likely land
-//! there next, so it fetches the span's key lines and the key table's line for the request's
-//! key at that landing along with the hinted run, instead of after it. The span is a guess
-//! (the hinted run may have lost offsets or gone since), used for prefetches only.
+//! offset or end when the hint was written. A walk that follows the hint will likely land at
+//! the span's end next, so it fetches the span's key lines and the key table's summary word for
+//! the request's key at that landing along with the hinted run, instead of after them. The span
+//! is a guess (the hinted run may have changed or gone since), used for prefetches only.
 //!
 //! # Reclamation
 //!
@@ -136,6 +136,7 @@ pub const MAX_HOLDERS: usize = 0xFFFF;
 pub const HINTS: usize = 4;
 /// Key lines past the first that following a hint prefetches of the hinted span.
 const SPAN_LINES: usize = 3;
+
 /// Bit 0 of a slot value, free for the index (run pointers are 8-byte aligned).
 pub const FLAG: u64 = 1;
 const OFFSET_SHIFT: u32 = 48;
@@ -152,8 +153,43 @@ const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
 struct Hint {
     key: AtomicU64,
     value: AtomicU64,
-    /// The hinted run's id (bits 0–31) and the span (bits 32–63).
-    id_span: AtomicU64,
+    /// [`HintTarget`]'s run id (bits 0–31) and span (bits 32–63).
+    target: AtomicU64,
+}
+
+/// What a hint names: the slot value of the block that followed a stretch, the id of that
+/// block's run, and, as a guess for a walk's prefetches, the run's live stretch from the block
+/// on (see the module docs, "Hints").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HintTarget {
+    pub value: u64,
+    pub id: u32,
+    /// Kept up to [`MAX_LEN`].
+    pub span: usize,
+}
+
+impl HintTarget {
+    /// The block `value` names in `run` (which it must name), as `run` is now.
+    pub fn at(run: &BlockRun, value: u64) -> Self {
+        let (_, o) = unpack(value);
+        Self {
+            value,
+            id: run.id(),
+            span: run.live_end(o) - o,
+        }
+    }
+
+    fn pack(&self) -> u64 {
+        u64::from(self.id) | (self.span.min(MAX_LEN) as u64) << 32
+    }
+
+    fn unpack(value: u64, word: u64) -> Self {
+        Self {
+            value,
+            id: word as u32,
+            span: (word >> 32) as usize,
+        }
+    }
 }
 
 /// A hint read from a run and not yet checked ([`BlockRun::peek_hint`]): until
@@ -162,25 +198,23 @@ struct Hint {
 #[derive(Clone, Copy, Debug)]
 pub struct HintedBlock {
     key: u64,
-    value: u64,
-    id: u64,
-    span: u32,
+    target: HintTarget,
 }
 
 impl HintedBlock {
-    /// Fetches the hinted run's lines at its offset, the key lines of its span (up to
-    /// [`SPAN_LINES`]) and its registry entry. A prefetch never faults, so this is sound
-    /// whatever the words are.
+    /// Fetches the hinted run's lines a walk reads at its offset ([`BlockRun::prefetch`]), the
+    /// key lines of its span (up to [`SPAN_LINES`] more) and its registry entry. A prefetch
+    /// never faults, so this is sound whatever the words are.
     #[inline]
     pub fn prefetch(&self, ids: &RunIds) {
-        let (run, o) = unpack(self.value);
+        let (run, o) = unpack(self.target.value);
         BlockRun::prefetch(run.as_ptr(), o);
         let first = (run.as_ptr() as *const u8).wrapping_add(HEADER + 8 * o);
-        let lines = (self.span as usize * 8).div_ceil(64).min(SPAN_LINES);
-        for line in 1..=lines {
+        let lines = (first as usize % 64 + 8 * self.target.span).div_ceil(64);
+        for line in 1..lines.min(SPAN_LINES + 1) {
             prefetch(first.wrapping_add(64 * line));
         }
-        ids.prefetch(self.id);
+        ids.prefetch(u64::from(self.target.id));
     }
 
     /// The live stretch of the hinted run from its offset on (the block itself included) when
@@ -188,7 +222,7 @@ impl HintedBlock {
     /// guess only (the run may have changed since); a walk uses it for prefetches.
     #[inline]
     pub fn span(&self) -> usize {
-        self.span as usize
+        self.target.span
     }
 
     /// The hinted slot value, if it checks out (see the module docs, "Hints"): `ids` still
@@ -196,15 +230,15 @@ impl HintedBlock {
     /// only after the registry has named it under `guard`.
     #[inline]
     pub fn check(self, ids: &RunIds, guard: &Guard) -> Option<u64> {
-        let (run, o) = unpack(self.value);
-        if ids.get(self.id, guard) != Some(run) {
+        let (run, o) = unpack(self.target.value);
+        if ids.get(u64::from(self.target.id), guard) != Some(run) {
             return None;
         }
         // SAFETY: the registry names `run` under the caller's guard, so it is a live run
         // until the guard goes (invariant 4, "Memory ordering").
         let target = unsafe { run.as_ref() };
         let ok = o < target.len() && !target.is_dead(o) && target.key(o) == self.key;
-        ok.then_some(self.value)
+        ok.then_some(self.target.value)
     }
 }
 
@@ -708,31 +742,29 @@ impl BlockRun {
     #[inline]
     pub fn peek_hint(&self, key: u64) -> Option<HintedBlock> {
         (0..HINTS).map(|j| self.hint_at(j)).find_map(|h| {
-            (h.key.load(Ordering::Relaxed) == key).then(|| {
-                let id_span = h.id_span.load(Ordering::Relaxed);
-                HintedBlock {
-                    key,
-                    value: h.value.load(Ordering::Relaxed),
-                    id: id_span & u64::from(u32::MAX),
-                    span: (id_span >> 32) as u32,
-                }
+            (h.key.load(Ordering::Relaxed) == key).then(|| HintedBlock {
+                key,
+                target: HintTarget::unpack(
+                    h.value.load(Ordering::Relaxed),
+                    h.target.load(Ordering::Relaxed),
+                ),
             })
         })
     }
 
-    /// Calls `f` with every hint's `(key, slot value, run id, span)`: for a writer that copies
-    /// a run's hints into the run that replaces it.
-    pub fn for_each_hint(&self, mut f: impl FnMut(u64, u64, u32, usize)) {
+    /// Calls `f` with every hint's key and target: for a writer that copies a run's hints into
+    /// the run that replaces it.
+    pub fn for_each_hint(&self, mut f: impl FnMut(u64, HintTarget)) {
         for j in 0..HINTS {
             let h = self.hint_at(j);
             let key = h.key.load(Ordering::Relaxed);
             if key != 0 {
-                let id_span = h.id_span.load(Ordering::Relaxed);
                 f(
                     key,
-                    h.value.load(Ordering::Relaxed),
-                    id_span as u32,
-                    (id_span >> 32) as usize,
+                    HintTarget::unpack(
+                        h.value.load(Ordering::Relaxed),
+                        h.target.load(Ordering::Relaxed),
+                    ),
                 );
             }
         }
@@ -785,10 +817,9 @@ impl BlockRun {
             .fetch_or(1 << (o % 64), Ordering::Release);
     }
 
-    /// Records that the block keyed `key` follows one of this run's stretches at `value` (its
-    /// slot value), in run `id`, with `span` live blocks from it on in that run: replaces the
-    /// hint for that key, else takes a free one, else the one `key` picks.
-    pub fn set_hint(&self, key: u64, value: u64, id: u32, span: usize) {
+    /// Records that the block keyed `key` follows one of this run's stretches at `target`:
+    /// replaces the hint for that key, else takes a free one, else the one `key` picks.
+    pub fn set_hint(&self, key: u64, target: HintTarget) {
         let mut pick = None;
         for j in 0..HINTS {
             let k = self.hint_at(j).key.load(Ordering::Relaxed);
@@ -801,14 +832,12 @@ impl BlockRun {
             }
         }
         let h = self.hint_at(pick.unwrap_or(key as usize % HINTS));
-        let span = u32::try_from(span).unwrap_or(u32::MAX);
         // Relaxed: a reader checks every hint against the registry and the target's key, so a
         // torn one only fails its check, and a span is only a prefetch guess (module docs,
         // "Hints").
         h.key.store(0, Ordering::Relaxed);
-        h.value.store(value, Ordering::Relaxed);
-        h.id_span
-            .store(u64::from(id) | u64::from(span) << 32, Ordering::Relaxed);
+        h.value.store(target.value, Ordering::Relaxed);
+        h.target.store(target.pack(), Ordering::Relaxed);
         h.key.store(key, Ordering::Relaxed);
     }
 
@@ -1223,27 +1252,64 @@ mod tests {
         // SAFETY: live until the end of the test.
         let (xa, xb) = unsafe { (a.as_ref(), b.as_ref()) };
         assert_eq!(xb.id(), id_b);
-        xa.set_hint(4, pack(b, 0), id_b, 2);
-        xa.set_hint(5, pack(b, 1), id_b, 1);
-        xa.set_hint(6, pack(b, 1), id_b, 1);
+        xa.set_hint(
+            4,
+            HintTarget {
+                value: pack(b, 0),
+                id: id_b,
+                span: 2,
+            },
+        );
+        xa.set_hint(
+            5,
+            HintTarget {
+                value: pack(b, 1),
+                id: id_b,
+                span: 1,
+            },
+        );
+        xa.set_hint(
+            6,
+            HintTarget {
+                value: pack(b, 1),
+                id: id_b,
+                span: 1,
+            },
+        );
         assert_eq!(xa.hint(4, &ids, &guard), Some(pack(b, 0)));
         assert_eq!(xa.hint(5, &ids, &guard), Some(pack(b, 1)));
         assert_eq!(xa.hint(6, &ids, &guard), None, "the target's key differs");
         assert_eq!(xa.hint(9, &ids, &guard), None, "no hint for the key");
         let spans: Vec<(u64, usize)> = {
             let mut v = Vec::new();
-            xa.for_each_hint(|k, _, id, span| {
-                assert_eq!(id, id_b);
-                v.push((k, span));
+            xa.for_each_hint(|k, target| {
+                assert_eq!(target.id, id_b);
+                v.push((k, target.span));
             });
             v
         };
         assert_eq!(spans, [(4, 2), (5, 1), (6, 1)], "each hint keeps its span");
         assert_eq!(xa.peek_hint(4).map(|h| h.span()), Some(2));
+        assert_eq!(
+            HintTarget::at(xb, pack(b, 0)),
+            HintTarget {
+                value: pack(b, 0),
+                id: id_b,
+                span: 2
+            },
+            "a target as its run is now"
+        );
         xb.set_dead(1);
         assert_eq!(xa.hint(5, &ids, &guard), None, "a dead offset");
         // Replacing a key's hint keeps one hint per key.
-        xa.set_hint(4, pack(b, 0) | FLAG, id_b, 2);
+        xa.set_hint(
+            4,
+            HintTarget {
+                value: pack(b, 0) | FLAG,
+                id: id_b,
+                span: 2,
+            },
+        );
         assert_eq!(xa.hint(4, &ids, &guard), Some(pack(b, 0) | FLAG));
         assert_eq!(unpack(pack(b, 0) | FLAG), (b, 0));
         // A hint read before its run went is refused when checked after: the walk's order

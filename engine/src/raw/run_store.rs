@@ -69,9 +69,9 @@
 //! before the keys are compared and the run it names fetched then, but it is checked (which
 //! reads that run) only after the compare and the caller's visit, so its lines come in
 //! meanwhile instead of being waited for. The hint's span says where the walk will likely land
-//! after the hinted stretch, so the key table's lines for the request's key there are fetched
-//! then too: a request that leaves the stored chain right after it (its key is absent) finds
-//! them in cache. Each run's holders hold every block of its stretch with the same state, so
+//! after the hinted stretch, so the span's key lines and the key table's summary word for the
+//! request's key there are fetched then too: a request that leaves the stored chain right after
+//! it (its key is absent, which that word usually settles) finds it in cache. Each run's holders hold every block of its stretch with the same state, so
 //! the caller merges holders once per stretch.
 //!
 //! # Trimming
@@ -95,7 +95,7 @@
 //! replicas joining one shared stretch one by one copy `O(n²)` holder entries in all.
 
 use crate::raw::block_run::{
-    BlockRun, FLAG, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, long_part, pack, unpack,
+    BlockRun, FLAG, HintTarget, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, long_part, pack, unpack,
 };
 use crate::raw::holder::{GEN_MASK, Holder};
 use crate::raw::reaper::Reaper;
@@ -702,15 +702,13 @@ impl RunStore {
         if !self.options.roots {
             return self.table.find(digest, guard).map(SlotValue::get);
         }
-        // The key table's summary word is loaded beside the root probe, not after it: the two
-        // loads are independent, so an absent key (most often stopped by that word) does not
-        // wait for them one after the other, and a key with a root slot never waits for it.
-        let present = self.table.may_contain(digest, guard);
+        // The key table's summary word is fetched before the root probe, not after it: an
+        // absent key (most often stopped by that word) does not wait for the two one after the
+        // other, and a key with a root slot never waits for it (a prefetch, unlike a load,
+        // holds nothing up).
+        self.table.prefetch_summary(digest, guard);
         if let Some(root) = self.roots.find(digest, guard) {
             return Some(root.get());
-        }
-        if !present {
-            return None;
         }
         self.table.find(digest, guard).map(SlotValue::get)
     }
@@ -726,9 +724,13 @@ impl RunStore {
     ) -> usize {
         let len = keys.len();
         let mut pos = 0;
+        // Whether `value`'s lines are fetched already (a hint's were, when it was read).
+        let mut fetched = false;
         loop {
             let (run, o) = unpack(value);
-            BlockRun::prefetch(run.as_ptr(), o);
+            if !fetched {
+                BlockRun::prefetch(run.as_ptr(), o);
+            }
             let run = run_ref(run);
             // The slot or hint matched the digest; a key of another length (the request's or
             // the run's) must match its bytes too.
@@ -747,6 +749,13 @@ impl RunStore {
                 match self.options.hints.then(|| run.peek_hint(k)).flatten() {
                     Some(hinted) => {
                         hinted.prefetch(&self.ids);
+                        // The landing after the hinted stretch, if the request follows it too:
+                        // the summary word that settles an absent key there (the usual reason
+                        // a walk stops) arrives with the hinted run instead of after it.
+                        let after = landing + hinted.span();
+                        if after < len {
+                            self.table.prefetch_summary(keys.digest(after), guard);
+                        }
                         ahead = Some(hinted);
                     }
                     None => self.table.prefetch(k, guard),
@@ -768,12 +777,12 @@ impl RunStore {
                 return to;
             }
             pos = to;
-            let next = match ahead.filter(|_| m == max) {
-                Some(hinted) => hinted
-                    .check(&self.ids, guard)
-                    .or_else(|| self.table.find(keys.digest(pos), guard).map(SlotValue::get)),
-                None => self.table.find(keys.digest(pos), guard).map(SlotValue::get),
-            };
+            let hinted = ahead
+                .filter(|_| m == max)
+                .and_then(|h| h.check(&self.ids, guard));
+            fetched = hinted.is_some();
+            let next =
+                hinted.or_else(|| self.table.find(keys.digest(pos), guard).map(SlotValue::get));
             match next {
                 Some(v) => value = v,
                 None => return pos,
@@ -1010,7 +1019,7 @@ impl RunStore {
         };
         if let Some(new) = self.new_run(w, &holders, copied, r.step()) {
             let n = run_ref(new);
-            r.for_each_hint(|k, v, id, span| n.set_hint(k, v, id, span));
+            r.for_each_hint(|k, target| n.set_hint(k, target));
             self.repoint(w, &keys, &values, run, Some(new), guard);
         }
         w.ordered = keys;
@@ -1214,9 +1223,9 @@ impl RunStore {
                     let end = o_from + (to - from);
                     let n = run_ref(new);
                     if end == r.len() {
-                        r.for_each_hint(|k, v, id, span| n.set_hint(k, v, id, span));
+                        r.for_each_hint(|k, target| n.set_hint(k, target));
                     } else if !r.is_dead(end) {
-                        n.set_hint(r.key(end), pack(run, end), r.id(), r.live_end(end) - end);
+                        n.set_hint(r.key(end), HintTarget::at(r, pack(run, end)));
                     }
                     let olds = std::mem::take(&mut w.values);
                     self.repoint(w, &keys[from..to], &olds[from..to], run, Some(new), guard);
@@ -1239,9 +1248,8 @@ impl RunStore {
         for pair in w.owners.windows(2) {
             let (run, to) = pair[0];
             if let Some(v) = self.table.find(keys[to], guard) {
-                let (target, o) = unpack(v.get());
-                let target = run_ref(target);
-                run_ref(run).set_hint(keys[to], v.get(), target.id(), target.live_end(o) - o);
+                let target = run_ref(unpack(v.get()).0);
+                run_ref(run).set_hint(keys[to], HintTarget::at(target, v.get()));
             }
         }
     }

@@ -285,6 +285,16 @@ impl SlotTable {
         table.summary_word(table.home(key)).load(Ordering::Relaxed) & bits == bits
     }
 
+    /// Prefetches the summary word of `key`: what a later [`SlotTable::find`] of a key likely
+    /// absent reads.
+    #[inline]
+    pub fn prefetch_summary(&self, key: u64, guard: &Guard) {
+        let table = self.current.load(Ordering::Acquire, guard);
+        // SAFETY: as in `find`.
+        let table = unsafe { table.deref() };
+        prefetch(std::ptr::from_ref(table.summary_word(table.home(key))));
+    }
+
     /// Prefetches the summary word and home slot line of `key` (a later [`SlotTable::find`]).
     #[inline]
     pub fn prefetch(&self, key: u64, guard: &Guard) {

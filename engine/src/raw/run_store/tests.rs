@@ -479,7 +479,7 @@ fn a_shared_prefix_is_three_runs_and_walks_in_three_stretches() {
         run.for_each_holder(|_, h| reps.push(h.rep()));
         reps.sort_unstable();
         let mut spans = Vec::new();
-        run.for_each_hint(|key, _, _, span| spans.push((key, span)));
+        run.for_each_hint(|key, target| spans.push((key, target.span)));
         spans.sort_unstable();
         stretches.push((from, to, reps, spans));
         true
