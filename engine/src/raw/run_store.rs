@@ -281,6 +281,33 @@ pub trait Request {
     fn is_at(&self, i: usize, run: &BlockRun, o: usize) -> bool {
         run.is_key(o, self.digest(i), self.long(i))
     }
+    /// How many of `run_keys` equal the digests of keys `from..`, in order, before the first
+    /// that differs (the caller keeps `from + run_keys.len() ≤ len`).
+    #[inline]
+    fn leading_digests(&self, from: usize, run_keys: &[u64]) -> usize {
+        count_leading(run_keys, |j| self.digest(from + j))
+    }
+}
+
+/// How many of `run_keys` equal `digest(0..)`, in order, before the first that differs. Four
+/// at a time with one branch per four: a walk usually compares a stretch to its end.
+#[inline(always)]
+fn count_leading(run_keys: &[u64], digest: impl Fn(usize) -> u64) -> usize {
+    let mut m = 0;
+    while let Some(four) = run_keys.get(m..m + 4) {
+        let differ = (digest(m) ^ four[0])
+            | (digest(m + 1) ^ four[1])
+            | (digest(m + 2) ^ four[2])
+            | (digest(m + 3) ^ four[3]);
+        if differ != 0 {
+            break;
+        }
+        m += 4;
+    }
+    while m < run_keys.len() && digest(m) == run_keys[m] {
+        m += 1;
+    }
+    m
 }
 
 impl<K: AsRef<[u8]>> Request for Keys<'_, K> {
@@ -334,6 +361,16 @@ impl<K: AsRef<[u8]>> Request for EightByteKeys<'_, K> {
     #[inline]
     fn any_long(&self) -> bool {
         false
+    }
+    #[inline]
+    fn leading_digests(&self, from: usize, run_keys: &[u64]) -> usize {
+        // One slice of the request's keys, as long as `run_keys`: no bounds check per key.
+        match self.0.get(from..from + run_keys.len()) {
+            Some(request) => count_leading(run_keys, |j| {
+                crate::raw::holder::digest(request[j].as_ref())
+            }),
+            None => 0,
+        }
     }
 }
 
@@ -762,11 +799,7 @@ impl RunStore {
                 }
             }
             let run_keys = &run.keys()[o + 1..o + 1 + max];
-            let mut m = run_keys
-                .iter()
-                .enumerate()
-                .take_while(|&(j, &k)| k == keys.digest(pos + 1 + j))
-                .count();
+            let mut m = keys.leading_digests(pos + 1, run_keys);
             if run.is_long() || keys.any_long() {
                 m = (0..m)
                     .take_while(|&j| keys.is_at(pos + 1 + j, run, o + 1 + j))

@@ -921,3 +921,38 @@ fn a_scan_lap_visits_every_key_once_and_a_run_holder_goes_with_its_run_mates() {
     assert_eq!(store.len(), 16);
     assert_eq!(reps(20), Vec::<u32>::new());
 }
+
+#[test]
+fn leading_digests_stop_at_the_first_difference_wherever_it_is() {
+    for n in 0..=11usize {
+        let run_keys: Vec<u64> = (0..n as u64).map(|k| k * 31 + 7).collect();
+        let request: Vec<[u8; 8]> = run_keys.iter().map(|k| k.to_be_bytes()).collect();
+        let digests = run_keys.clone();
+        let eight = EightByteKeys::new(&request).expect("8-byte keys");
+        let keyed: Keys<'_> = Keys::eight(&digests);
+        assert_eq!(eight.leading_digests(0, &run_keys), n, "all {n} equal");
+        assert_eq!(keyed.leading_digests(0, &run_keys), n, "all {n} equal");
+        for differ in 0..n {
+            let mut other = run_keys.clone();
+            other[differ] ^= 1 << 40;
+            assert_eq!(
+                eight.leading_digests(0, &other),
+                differ,
+                "{n} keys, differ at {differ}"
+            );
+            assert_eq!(
+                keyed.leading_digests(0, &other),
+                differ,
+                "{n} keys, differ at {differ}"
+            );
+            // From an offset: keys `from..` against the run's.
+            if differ > 0 {
+                assert_eq!(eight.leading_digests(1, &other[1..]), differ - 1);
+            }
+        }
+    }
+    // A range past the request's end matches nothing rather than panicking.
+    let request = [[0u8; 8]; 2];
+    let eight = EightByteKeys::new(&request).expect("8-byte keys");
+    assert_eq!(eight.leading_digests(1, &[0, 0]), 0);
+}
