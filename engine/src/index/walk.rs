@@ -91,8 +91,8 @@ pub struct MatchScratch {
     pub(super) stretches: Vec<Stretch>,
     /// The request's key digests.
     digests: Vec<u64>,
-    /// Per-replica run state of the bitset fast path (indices < 64), sized 64 once.
-    fast: Vec<Run>,
+    /// Bitset path: where replica `r`'s run is in `runs` (indices < 64), sized 64 once.
+    index_of: Vec<u8>,
 }
 
 impl Index {
@@ -126,11 +126,11 @@ impl Index {
             runs,
             stretches,
             digests,
-            fast,
+            index_of,
             ..
         } = scratch;
-        if fast.len() < 64 {
-            fast.resize(64, Run::default());
+        if index_of.len() < 64 {
+            index_of.resize(64, 0);
         }
         let mut merge = Merge {
             replicas: part.scope.replicas.load(guard),
@@ -139,8 +139,7 @@ impl Index {
             counts,
             acc: 0,
             open: 0,
-            started: 0,
-            fast: &mut fast[..64],
+            index_of: &mut index_of[..64],
             general: false,
             runs,
             open_general: 0,
@@ -212,12 +211,13 @@ struct Merge<'s> {
     counts: &'s [i32],
     /// Σ of the request's counts over the blocks walked so far (wrapping).
     acc: i32,
-    /// Bitset path: the open replicas, and every replica that was fresh at block 0.
+    /// Bitset path: the open replicas, and where each replica fresh at block 0 has its run in
+    /// `runs`.
     open: u64,
-    started: u64,
-    fast: &'s mut [Run],
-    /// Whether a replica fresh at block 0 has an index ≥ 64 (the runs are then in `runs`).
+    index_of: &'s mut [u8],
+    /// Whether a replica fresh at block 0 has an index ≥ 64 (the general path).
     general: bool,
+    /// One run per replica fresh at block 0: in holder order until [`Merge::finish`] sorts it.
     runs: &'s mut Vec<Run>,
     open_general: usize,
     stretches: Option<&'s mut Vec<Stretch>>,
@@ -236,12 +236,12 @@ impl Merge<'_> {
         } else {
             let mut still = 0u64;
             let open = self.open;
-            let fast = &mut *self.fast;
+            let (runs, index_of) = (&mut *self.runs, &*self.index_of);
             run.for_each_holder(|_, h| {
                 let r = h.rep();
                 if r < 64 && open & (1 << r) != 0 && is_live(now_ms, h.last_seen_ms(), ttl_ms) {
                     still |= 1 << r;
-                    let run = &mut fast[r as usize];
+                    let run = &mut runs[usize::from(index_of[r as usize])];
                     run.oldest = run.oldest.min(h.last_seen_ms());
                     run.tier = run.tier.max(h.tier());
                 }
@@ -250,8 +250,10 @@ impl Merge<'_> {
             while closed != 0 {
                 let r = closed.trailing_zeros() as usize;
                 closed &= closed - 1;
-                self.fast[r].matched = self.acc;
-                self.fast[r].blocks = from as u32;
+                let run = &mut runs[usize::from(index_of[r])];
+                run.matched = self.acc;
+                run.blocks = from as u32;
+                run.open = false;
             }
             self.open = still;
         }
@@ -284,8 +286,8 @@ impl Merge<'_> {
         }
     }
 
-    /// Block 0's stretch: every live holder opens a run. One pass fills the bitset path's
-    /// state; a replica index ≥ 64 among them (rare: the scope has named more than 64
+    /// Block 0's stretch: every live holder opens a run. One pass fills the runs and the bitset
+    /// path's state; a replica index ≥ 64 among them (rare: the scope has named more than 64
     /// replicas) switches to the general path, which a second pass fills.
     fn start(&mut self, run: &BlockRun) {
         let (now_ms, ttl_ms, replicas) = (self.now_ms, self.ttl_ms, self.replicas);
@@ -301,25 +303,27 @@ impl Merge<'_> {
             record: replicas.fetch(h.rep() as usize),
         };
         let mut wide = false;
-        let (fast, open) = (&mut *self.fast, &mut self.open);
+        let (runs, index_of, open) = (&mut *self.runs, &mut *self.index_of, &mut self.open);
         run.for_each_holder(|_, h| {
             if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
                 match h.rep() {
+                    // A run's live holders name distinct replicas, and fewer than 64 of them
+                    // reach here, so an index fits a byte.
                     r @ 0..64 => {
                         *open |= 1 << r;
-                        fast[r as usize] = fresh(&h);
+                        index_of[r as usize] = runs.len() as u8;
+                        runs.push(fresh(&h));
                     }
                     _ => wide = true,
                 }
             }
         });
         if !wide {
-            self.started = self.open;
             return;
         }
         self.open = 0;
         self.general = true;
-        let runs = &mut *self.runs;
+        runs.clear();
         run.for_each_holder(|_, h| {
             if is_live(now_ms, h.last_seen_ms(), ttl_ms) {
                 runs.push(fresh(&h));
@@ -354,34 +358,16 @@ impl Merge<'_> {
         }
     }
 
-    /// Closes the runs still open at block `end` (where the walk stopped) and leaves every run
-    /// in `runs`.
+    /// Closes the runs still open at block `end` (where the walk stopped) and sorts `runs` by
+    /// replica index (holders usually come in that order already).
     fn finish(self, end: usize) {
-        if self.general {
-            for r in self.runs.iter_mut().filter(|r| r.open) {
-                r.open = false;
-                r.matched = self.acc;
-                r.blocks = end as u32;
-            }
-            self.runs.sort_unstable_by_key(|r| r.rep);
-            return;
+        for r in self.runs.iter_mut().filter(|r| r.open) {
+            r.open = false;
+            r.matched = self.acc;
+            r.blocks = end as u32;
         }
-        let mut all = self.started;
-        while all != 0 {
-            let r = all.trailing_zeros() as usize;
-            all &= all - 1;
-            let f = &self.fast[r];
-            let (matched, blocks) = if self.open & (1 << r) != 0 {
-                (self.acc, end as u32)
-            } else {
-                (f.matched, f.blocks)
-            };
-            self.runs.push(Run {
-                matched,
-                blocks,
-                open: false,
-                ..*f
-            });
+        if !self.runs.is_sorted_by_key(|r| r.rep) {
+            self.runs.sort_unstable_by_key(|r| r.rep);
         }
     }
 }

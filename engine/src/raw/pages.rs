@@ -10,10 +10,7 @@
 //! is its own anonymous mapping, unmapped when freed, so the process's RSS follows
 //! [`Index::memory_bytes`](crate::Index::memory_bytes) (measured: churn bench, `bench/RESULTS.md`).
 //!
-//! A block of 2 MiB or more asks for transparent huge pages (`MADV_HUGEPAGE`): a large table is
-//! probed at random, and on small pages nearly every probe would miss the TLB too.
-//!
-//! Blocks under a page (a small partition's table) still come from the global allocator, as does
+//! Smaller blocks (a small partition's table) still come from the global allocator, as does
 //! everything in loom and Miri builds, which cannot model `mmap`.
 //!
 //! # Contract
@@ -31,10 +28,6 @@ pub(crate) const ALIGN: usize = 64;
 /// Blocks at least this large are mapped directly.
 #[cfg(all(unix, not(loom), not(miri)))]
 const MAP_MIN: usize = 4096;
-
-/// Mapped blocks at least this large ask for transparent huge pages (2 MiB on x86-64).
-#[cfg(all(unix, not(loom), not(miri)))]
-const HUGE_MIN: usize = 2 << 20;
 
 /// Whether a block of `bytes` is mapped rather than taken from the global allocator.
 #[inline]
@@ -105,14 +98,6 @@ pub(crate) fn alloc(bytes: usize) -> NonNull<u8> {
             if p != libc::MAP_FAILED
                 && let Some(p) = NonNull::new(p.cast::<u8>())
             {
-                if bytes >= HUGE_MIN {
-                    // A table this large is probed at random: on small pages nearly every
-                    // probe also misses the TLB, and a software prefetch that misses it may be
-                    // dropped. Asking for huge pages is advice only (the kernel may refuse it,
-                    // or have them disabled), so its result is ignored.
-                    // SAFETY: `p .. p + bytes` is the mapping just made.
-                    unsafe { libc::madvise(p.as_ptr().cast(), bytes, libc::MADV_HUGEPAGE) };
-                }
                 return p;
             }
             std::alloc::handle_alloc_error(layout(bytes));
@@ -223,7 +208,7 @@ mod tests {
 
     #[test]
     fn small_and_mapped_blocks_round_trip() {
-        for bytes in [8, 100, 4095, 4096, 5000, 1 << 20, 5 << 20] {
+        for bytes in [8, 100, 4095, 4096, 5000, 1 << 20] {
             let p = alloc(bytes);
             assert_eq!(p.as_ptr() as usize % ALIGN, 0, "{bytes} bytes aligned");
             // SAFETY: the block is `bytes` long and ours.

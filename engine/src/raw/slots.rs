@@ -663,23 +663,31 @@ mod tests {
         // Values encode their key: a reader must never see another key's value.
         let t = std::sync::Arc::new(SlotTable::with_seed(9));
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = std::sync::Arc::new(AtomicU64::new(0));
         let reader = {
-            let (t, stop) = (t.clone(), stop.clone());
+            let (t, stop, seen) = (t.clone(), stop.clone(), seen.clone());
             std::thread::spawn(move || {
-                let mut seen = 0u64;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     let guard = epoch::pin();
                     for k in 0..64u64 {
                         if let Some(x) = t.find(k, &guard) {
                             assert_eq!(x.get() >> 32, k, "key {k} read value {x}");
-                            seen += 1;
+                            seen.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                 }
-                seen
             })
         };
-        for round in 1..3_000u64 {
+        // At least 3,000 rounds, and on until the reader has read while the writer writes (a
+        // loaded host may start it late), for at most a minute.
+        let started = std::time::Instant::now();
+        for round in 1u64.. {
+            if round >= 3_000
+                && (seen.load(Ordering::Relaxed) >= 1_000
+                    || started.elapsed() > std::time::Duration::from_secs(60))
+            {
+                break;
+            }
             let guard = epoch::pin();
             let mut w = t.lock();
             for k in 0..64u64 {
@@ -691,6 +699,10 @@ mod tests {
             }
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        assert!(reader.join().expect("reader") > 0);
+        reader.join().expect("reader");
+        assert!(
+            seen.load(Ordering::Relaxed) > 0,
+            "the reader read during the writes"
+        );
     }
 }
