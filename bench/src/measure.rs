@@ -109,7 +109,7 @@ const TURN: usize = 1_000;
 /// Runs several lookup variants over the same `n` queries, taking turns: `op(v, i)` performs
 /// query `i` with variant `v` (its check sums must add up to `n × expected[v]`). Each variant
 /// warms up, then every timed round runs each variant over all queries in turn, and the per-op
-/// pass alternates the variants every [`TURN`] queries. So a ratio between two variants (P6:
+/// pass alternates the variants every `TURN` queries. So a ratio between two variants (P6:
 /// the full LookupRoute over the core match) compares timings taken side by side: a host that
 /// slows down for a while slows both. One variant is exactly [`bench_lookup`].
 pub fn bench_lookups<F>(
