@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{SERVER_BIN, free_port, http_request, lookup, report, temp_dir};
+use common::{SERVER_BIN, free_port, http_request, lookup, report, temp_dir, try_http_request};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use std::net::SocketAddr;
@@ -66,9 +66,9 @@ impl Server {
     async fn ready(&self) {
         let start = Instant::now();
         loop {
-            if std::net::TcpStream::connect(("127.0.0.1", self.http)).is_ok()
-                && http_request(self.http_addr(), "GET", "/readyz", "").await.0 == 200
-            {
+            // A server still starting may accept a connection and drop it: not ready yet.
+            let answer = try_http_request(self.http_addr(), "GET", "/readyz", "").await;
+            if answer.is_ok_and(|(status, _, _)| status == 200) {
                 return;
             }
             assert!(

@@ -100,14 +100,28 @@ pub async fn http_request(
     path: &str,
     body: &str,
 ) -> (u16, String, String) {
-    let mut stream = TcpStream::connect(addr).await.expect("connect http");
+    match try_http_request(addr, method, path, body).await {
+        Ok(answer) => answer,
+        Err(e) => panic!("{method} {path} on {addr}: {e}"),
+    }
+}
+
+/// [`http_request`] that returns a connection error instead of panicking: for polls of a
+/// server that may be starting or stopping (it can accept a connection and drop it).
+pub async fn try_http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> std::io::Result<(u16, String, String)> {
+    let mut stream = TcpStream::connect(addr).await?;
     let req = format!(
         "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    stream.write_all(req.as_bytes()).await.unwrap();
+    stream.write_all(req.as_bytes()).await?;
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.unwrap();
+    stream.read_to_end(&mut raw).await?;
     let text = String::from_utf8_lossy(&raw).to_string();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head
@@ -115,7 +129,7 @@ pub async fn http_request(
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    (status, head.to_string(), body.to_string())
+    Ok((status, head.to_string(), body.to_string()))
 }
 
 /// A free loopback port (free when asked; the caller binds it soon after), never one this test
@@ -338,7 +352,11 @@ impl ServerProcess {
     pub async fn wait_ready_within(&self, limit: Duration) {
         let addr = SocketAddr::from(([127, 0, 0, 1], self.http));
         let start = Instant::now();
-        while http_request(addr, "GET", "/readyz", "").await.0 != 200 {
+        // A server still starting may refuse or drop a connection: not ready yet.
+        while !try_http_request(addr, "GET", "/readyz", "")
+            .await
+            .is_ok_and(|(status, _, _)| status == 200)
+        {
             assert!(start.elapsed() < limit, "server not ready: {}", self.logs());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
