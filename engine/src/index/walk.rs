@@ -43,20 +43,6 @@ pub(super) struct Run {
     record: *const ScopeReplica,
 }
 
-impl Default for Run {
-    fn default() -> Self {
-        Self {
-            rep: 0,
-            matched: 0,
-            oldest: 0,
-            tier: 0,
-            blocks: 0,
-            open: false,
-            record: std::ptr::null(),
-        }
-    }
-}
-
 impl Run {
     /// The replica's scope record.
     ///
