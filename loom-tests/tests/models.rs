@@ -1185,6 +1185,15 @@ fn slot_mates(n: usize) -> Vec<u64> {
         .collect()
 }
 
+/// Keys of key 1's segment in a table of seed 0 (a segment is rebuilt on its own).
+fn segment_mates(n: usize) -> Vec<u64> {
+    let segment = SlotTable::home_of(0, 8, 1) >> 32;
+    (1..)
+        .filter(|&k| SlotTable::home_of(0, 8, k) >> 32 == segment)
+        .take(n)
+        .collect()
+}
+
 fn slot_value(x: u64) -> SlotValue {
     SlotValue::new(x).expect("non-zero")
 }
@@ -1235,34 +1244,37 @@ fn m13a_slot_reuse_vs_reader() {
 }
 
 /// Model 13b: a reader looks up a key present throughout while the writer's seventh insert
-/// rebuilds the 8-slot table at 16 slots, and a key the writer inserts meanwhile. The present
-/// key is always found with its value, whichever table the reader is on; the new key is found
-/// or not, with its own value. The old table is freed through the epoch after the reader.
+/// into one segment rebuilds its 8-slot table at 16 slots, and a key the writer inserts
+/// meanwhile. The present key is always found with its value, whichever table the reader is
+/// on; the new key is found or not, with its own value. The old table is freed through the
+/// epoch after the reader.
 #[test]
 fn m13b_slot_rebuild_vs_reader() {
     model(|| {
+        let keys = segment_mates(7);
         let table = Arc::new(SlotTable::with_seed(0));
         {
             let guard = crossbeam_epoch::pin();
             let mut w = table.lock();
-            for k in 1..=6 {
-                w.insert(k, slot_value(k * 10), &guard);
+            for (i, &k) in keys[..6].iter().enumerate() {
+                w.insert(k, slot_value(i as u64 * 10 + 10), &guard);
             }
         }
         let reader = {
             let table = table.clone();
+            let (present, fresh) = (keys[2], keys[6]);
             spawn(move || {
                 let guard = crossbeam_epoch::pin();
                 (
-                    table.find(3, &guard).map(SlotValue::get),
-                    table.find(7, &guard).map(SlotValue::get),
+                    table.find(present, &guard).map(SlotValue::get),
+                    table.find(fresh, &guard).map(SlotValue::get),
                 )
             })
         };
         {
             let guard = crossbeam_epoch::pin();
-            table.lock().insert(7, slot_value(70), &guard);
-            assert_eq!(table.capacity(&guard), 16, "the insert rebuilt the table");
+            table.lock().insert(keys[6], slot_value(70), &guard);
+            assert_eq!(table.capacity(&guard), 16, "the insert rebuilt the segment");
         }
         let (present, fresh) = reader.join().unwrap();
         assert_eq!(
@@ -1273,8 +1285,36 @@ fn m13b_slot_rebuild_vs_reader() {
         match fresh {
             None => outcome("new key not yet seen"),
             Some(70) => outcome("new key seen"),
-            Some(other) => panic!("key 7 read {other}"),
+            Some(other) => panic!("the new key read {other}"),
         }
+    });
+}
+
+/// Model 13c: a reader looks up a key of a segment that has no table yet while the writer's
+/// first insert into that segment creates and publishes one. The reader finds nothing (the
+/// null segment) or the key with its value, never anything else.
+#[test]
+fn m13c_segment_creation_vs_reader() {
+    model(|| {
+        let table = Arc::new(SlotTable::with_seed(0));
+        let reader = {
+            let table = table.clone();
+            spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                table.find(1, &guard).map(SlotValue::get)
+            })
+        };
+        {
+            let guard = crossbeam_epoch::pin();
+            assert_eq!(table.lock().insert(1, slot_value(10), &guard), None);
+        }
+        match reader.join().unwrap() {
+            None => outcome("segment not yet seen"),
+            Some(10) => outcome("key seen"),
+            Some(other) => panic!("key 1 read {other}"),
+        }
+        let guard = crossbeam_epoch::pin();
+        assert_eq!(table.capacity(&guard), 8, "one segment created");
     });
 }
 

@@ -1384,10 +1384,10 @@ impl RunStore {
     }
 
     /// [`RunStore::remove_holders`], calling `removed(digest, long part, holder)` for each entry
-    /// it removes. The key table is walked in slices of [`SLICE`] slots, the writer lock taken
-    /// per slice (other writers wait for one slice at most); a slice restarts the walk when
-    /// the table was rebuilt since the last (its positions moved), so every key present
-    /// throughout is visited.
+    /// it removes. The key table is walked segment by segment in slices of [`SLICE`] slots, the
+    /// writer lock taken per slice (other writers wait for one slice at most); a slice restarts
+    /// its segment's walk when that segment was rebuilt since the last slice (its positions
+    /// moved), so every key present throughout is visited.
     pub fn remove_holders_with(
         &self,
         doomed: impl Fn(&Holder) -> bool,
@@ -1396,42 +1396,48 @@ impl RunStore {
     ) -> EvictReport {
         let mut report = EvictReport::default();
         let mut keys = Vec::new();
-        let (mut from, mut done) = (0, 0);
-        let mut table = self.table.table_id(guard);
-        loop {
-            let mut w = self.lock_writer();
-            if self.table.table_id(guard) != table {
-                table = self.table.table_id(guard);
-                (from, done) = (0, 0);
-            }
-            let len = self.table.capacity(guard);
-            if done >= len {
-                return report;
-            }
-            let count = SLICE.min(len - done);
-            let mut runs = Vec::new();
-            let mut listed = std::collections::HashSet::new();
-            from = self.table.for_each_value_from(from, count, guard, |v| {
-                let (run, _) = unpack(v);
-                if listed.insert(run) {
-                    let mut picked = Vec::new();
-                    run_ref(run).for_each_holder(|_, h| {
-                        if doomed(&h) {
-                            picked.push(h.rep());
+        for segment in 0..SlotTable::segments() {
+            let (mut from, mut done) = (0, 0);
+            let mut table = self.table.segment_id(segment, guard);
+            loop {
+                let mut w = self.lock_writer();
+                if self.table.segment_id(segment, guard) != table {
+                    table = self.table.segment_id(segment, guard);
+                    (from, done) = (0, 0);
+                }
+                let len = self.table.segment_capacity(segment, guard);
+                if done >= len {
+                    break;
+                }
+                let count = SLICE.min(len - done);
+                let mut runs = Vec::new();
+                let mut listed = std::collections::HashSet::new();
+                from = self
+                    .table
+                    .for_each_value_in(segment, from, count, guard, |v| {
+                        let (run, _) = unpack(v);
+                        if listed.insert(run) {
+                            let mut picked = Vec::new();
+                            run_ref(run).for_each_holder(|_, h| {
+                                if doomed(&h) {
+                                    picked.push(h.rep());
+                                }
+                            });
+                            if !picked.is_empty() {
+                                runs.push((run, picked));
+                            }
                         }
                     });
-                    if !picked.is_empty() {
-                        runs.push((run, picked));
-                    }
+                done += count;
+                for (run, picked) in runs {
+                    let r = run_ref(run);
+                    report +=
+                        self.evict_from_run(&mut w, r, &picked, &mut keys, guard, &mut removed);
                 }
-            });
-            done += count;
-            for (run, picked) in runs {
-                let r = run_ref(run);
-                report += self.evict_from_run(&mut w, r, &picked, &mut keys, guard, &mut removed);
+                self.trim(&mut w, guard);
             }
-            self.trim(&mut w, guard);
         }
+        report
     }
 
     /// Removes `keys` with all their holders (a quota's victims).
@@ -1508,7 +1514,7 @@ impl RunStore {
 
     /// Slots of the key table (a scan's lap).
     pub fn scan_len(&self, guard: &Guard) -> usize {
-        self.table.capacity(guard)
+        self.table.scan_len(guard)
     }
 
     /// Removes `rep` from every live block of the run that holds the key with `digest` and

@@ -9,13 +9,14 @@
 //!
 //! # Structure
 //!
-//! A table is a power-of-two array of 16-byte slots `{key, value}`, probed linearly from the
-//! key's home (the top bits of the seeded, multiplied key), and a **presence summary**: one
-//! 64-bit word per 8 slots in which every key present sets two bits chosen by its hash (a
-//! superset: bits are cleared only by a rebuild), so most absent keys stop at one word, 1/16 the
-//! size of the slots and usually cached. At the loads the table keeps (3/8 to 3/4) a word holds
-//! 3 to 6 keys, so an absent key finds both its bits set about 3–10% of the time (with 32 slots
-//! per word, 40%: a miss then read its slot line from memory). A slot is
+//! A table is 64 **segments**, picked by the top 6 bits of the seeded, multiplied key. A
+//! segment is a power-of-two array of 16-byte slots `{key, value}`, probed linearly from the
+//! key's home (the mixed key's next bits), and a **presence summary**: one 64-bit word per 8
+//! slots in which every key present sets two bits chosen by its hash (a superset: bits are
+//! cleared only by a rebuild), so most absent keys stop at one word, 1/16 the size of the slots
+//! and usually cached. At the loads the table keeps (3/8 to 3/4) a word holds 3 to 6 keys, so an
+//! absent key finds both its bits set about 3–10% of the time (with 32 slots per word, 40%: a
+//! miss then read its slot line from memory). A slot is
 //!
 //! - **live**: `value != 0`; `key` is its key;
 //! - **vacated** (a tombstone): `value == 0`, `key != 0`; a probe goes on past it, an insert may
@@ -23,11 +24,18 @@
 //! - **empty**: `value == 0`, `key == 0`; a probe stops there.
 //!
 //! A removal whose next slot is empty leaves its slot empty rather than vacated: no key can sit
-//! past an empty slot on a probe sequence through it, so the chain ends there anyway, and churn
-//! at a steady size does not fill the table with tombstones. Writers keep at most 3/4 of the
-//! slots live or vacated (there is always an empty slot); a table that would pass it is rebuilt
-//! at twice its live keys, rounded up to a power of two (load ≤ 1/2 afterwards), and one whose
-//! live keys fall below 1/8 of its slots is rebuilt smaller.
+//! past an empty slot on a probe sequence through it, so the chain ends there anyway. Writers
+//! keep at most 3/4 of a segment's slots live or vacated (there is always an empty slot); a
+//! segment that would pass it is rebuilt at twice its live keys, rounded up to a power of two
+//! (load ≤ 1/2 afterwards), and one whose live keys fall below 1/8 of its slots is rebuilt
+//! smaller.
+//!
+//! Segments are what keep memory flat. Churn at a steady size still leaves tombstones (a
+//! removal inside a cluster), so a table at the cap is rebuilt every few seconds; a rebuild
+//! holds the old and the new copy until the epoch frees the old one. Rebuilt one segment at a
+//! time, that transient is 1/64 of the table (and the writer is held 1/64 as long) rather than
+//! a second whole table. A segment gets its table at its first insert; before, it reads as
+//! empty, so a small partition pays only for the segments its keys use.
 //!
 //! # Memory ordering
 //!
@@ -48,10 +56,11 @@
 //! - A reader that misses a summary bit, or meets an empty slot an insert is about to fill,
 //!   answers as if it read before that insert. One that has seen anything the inserting
 //!   writer published later sees the bits (they were stored before the value's Release).
-//! - A rebuild fills a new table with Relaxed stores and publishes it with a Release store of
-//!   the table pointer (readers load it with Acquire); the old table is never written again and
-//!   is freed through the epoch, so a reader still on it reads a consistent older state.
-//! - A reader's probe is bounded by the table's length, so it ends even on a table whose
+//! - A rebuild fills a new segment table with Relaxed stores and publishes it with a Release
+//!   store of the segment's pointer (readers load it with Acquire; a null pointer, before the
+//!   segment's first insert, reads as absent); the old table is never written again and is
+//!   freed through the epoch, so a reader still on it reads a consistent older state.
+//! - A reader's probe is bounded by the segment's length, so it ends even on a table whose
 //!   writers keep moving its empty slots.
 //!
 //! Loom model m13a checks a reader against the insert, replace, removal and reuse of its
@@ -60,18 +69,24 @@
 use crate::raw::pages::PageArray;
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
+use std::marker::PhantomData;
 use std::num::NonZeroU64;
+use std::ptr::NonNull;
 
 /// A slot's value: never 0 (0 marks a slot without a key).
 pub type SlotValue = NonZeroU64;
 
-/// Slots of the smallest table (a power of two).
+/// Slots of the smallest segment (a power of two).
 const MIN_SLOTS: usize = 8;
 /// Slots per presence-summary word.
 const SUMMARY_SLOTS: usize = 8;
-/// Multiplier of the home position (Fibonacci hashing: the top bits of `key · φ⁻¹ · 2⁶⁴`).
+/// Bits of the mixed key that pick a segment (its top bits).
+const SEGMENT_BITS: u32 = 6;
+/// Segments of a table.
+const SEGMENTS: usize = 1 << SEGMENT_BITS;
+/// Multiplier of the placement (Fibonacci hashing: the top bits of `key · φ⁻¹ · 2⁶⁴`).
 const HOME_MIX: u64 = 0x9E37_79B9_7F4A_7C15;
-/// Multiplier of the summary bits (independent of the home's bits).
+/// Multiplier of the summary bits (independent of the placement's bits).
 const SUMMARY_MIX: u64 = 0xC2B2_AE3D_27D4_EB4F;
 
 /// Prefetches the cache line at `p` into all cache levels. A hint only: never faults.
@@ -99,14 +114,28 @@ pub(crate) fn random_seed() -> u64 {
     h.finish()
 }
 
-/// The home slot of `key`: the top bits of the seeded, multiplied key.
-pub(crate) fn home(seed: u64, shift: u32, key: u64) -> usize {
-    ((key ^ seed).wrapping_mul(HOME_MIX) >> shift) as usize
+/// The seeded, multiplied key: its top bits place the key.
+#[inline(always)]
+fn mix(seed: u64, key: u64) -> u64 {
+    (key ^ seed).wrapping_mul(HOME_MIX)
 }
 
-/// The home shift of a table of `slots` slots (a power of two): `64 − log2(slots)`.
-fn shift_for(slots: usize) -> u32 {
-    64 - slots.trailing_zeros()
+/// The home slot of `key` in an unsegmented table: the top `64 − shift` bits of the mixed key.
+pub(crate) fn home(seed: u64, shift: u32, key: u64) -> usize {
+    (mix(seed, key) >> shift) as usize
+}
+
+/// The segment of a mixed key: its top [`SEGMENT_BITS`] bits.
+#[inline(always)]
+fn segment_of(mixed: u64) -> usize {
+    (mixed >> (64 - SEGMENT_BITS)) as usize
+}
+
+/// The two presence-summary bits of `key`.
+#[inline(always)]
+fn summary_bits(seed: u64, key: u64) -> u64 {
+    let x = (key ^ seed).wrapping_mul(SUMMARY_MIX);
+    1 << (x & 63) | 1 << ((x >> 6) & 63)
 }
 
 #[repr(C, align(16))]
@@ -115,65 +144,133 @@ struct Slot {
     value: AtomicU64,
 }
 
-/// One table: slots, summary words, and what places a key in them.
+/// One segment's table, owned: a block of `2^log2` slots followed by the presence summary, one
+/// 64-bit word per [`SUMMARY_SLOTS`] slots, kept two to a trailing [`Slot`] (key, then value
+/// field). One block, so that one word ([`SlotTable`]'s view of the segment) names all of it.
 struct Slots {
     /// In page-granular blocks (`raw/pages.rs`): a table a rebuild replaces goes back to the
     /// system when freed, so RSS follows the tables' sizes under churn; and each 16-byte slot
     /// sits inside one cache line (the block is line-aligned).
-    slots: PageArray<Slot>,
-    summary: PageArray<AtomicU64>,
-    /// `64 − log2(slots)`: the home is the top bits of the mixed key.
-    shift: u32,
-    seed: u64,
+    block: PageArray<Slot>,
+    log2: u32,
 }
 
 impl Slots {
-    fn new(len: usize, seed: u64) -> Self {
+    fn new(len: usize) -> Self {
         debug_assert!(len.is_power_of_two() && len >= MIN_SLOTS);
-        let slots = PageArray::new(len, |_| Slot {
+        let summary_slots = (len / SUMMARY_SLOTS).div_ceil(2);
+        let block = PageArray::new(len + summary_slots, |_| Slot {
             key: AtomicU64::new(0),
             value: AtomicU64::new(0),
         });
-        let summary = PageArray::new(len.div_ceil(SUMMARY_SLOTS), |_| AtomicU64::new(0));
         Slots {
-            slots,
-            summary,
-            shift: shift_for(len),
-            seed,
+            block,
+            log2: len.trailing_zeros(),
         }
     }
 
-    fn mask(&self) -> usize {
-        self.slots.len() - 1
-    }
-
-    fn home(&self, key: u64) -> usize {
-        home(self.seed, self.shift, key)
-    }
-
-    fn summary_bits(&self, key: u64) -> u64 {
-        let x = (key ^ self.seed).wrapping_mul(SUMMARY_MIX);
-        1 << (x & 63) | 1 << ((x >> 6) & 63)
-    }
-
-    fn summary_word(&self, home: usize) -> &AtomicU64 {
-        &self.summary[home / SUMMARY_SLOTS]
+    /// The word readers load to reach this table: the block's address (64-byte aligned, so
+    /// its low 6 bits are free) with `log2` in them.
+    fn view_word(&self) -> u64 {
+        self.block.as_ptr() as u64 | u64::from(self.log2)
     }
 
     fn bytes(&self) -> usize {
-        crate::raw::pages::heap_chunk(std::mem::size_of::<Slots>())
-            + self.slots.footprint()
-            + self.summary.footprint()
+        crate::raw::pages::heap_chunk(std::mem::size_of::<Slots>()) + self.block.footprint()
+    }
+}
+
+/// A segment's table as readers reach it, from its view word: the slot block's address and
+/// the log2 of its slot count. Valid for `'g`, a pinned guard's life: a table a rebuild
+/// replaced is freed only through the epoch.
+#[derive(Clone, Copy)]
+struct View<'g> {
+    base: NonNull<Slot>,
+    log2: u32,
+    _table: PhantomData<&'g Slot>,
+}
+
+impl<'g> View<'g> {
+    /// The view a word names: `None` for 0 (a segment before its first insert).
+    #[inline(always)]
+    fn of(word: u64) -> Option<View<'g>> {
+        NonNull::new((word & !63) as *mut Slot).map(|base| View {
+            base,
+            log2: (word & 63) as u32,
+            _table: PhantomData,
+        })
+    }
+
+    #[inline(always)]
+    fn len(self) -> usize {
+        1 << self.log2
+    }
+
+    #[inline(always)]
+    fn mask(self) -> usize {
+        self.len() - 1
+    }
+
+    /// The home of a mixed key: its bits just below the segment's.
+    #[inline(always)]
+    fn home(self, mixed: u64) -> usize {
+        (mixed >> (64 - SEGMENT_BITS - self.log2)) as usize & self.mask()
+    }
+
+    /// Slot `i` (`i & mask`: always inside the table).
+    #[inline(always)]
+    fn slot(self, i: usize) -> &'g Slot {
+        // SAFETY: the block holds `len` slots then the summary (`Slots::new`), initialized and
+        // alive for `'g` (the type's invariant); `i & mask < len`.
+        unsafe { &*self.base.as_ptr().add(i & self.mask()) }
+    }
+
+    /// The summary word covering the home `home` (< len).
+    #[inline(always)]
+    fn summary_word(self, home: usize) -> &'g AtomicU64 {
+        let word = (home & self.mask()) / SUMMARY_SLOTS;
+        // SAFETY: the block holds `(len / SUMMARY_SLOTS).div_ceil(2)` trailing slots after the
+        // `len` table slots (`Slots::new`), and `word / 2` is below that count.
+        let pair = unsafe { &*self.base.as_ptr().add(self.len() + word / 2) };
+        if word.is_multiple_of(2) {
+            &pair.key
+        } else {
+            &pair.value
+        }
+    }
+
+    /// The value of `key` (mixed `mixed`, summary bits `bits`), if present (lock-free; see
+    /// "Memory ordering").
+    #[inline(always)]
+    fn find(self, key: u64, mixed: u64, bits: u64) -> Option<SlotValue> {
+        let home = self.home(mixed);
+        if self.summary_word(home).load(Ordering::Relaxed) & bits != bits {
+            return None;
+        }
+        // `slot` wraps the index: the probe runs once round the table at most.
+        for i in home..home + self.len() {
+            let slot = self.slot(i);
+            let first = slot.key.load(Ordering::Acquire);
+            let value = slot.value.load(Ordering::Acquire);
+            if value == 0 {
+                if first == 0 {
+                    return None;
+                }
+            } else if first == key && slot.key.load(Ordering::Relaxed) == key {
+                return NonZeroU64::new(value);
+            }
+        }
+        None
     }
 
     /// Writer side: the index of the live slot holding `key`, and the first vacated or empty
     /// slot of its probe sequence (where an insert of `key` goes).
-    fn locate(&self, key: u64) -> (Option<usize>, usize) {
+    fn locate(self, key: u64, mixed: u64) -> (Option<usize>, usize) {
         let mask = self.mask();
-        let mut i = self.home(key);
+        let mut i = self.home(mixed);
         let mut free = None;
-        for _ in 0..=mask {
-            let slot = &self.slots[i];
+        for _ in 0..self.len() {
+            let slot = self.slot(i);
             let value = slot.value.load(Ordering::Relaxed);
             let k = slot.key.load(Ordering::Relaxed);
             if value != 0 && k == key {
@@ -193,31 +290,59 @@ impl Slots {
 
     /// Writer side: stores `key → value` into slot `i`, vacated or empty (summary bits, key,
     /// then the value that publishes it).
-    fn fill(&self, i: usize, key: u64, value: SlotValue) {
-        let word = self.summary_word(self.home(key));
-        let bits = self.summary_bits(key);
+    fn fill(self, i: usize, key: u64, mixed: u64, bits: u64, value: SlotValue) {
+        let word = self.summary_word(self.home(mixed));
         word.store(word.load(Ordering::Relaxed) | bits, Ordering::Relaxed);
-        let slot = &self.slots[i];
+        let slot = self.slot(i);
         slot.key.store(key, Ordering::Relaxed);
         slot.value.store(value.get(), Ordering::Release);
     }
+
+    /// Calls `f` with the value of every live slot among `count` slots from `from` on
+    /// (wrapping), and returns the position after the last slot visited.
+    fn for_each_value_from(self, from: usize, count: usize, f: &mut impl FnMut(u64)) -> usize {
+        let mask = self.mask();
+        let mut at = from & mask;
+        for _ in 0..count.min(self.len()) {
+            let v = self.slot(at).value.load(Ordering::Acquire);
+            if v != 0 {
+                f(v);
+            }
+            at = (at + 1) & mask;
+        }
+        at
+    }
 }
 
-/// Writer-side counts (under the writer lock).
-#[derive(Default)]
-struct Counts {
+/// One segment's writer-side counts (under the writer lock).
+#[derive(Clone, Copy, Default)]
+struct SegmentCounts {
     /// Live slots.
     live: usize,
     /// Live and vacated slots.
     used: usize,
 }
 
+/// Writer-side state (under the writer lock).
+struct Counts {
+    segments: [SegmentCounts; SEGMENTS],
+    /// Live keys of all segments.
+    live: usize,
+}
+
 /// A table of key-inline slots; see the module docs.
 pub struct SlotTable {
-    current: Atomic<Slots>,
+    /// Each segment's view word ([`Slots::view_word`]; 0 before its first insert): all a reader
+    /// loads to reach a segment's slots and summary.
+    views: [AtomicU64; SEGMENTS],
+    /// The tables the views name, owned here and retired through the epoch (null before a
+    /// segment's first insert). Writers only.
+    tables: [Atomic<Slots>; SEGMENTS],
     writer: Mutex<Counts>,
     /// Live keys, for readers of the size (Relaxed; exact once writers quiesce).
     live: AtomicU64,
+    /// Segment rebuilds so far (written under the writer lock).
+    rebuilds: AtomicU64,
     seed: u64,
 }
 
@@ -237,76 +362,73 @@ impl SlotTable {
     /// An empty table with a fixed placement seed (tests and models).
     pub fn with_seed(seed: u64) -> Self {
         SlotTable {
-            current: Atomic::new(Slots::new(MIN_SLOTS, seed)),
-            writer: Mutex::new(Counts::default()),
+            views: std::array::from_fn(|_| AtomicU64::new(0)),
+            tables: std::array::from_fn(|_| Atomic::null()),
+            writer: Mutex::new(Counts {
+                segments: [SegmentCounts::default(); SEGMENTS],
+                live: 0,
+            }),
             live: AtomicU64::new(0),
+            rebuilds: AtomicU64::new(0),
             seed,
         }
+    }
+
+    /// Segment `s`'s current table, if it has one, valid while `guard` is pinned.
+    #[inline(always)]
+    fn segment<'g>(&self, s: usize, _guard: &'g Guard) -> Option<View<'g>> {
+        // Acquire: pairs with the Release store that published the table, after its slots.
+        // The table stays allocated while `_guard` is pinned: a replaced one is retired
+        // through the epoch after its view word changed.
+        View::of(self.views[s].load(Ordering::Acquire))
     }
 
     /// The value of `key`, if present (lock-free; see "Memory ordering").
     #[inline]
     pub fn find(&self, key: u64, guard: &Guard) -> Option<SlotValue> {
-        let table = self.current.load(Ordering::Acquire, guard);
-        // SAFETY: the table pointer is never null (set at construction, replaced by rebuilds),
-        // and a replaced table is freed only through the epoch, after `guard`.
-        let table = unsafe { table.deref() };
-        let home = table.home(key);
-        let bits = table.summary_bits(key);
-        if table.summary_word(home).load(Ordering::Relaxed) & bits != bits {
-            return None;
-        }
-        let mask = table.mask();
-        let mut i = home;
-        for _ in 0..=mask {
-            let slot = &table.slots[i];
-            let first = slot.key.load(Ordering::Acquire);
-            let value = slot.value.load(Ordering::Acquire);
-            if value == 0 {
-                if first == 0 {
-                    return None;
-                }
-            } else if first == key && slot.key.load(Ordering::Relaxed) == key {
-                return NonZeroU64::new(value);
-            }
-            i = (i + 1) & mask;
-        }
-        None
+        let mixed = mix(self.seed, key);
+        let bits = summary_bits(self.seed, key);
+        self.segment(segment_of(mixed), guard)?
+            .find(key, mixed, bits)
     }
 
     /// Whether `key` may be present: false when its presence-summary bits are not both set
     /// (one load; the summary is a superset, so true proves nothing).
     #[inline]
     pub fn may_contain(&self, key: u64, guard: &Guard) -> bool {
-        let table = self.current.load(Ordering::Acquire, guard);
-        // SAFETY: as in `find`.
-        let table = unsafe { table.deref() };
-        let bits = table.summary_bits(key);
-        table.summary_word(table.home(key)).load(Ordering::Relaxed) & bits == bits
+        let mixed = mix(self.seed, key);
+        let Some(table) = self.segment(segment_of(mixed), guard) else {
+            return false;
+        };
+        let bits = summary_bits(self.seed, key);
+        table
+            .summary_word(table.home(mixed))
+            .load(Ordering::Relaxed)
+            & bits
+            == bits
     }
 
     /// Prefetches the summary word of `key`: what a later [`SlotTable::find`] of a key likely
     /// absent reads.
     #[inline]
     pub fn prefetch_summary(&self, key: u64, guard: &Guard) {
-        let table = self.current.load(Ordering::Acquire, guard);
-        // SAFETY: as in `find`.
-        let table = unsafe { table.deref() };
-        prefetch(std::ptr::from_ref(table.summary_word(table.home(key))));
+        let mixed = mix(self.seed, key);
+        if let Some(table) = self.segment(segment_of(mixed), guard) {
+            prefetch(std::ptr::from_ref(table.summary_word(table.home(mixed))));
+        }
     }
 
     /// Prefetches the summary word and home slot line of `key` (a later [`SlotTable::find`]).
     #[inline]
     pub fn prefetch(&self, key: u64, guard: &Guard) {
-        let table = self.current.load(Ordering::Acquire, guard);
-        // SAFETY: as in `find`.
-        let table = unsafe { table.deref() };
-        let home = table.home(key);
-        prefetch(std::ptr::from_ref(&table.slots[home]));
+        let mixed = mix(self.seed, key);
+        let Some(table) = self.segment(segment_of(mixed), guard) else {
+            return;
+        };
+        let home = table.home(mixed);
+        prefetch(std::ptr::from_ref(table.slot(home)));
         // The next line too: at the loads writers keep, a probe often runs past its home line.
-        prefetch(std::ptr::from_ref(
-            &table.slots[((home | 3) + 1) & table.mask()],
-        ));
+        prefetch(std::ptr::from_ref(table.slot((home | 3) + 1)));
         prefetch(std::ptr::from_ref(table.summary_word(home)));
     }
 
@@ -320,11 +442,17 @@ impl SlotTable {
         self.len() == 0
     }
 
-    /// Bytes of the current table (slots, summary, header).
+    /// Bytes of the current segment tables (slots, summaries, headers).
     pub fn memory_bytes(&self, guard: &Guard) -> usize {
-        let table = self.current.load(Ordering::Acquire, guard);
-        // SAFETY: as in `find`.
-        unsafe { table.deref() }.bytes()
+        self.tables
+            .iter()
+            .map(|table| {
+                let table = table.load(Ordering::Acquire, guard);
+                // SAFETY: null or a table stored by a writer, freed only through the epoch,
+                // after `guard`.
+                unsafe { table.as_ref() }.map_or(0, Slots::bytes)
+            })
+            .sum()
     }
 
     /// The writer lock: every change goes through the returned writer.
@@ -335,25 +463,35 @@ impl SlotTable {
         }
     }
 
-    /// Calls `f` with the value of every live slot of the current table (writers and owners:
+    /// Calls `f` with the value of every live slot of the current tables (writers and owners:
     /// a concurrent writer may move values past the visit).
     pub fn for_each_value(&self, guard: &Guard, mut f: impl FnMut(u64)) {
-        let table = self.current.load(Ordering::Acquire, guard);
-        // SAFETY: as in `SlotTable::find`: the table stays allocated while `guard` is pinned.
-        let table = unsafe { table.deref() };
-        for s in table.slots.iter() {
-            let v = s.value.load(Ordering::Acquire);
-            if v != 0 {
-                f(v);
-            }
+        for table in (0..SEGMENTS).filter_map(|s| self.segment(s, guard)) {
+            table.for_each_value_from(0, table.len(), &mut f);
         }
     }
 
-    /// Calls `f` with the value of every live slot among `count` slots of the current table
-    /// from position `from` on (wrapping at its end; positions of a table a rebuild replaced
-    /// are taken modulo the new one's length), and returns the position after the last slot
-    /// visited: a cursor for a scan spread over many calls (the cap's sampling hand). A
-    /// concurrent writer may move values past the visit, as in [`SlotTable::for_each_value`].
+    /// Positions of a scan's lap: [`SlotTable::segments`] times the longest segment's length
+    /// (0 while no segment has a table). Segment `s` owns the positions from `s` laps/64 on,
+    /// and a position's offset in that range is a fraction of the segment's table, so a
+    /// segment rebuilt at another size mid-lap is still covered where the lap stands, and a
+    /// rebuild of one segment moves no other segment's positions.
+    pub fn scan_len(&self, guard: &Guard) -> usize {
+        let longest = (0..SEGMENTS)
+            .map(|s| self.segment_capacity(s, guard))
+            .max()
+            .unwrap_or(0);
+        SEGMENTS * longest
+    }
+
+    /// Calls `f` with the value of every live slot among `count` positions from `from` on (of
+    /// a lap of [`SlotTable::scan_len`] positions, wrapping at its end; a position past the
+    /// end, from a lap the tables have since shrunk, is taken modulo the lap), and returns the
+    /// position after the last one visited: a cursor for a scan spread over many calls (the
+    /// cap's sampling hand). A position of a shorter segment than the longest covers a fraction
+    /// of a slot, so not every position visits a slot; one lap over unchanging tables visits
+    /// every slot once. A concurrent writer may move values past the visit, as in
+    /// [`SlotTable::for_each_value`].
     pub fn for_each_value_from(
         &self,
         from: usize,
@@ -361,51 +499,97 @@ impl SlotTable {
         guard: &Guard,
         mut f: impl FnMut(u64),
     ) -> usize {
-        let table = self.current.load(Ordering::Acquire, guard);
-        // SAFETY: as in `SlotTable::find`: the table stays allocated while `guard` is pinned.
-        let table = unsafe { table.deref() };
-        let mask = table.mask();
-        let mut at = from & mask;
-        for _ in 0..count.min(table.slots.len()) {
-            let v = table.slots[at].value.load(Ordering::Acquire);
-            if v != 0 {
-                f(v);
+        let tables: [Option<View<'_>>; SEGMENTS] = std::array::from_fn(|s| self.segment(s, guard));
+        let longest = tables
+            .iter()
+            .map(|t| t.map_or(0, View::len))
+            .max()
+            .unwrap_or(0);
+        let lap = SEGMENTS * longest;
+        if lap == 0 {
+            return 0;
+        }
+        let mut left = count.min(lap);
+        let mut at = from % lap;
+        while left > 0 {
+            let (s, offset) = (at / longest, at % longest);
+            let n = left.min(longest - offset);
+            if let Some(table) = tables[s] {
+                // Both lengths are powers of two: the segment's slots are the positions
+                // scaled down by their ratio.
+                let scale = (longest / table.len()).trailing_zeros();
+                let (first, end) = (offset >> scale, (offset + n) >> scale);
+                table.for_each_value_from(first, end - first, &mut f);
             }
-            at = (at + 1) & mask;
+            left -= n;
+            at = (at + n) % lap;
         }
         at
     }
 
-    /// Slot count of the current table (tests and models).
+    /// Segments of every table (a power of two).
+    pub const fn segments() -> usize {
+        SEGMENTS
+    }
+
+    /// Slot count of segment `s`'s current table (0 before its first insert).
+    pub fn segment_capacity(&self, s: usize, guard: &Guard) -> usize {
+        self.segment(s, guard).map_or(0, View::len)
+    }
+
+    /// Which table segment `s` has: equal answers under one pinned guard mean no rebuild
+    /// replaced it between them (a replaced table is not freed, so its address not reused,
+    /// while the guard is pinned).
+    pub fn segment_id(&self, s: usize, _guard: &Guard) -> u64 {
+        self.views[s].load(Ordering::Acquire)
+    }
+
+    /// Calls `f` with the value of every live slot among `count` slots of segment `s` from
+    /// position `from` on (wrapping at the segment's end), and returns the position after the
+    /// last slot visited.
+    pub fn for_each_value_in(
+        &self,
+        s: usize,
+        from: usize,
+        count: usize,
+        guard: &Guard,
+        mut f: impl FnMut(u64),
+    ) -> usize {
+        self.segment(s, guard)
+            .map_or(0, |t| t.for_each_value_from(from, count, &mut f))
+    }
+
+    /// Slots of all current segment tables (tests and models).
     pub fn capacity(&self, guard: &Guard) -> usize {
-        let table = self.current.load(Ordering::Acquire, guard);
-        // SAFETY: as in `find`.
-        unsafe { table.deref() }.slots.len()
+        (0..SEGMENTS).map(|s| self.segment_capacity(s, guard)).sum()
     }
 
-    /// Which table is current: equal answers under one pinned guard mean no rebuild replaced
-    /// it between them (a replaced table is not freed, so its address not reused, while the
-    /// guard is pinned).
-    pub fn table_id(&self, guard: &Guard) -> usize {
-        self.current.load(Ordering::Acquire, guard).as_raw() as usize
+    /// Segment rebuilds so far (the growth, shrinking and tombstone clearing of segments).
+    pub fn rebuilds(&self) -> u64 {
+        self.rebuilds.load(Ordering::Relaxed)
     }
 
-    /// The home slot of `key` in a table of `slots` slots seeded `seed` (tests and models use it
-    /// to pick keys that share a probe sequence).
+    /// Where `key` is placed in a table whose segment of it has `slots` slots, seeded `seed`:
+    /// keys with equal answers share a segment and a home (tests and models use it to pick
+    /// keys that share a probe sequence).
     pub fn home_of(seed: u64, slots: usize, key: u64) -> usize {
-        home(seed, shift_for(slots), key)
+        let mixed = mix(seed, key);
+        let shift = 64 - SEGMENT_BITS - slots.trailing_zeros();
+        segment_of(mixed) << 32 | ((mixed >> shift) as usize & (slots - 1))
     }
 }
 
 impl Drop for SlotTable {
     fn drop(&mut self) {
-        // SAFETY: `&mut self`: no reader or writer is left, and the current table is owned
+        // SAFETY: `&mut self`: no reader or writer is left, and the current tables are owned
         // here (replaced tables were handed to the epoch when they were replaced).
         unsafe {
             let guard = crossbeam_epoch::unprotected();
-            let table = self.current.swap(Shared::null(), Ordering::Relaxed, guard);
-            if !table.is_null() {
-                drop(table.into_owned());
+            for table in &self.tables {
+                let table = table.swap(Shared::null(), Ordering::Relaxed, guard);
+                if !table.is_null() {
+                    drop(table.into_owned());
+                }
             }
         }
     }
@@ -418,10 +602,9 @@ pub struct SlotWriter<'t> {
 }
 
 impl SlotWriter<'_> {
-    fn current<'g>(&self, guard: &'g Guard) -> &'g Slots {
-        let table = self.table.current.load(Ordering::Relaxed, guard);
-        // SAFETY: as in `SlotTable::find`; only this lock's holder replaces the table.
-        unsafe { table.deref() }
+    /// Segment `s`'s current table, if it has one.
+    fn current<'g>(&self, s: usize, guard: &'g Guard) -> Option<View<'g>> {
+        self.table.segment(s, guard)
     }
 
     /// Stores the live count for [`SlotTable::len`] (a plain store: only this lock's holder
@@ -434,33 +617,42 @@ impl SlotWriter<'_> {
 
     /// The value of `key`, if present.
     pub fn get(&self, key: u64, guard: &Guard) -> Option<SlotValue> {
-        let table = self.current(guard);
-        let (at, _) = table.locate(key);
-        at.and_then(|i| NonZeroU64::new(table.slots[i].value.load(Ordering::Relaxed)))
+        let mixed = mix(self.table.seed, key);
+        let table = self.current(segment_of(mixed), guard)?;
+        let (at, _) = table.locate(key, mixed);
+        at.and_then(|i| NonZeroU64::new(table.slot(i).value.load(Ordering::Relaxed)))
     }
 
     /// Sets `key → value`; returns the value it replaced, if the key was present.
     pub fn insert(&mut self, key: u64, value: SlotValue, guard: &Guard) -> Option<SlotValue> {
-        let table = self.current(guard);
-        let (at, free) = table.locate(key);
+        let seed = self.table.seed;
+        let (mixed, bits) = (mix(seed, key), summary_bits(seed, key));
+        let s = segment_of(mixed);
+        let table = match self.current(s, guard) {
+            Some(table) => table,
+            None => self.rebuild(s, 0, guard),
+        };
+        let (at, free) = table.locate(key, mixed);
         if let Some(i) = at {
             // Plain load and store, no locked instruction: only this lock's holder writes.
-            let slot = &table.slots[i].value;
+            let slot = &table.slot(i).value;
             let old = slot.load(Ordering::Relaxed);
             slot.store(value.get(), Ordering::Release);
             return NonZeroU64::new(old);
         }
-        let fills_empty = table.slots[free].key.load(Ordering::Relaxed) == 0;
-        let used = self.counts.used + usize::from(fills_empty);
-        if used * 4 > table.slots.len() * 3 {
-            let table = self.rebuild(self.counts.live + 1, guard);
-            let (_, free) = table.locate(key);
-            table.fill(free, key, value);
-            self.counts.used += 1;
+        let fills_empty = table.slot(free).key.load(Ordering::Relaxed) == 0;
+        let counts = self.counts.segments[s];
+        let used = counts.used + usize::from(fills_empty);
+        if used * 4 > table.len() * 3 {
+            let table = self.rebuild(s, counts.live + 1, guard);
+            let (_, free) = table.locate(key, mixed);
+            table.fill(free, key, mixed, bits, value);
+            self.counts.segments[s].used += 1;
         } else {
-            table.fill(free, key, value);
-            self.counts.used = used;
+            table.fill(free, key, mixed, bits, value);
+            self.counts.segments[s].used = used;
         }
+        self.counts.segments[s].live += 1;
         self.counts.live += 1;
         self.publish_len();
         None
@@ -468,62 +660,77 @@ impl SlotWriter<'_> {
 
     /// Removes `key`; returns its value, if it was present.
     pub fn remove(&mut self, key: u64, guard: &Guard) -> Option<SlotValue> {
-        let table = self.current(guard);
-        let (Some(i), _) = table.locate(key) else {
+        let mixed = mix(self.table.seed, key);
+        let s = segment_of(mixed);
+        let table = self.current(s, guard)?;
+        let (Some(i), _) = table.locate(key, mixed) else {
             return None;
         };
-        let slot = &table.slots[i];
+        let slot = table.slot(i);
         let old = slot.value.load(Ordering::Relaxed);
         slot.value.store(0, Ordering::Release);
-        let next = &table.slots[(i + 1) & table.mask()];
+        let next = table.slot(i + 1);
         let next_empty =
             next.value.load(Ordering::Relaxed) == 0 && next.key.load(Ordering::Relaxed) == 0;
+        let counts = &mut self.counts.segments[s];
         if next_empty {
             slot.key.store(0, Ordering::Release);
-            self.counts.used -= 1;
+            counts.used -= 1;
         } else if key == 0 {
             slot.key.store(1, Ordering::Release);
         }
+        counts.live -= 1;
+        let live = counts.live;
         self.counts.live -= 1;
         self.publish_len();
-        if table.slots.len() > MIN_SLOTS && self.counts.live * 8 < table.slots.len() {
-            self.rebuild(self.counts.live, guard);
+        if table.len() > MIN_SLOTS && live * 8 < table.len() {
+            self.rebuild(s, live, guard);
         }
         NonZeroU64::new(old)
     }
 
-    /// Replaces the table by one sized for `live` keys at load ≤ 1/2 holding the live slots,
-    /// and retires the old one through the epoch.
-    fn rebuild<'g>(&mut self, live: usize, guard: &'g Guard) -> &'g Slots {
-        let old = self.table.current.load(Ordering::Relaxed, guard);
-        // SAFETY: as in `current`.
-        let old_table = unsafe { old.deref() };
+    /// Replaces segment `s`'s table by one sized for `live` keys at load ≤ 1/2 holding its
+    /// live slots, and retires the old one (if any) through the epoch.
+    fn rebuild<'g>(&mut self, s: usize, live: usize, guard: &'g Guard) -> View<'g> {
+        let seed = self.table.seed;
         let len = (live * 2).next_power_of_two().max(MIN_SLOTS);
-        let fresh = Slots::new(len, self.table.seed);
+        let fresh = Slots::new(len);
+        let word = fresh.view_word();
         let mut moved = 0;
-        for slot in old_table.slots.iter() {
-            let value = slot.value.load(Ordering::Relaxed);
-            if let Some(value) = NonZeroU64::new(value) {
-                let key = slot.key.load(Ordering::Relaxed);
-                let (_, free) = fresh.locate(key);
-                fresh.fill(free, key, value);
-                moved += 1;
+        {
+            let into = View::of(word).expect("a table's block is never at address 0");
+            if let Some(old_table) = self.current(s, guard) {
+                for i in 0..old_table.len() {
+                    let slot = old_table.slot(i);
+                    let value = slot.value.load(Ordering::Relaxed);
+                    if let Some(value) = NonZeroU64::new(value) {
+                        let key = slot.key.load(Ordering::Relaxed);
+                        let mixed = mix(seed, key);
+                        let (_, free) = into.locate(key, mixed);
+                        into.fill(free, key, mixed, summary_bits(seed, key), value);
+                        moved += 1;
+                    }
+                }
             }
         }
-        self.counts.used = moved;
-        let fresh = self
-            .table
-            .current
-            .swap(Owned::new(fresh), Ordering::Release, guard);
-        // SAFETY: the old table is unlinked (readers that loaded it are pinned) and no writer
-        // touches it again; the epoch frees it after them.
-        unsafe { guard.defer_destroy(fresh) };
-        // A table is large and rebuilds are rare: hand it to the collector now rather than when
-        // this thread's bag fills, so memory follows the live table.
-        guard.flush();
-        let table = self.table.current.load(Ordering::Relaxed, guard);
-        // SAFETY: just stored, and replaced only under this lock.
-        unsafe { table.deref() }
+        self.counts.segments[s].used = moved;
+        self.table.rebuilds.store(
+            self.table.rebuilds.load(Ordering::Relaxed) + 1,
+            Ordering::Relaxed,
+        );
+        let old = self.table.tables[s].swap(Owned::new(fresh), Ordering::Relaxed, guard);
+        // Release: the new table's slots and summary before its view word.
+        self.table.views[s].store(word, Ordering::Release);
+        if !old.is_null() {
+            // SAFETY: the old table is unreachable from the view words (readers that loaded
+            // its word are pinned) and no writer touches it again; the epoch frees it after
+            // them.
+            unsafe { guard.defer_destroy(old) };
+            // A segment's table can be large: hand it to the collector now rather than when
+            // this thread's bag fills, so memory follows the live tables.
+            guard.flush();
+        }
+        View::of(word).expect("a table's block is never at address 0")
     }
 }
 
@@ -610,52 +817,126 @@ mod tests {
         assert_eq!(t.capacity(&guard), MIN_SLOTS, "no rebuild");
     }
 
+    /// Keys of one segment (the segment of key 1,000), from 1,000 on.
+    fn same_segment(seed: u64, n: usize) -> Vec<u64> {
+        let segment = SlotTable::home_of(seed, MIN_SLOTS, 1_000) >> 32;
+        (1_000..)
+            .filter(|&k| SlotTable::home_of(seed, MIN_SLOTS, k) >> 32 == segment)
+            .take(n)
+            .collect()
+    }
+
     #[test]
-    fn tables_grow_at_three_quarters_and_shrink_below_an_eighth() {
-        let t = SlotTable::with_seed(11);
+    fn segments_grow_at_three_quarters_and_shrink_below_an_eighth() {
+        let seed = 11;
+        let keys = same_segment(seed, 1_000);
+        let t = SlotTable::with_seed(seed);
         let guard = epoch::pin();
-        for k in 0..6 {
+        assert_eq!(t.capacity(&guard), 0, "no segment before the first insert");
+        for &k in &keys[..6] {
             t.lock().insert(k, v(k + 1), &guard);
         }
         assert_eq!(t.capacity(&guard), 8);
-        t.lock().insert(6, v(7), &guard);
+        t.lock().insert(keys[6], v(keys[6] + 1), &guard);
         assert_eq!(t.capacity(&guard), 16, "7 of 8 slots would pass 3/4");
-        for k in 7..1_000 {
+        for &k in &keys[7..] {
             t.lock().insert(k, v(k + 1), &guard);
         }
         let big = t.capacity(&guard);
         assert!((1_334..=4_096).contains(&big), "{big}");
-        for k in 10..1_000 {
+        for &k in &keys[10..] {
             t.lock().remove(k, &guard);
         }
         assert!(t.capacity(&guard) <= 128, "{}", t.capacity(&guard));
-        for k in 0..10 {
+        for &k in &keys[..10] {
             assert_eq!(t.find(k, &guard), Some(v(k + 1)));
         }
     }
 
     #[test]
-    fn churn_at_a_steady_size_does_not_fill_the_table_with_tombstones() {
-        let t = SlotTable::with_seed(5);
+    fn a_rebuild_replaces_one_segment_and_leaves_the_others() {
+        let seed = 13;
+        let t = SlotTable::with_seed(seed);
         let guard = epoch::pin();
-        for k in 0..500 {
+        for k in 0..20_000u64 {
+            t.lock().insert(k, v(k + 1), &guard);
+        }
+        let ids: Vec<u64> = (0..SlotTable::segments())
+            .map(|s| t.segment_id(s, &guard))
+            .collect();
+        let lens: Vec<usize> = (0..SlotTable::segments())
+            .map(|s| t.segment_capacity(s, &guard))
+            .collect();
+        // Every segment holds about 20,000 / 64 keys: none is more than 1/32 of the table.
+        assert!(
+            lens.iter().all(|&l| l * 32 <= t.capacity(&guard)),
+            "{lens:?}"
+        );
+        // Grow the segment of key 1,000 only.
+        let grown = SlotTable::home_of(seed, MIN_SLOTS, 1_000) >> 32;
+        let before = t.rebuilds();
+        for k in same_segment(seed, 4_000)
+            .into_iter()
+            .filter(|&k| k >= 20_000)
+        {
+            t.lock().insert(k, v(k + 1), &guard);
+        }
+        assert!(t.rebuilds() > before);
+        for (s, &id) in ids.iter().enumerate() {
+            assert_eq!(t.segment_id(s, &guard) != id, s == grown, "segment {s}");
+        }
+        for k in 0..20_000u64 {
+            assert_eq!(t.find(k, &guard), Some(v(k + 1)));
+        }
+    }
+
+    #[test]
+    fn a_scan_cursor_visits_every_live_slot_once_per_lap() {
+        let t = SlotTable::with_seed(17);
+        let guard = epoch::pin();
+        for k in 0..5_000u64 {
+            t.lock().insert(k, v(k + 1), &guard);
+        }
+        let lap = t.scan_len(&guard);
+        assert_eq!(lap % SlotTable::segments(), 0);
+        let mut seen = Vec::new();
+        let mut cursor = 12_345 % lap;
+        let mut done = 0;
+        while done < lap {
+            let step = 777.min(lap - done);
+            cursor = t.for_each_value_from(cursor, step, &guard, |value| seen.push(value));
+            done += step;
+        }
+        assert_eq!(cursor, 12_345 % lap, "a lap ends where it started");
+        seen.sort_unstable();
+        assert_eq!(seen, (1..=5_000).collect::<Vec<u64>>());
+    }
+
+    #[test]
+    fn churn_at_a_steady_size_does_not_fill_a_segment_with_tombstones() {
+        let seed = 5;
+        let keys = same_segment(seed, 50_000);
+        let t = SlotTable::with_seed(seed);
+        let guard = epoch::pin();
+        for &k in &keys[..500] {
             t.lock().insert(k, v(k + 1), &guard);
         }
         let len = t.capacity(&guard);
-        for k in 500..200_000u64 {
+        assert_eq!(len, 1_024, "one segment, load ≤ 1/2");
+        for i in 500..keys.len() {
             let mut w = t.lock();
-            w.remove(k - 500, &guard);
-            w.insert(k, v(k + 1), &guard);
+            w.remove(keys[i - 500], &guard);
+            w.insert(keys[i], v(keys[i] + 1), &guard);
         }
         assert!(
             t.capacity(&guard) <= 2 * len,
             "{} vs {len}",
             t.capacity(&guard)
         );
-        for k in 200_000 - 500..200_000 {
+        for &k in &keys[keys.len() - 500..] {
             assert_eq!(t.find(k, &guard), Some(v(k + 1)));
         }
-        assert_eq!(t.find(3, &guard), None);
+        assert_eq!(t.find(keys[3], &guard), None);
     }
 
     #[test]
