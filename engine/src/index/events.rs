@@ -84,12 +84,39 @@ impl Index {
         prefix_hashes: &[H],
         timestamp_us: i64,
     ) -> u64 {
-        let records = epoch::pin();
-        let Some(model) = self.model_ref(tenant_id, model_id, &records) else {
+        let guard = epoch::pin();
+        let Some(model) = self.model_ref(tenant_id, model_id, &guard) else {
             return 0;
         };
         let ts_us = self.resolve_now_us(timestamp_us);
         let sink = self.active_sink(model.tenant.reserved);
+        // D8: empty keys name nothing. The named keys and their digests, the same for every
+        // partition: on the stack for a chain of up to `INLINE` keys (a PREFIX_EVICTED per
+        // chain is the common case), else on the heap.
+        const INLINE: usize = 64;
+        let mut named_inline: [&[u8]; INLINE] = [&[]; INLINE];
+        let mut digests_inline = [0u64; INLINE];
+        let (mut named_heap, mut digests_heap) = (Vec::new(), Vec::new());
+        let (named, digests): (&[&[u8]], &[u64]) = if prefix_hashes.len() <= INLINE {
+            let mut n = 0;
+            for h in prefix_hashes.iter().map(AsRef::as_ref) {
+                if !h.is_empty() {
+                    (named_inline[n], digests_inline[n]) = (h, digest(h));
+                    n += 1;
+                }
+            }
+            (&named_inline[..n], &digests_inline[..n])
+        } else {
+            named_heap.extend(
+                prefix_hashes
+                    .iter()
+                    .map(AsRef::as_ref)
+                    .filter(|h| !h.is_empty()),
+            );
+            digests_heap.extend(named_heap.iter().map(|h| digest(h)));
+            (&named_heap, &digests_heap)
+        };
+        let long = named.iter().any(|h| h.len() != 8);
         let mut removed = 0u64;
         self.for_each_part(model, |p| {
             if !adapter_id.is_empty() && *p.adapter != *adapter_id {
@@ -98,18 +125,10 @@ impl Index {
             let Some(rep) = p.scope.enter_existing(replica_id) else {
                 return;
             };
-            let guard = epoch::pin();
             let mut pend = Pending::default();
-            // D8: empty keys name nothing.
-            let named: Vec<&[u8]> = prefix_hashes
-                .iter()
-                .map(|h| h.as_ref())
-                .filter(|h| !h.is_empty())
-                .collect();
-            let digests: Vec<u64> = named.iter().map(|h| digest(h)).collect();
-            let keys = match Keys::with_bytes(&digests, &named) {
-                Some(keys) if named.iter().any(|h| h.len() != 8) => keys,
-                _ => Keys::eight(&digests),
+            let keys = match Keys::with_bytes(digests, named) {
+                Some(keys) if long => keys,
+                _ => Keys::eight(digests),
             };
             let report = p.store.evict_with(keys, rep, &guard, |i, h| {
                 self.entry_removed(p, named[i], &h, &guard, &mut pend);

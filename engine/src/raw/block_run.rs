@@ -58,7 +58,8 @@
 //! - A join stores the new entry's words (Relaxed), then the header's count with Release; a
 //!   reader loads the count with Acquire and reads only entries below it. A reader loads the
 //!   gone bits before the count, so a gone bit it sees comes with every join before it.
-//! - Dead and gone bits are set with Release read-modify-writes and loaded with Acquire. A reader
+//! - Dead and gone bits are set with a plain load and a Release store (only the writer, under
+//!   the lock, writes them: no read-modify-write needed) and loaded with Acquire. A reader
 //!   that does not see a bit read before it was set, and behaves as if it had read that block
 //!   (or holder) before the change; C3 asks for per-entry atomicity, not a snapshot across
 //!   entries.
@@ -806,15 +807,23 @@ impl BlockRun {
     /// Marks holder entry `i` gone: its replica holds none of the run's blocks any more.
     pub fn set_gone(&self, i: usize) {
         debug_assert!(i < self.capacity());
-        self.gone_word(i / 64)
-            .fetch_or(1 << (i % 64), Ordering::Release);
+        // A plain load and store, no locked instruction: only the lock's holder writes.
+        let word = self.gone_word(i / 64);
+        word.store(
+            word.load(Ordering::Relaxed) | 1 << (i % 64),
+            Ordering::Release,
+        );
     }
 
     /// Marks offset `o` dead, before its slot is repointed or removed (invariant 2).
     pub fn set_dead(&self, o: usize) {
         debug_assert!(o < self.len());
-        self.dead_word(o / 64)
-            .fetch_or(1 << (o % 64), Ordering::Release);
+        // A plain load and store, no locked instruction: only the lock's holder writes.
+        let word = self.dead_word(o / 64);
+        word.store(
+            word.load(Ordering::Relaxed) | 1 << (o % 64),
+            Ordering::Release,
+        );
     }
 
     /// Records that the block keyed `key` follows one of this run's stretches at `target`:

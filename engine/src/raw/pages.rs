@@ -6,12 +6,13 @@
 //! array a grace period later. Through `malloc`, those blocks
 //! land in the heap (glibc raises its mmap threshold to the size of the largest block freed, up
 //! to 32 MiB), where they fragment the heap and the per-thread arenas: freed memory stays
-//! resident and RSS drifts above what the engine holds. Here every block of at least one page
-//! is its own anonymous mapping, unmapped when freed, so the process's RSS follows
+//! resident and RSS drifts above what the engine holds. Here every block of at least `MAP_MIN`
+//! (64 KiB) is its own anonymous mapping, unmapped when freed, so the process's RSS follows
 //! [`Index::memory_bytes`](crate::Index::memory_bytes) (measured: churn bench, `bench/RESULTS.md`).
 //!
-//! Smaller blocks (a small partition's table) still come from the global allocator, as does
-//! everything in loom and Miri builds, which cannot model `mmap`.
+//! Smaller blocks (a small partition's table, the segments of a table below ~4 M keys) come
+//! from the global allocator, as does everything in loom and Miri builds, which cannot model
+//! `mmap`.
 //!
 //! # Contract
 //!
@@ -25,9 +26,13 @@ use std::ptr::NonNull;
 /// Alignment of every block (a cache line).
 pub(crate) const ALIGN: usize = 64;
 
-/// Blocks at least this large are mapped directly.
+/// Blocks at least this large are mapped directly. Smaller ones (a small partition's table, a
+/// segment of a table below ~4 M keys) come from the global allocator: a mapping costs two
+/// system calls and a fault per page, which dominated the rebuilds of a growing or shrinking
+/// table's many small segments, and blocks this small do not fragment the heap the way the
+/// multi-megabyte ones did.
 #[cfg(all(unix, not(loom), not(miri)))]
-const MAP_MIN: usize = 4096;
+const MAP_MIN: usize = 64 * 1024;
 
 /// Whether a block of `bytes` is mapped rather than taken from the global allocator.
 #[inline]
@@ -226,9 +231,14 @@ mod tests {
         ignore = "Miri builds map no pages: every block comes from the global allocator"
     )]
     fn footprint_is_whole_pages_for_mapped_blocks() {
-        assert_eq!(footprint(4096), 4096);
-        assert_eq!(footprint(4097), 8192);
+        assert_eq!(footprint(MAP_MIN), MAP_MIN);
+        assert_eq!(footprint(MAP_MIN + 1), MAP_MIN + page_size());
         assert!(footprint(40) >= 40 && footprint(40) < 4096);
+        assert_eq!(
+            footprint(4097),
+            heap_chunk(4097),
+            "below MAP_MIN: a heap block"
+        );
     }
 
     #[test]
@@ -240,10 +250,10 @@ mod tests {
             }
         }
         let dropped = AtomicU64::new(0);
-        let n = 3000; // 3000 × 16 bytes: a mapped block
+        let n = 5000; // 5000 × 16 bytes: a mapped block
         let a = PageArray::new(n, |i| Counted(&dropped, i as u64));
         assert_eq!(a.len(), n);
-        assert_eq!(a[2999].1, 2999);
+        assert_eq!(a[4999].1, 4999);
         assert_eq!(a.footprint(), footprint(n * 16));
         drop(a);
         assert_eq!(dropped.load(Ordering::Relaxed), (0..n as u64).sum::<u64>());

@@ -1300,13 +1300,13 @@ impl RunStore {
         guard: &Guard,
     ) {
         for k in keys.iter().take(AHEAD) {
-            self.table.prefetch(*k, guard);
+            self.table.prefetch_present(*k, guard);
         }
         let o_run = run_ref(old);
         let mut slots: SlotWriter<'_> = self.table.lock();
         for (o, (k, was)) in keys.iter().zip(olds).enumerate() {
             if let Some(n) = keys.get(o + AHEAD) {
-                self.table.prefetch(*n, guard);
+                self.table.prefetch_present(*n, guard);
             }
             let (_, old_o) = unpack(was.unwrap_or_default());
             o_run.set_dead(old_o);

@@ -84,6 +84,9 @@ const SUMMARY_SLOTS: usize = 8;
 const SEGMENT_BITS: u32 = 6;
 /// Segments of a table.
 const SEGMENTS: usize = 1 << SEGMENT_BITS;
+/// Bytes of a replaced segment table from which its rebuild hands it to the epoch's collector
+/// at once.
+const FLUSH_MIN: usize = 256 * 1024;
 /// Multiplier of the placement (Fibonacci hashing: the top bits of `key · φ⁻¹ · 2⁶⁴`).
 const HOME_MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 /// Multiplier of the summary bits (independent of the placement's bits).
@@ -432,6 +435,22 @@ impl SlotTable {
         prefetch(std::ptr::from_ref(table.summary_word(home)));
     }
 
+    /// Prefetches the home slot line of a key known to be present (a writer's later replace or
+    /// removal of it), and the next line when the home is its line's last slot: the summary
+    /// word is not read for a present key, so not fetched either.
+    #[inline]
+    pub fn prefetch_present(&self, key: u64, guard: &Guard) {
+        let mixed = mix(self.seed, key);
+        let Some(table) = self.segment(segment_of(mixed), guard) else {
+            return;
+        };
+        let home = table.home(mixed);
+        prefetch(std::ptr::from_ref(table.slot(home)));
+        if home & 3 == 3 {
+            prefetch(std::ptr::from_ref(table.slot(home + 1)));
+        }
+    }
+
     /// Live keys (Relaxed: may lag a concurrent writer).
     pub fn len(&self) -> usize {
         self.live.load(Ordering::Relaxed) as usize
@@ -722,13 +741,19 @@ impl SlotWriter<'_> {
         // Release: the new table's slots and summary before its view word.
         self.table.views[s].store(word, Ordering::Release);
         if !old.is_null() {
+            // SAFETY: `old` was this segment's table until the swap and is freed only through
+            // the epoch, after `guard`.
+            let old_bytes = unsafe { old.deref() }.bytes();
             // SAFETY: the old table is unreachable from the view words (readers that loaded
             // its word are pinned) and no writer touches it again; the epoch frees it after
             // them.
             unsafe { guard.defer_destroy(old) };
-            // A segment's table can be large: hand it to the collector now rather than when
-            // this thread's bag fills, so memory follows the live tables.
-            guard.flush();
+            // A large table goes to the collector now rather than when this thread's bag
+            // fills, so memory follows the live tables; a small one waits (a flush per small
+            // rebuild cost a growing table's 64 segments measurable time).
+            if old_bytes >= FLUSH_MIN {
+                guard.flush();
+            }
         }
         View::of(word).expect("a table's block is never at address 0")
     }
