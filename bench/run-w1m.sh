@@ -57,6 +57,12 @@ fi
 
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
+# Every index runs from a fresh copy of its binary. On the bench host a binary run from the
+# file the linker had just written took core Q0 at ~100 ns against ~30 ns for a byte-identical
+# copy (bench/RESULTS.md, 2026-12-05): an artefact of the file's page-cache state, not of the
+# code, and one that can hit either side of a comparison.
+cp "$OURS" "$OUT/w1m" && OURS="$OUT/w1m"
+if [ "$PEERS" = 1 ]; then cp "$PEERBIN" "$OUT/w1m-peers" && PEERBIN="$OUT/w1m-peers"; fi
 ARGS=(--chains "$CHAINS" --json)
 if [ -n "$QUERIES" ]; then ARGS+=(--queries "$QUERIES"); fi
 

@@ -743,11 +743,12 @@ impl RunStore {
         // absent key (most often stopped by that word) does not wait for the two one after the
         // other, and a key with a root slot never waits for it (a prefetch, unlike a load,
         // holds nothing up).
-        self.table.prefetch_summary(digest, guard);
+        let probe = self.table.probe(digest, guard)?;
+        probe.prefetch_summary();
         if let Some(root) = self.roots.find(digest, guard) {
             return Some(root.get());
         }
-        self.table.find(digest, guard).map(SlotValue::get)
+        probe.find().map(SlotValue::get)
     }
 
     /// [`RunStore::walk`] from block 0's slot value `value`, as [`RunStore::first_block`]

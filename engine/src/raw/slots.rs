@@ -214,10 +214,10 @@ impl<'g> View<'g> {
         self.len() - 1
     }
 
-    /// The home of a mixed key: its bits just below the segment's.
+    /// The home of a mixed key: its `log2` bits just below the segment's.
     #[inline(always)]
     fn home(self, mixed: u64) -> usize {
-        (mixed >> (64 - SEGMENT_BITS - self.log2)) as usize & self.mask()
+        ((mixed << SEGMENT_BITS) >> (64 - self.log2)) as usize
     }
 
     /// Slot `i` (`i & mask`: always inside the table).
@@ -317,6 +317,34 @@ impl<'g> View<'g> {
     }
 }
 
+/// A lookup of one key in its segment's table, placed once ([`SlotTable::probe`]): its
+/// summary word can be prefetched and the key found later without placing it again. Valid
+/// for `'g`, like the table it reads.
+#[derive(Clone, Copy)]
+pub struct Probe<'g> {
+    table: View<'g>,
+    key: u64,
+    mixed: u64,
+    bits: u64,
+}
+
+impl Probe<'_> {
+    /// Prefetches the summary word [`Probe::find`] reads first.
+    #[inline]
+    pub fn prefetch_summary(&self) {
+        prefetch(std::ptr::from_ref(
+            self.table.summary_word(self.table.home(self.mixed)),
+        ));
+    }
+
+    /// The key's value, if present (as [`SlotTable::find`], in the table placed when the
+    /// probe was made: a rebuild since then is read as if the probe came before it).
+    #[inline]
+    pub fn find(&self) -> Option<SlotValue> {
+        self.table.find(self.key, self.mixed, self.bits)
+    }
+}
+
 /// One segment's writer-side counts (under the writer lock).
 #[derive(Clone, Copy, Default)]
 struct SegmentCounts {
@@ -393,6 +421,20 @@ impl SlotTable {
         let bits = summary_bits(self.seed, key);
         self.segment(segment_of(mixed), guard)?
             .find(key, mixed, bits)
+    }
+
+    /// Where a lookup of `key` goes, computed once for a prefetch now and a probe later
+    /// ([`Probe`]); `None` when the key's segment has no table (the key is absent).
+    #[inline]
+    pub fn probe<'g>(&self, key: u64, guard: &'g Guard) -> Option<Probe<'g>> {
+        let mixed = mix(self.seed, key);
+        let table = self.segment(segment_of(mixed), guard)?;
+        Some(Probe {
+            table,
+            key,
+            mixed,
+            bits: summary_bits(self.seed, key),
+        })
     }
 
     /// Whether `key` may be present: false when its presence-summary bits are not both set
