@@ -451,7 +451,7 @@ impl Index {
                 req.block_hashes,
                 req.block_token_counts,
                 now_ms,
-                ttl,
+                || ttl,
                 guard,
                 &mut buf.scratch,
                 capture,

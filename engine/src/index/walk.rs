@@ -83,31 +83,37 @@ pub struct MatchScratch {
 
 impl Index {
     /// L4 steps 1–4: the longest common leading run of every replica fresh at block 0. Leaves
-    /// the closed runs in `scratch.runs`, sorted by replica index, and, with `capture`, every open replica's entries stretch by
-    /// stretch in `scratch.stretches`.
+    /// the closed runs in `scratch.runs`, sorted by replica index, and, with `capture`, every
+    /// open replica's entries stretch by stretch in `scratch.stretches`. `ttl_ms` is called
+    /// once block 0 is found; returns what it answered (0 when it was not called: no runs).
+    /// A TTL ≤ 0 matches nothing.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn walk_chain<H: AsRef<[u8]>>(
         part: &Partition,
         hashes: &[H],
         counts: &[i32],
         now_ms: i64,
-        ttl_ms: i64,
+        ttl_ms: impl FnOnce() -> i64,
         guard: &Guard,
         scratch: &mut MatchScratch,
         capture: bool,
-    ) {
+    ) -> i64 {
         scratch.runs.clear();
         scratch.stretches.clear();
         let n = hashes.len().min(counts.len());
-        if n == 0 || ttl_ms <= 0 {
-            return;
+        if n == 0 {
+            return 0;
         }
         let (hashes, counts) = (&hashes[..n], &counts[..n]);
         // Block 0 first: a request whose first block is absent (Q0) costs one probe, not a
-        // pass over its keys.
+        // pass over its keys, nor the resolution of its tenant's TTL.
         let Some(first) = part.store.first_block(digest(hashes[0].as_ref()), guard) else {
-            return;
+            return 0;
         };
+        let ttl_ms = ttl_ms();
+        if ttl_ms <= 0 {
+            return ttl_ms;
+        }
         let MatchScratch {
             runs,
             stretches,
@@ -146,6 +152,7 @@ impl Index {
             }
         };
         merge.finish(end);
+        ttl_ms
     }
 
     /// Core longest-common-leading-run match (L4 steps 1–5) on a resolved partition. Calls
@@ -162,9 +169,17 @@ impl Index {
     ) {
         let p = part.p;
         let now_ms = us_to_ms(now_us);
-        let ttl = self.ttl_for(&p.tenant.name);
         let guard = epoch::pin();
-        Self::walk_chain(p, hashes, counts, now_ms, ttl, &guard, scratch, false);
+        let ttl = Self::walk_chain(
+            p,
+            hashes,
+            counts,
+            now_ms,
+            || self.ttl_for(&p.tenant.name),
+            &guard,
+            scratch,
+            false,
+        );
         if scratch.runs.is_empty() {
             return;
         }

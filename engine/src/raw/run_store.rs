@@ -99,7 +99,7 @@ use crate::raw::block_run::{
 };
 use crate::raw::holder::{GEN_MASK, Holder};
 use crate::raw::reaper::Reaper;
-use crate::raw::slots::{SlotTable, SlotValue, SlotWriter, home, random_seed};
+use crate::raw::slots::{Probe, SlotTable, SlotValue, SlotWriter, home, random_seed};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::Guard;
 use std::ptr::NonNull;
@@ -764,6 +764,9 @@ impl RunStore {
         let mut pos = 0;
         // Whether `value`'s lines are fetched already (a hint's were, when it was read).
         let mut fetched = false;
+        // A key placed in the key table when its lines were prefetched, with its position in
+        // the request: the find at that position (where a walk usually stops) reuses it.
+        let mut placed: Option<(usize, Option<Probe<'_>>)> = None;
         loop {
             let (run, o) = unpack(value);
             if !fetched {
@@ -792,11 +795,21 @@ impl RunStore {
                         // a walk stops) arrives with the hinted run instead of after it.
                         let after = landing + hinted.span();
                         if after < len {
-                            self.table.prefetch_summary(keys.digest(after), guard);
+                            let probe = self.table.probe(keys.digest(after), guard);
+                            if let Some(probe) = &probe {
+                                probe.prefetch_summary();
+                            }
+                            placed = Some((after, probe));
                         }
                         ahead = Some(hinted);
                     }
-                    None => self.table.prefetch(k, guard),
+                    None => {
+                        let probe = self.table.probe(k, guard);
+                        if let Some(probe) = &probe {
+                            probe.prefetch();
+                        }
+                        placed = Some((landing, probe));
+                    }
                 }
             }
             let run_keys = &run.keys()[o + 1..o + 1 + max];
@@ -815,8 +828,13 @@ impl RunStore {
                 .filter(|_| m == max)
                 .and_then(|h| h.check(&self.ids, guard));
             fetched = hinted.is_some();
-            let next =
-                hinted.or_else(|| self.table.find(keys.digest(pos), guard).map(SlotValue::get));
+            let next = hinted.or_else(|| {
+                let probe = match placed {
+                    Some((at, probe)) if at == pos => probe,
+                    _ => self.table.probe(keys.digest(pos), guard),
+                };
+                probe.and_then(|probe| probe.find()).map(SlotValue::get)
+            });
             match next {
                 Some(v) => value = v,
                 None => return pos,

@@ -329,6 +329,16 @@ pub struct Probe<'g> {
 }
 
 impl Probe<'_> {
+    /// Prefetches the summary word and the home slot line [`Probe::find`] reads.
+    #[inline]
+    pub fn prefetch(&self) {
+        let home = self.table.home(self.mixed);
+        prefetch(std::ptr::from_ref(self.table.slot(home)));
+        // The next line too: at the loads writers keep, a probe often runs past its home line.
+        prefetch(std::ptr::from_ref(self.table.slot((home | 3) + 1)));
+        prefetch(std::ptr::from_ref(self.table.summary_word(home)));
+    }
+
     /// Prefetches the summary word [`Probe::find`] reads first.
     #[inline]
     pub fn prefetch_summary(&self) {
@@ -457,24 +467,17 @@ impl SlotTable {
     /// absent reads.
     #[inline]
     pub fn prefetch_summary(&self, key: u64, guard: &Guard) {
-        let mixed = mix(self.seed, key);
-        if let Some(table) = self.segment(segment_of(mixed), guard) {
-            prefetch(std::ptr::from_ref(table.summary_word(table.home(mixed))));
+        if let Some(probe) = self.probe(key, guard) {
+            probe.prefetch_summary();
         }
     }
 
     /// Prefetches the summary word and home slot line of `key` (a later [`SlotTable::find`]).
     #[inline]
     pub fn prefetch(&self, key: u64, guard: &Guard) {
-        let mixed = mix(self.seed, key);
-        let Some(table) = self.segment(segment_of(mixed), guard) else {
-            return;
-        };
-        let home = table.home(mixed);
-        prefetch(std::ptr::from_ref(table.slot(home)));
-        // The next line too: at the loads writers keep, a probe often runs past its home line.
-        prefetch(std::ptr::from_ref(table.slot((home | 3) + 1)));
-        prefetch(std::ptr::from_ref(table.summary_word(home)));
+        if let Some(probe) = self.probe(key, guard) {
+            probe.prefetch();
+        }
     }
 
     /// Prefetches the home slot line of a key known to be present (a writer's later replace or
