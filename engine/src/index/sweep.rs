@@ -26,6 +26,8 @@ pub struct SweepOutcome {
     pub records_reclaimed: u64,
     /// Scope replica slots reclaimed (replicas that held no entry in their scope).
     pub replica_slots_reclaimed: u64,
+    /// Key-table segments rebuilt smaller (removals leave that to the sweep).
+    pub segments_shrunk: u64,
 }
 
 pub(super) struct Ticker {
@@ -86,6 +88,13 @@ impl Index {
             out.entries_removed += n;
             self.evictions[evict_slot(alg, EvictionReason::Ttl)].fetch_add(n, Ordering::Relaxed);
         }
+        // Removals (events, this TTL pass, cap evictions) never shrink a key table: its
+        // segments that fell below 1/8 live are rebuilt here, whatever the tenant's TTL.
+        let guard = epoch::pin();
+        for p in parts.iter() {
+            out.segments_shrunk += p.store.shrink(&guard) as u64;
+        }
+        drop(guard);
         let models: Vec<Arc<ModelRec>> = self.all_models.lock().clone();
         for m in models.iter() {
             let (ttl, _) = *policy.entry(Arc::as_ptr(&m.tenant)).or_insert_with(|| {

@@ -938,10 +938,11 @@ impl RunStore {
                 i += 1;
             }
             // A removal's stretch of a run with one holder will most likely lose its slots:
-            // their first lines are fetched now, while the rest of the chain is cut.
+            // their home lines are fetched now, while the rest of the chain is cut (the keys
+            // are present: no summary word is read for them).
             if counts.is_none() && r.holder_count() == 1 {
                 for k in &keys[from..i.min(from + AHEAD)] {
-                    self.table.prefetch(*k, guard);
+                    self.table.prefetch_present(*k, guard);
                 }
             }
             stretches.push(Stretch::InRun {
@@ -974,6 +975,21 @@ impl RunStore {
     pub fn free_retired(&self) -> usize {
         let _w = self.writer.lock();
         self.reaper.free_all()
+    }
+
+    /// Rebuilds smaller the key-table segments (of the key table and of the roots) whose live
+    /// keys have fallen below 1/8 of their slots, one segment per hold of the writer lock, and
+    /// frees the retired runs waiting on the reaper. Removals leave shrinking to this
+    /// (`raw/slots.rs`, "Structure"); the index's sweep calls it for every partition. Returns
+    /// the segments rebuilt.
+    pub fn shrink(&self, guard: &Guard) -> usize {
+        let mut rebuilt = 0;
+        for s in 0..SlotTable::segments() {
+            let _w = self.lock_writer();
+            rebuilt += usize::from(self.table.lock().shrink(s, guard));
+            rebuilt += usize::from(self.roots.lock().shrink(s, guard));
+        }
+        rebuilt
     }
 
     /// A new registered run over `keys` with token step `step`, counting the slots its caller

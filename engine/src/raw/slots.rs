@@ -27,8 +27,12 @@
 //! past an empty slot on a probe sequence through it, so the chain ends there anyway. Writers
 //! keep at most 3/4 of a segment's slots live or vacated (there is always an empty slot); a
 //! segment that would pass it is rebuilt at twice its live keys, rounded up to a power of two
-//! (load ≤ 1/2 afterwards), and one whose live keys fall below 1/8 of its slots is rebuilt
-//! smaller.
+//! (load ≤ 1/2 afterwards). A removal never rebuilds: a burst of them (a PREFIX_EVICTED per
+//! chain, ALL_CLEARED) would pay rebuild after rebuild in the writer lock, each copying the
+//! survivors of a segment on its way down. A segment whose live keys have fallen below 1/8 of
+//! its slots is rebuilt smaller by [`SlotWriter::shrink`], which the owner calls from its
+//! periodic maintenance (the index's sweep). Removals free no slots, so between two calls a
+//! table is never larger than it was at its peak, which its live keys bounded.
 //!
 //! Segments are what keep memory flat. Churn at a steady size still leaves tombstones (a
 //! removal inside a cluster), so a table at the cap is rebuilt every few seconds; a rebuild
@@ -744,13 +748,29 @@ impl SlotWriter<'_> {
             slot.key.store(1, Ordering::Release);
         }
         counts.live -= 1;
-        let live = counts.live;
         self.counts.live -= 1;
         self.publish_len();
-        if table.len() > MIN_SLOTS && live * 8 < table.len() {
-            self.rebuild(s, live, guard);
-        }
         NonZeroU64::new(old)
+    }
+
+    /// Whether segment `s` has fallen below 1/8 of its slots live, and [`SlotWriter::shrink`]
+    /// would rebuild it.
+    pub fn is_sparse(&self, s: usize, guard: &Guard) -> bool {
+        self.current(s, guard).is_some_and(|table| {
+            table.len() > MIN_SLOTS && self.counts.segments[s].live * 8 < table.len()
+        })
+    }
+
+    /// Rebuilds segment `s` smaller if its live keys have fallen below 1/8 of its slots (at
+    /// load ≤ 1/2, like every rebuild); returns whether it did. Removals never shrink a
+    /// segment themselves (module docs, "Structure").
+    pub fn shrink(&mut self, s: usize, guard: &Guard) -> bool {
+        if !self.is_sparse(s, guard) {
+            return false;
+        }
+        let live = self.counts.segments[s].live;
+        self.rebuild(s, live, guard);
+        true
     }
 
     /// Replaces segment `s`'s table by one sized for `live` keys at load ≤ 1/2 holding its
@@ -897,7 +917,7 @@ mod tests {
     }
 
     #[test]
-    fn segments_grow_at_three_quarters_and_shrink_below_an_eighth() {
+    fn segments_grow_at_three_quarters_and_shrink_below_an_eighth_when_asked() {
         let seed = 11;
         let keys = same_segment(seed, 1_000);
         let t = SlotTable::with_seed(seed);
@@ -917,6 +937,13 @@ mod tests {
         for &k in &keys[10..] {
             t.lock().remove(k, &guard);
         }
+        assert_eq!(t.capacity(&guard), big, "removals never rebuild");
+        let s = SlotTable::home_of(seed, MIN_SLOTS, keys[0]) >> 32;
+        let mut w = t.lock();
+        assert!(w.is_sparse(s, &guard));
+        assert!(w.shrink(s, &guard));
+        assert!(!w.shrink(s, &guard), "a shrunk segment is not sparse");
+        drop(w);
         assert!(t.capacity(&guard) <= 128, "{}", t.capacity(&guard));
         for &k in &keys[..10] {
             assert_eq!(t.find(k, &guard), Some(v(k + 1)));
