@@ -418,6 +418,14 @@ proptest! {
         keys in prop_oneof![
             prop::collection::vec(0..64u64, 0..200),
             prop::collection::vec(any::<u64>(), 0..200),
+            // Distinct random keys but one, repeated: the filter sees a shared bit and the set
+            // must find the pair.
+            (prop::collection::vec(any::<u64>(), 2..200), any::<prop::sample::Index>(), any::<prop::sample::Index>())
+                .prop_map(|(mut keys, from, to)| {
+                    let (from, to) = (from.index(keys.len()), to.index(keys.len()));
+                    keys[to] = keys[from];
+                    keys
+                }),
         ],
         seed in any::<u64>(),
     ) {
