@@ -1432,6 +1432,7 @@ fn m14a_run_repoint_vs_walk() {
                     value: pack(b, 0),
                     id: id_b,
                     span: 1,
+                    front_lines: 4,
                 },
             );
             ra.set_dead(1);
@@ -1594,6 +1595,7 @@ fn m14d_run_hint_vs_reuse() {
                     value: pack(b, 0),
                     id: id_b,
                     span: 1,
+                    front_lines: 4,
                 },
             );
             id_b

@@ -135,6 +135,8 @@ pub const MAX_LEN: usize = 1 << 16;
 pub const MAX_HOLDERS: usize = 0xFFFF;
 /// Successor hints per run.
 pub const HINTS: usize = 4;
+/// The most front lines a hint records ([`HintTarget::front_lines`]; three bits).
+pub const MAX_FRONT_LINES: usize = 7;
 /// Key lines past the first that following a hint prefetches of the hinted span.
 const SPAN_LINES: usize = 3;
 
@@ -167,6 +169,9 @@ pub struct HintTarget {
     pub id: u32,
     /// Kept up to [`MAX_LEN`].
     pub span: usize,
+    /// Cache lines in front of the run's header line that its holders and hints occupy (what
+    /// a walk's prefetch of the run fetches), kept up to [`MAX_FRONT_LINES`].
+    pub front_lines: usize,
 }
 
 impl HintTarget {
@@ -177,18 +182,24 @@ impl HintTarget {
             value,
             id: run.id(),
             span: run.live_end(o) - o,
+            front_lines: run.front_lines(),
         }
     }
 
+    /// The target word: the id (bits 0–31), the span (bits 32–48, up to [`MAX_LEN`]) and the
+    /// front lines (bits 49–51).
     fn pack(&self) -> u64 {
-        u64::from(self.id) | (self.span.min(MAX_LEN) as u64) << 32
+        u64::from(self.id)
+            | (self.span.min(MAX_LEN) as u64) << 32
+            | (self.front_lines.min(MAX_FRONT_LINES) as u64) << 49
     }
 
     fn unpack(value: u64, word: u64) -> Self {
         Self {
             value,
             id: word as u32,
-            span: (word >> 32) as usize,
+            span: (word >> 32) as usize & (2 * MAX_LEN - 1),
+            front_lines: (word >> 49) as usize & MAX_FRONT_LINES,
         }
     }
 }
@@ -203,13 +214,20 @@ pub struct HintedBlock {
 }
 
 impl HintedBlock {
-    /// Fetches the hinted run's lines a walk reads at its offset ([`BlockRun::prefetch`]), the
-    /// key lines of its span (up to [`SPAN_LINES`] more) and its registry entry. A prefetch
-    /// never faults, so this is sound whatever the words are.
+    /// Fetches the hinted run's lines a walk reads at its offset: its header line, the front
+    /// lines the hint recorded (its holders and hints: no more, unlike [`BlockRun::prefetch`],
+    /// which must guess), key `o`'s line, the key lines of its span (up to [`SPAN_LINES`]
+    /// more) and its registry entry. A prefetch never faults, so this is sound whatever the
+    /// words are.
     #[inline]
     pub fn prefetch(&self, ids: &RunIds) {
         let (run, o) = unpack(self.target.value);
-        BlockRun::prefetch(run.as_ptr(), o);
+        let header = run.as_ptr() as *const u8;
+        prefetch(header);
+        for line in 1..=self.target.front_lines {
+            prefetch(header.wrapping_sub(64 * line));
+        }
+        prefetch(header.wrapping_add(HEADER + 8 * o));
         let first = (run.as_ptr() as *const u8).wrapping_add(HEADER + 8 * o);
         let lines = (first as usize % 64 + 8 * self.target.span).div_ceil(64);
         for line in 1..lines.min(SPAN_LINES + 1) {
@@ -771,6 +789,14 @@ impl BlockRun {
         }
     }
 
+    /// Cache lines in front of the header's line that the holders and hints occupy: what a
+    /// walk reads there (a hint records it, so a walk that follows one fetches no more).
+    pub fn front_lines(&self) -> usize {
+        let header = std::ptr::from_ref(self) as usize;
+        let start = header - front_bytes(self.capacity());
+        header / 64 - start / 64
+    }
+
     /// Fetches the lines a walk at offset `o` reads: the header, the four lines in front of it
     /// (the hints and up to ten holders: block 0's stretch reads every holder, and W1M's first
     /// runs hold eight), and key `o`'s line. Any value may be passed: a prefetch never faults.
@@ -1107,6 +1133,26 @@ mod tests {
     }
 
     #[test]
+    fn front_lines_cover_the_holders_and_hints_exactly() {
+        for capacity in [1, 2, 3, 8, 20] {
+            let r = run(&[holder(1, 10)], capacity, &[1, 2, 3]);
+            // SAFETY: live until discarded below.
+            let x = unsafe { r.as_ref() };
+            // The header's offset in its line, plus the lines in front, reach the first front
+            // byte; one line fewer would not.
+            let within = r.as_ptr() as usize % 64;
+            let (lines, front) = (x.front_lines(), front_bytes(capacity));
+            assert!(within + 64 * lines >= front, "capacity {capacity}");
+            assert!(
+                lines == 0 || within + 64 * (lines - 1) < front,
+                "capacity {capacity}"
+            );
+            // SAFETY: never registered, never in a slot.
+            unsafe { BlockRun::discard(r) };
+        }
+    }
+
+    #[test]
     fn long_runs_keep_their_keys_bytes_and_compare_them() {
         use crate::raw::holder::digest;
         let long = b"a key of twenty-four bytes".as_slice();
@@ -1267,6 +1313,7 @@ mod tests {
                 value: pack(b, 0),
                 id: id_b,
                 span: 2,
+                front_lines: 4,
             },
         );
         xa.set_hint(
@@ -1275,6 +1322,7 @@ mod tests {
                 value: pack(b, 1),
                 id: id_b,
                 span: 1,
+                front_lines: 4,
             },
         );
         xa.set_hint(
@@ -1283,6 +1331,7 @@ mod tests {
                 value: pack(b, 1),
                 id: id_b,
                 span: 1,
+                front_lines: 4,
             },
         );
         assert_eq!(xa.hint(4, &ids, &guard), Some(pack(b, 0)));
@@ -1298,13 +1347,15 @@ mod tests {
             v
         };
         assert_eq!(spans, [(4, 2), (5, 1), (6, 1)], "each hint keeps its span");
+        xa.for_each_hint(|_, target| assert_eq!(target.front_lines, 4, "and its front lines"));
         assert_eq!(xa.peek_hint(4).map(|h| h.span()), Some(2));
         assert_eq!(
             HintTarget::at(xb, pack(b, 0)),
             HintTarget {
                 value: pack(b, 0),
                 id: id_b,
-                span: 2
+                span: 2,
+                front_lines: xb.front_lines(),
             },
             "a target as its run is now"
         );
@@ -1317,6 +1368,7 @@ mod tests {
                 value: pack(b, 0) | FLAG,
                 id: id_b,
                 span: 2,
+                front_lines: 4,
             },
         );
         assert_eq!(xa.hint(4, &ids, &guard), Some(pack(b, 0) | FLAG));
