@@ -60,6 +60,8 @@ pub use crate::raw::run_store::SLICE;
 
 /// The cache-aware routing index.
 pub struct Index {
+    /// This index among the process's (a route buffer's partition memo names its index).
+    id: u64,
     cfg: IndexConfig,
     resolvers: Arc<dyn Resolvers>,
     clock: Arc<dyn Clock>,
@@ -109,8 +111,11 @@ const STATS_RECORD_BYTES: i64 = std::mem::size_of::<StatsRecord>() as i64 + 48;
 impl Index {
     /// A new, empty index. The config is normalized (≤ 0 TTL / interval → defaults).
     pub fn new(config: IndexConfig, resolvers: Arc<dyn Resolvers>, clock: Arc<dyn Clock>) -> Self {
+        // Not a synchronization point: only distinct values matter.
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let config_seed = config.eviction_seed;
         Self {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             cfg: config.normalized(),
             resolvers,
             clock,

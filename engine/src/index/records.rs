@@ -559,6 +559,18 @@ pub(crate) struct Partition {
     pub(crate) life: Life,
 }
 
+impl Partition {
+    /// Whether this is the partition of tenant `t`, model `m`, scheme `s` and adapter `a` (the
+    /// directory's key).
+    #[inline]
+    pub(crate) fn is_named(&self, t: &str, m: &str, s: &str, a: &str) -> bool {
+        same_str(&self.adapter, a)
+            && same_str(&self.scheme, s)
+            && same_str(&self.model.name, m)
+            && same_str(&self.tenant.name, t)
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;

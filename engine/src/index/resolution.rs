@@ -65,16 +65,8 @@ impl Index {
         a: &str,
         guard: &'g Guard,
     ) -> Option<&'g Partition> {
-        self.parts.get(
-            hash_strs(&[t, m, s, a]),
-            |p| {
-                same_str(&p.adapter, a)
-                    && same_str(&p.scheme, s)
-                    && same_str(&p.model.name, m)
-                    && same_str(&p.tenant.name, t)
-            },
-            guard,
-        )
+        self.parts
+            .get(hash_strs(&[t, m, s, a]), |p| p.is_named(t, m, s, a), guard)
     }
 
     /// The tenant record, created if needed (record lock held).

@@ -132,6 +132,26 @@ pub struct RouteBuffer {
     /// Captured hits (LFU only; allocates in proportion to the run).
     pub hits: CapturedHits,
     scratch: MatchScratch,
+    memo: Option<PartitionMemo>,
+}
+
+/// The partition a buffer's last lookup resolved. The next lookup of the same names in the
+/// same index takes it without hashing the names and probing the directory, as long as the
+/// partition is not retired: a live partition is the one the directory names for its names,
+/// and one the sweep retired meanwhile is empty, which is what a lookup that resolved it just
+/// before the retirement reads too. The `Arc` keeps it valid in between (a buffer keeps at
+/// most this one partition, however many indexes it serves).
+struct PartitionMemo {
+    index: u64,
+    part: Arc<Partition>,
+}
+
+impl PartitionMemo {
+    /// Whether this is `index`'s live partition of these names.
+    #[inline]
+    fn is(&self, index: u64, t: &str, m: &str, s: &str, a: &str) -> bool {
+        self.index == index && self.part.is_named(t, m, s, a) && !self.part.life.is_dead()
+    }
 }
 
 impl RouteBuffer {
@@ -597,17 +617,53 @@ impl Index {
         let now_ms = us_to_ms(self.clock.now_us());
         let ttl = self.ttl_for(t);
         let guard = epoch::pin();
-        let part = self.part_ref(t, m, s, req.adapter_id, &guard);
+        // The partition: the buffer's memo when it still is the one, else the directory's.
+        let a = req.adapter_id;
+        let memo = match buf.memo.take() {
+            Some(memo) if memo.is(self.id, t, m, s, a) => Some(memo),
+            _ => self
+                .parts
+                .get_arc(hash_strs(&[t, m, s, a]), &|p: &Partition| {
+                    p.is_named(t, m, s, a)
+                })
+                .map(|part| PartitionMemo {
+                    index: self.id,
+                    part,
+                }),
+        };
+        let strategy = self.route_in(
+            req,
+            memo.as_ref().map(|m| &m.part),
+            chain,
+            now_ms,
+            ttl,
+            buf,
+            &guard,
+        );
+        buf.memo = memo;
+        strategy
+    }
+
+    /// [`Index::route_inner`] once the request's partition (if it exists) is resolved.
+    #[allow(clippy::too_many_arguments)]
+    fn route_in<H: AsRef<[u8]>>(
+        &self,
+        req: &LookupRequest<'_, H>,
+        part_arc: Option<&Arc<Partition>>,
+        chain: bool,
+        now_ms: i64,
+        ttl: i64,
+        buf: &mut RouteBuffer,
+        guard: &Guard,
+    ) -> Strategy {
+        let (t, m, s) = (req.tenant_id, req.model_id, req.hash_scheme);
+        let part = part_arc.map(|p| &**p);
         if let Some(part) = part {
             let capture = self.resolvers.algorithm(t) == Algorithm::Lfu;
-            self.prefix_scores(part, req, chain, now_ms, ttl, capture, buf, &guard);
+            self.prefix_scores(part, req, chain, now_ms, ttl, capture, buf, guard);
             if !buf.scores.is_empty() {
                 if capture && !buf.hits.hits.is_empty() {
-                    buf.hits.part = self
-                        .parts
-                        .get_arc(hash_strs(&[t, m, s, req.adapter_id]), &|p: &Partition| {
-                            std::ptr::eq(p, part)
-                        });
+                    buf.hits.part = part_arc.cloned();
                 }
                 return Strategy::PrefixMatch;
             }
@@ -619,7 +675,7 @@ impl Index {
                 now_ms,
                 &mut buf.scratch.ranked,
                 &mut buf.scores,
-                &guard,
+                guard,
             )
         {
             return Strategy::TenantHot;
@@ -631,7 +687,7 @@ impl Index {
             Some(p) => {
                 self.classify_with(|| Some(&*p.tenant), || Some(&*p.model), || Some(&*p.scope))
             }
-            None => self.classify_in(t, m, s, &guard),
+            None => self.classify_in(t, m, s, guard),
         }
     }
 
@@ -814,6 +870,58 @@ mod tests {
     use crate::clock::ManualClock;
     use crate::config::{DefaultResolvers, IndexConfig};
     use crate::index::testing::NOW;
+
+    /// The replicas a route names, in order.
+    fn routed(ix: &Index, keys: &[[u8; 8]], buf: &mut RouteBuffer) -> Vec<String> {
+        let counts = vec![16; keys.len()];
+        let req = LookupRequest {
+            block_hashes: keys,
+            block_token_counts: &counts,
+            ..LookupRequest::new("t", "m", "s")
+        };
+        ix.lookup_route_into(&req, buf);
+        buf.scores.iter().map(|s| s.replica_id.to_string()).collect()
+    }
+
+    /// A buffer's partition memo never outlives its partition's place in the directory: once
+    /// the sweep reclaims the partition and an ingest creates its successor, the next route
+    /// through the same buffer finds the successor's entries, not the retired partition; and
+    /// one buffer serving two indexes answers each from its own.
+    #[test]
+    fn a_route_buffer_follows_its_partition_through_reclaim() {
+        use crate::index::testing::{chain, index_at_now};
+        let keys = [[1u8; 8], [2u8; 8]];
+        let ix = index_at_now();
+        let mut buf = RouteBuffer::new();
+        chain(&ix, "a", &keys);
+        assert_eq!(routed(&ix, &keys, &mut buf), ["a"]);
+        ix.evict_prefixes("t", "m", "a", "", &keys, NOW);
+        assert!(routed(&ix, &keys, &mut buf).is_empty(), "the memo's partition is empty");
+        assert!(ix.sweep_now().records_reclaimed > 0, "the partition was reclaimed");
+        chain(&ix, "b", &keys);
+        assert_eq!(routed(&ix, &keys, &mut buf), ["b"], "the successor partition");
+        let other = index_at_now();
+        chain(&other, "c", &keys);
+        assert_eq!(routed(&other, &keys, &mut buf), ["c"]);
+        assert_eq!(routed(&ix, &keys, &mut buf), ["b"]);
+        // Through `lookup_route`'s own (thread-local) buffer too.
+        let lookup = |ix: &Index| {
+            let counts = [16; 2];
+            let req = LookupRequest {
+                block_hashes: &keys[..],
+                block_token_counts: &counts,
+                ..LookupRequest::new("t", "m", "s")
+            };
+            let r = ix.lookup_route(&req);
+            r.scores.iter().map(|s| s.replica_id.to_string()).collect::<Vec<_>>()
+        };
+        assert_eq!(lookup(&ix), ["b"]);
+        assert_eq!(lookup(&other), ["c"]);
+        ix.evict_prefixes("t", "m", "b", "", &keys, NOW);
+        ix.sweep_now();
+        chain(&ix, "d", &keys);
+        assert_eq!(lookup(&ix), ["d"]);
+    }
 
     /// The sorting network sorts every input of 0s and 1s (so, by the 0-1 principle, every
     /// input).
