@@ -614,8 +614,6 @@ impl Index {
         if chain && req.block_hashes.len() != req.block_token_counts.len() {
             return Strategy::None;
         }
-        let now_ms = us_to_ms(self.clock.now_us());
-        let ttl = self.ttl_for(t);
         let guard = epoch::pin();
         // The partition: the buffer's memo when it still is the one, else the directory's.
         let a = req.adapter_id;
@@ -631,32 +629,24 @@ impl Index {
                     part,
                 }),
         };
-        let strategy = self.route_in(
-            req,
-            memo.as_ref().map(|m| &m.part),
-            chain,
-            now_ms,
-            ttl,
-            buf,
-            &guard,
-        );
+        let strategy = self.route_in(req, chain, memo.as_ref().map(|m| &m.part), buf, &guard);
         buf.memo = memo;
         strategy
     }
 
-    /// [`Index::route_inner`] once the request's partition (if it exists) is resolved.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Index::route_inner`] once the request is checked and its partition (if it exists)
+    /// resolved.
     fn route_in<H: AsRef<[u8]>>(
         &self,
         req: &LookupRequest<'_, H>,
-        part_arc: Option<&Arc<Partition>>,
         chain: bool,
-        now_ms: i64,
-        ttl: i64,
+        part_arc: Option<&Arc<Partition>>,
         buf: &mut RouteBuffer,
         guard: &Guard,
     ) -> Strategy {
         let (t, m, s) = (req.tenant_id, req.model_id, req.hash_scheme);
+        let now_ms = us_to_ms(self.clock.now_us());
+        let ttl = self.ttl_for(t);
         let part = part_arc.map(|p| &**p);
         if let Some(part) = part {
             let capture = self.resolvers.algorithm(t) == Algorithm::Lfu;
@@ -880,7 +870,10 @@ mod tests {
             ..LookupRequest::new("t", "m", "s")
         };
         ix.lookup_route_into(&req, buf);
-        buf.scores.iter().map(|s| s.replica_id.to_string()).collect()
+        buf.scores
+            .iter()
+            .map(|s| s.replica_id.to_string())
+            .collect()
     }
 
     /// A buffer's partition memo never outlives its partition's place in the directory: once
@@ -896,10 +889,20 @@ mod tests {
         chain(&ix, "a", &keys);
         assert_eq!(routed(&ix, &keys, &mut buf), ["a"]);
         ix.evict_prefixes("t", "m", "a", "", &keys, NOW);
-        assert!(routed(&ix, &keys, &mut buf).is_empty(), "the memo's partition is empty");
-        assert!(ix.sweep_now().records_reclaimed > 0, "the partition was reclaimed");
+        assert!(
+            routed(&ix, &keys, &mut buf).is_empty(),
+            "the memo's partition is empty"
+        );
+        assert!(
+            ix.sweep_now().records_reclaimed > 0,
+            "the partition was reclaimed"
+        );
         chain(&ix, "b", &keys);
-        assert_eq!(routed(&ix, &keys, &mut buf), ["b"], "the successor partition");
+        assert_eq!(
+            routed(&ix, &keys, &mut buf),
+            ["b"],
+            "the successor partition"
+        );
         let other = index_at_now();
         chain(&other, "c", &keys);
         assert_eq!(routed(&other, &keys, &mut buf), ["c"]);
@@ -913,7 +916,10 @@ mod tests {
                 ..LookupRequest::new("t", "m", "s")
             };
             let r = ix.lookup_route(&req);
-            r.scores.iter().map(|s| s.replica_id.to_string()).collect::<Vec<_>>()
+            r.scores
+                .iter()
+                .map(|s| s.replica_id.to_string())
+                .collect::<Vec<_>>()
         };
         assert_eq!(lookup(&ix), ["b"]);
         assert_eq!(lookup(&other), ["c"]);
