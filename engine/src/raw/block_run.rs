@@ -170,7 +170,7 @@ pub struct HintTarget {
     /// Kept up to [`MAX_LEN`].
     pub span: usize,
     /// Cache lines in front of the run's header line that its holders and hints occupy (what
-    /// a walk's prefetch of the run fetches), kept up to [`MAX_FRONT_LINES`].
+    /// a walk's prefetch of the run fetches), kept up to `MAX_FRONT_LINES`.
     pub front_lines: usize,
 }
 
