@@ -21,7 +21,7 @@ use crate::sync::Ordering;
 use crate::types::*;
 use crossbeam_epoch::{self as epoch, Guard};
 use sha2::{Digest, Sha256};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 /// A replica's chain-path score before ranking (see `Index::prefix_scores`).
 #[derive(Clone, Copy)]
@@ -139,19 +139,11 @@ pub struct RouteBuffer {
 /// same index takes it without hashing the names and probing the directory, as long as the
 /// partition is not retired: a live partition is the one the directory names for its names,
 /// and one the sweep retired meanwhile is empty, which is what a lookup that resolved it just
-/// before the retirement reads too. The `Arc` keeps it valid in between (a buffer keeps at
-/// most this one partition, however many indexes it serves).
+/// before the retirement reads too. The memo is weak: it never keeps a partition, or what the
+/// partition owns, alive (only its allocation's header, until the buffer resolves another).
 struct PartitionMemo {
     index: u64,
-    part: Arc<Partition>,
-}
-
-impl PartitionMemo {
-    /// Whether this is `index`'s live partition of these names.
-    #[inline]
-    fn is(&self, index: u64, t: &str, m: &str, s: &str, a: &str) -> bool {
-        self.index == index && self.part.is_named(t, m, s, a) && !self.part.life.is_dead()
-    }
+    part: Weak<Partition>,
 }
 
 impl RouteBuffer {
@@ -617,21 +609,27 @@ impl Index {
         let guard = epoch::pin();
         // The partition: the buffer's memo when it still is the one, else the directory's.
         let a = req.adapter_id;
-        let memo = match buf.memo.take() {
-            Some(memo) if memo.is(self.id, t, m, s, a) => Some(memo),
-            _ => self
-                .parts
-                .get_arc(hash_strs(&[t, m, s, a]), &|p: &Partition| {
-                    p.is_named(t, m, s, a)
-                })
-                .map(|part| PartitionMemo {
+        let remembered = buf
+            .memo
+            .as_ref()
+            .filter(|memo| memo.index == self.id)
+            .and_then(|memo| memo.part.upgrade());
+        let part = match remembered {
+            Some(p) if p.is_named(t, m, s, a) && !p.life.is_dead() => Some(p),
+            _ => {
+                let found = self
+                    .parts
+                    .get_arc(hash_strs(&[t, m, s, a]), &|p: &Partition| {
+                        p.is_named(t, m, s, a)
+                    });
+                buf.memo = found.as_ref().map(|p| PartitionMemo {
                     index: self.id,
-                    part,
-                }),
+                    part: Arc::downgrade(p),
+                });
+                found
+            }
         };
-        let strategy = self.route_in(req, chain, memo.as_ref().map(|m| &m.part), buf, &guard);
-        buf.memo = memo;
-        strategy
+        self.route_in(req, chain, part.as_ref(), buf, &guard)
     }
 
     /// [`Index::route_inner`] once the request is checked and its partition (if it exists)
