@@ -58,21 +58,22 @@
 //!
 //! A second, small slot table holds a copy of the slot of every key an ingest began with; bit 0
 //! of a key table value ([`FLAG`]) says the key has one, so a write learns it from the value it
-//! replaces and keeps the copy equal. A walk tries it for block 0 first, so its first line is
-//! usually cached.
+//! replaces and keeps the copy equal, and every root is a key of the key table. A walk looks
+//! block 0 up there once the key table's summary word admits the key (most absent keys stop at
+//! that word), so its first line is usually cached.
 //!
 //! # Walk
 //!
-//! Probe block 0 (root slots, then the key table), then compare the request's next keys with the
-//! run's keys up to its next dead offset or its end; at the landing, a hint of the run just left
-//! gives the next slot value without the table, else the key table does. The hint is read
-//! before the keys are compared and the run it names fetched then, but it is checked (which
-//! reads that run) only after the compare and the caller's visit, so its lines come in
-//! meanwhile instead of being waited for. The hint's span says where the walk will likely land
-//! after the hinted stretch, so the span's key lines and the key table's summary word for the
-//! request's key there are fetched then too: a request that leaves the stored chain right after
-//! it (its key is absent, which that word usually settles) finds it in cache. Each run's holders hold every block of its stretch with the same state, so
-//! the caller merges holders once per stretch.
+//! Probe block 0 (the key table's summary word, the root slots, then the key table), then compare
+//! the request's next keys with the run's keys up to its next dead offset or its end; at the
+//! landing, a hint of the run just left gives the next slot value without the table, else the key
+//! table does. The hint is read before the keys are compared and the run it names fetched then, but
+//! it is checked (which reads that run) only after the compare and the caller's visit, so its lines
+//! come in meanwhile instead of being waited for. The hint's span says where the walk will likely
+//! land after the hinted stretch, so the span's key lines and the key table's summary word for the
+//! request's key there are fetched then too: a request that leaves the stored chain right after it
+//! (its key is absent, which that word usually settles) finds it in cache. Each run's holders hold
+//! every block of its stretch with the same state, so the caller merges holders once per stretch.
 //!
 //! # Trimming
 //!
@@ -752,21 +753,24 @@ impl RunStore {
         }
     }
 
-    /// The slot value of the key with digest `digest` as a walk's block 0 finds it (root slots
-    /// first, then the key table), if some key has that digest: a caller can rule out a walk
-    /// whose block 0 is absent before it prepares the rest of its request
+    /// The slot value of the key with digest `digest` as a walk's block 0 finds it (the key table's
+    /// summary word, the root slots, then the key table), if some key has that digest: a caller can
+    /// rule out a walk whose block 0 is absent before it prepares the rest of its request
     /// ([`RunStore::walk_from`]).
     #[inline]
     pub fn first_block(&self, digest: u64, guard: &Guard) -> Option<u64> {
         if !self.options.roots {
             return self.table.find(digest, guard).map(SlotValue::get);
         }
-        // The key table's summary word is fetched before the root probe, not after it: an
-        // absent key (most often stopped by that word) does not wait for the two one after the
-        // other, and a key with a root slot never waits for it (a prefetch, unlike a load,
-        // holds nothing up).
+        // The key table's summary word first: every root is a key of the key table too, so a
+        // key the word rules out is in neither table, and most absent keys (a request for a
+        // novel prefix) stop there, at one load, without the root table's probe. A present
+        // key then usually finds its value in the root table, whose lines stay cached, rather
+        // than in the key table's slot line.
         let probe = self.table.probe(digest, guard)?;
-        probe.prefetch_summary();
+        if !probe.may_contain() {
+            return None;
+        }
         if let Some(root) = self.roots.find(digest, guard) {
             return Some(root.get());
         }
