@@ -1010,11 +1010,21 @@ impl RunStore {
     /// Rebuilds smaller the key-table segments (of the key table and of the roots) whose live
     /// keys have fallen below 1/8 of their slots, one segment per hold of the writer lock, and
     /// frees the retired runs waiting on the reaper. Removals leave shrinking to this
-    /// (`raw/slots.rs`, "Structure"); the index's sweep calls it for every partition. Returns
-    /// the segments rebuilt.
+    /// (`raw/slots.rs`, "Structure"); the index's sweep calls it for every partition, so a
+    /// store with no segment flagged underfilled and no run waiting takes no lock. Returns the
+    /// segments rebuilt.
     pub fn shrink(&self, guard: &Guard) -> usize {
+        let mut flagged = self.table.underfilled() | self.roots.underfilled();
+        if flagged == 0 {
+            if !self.reaper.is_empty() {
+                self.free_retired();
+            }
+            return 0;
+        }
         let mut rebuilt = 0;
-        for s in 0..SlotTable::segments() {
+        while flagged != 0 {
+            let s = flagged.trailing_zeros() as usize;
+            flagged &= flagged - 1;
             let _w = self.lock_writer();
             rebuilt += usize::from(self.table.lock().shrink(s, guard));
             rebuilt += usize::from(self.roots.lock().shrink(s, guard));

@@ -400,6 +400,10 @@ pub struct SlotTable {
     live: AtomicU64,
     /// Segment rebuilds so far (written under the writer lock).
     rebuilds: AtomicU64,
+    /// Bit `s`: segment `s` may be underfilled ([`SlotWriter::shrink`] would rebuild it). Set
+    /// by a removal that leaves it so, cleared by its shrink or a shrink that finds it refilled;
+    /// written under the writer lock, read without it ([`SlotTable::underfilled`]).
+    underfilled: AtomicU64,
     seed: u64,
 }
 
@@ -427,6 +431,7 @@ impl SlotTable {
             }),
             live: AtomicU64::new(0),
             rebuilds: AtomicU64::new(0),
+            underfilled: AtomicU64::new(0),
             seed,
         }
     }
@@ -644,6 +649,13 @@ impl SlotTable {
         (0..SEGMENTS).map(|s| self.segment_capacity(s, guard)).sum()
     }
 
+    /// The segments that may be underfilled (bit `s` for segment `s`), read without the writer
+    /// lock: 0 means no [`SlotWriter::shrink`] would rebuild anything, so a periodic caller can
+    /// skip the lock. A removal after this read may leave another segment underfilled.
+    pub fn underfilled(&self) -> u64 {
+        self.underfilled.load(Ordering::Relaxed)
+    }
+
     /// Segment rebuilds so far (the growth, shrinking and tombstone clearing of segments).
     pub fn rebuilds(&self) -> u64 {
         self.rebuilds.load(Ordering::Relaxed)
@@ -762,12 +774,28 @@ impl SlotWriter<'_> {
         counts.live -= 1;
         self.counts.live -= 1;
         self.publish_len();
+        if self.is_underfilled(s, guard) {
+            self.mark_underfilled(s, true);
+        }
         NonZeroU64::new(old)
+    }
+
+    /// Sets or clears segment `s`'s bit of [`SlotTable::underfilled`] (plain stores: only this
+    /// lock's holder writes the word).
+    fn mark_underfilled(&self, s: usize, underfilled: bool) {
+        let word = &self.table.underfilled;
+        let bits = word.load(Ordering::Relaxed);
+        let bits = if underfilled {
+            bits | 1 << s
+        } else {
+            bits & !(1 << s)
+        };
+        word.store(bits, Ordering::Relaxed);
     }
 
     /// Whether segment `s` has fallen below 1/8 of its slots live, and [`SlotWriter::shrink`]
     /// would rebuild it.
-    pub fn is_sparse(&self, s: usize, guard: &Guard) -> bool {
+    pub fn is_underfilled(&self, s: usize, guard: &Guard) -> bool {
         self.current(s, guard).is_some_and(|table| {
             table.len() > MIN_SLOTS && self.counts.segments[s].live * 8 < table.len()
         })
@@ -777,7 +805,9 @@ impl SlotWriter<'_> {
     /// load ≤ 1/2, like every rebuild); returns whether it did. Removals never shrink a
     /// segment themselves (module docs, "Structure").
     pub fn shrink(&mut self, s: usize, guard: &Guard) -> bool {
-        if !self.is_sparse(s, guard) {
+        let underfilled = self.is_underfilled(s, guard);
+        self.mark_underfilled(s, false);
+        if !underfilled {
             return false;
         }
         let live = self.counts.segments[s].live;
@@ -984,11 +1014,17 @@ mod tests {
         }
         assert_eq!(t.capacity(&guard), big, "removals never rebuild");
         let s = SlotTable::home_of(seed, MIN_SLOTS, keys[0]) >> 32;
+        assert_eq!(
+            t.underfilled(),
+            1 << s,
+            "the removals flag the segment, and only it"
+        );
         let mut w = t.lock();
-        assert!(w.is_sparse(s, &guard));
+        assert!(w.is_underfilled(s, &guard));
         assert!(w.shrink(s, &guard));
-        assert!(!w.shrink(s, &guard), "a shrunk segment is not sparse");
+        assert!(!w.shrink(s, &guard), "a shrunk segment is not underfilled");
         drop(w);
+        assert_eq!(t.underfilled(), 0, "the shrink clears its flag");
         assert!(t.capacity(&guard) <= 128, "{}", t.capacity(&guard));
         for &k in &keys[..10] {
             assert_eq!(t.find(k, &guard), Some(v(k + 1)));
