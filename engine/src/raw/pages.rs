@@ -16,9 +16,8 @@
 //!
 //! # Contract
 //!
-//! [`alloc`] returns memory aligned to [`ALIGN`] and valid for `bytes` bytes (uninitialized
-//! from the caller's point of view); [`free`] takes back exactly what `alloc` returned, with the
-//! same `bytes`. [`footprint`] is what a block of `bytes` costs, for the engine's accounting.
+//! [`alloc_zeroed`] returns memory aligned to [`ALIGN`], valid for `bytes` bytes, every byte
+//! zero; [`free`] takes back exactly what `alloc_zeroed` returned, with the same `bytes`. [`footprint`] is what a block of `bytes` costs, for the engine's accounting.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -27,10 +26,10 @@ use std::ptr::NonNull;
 pub(crate) const ALIGN: usize = 64;
 
 /// Blocks at least this large are mapped directly. Smaller ones (a small partition's table, a
-/// segment of a table below ~4 M keys) come from the global allocator: a mapping costs two
-/// system calls and a fault per page, which dominated the rebuilds of a growing or shrinking
-/// table's many small segments, and blocks this small do not fragment the heap the way the
-/// multi-megabyte ones did.
+/// segment of fewer than 4,096 slots: a table below ~130 K keys) come from the global
+/// allocator: a mapping costs two system calls and the zeroing of its pages, which dominated
+/// the rebuilds of a growing or shrinking table's many small segments, and blocks this small do
+/// not fragment the heap the way the multi-megabyte ones did.
 #[cfg(all(unix, not(loom), not(miri)))]
 const MAP_MIN: usize = 64 * 1024;
 
@@ -81,21 +80,28 @@ fn page_size() -> usize {
     4096
 }
 
-/// Allocates a block of `bytes` (> 0) bytes aligned to [`ALIGN`]; aborts on exhaustion, like
-/// the global allocator's `handle_alloc_error`.
-pub(crate) fn alloc(bytes: usize) -> NonNull<u8> {
+/// Allocates a block of `bytes` (> 0) bytes aligned to [`ALIGN`], every byte zero; aborts on
+/// exhaustion, like the global allocator's `handle_alloc_error`. A mapped block has its pages
+/// faulted in by the `mmap` call itself (the kernel zeroes them), rather than one fault per
+/// page as the caller first writes each: the index writes a table's whole block soon after
+/// allocating it (a rebuild fills it), and faults taken one by one cost more than that.
+pub(crate) fn alloc_zeroed(bytes: usize) -> NonNull<u8> {
     debug_assert!(bytes > 0);
     if mapped(bytes) {
         #[cfg(all(unix, not(loom), not(miri)))]
         {
+            #[cfg(target_os = "linux")]
+            let populate = libc::MAP_POPULATE;
+            #[cfg(not(target_os = "linux"))]
+            let populate = 0;
             // SAFETY: an anonymous private mapping with no address hint has no preconditions;
-            // the result is checked against MAP_FAILED.
+            // the result is checked against MAP_FAILED. Its pages read as zero.
             let p = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
                     bytes,
                     libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | populate,
                     -1,
                     0,
                 )
@@ -110,16 +116,16 @@ pub(crate) fn alloc(bytes: usize) -> NonNull<u8> {
     }
     let lay = layout(bytes);
     // SAFETY: non-zero size (debug-asserted; `layout` rounds 0 up to 1 byte anyway).
-    match NonNull::new(unsafe { std::alloc::alloc(lay) }) {
+    match NonNull::new(unsafe { std::alloc::alloc_zeroed(lay) }) {
         Some(p) => p,
         None => std::alloc::handle_alloc_error(lay),
     }
 }
 
-/// Frees a block returned by [`alloc`].
+/// Frees a block returned by [`alloc_zeroed`].
 ///
 /// # Safety
-/// `p` came from `alloc(bytes)` with this `bytes`, is not used afterwards and is freed once.
+/// `p` came from `alloc_zeroed(bytes)` with this `bytes`, is not used afterwards and is freed once.
 pub(crate) unsafe fn free(p: NonNull<u8>, bytes: usize) {
     if mapped(bytes) {
         #[cfg(all(unix, not(loom), not(miri)))]
@@ -144,7 +150,7 @@ fn layout(bytes: usize) -> Layout {
     }
 }
 
-/// A fixed-length array of `T` in a block from [`alloc`] (the slot arrays and presence
+/// A fixed-length array of `T` in a block from [`alloc_zeroed`] (the slot arrays and presence
 /// summaries of the key tables).
 pub(crate) struct PageArray<T> {
     ptr: NonNull<T>,
@@ -157,16 +163,24 @@ unsafe impl<T: Send> Send for PageArray<T> {}
 unsafe impl<T: Sync> Sync for PageArray<T> {}
 
 impl<T> PageArray<T> {
-    /// An array of `len` (> 0) elements, element `i` being `init(i)`.
-    pub(crate) fn new(len: usize, mut init: impl FnMut(usize) -> T) -> Self {
+    /// An array of `len` (> 0) elements equal to `zero()`, a value whose bytes are all zero,
+    /// in a block from [`alloc_zeroed`]: the block is not written again. Under loom, whose
+    /// atomics are not plain bytes, each element is written from `zero()`.
+    ///
+    /// # Safety
+    /// Outside loom, the all-zero byte pattern is a valid `T`, equal to what `zero()` returns.
+    pub(crate) unsafe fn zeroed(len: usize, mut zero: impl FnMut() -> T) -> Self {
         const { assert!(std::mem::align_of::<T>() <= ALIGN && std::mem::size_of::<T>() > 0) };
         let len = len.max(1);
-        let bytes = Self::bytes_for(len);
-        let ptr = alloc(bytes).cast::<T>();
+        let ptr = alloc_zeroed(Self::bytes_for(len)).cast::<T>();
+        // Outside loom the zeroed block holds `len` valid elements already (caller).
+        #[cfg(loom)]
         for i in 0..len {
             // SAFETY: `i < len`, inside the block (`bytes_for`), aligned (ALIGN ≥ align_of T).
-            unsafe { ptr.as_ptr().add(i).write(init(i)) };
+            unsafe { ptr.as_ptr().add(i).write(zero()) };
         }
+        #[cfg(not(loom))]
+        let _ = &mut zero;
         Self { ptr, len }
     }
 
@@ -195,7 +209,7 @@ impl<T> std::ops::Deref for PageArray<T> {
 impl<T> Drop for PageArray<T> {
     fn drop(&mut self) {
         // SAFETY: the elements are initialized and dropped once, here; the block came from
-        // `alloc(bytes_for(len))` in `new`.
+        // `alloc_zeroed(bytes_for(len))` in `zeroed`.
         unsafe {
             std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
                 self.ptr.as_ptr(),
@@ -214,10 +228,11 @@ mod tests {
     #[test]
     fn small_and_mapped_blocks_round_trip() {
         for bytes in [8, 100, 4095, 4096, 5000, 1 << 20] {
-            let p = alloc(bytes);
+            let p = alloc_zeroed(bytes);
             assert_eq!(p.as_ptr() as usize % ALIGN, 0, "{bytes} bytes aligned");
             // SAFETY: the block is `bytes` long and ours.
             unsafe {
+                assert_eq!(*p.as_ptr().add(bytes - 1), 0, "{bytes} bytes zeroed");
                 p.as_ptr().write_bytes(0xa5, bytes);
                 assert_eq!(*p.as_ptr().add(bytes - 1), 0xa5);
                 free(p, bytes);
@@ -242,20 +257,16 @@ mod tests {
     }
 
     #[test]
-    fn page_array_initializes_and_drops_every_element() {
-        struct Counted<'a>(&'a AtomicU64, u64);
-        impl Drop for Counted<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_add(self.1, Ordering::Relaxed);
-            }
+    fn a_zeroed_page_array_reads_zero_and_holds_what_is_stored() {
+        for n in [3, 5000] {
+            // 3 × 8 bytes: a heap block; 5000 × 8 bytes: a mapped one.
+            // SAFETY: an `AtomicU64` of value 0 is all zero bytes.
+            let a = unsafe { PageArray::zeroed(n, || AtomicU64::new(0)) };
+            assert_eq!(a.len(), n);
+            assert!(a.iter().all(|x| x.load(Ordering::Relaxed) == 0));
+            a[n - 1].store(7, Ordering::Relaxed);
+            assert_eq!(a[n - 1].load(Ordering::Relaxed), 7);
+            assert_eq!(a.footprint(), footprint(n * 8));
         }
-        let dropped = AtomicU64::new(0);
-        let n = 5000; // 5000 × 16 bytes: a mapped block
-        let a = PageArray::new(n, |i| Counted(&dropped, i as u64));
-        assert_eq!(a.len(), n);
-        assert_eq!(a[4999].1, 4999);
-        assert_eq!(a.footprint(), footprint(n * 16));
-        drop(a);
-        assert_eq!(dropped.load(Ordering::Relaxed), (0..n as u64).sum::<u64>());
     }
 }

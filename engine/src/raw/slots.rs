@@ -170,10 +170,13 @@ impl Slots {
     fn new(len: usize) -> Self {
         debug_assert!(len.is_power_of_two() && len >= MIN_SLOTS);
         let summary_slots = (len / SUMMARY_SLOTS).div_ceil(2);
-        let block = PageArray::new(len + summary_slots, |_| Slot {
-            key: AtomicU64::new(0),
-            value: AtomicU64::new(0),
-        });
+        // SAFETY: a slot is two `AtomicU64`s, and an `AtomicU64` of value 0 is all zero bytes.
+        let block = unsafe {
+            PageArray::zeroed(len + summary_slots, || Slot {
+                key: AtomicU64::new(0),
+                value: AtomicU64::new(0),
+            })
+        };
         Slots {
             block,
             log2: len.trailing_zeros(),
