@@ -17,7 +17,8 @@
 //! # Contract
 //!
 //! [`alloc_zeroed`] returns memory aligned to [`ALIGN`], valid for `bytes` bytes, every byte
-//! zero; [`free`] takes back exactly what `alloc_zeroed` returned, with the same `bytes`. [`footprint`] is what a block of `bytes` costs, for the engine's accounting.
+//! zero; [`free`] takes back exactly what `alloc_zeroed` returned, with the same `bytes`.
+//! [`footprint`] is what a block of `bytes` costs, for the engine's accounting.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -125,7 +126,8 @@ pub(crate) fn alloc_zeroed(bytes: usize) -> NonNull<u8> {
 /// Frees a block returned by [`alloc_zeroed`].
 ///
 /// # Safety
-/// `p` came from `alloc_zeroed(bytes)` with this `bytes`, is not used afterwards and is freed once.
+/// `p` came from `alloc_zeroed(bytes)` with this `bytes`, is not used afterwards and is freed
+/// once.
 pub(crate) unsafe fn free(p: NonNull<u8>, bytes: usize) {
     if mapped(bytes) {
         #[cfg(all(unix, not(loom), not(miri)))]

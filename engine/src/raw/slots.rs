@@ -140,9 +140,9 @@ fn segment_of(mixed: u64) -> usize {
     (mixed >> (64 - SEGMENT_BITS)) as usize
 }
 
-/// The presence-summary bits of `key`: four bits, each picked by 6 of the top 24
-/// bits of the multiplied key (the top bits of a product depend on every bit of the key; its
-/// low bits only on the key's low bits). Two keys may pick the same bit, so a key sets 3 or 4.
+/// The presence-summary bits of `key`: four bits, each picked by 6 of the top 24 bits of the
+/// multiplied key (the top bits of a product depend on every bit of the key, its low bits only
+/// on the key's low bits). Two of the four may be the same bit, so a key sets 2 to 4.
 #[inline(always)]
 fn summary_bits(seed: u64, key: u64) -> u64 {
     let x = (key ^ seed).wrapping_mul(SUMMARY_MIX);
@@ -358,7 +358,7 @@ impl Probe<'_> {
         ));
     }
 
-    /// Whether the key may be present: false when its presence-summary bits are not both set
+    /// Whether the key may be present: false when its presence-summary bits are not all set
     /// (the first step of [`Probe::find`], alone: one load).
     #[inline]
     pub fn may_contain(&self) -> bool {
@@ -471,7 +471,7 @@ impl SlotTable {
         })
     }
 
-    /// Whether `key` may be present: false when its presence-summary bits are not both set
+    /// Whether `key` may be present: false when its presence-summary bits are not all set
     /// (one load; the summary is a superset, so true proves nothing).
     #[inline]
     pub fn may_contain(&self, key: u64, guard: &Guard) -> bool {
