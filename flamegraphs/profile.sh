@@ -192,7 +192,7 @@ record_runs "$WORK/ingest.perf.data" "$WORK/ingest.out" "$W1M_REPEAT" "$FREQ" \
     "$BIN/w1m" --smoke --chains 16384 --queries 1000
 log "collapse ingest"
 collapse "$WORK/ingest.perf.data" "$WORK/ingest-all.folded"
-phase "$WORK/ingest-all.folded" "$WORK/ingest.folded" 'ours::insert|Index::ingest'
+phase "$WORK/ingest-all.folded" "$WORK/ingest.folded" 'ours::insert|Index::ingest|Index>::ingest' 'ours::remove'
 phase "$WORK/ingest-all.folded" "$WORK/remove.folded" 'ours::remove'
 svg "$WORK/ingest.folded" ingest "W1M insert: Index::ingest of 16,384 x 64-block chains ($W1M_REPEAT runs)"
 svg "$WORK/remove.folded" remove "W1M remove: PREFIX_EVICTED of every chain ($W1M_REPEAT runs)"
