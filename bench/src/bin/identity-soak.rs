@@ -23,8 +23,11 @@
 //! with random tenant / model ids (which must answer UNKNOWN_TENANT and create nothing).
 //! `VmRSS`, `memory_bytes` and the record counts are sampled every 10 s (every second for
 //! runs under 3 minutes). Verdict: max RSS in the second half of the run ≤ 1.05 × max RSS from
-//! 1/10 of the run to its half (minutes 5–10 vs 1–5 of a 10-minute run), no failed check, no
-//! random-id lookup that found anything; exit 1 otherwise.
+//! 1/10 of the run to its half (minutes 5–10 vs 1–5 of a 10-minute run) plus [`RSS_SLACK`];
+//! the same halves' maxima of the index's records (tenants, model pairs, partitions, scope
+//! replicas), the interned replica ids, entries and `memory_bytes` ≤ 1.25 × (a leak of what the run churns grows them
+//! by its churn: ~1,000 renamed pods or tenants per minute against ~200 and ~50 live); no
+//! failed check, no random-id lookup that found anything; exit 1 otherwise.
 
 use clap::Parser;
 use inferencecache_bench::measure::vm_rss_bytes;
@@ -120,12 +123,21 @@ fn route<'a>(ix: &Index, tenant: &'a str, model: &'a str, chain: &'a [[u8; 8]]) 
     })
 }
 
+/// What the RSS verdict allows beyond 5%: the step in which this process's heap grows (glibc
+/// grows an arena by 128 KiB or more at a time, and three threads allocate here). At ~7 MiB a
+/// one-minute run cannot tell such a step from 5%: unchanged code measured 1.000–1.071 ×
+/// with one 0.4 MiB step. A leak of the identities the run churns shows in the record counts,
+/// which have no such step.
+const RSS_SLACK: u64 = 512 * 1024;
+
 struct Sample {
     t_s: f64,
     rss: u64,
     mem: i64,
     counts: RecordCounts,
     entries: i64,
+    /// Replica ids interned process-wide.
+    ids: usize,
 }
 
 fn main() -> ExitCode {
@@ -268,6 +280,7 @@ fn main() -> ExitCode {
                 mem: ix.memory_bytes(),
                 counts: ix.record_counts(),
                 entries: ix.storage_entries(),
+                ids: ReplicaId::interned(),
             });
             let s = samples.last().expect("just pushed");
             if sample_every >= Duration::from_secs(10) || samples.len() % 10 == 1 {
@@ -290,17 +303,43 @@ fn main() -> ExitCode {
     reader.join().expect("reader");
     ix.stop();
     let secs = run.as_secs_f64();
-    let max_in = |a: f64, b: f64| {
+    // The maximum of `value` over the samples from `a` to `b` seconds.
+    let max_in = |a: f64, b: f64, value: &dyn Fn(&Sample) -> u64| {
         samples
             .iter()
             .filter(|s| s.t_s >= a && s.t_s <= b)
-            .map(|s| s.rss)
+            .map(value)
             .max()
             .unwrap_or(0)
     };
-    let first = max_in(secs / 10.0, secs / 2.0);
-    let second = max_in(secs / 2.0, secs);
+    let halves = |value: &dyn Fn(&Sample) -> u64| {
+        (
+            max_in(secs / 10.0, secs / 2.0, value),
+            max_in(secs / 2.0, secs, value),
+        )
+    };
+    let (first, second) = halves(&|s| s.rss);
     let ratio = second as f64 / first.max(1) as f64;
+    let rss_ok = second as f64 <= 1.05 * first as f64 + RSS_SLACK as f64;
+    let records: [(&str, &dyn Fn(&Sample) -> u64); 7] = [
+        ("memory_bytes", &|s| s.mem.max(0) as u64),
+        ("entries", &|s| s.entries.max(0) as u64),
+        ("tenants", &|s| s.counts.tenants as u64),
+        ("model pairs", &|s| s.counts.models as u64),
+        ("partitions", &|s| s.counts.partitions as u64),
+        ("scope replicas", &|s| s.counts.scope_replicas as u64),
+        ("interned replica ids", &|s| s.ids as u64),
+    ];
+    let mut records_ok = true;
+    for (name, value) in records {
+        let (first, second) = halves(value);
+        let grew = second as f64 > 1.25 * first as f64;
+        records_ok &= !grew;
+        println!(
+            "identity-soak: {name} max {second} (second half) / {first} (1/10 to half){}",
+            if grew { ": grew more than 25%" } else { "" }
+        );
+    }
     let last = samples.last();
     println!(
         "identity-soak: RSS max {:.1} MiB (second half) / {:.1} MiB (1/10 to half) = {ratio:.3}; \
@@ -314,8 +353,11 @@ fn main() -> ExitCode {
         last.map_or(0, |s| s.counts.scope_replicas),
         last.map_or(0, |s| s.entries),
     );
-    let ok =
-        ratio <= 1.05 && failed == 0 && checks > 0 && random_found.load(Ordering::Relaxed) == 0;
+    let ok = rss_ok
+        && records_ok
+        && failed == 0
+        && checks > 0
+        && random_found.load(Ordering::Relaxed) == 0;
     println!("identity-soak: {}", if ok { "PASS" } else { "FAIL" });
     if ok {
         ExitCode::SUCCESS
