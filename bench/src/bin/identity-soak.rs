@@ -130,6 +130,9 @@ fn route<'a>(ix: &Index, tenant: &'a str, model: &'a str, chain: &'a [[u8; 8]]) 
 /// which have no such step.
 const RSS_SLACK: u64 = 512 * 1024;
 
+/// One sampled quantity the verdict bounds.
+type Measure = fn(&Sample) -> u64;
+
 struct Sample {
     t_s: f64,
     rss: u64,
@@ -304,7 +307,7 @@ fn main() -> ExitCode {
     ix.stop();
     let secs = run.as_secs_f64();
     // The maximum of `value` over the samples from `a` to `b` seconds.
-    let max_in = |a: f64, b: f64, value: &dyn Fn(&Sample) -> u64| {
+    let max_in = |a: f64, b: f64, value: Measure| {
         samples
             .iter()
             .filter(|s| s.t_s >= a && s.t_s <= b)
@@ -312,23 +315,23 @@ fn main() -> ExitCode {
             .max()
             .unwrap_or(0)
     };
-    let halves = |value: &dyn Fn(&Sample) -> u64| {
+    let halves = |value: Measure| {
         (
             max_in(secs / 10.0, secs / 2.0, value),
             max_in(secs / 2.0, secs, value),
         )
     };
-    let (first, second) = halves(&|s| s.rss);
+    let (first, second) = halves(|s| s.rss);
     let ratio = second as f64 / first.max(1) as f64;
     let rss_ok = second as f64 <= 1.05 * first as f64 + RSS_SLACK as f64;
-    let records: [(&str, &dyn Fn(&Sample) -> u64); 7] = [
-        ("memory_bytes", &|s| s.mem.max(0) as u64),
-        ("entries", &|s| s.entries.max(0) as u64),
-        ("tenants", &|s| s.counts.tenants as u64),
-        ("model pairs", &|s| s.counts.models as u64),
-        ("partitions", &|s| s.counts.partitions as u64),
-        ("scope replicas", &|s| s.counts.scope_replicas as u64),
-        ("interned replica ids", &|s| s.ids as u64),
+    let records: [(&str, Measure); 7] = [
+        ("memory_bytes", |s| s.mem.max(0) as u64),
+        ("entries", |s| s.entries.max(0) as u64),
+        ("tenants", |s| s.counts.tenants as u64),
+        ("model pairs", |s| s.counts.models as u64),
+        ("partitions", |s| s.counts.partitions as u64),
+        ("scope replicas", |s| s.counts.scope_replicas as u64),
+        ("interned replica ids", |s| s.ids as u64),
     ];
     let mut records_ok = true;
     for (name, value) in records {
