@@ -475,25 +475,8 @@ impl SlotTable {
     /// (one load; the summary is a superset, so true proves nothing).
     #[inline]
     pub fn may_contain(&self, key: u64, guard: &Guard) -> bool {
-        let mixed = mix(self.seed, key);
-        let Some(table) = self.segment(segment_of(mixed), guard) else {
-            return false;
-        };
-        let bits = summary_bits(self.seed, key);
-        table
-            .summary_word(table.home(mixed))
-            .load(Ordering::Relaxed)
-            & bits
-            == bits
-    }
-
-    /// Prefetches the summary word of `key`: what a later [`SlotTable::find`] of a key likely
-    /// absent reads.
-    #[inline]
-    pub fn prefetch_summary(&self, key: u64, guard: &Guard) {
-        if let Some(probe) = self.probe(key, guard) {
-            probe.prefetch_summary();
-        }
+        self.probe(key, guard)
+            .is_some_and(|probe| probe.may_contain())
     }
 
     /// Prefetches the summary word and home slot line of `key` (a later [`SlotTable::find`]).
