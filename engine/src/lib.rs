@@ -39,7 +39,7 @@ pub use raw::loom_api;
 pub mod layout {
     pub use crate::raw::block_run::{
         BlockRun, FLAG, HINTS, HintTarget, HintedBlock, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds,
-        long_part, pack, unpack,
+        ScanStep, long_part, pack, unpack,
     };
     pub use crate::raw::holder::{Holder, digest};
     pub use crate::raw::reaper::{Reaper, Reclaim};

@@ -22,8 +22,8 @@ mod fixed_policy;
 use crossbeam_epoch::Guard;
 use fixed_policy::FixedPolicy;
 use inferencecache_engine::layout::{
-    BlockRun, HintTarget, Holder, IdAllocator, Reaper, RunIds, RunStore, SlotTable, SlotValue,
-    SlotWriter, StoreOptions, Writing, pack, unpack,
+    BlockRun, HintTarget, Holder, IdAllocator, Reaper, RunIds, RunStore, ScanStep, SlotTable,
+    SlotValue, SlotWriter, StoreOptions, Writing, pack, unpack,
 };
 use inferencecache_engine::loom_api::{self, Kind};
 use inferencecache_engine::{
@@ -1665,6 +1665,63 @@ fn m14d_run_hint_vs_reuse() {
             BlockRun::discard(a);
             BlockRun::discard(c);
         }
+    });
+}
+
+/// The registry's ages vs a scan (`RunIds::scan`, the cap's walk): run B (age 1,000) is
+/// retired and its id taken by run C (age 5,000) while a reader scans for runs of age ≤ 2,000.
+/// The reader sees B as old (reading it, live under its pin) or C as young, or neither — never
+/// C as old: C's age is stored before the entry that names it.
+#[test]
+fn m14e_run_age_vs_scan() {
+    model(|| {
+        let (_table, ids, mut alloc, reaper) = run_fixture();
+        let b = block_run(&[1], 1, &[2]);
+        let c = BlockRun::create(&[Holder::new(2, 1, 16, 5_000, 1)], 1, &[3]).expect("a run");
+        let id_b = ids.register(&mut alloc, b).expect("an id");
+        let reader = {
+            let ids = ids.clone();
+            spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                let mut seen = Vec::new();
+                ids.scan(0, 64, 2_000, &guard, |step| {
+                    seen.push(match step {
+                        ScanStep::Old(run) => Some(run.key(0)),
+                        ScanStep::Young => None,
+                    });
+                    true
+                });
+                seen
+            })
+        };
+        {
+            let guard = crossbeam_epoch::pin();
+            // SAFETY: the model's live run, in no slot.
+            let rb = unsafe { b.as_ref() };
+            rb.add_refs(1);
+            assert!(rb.release(1));
+            // SAFETY: registered, no slot names it, retired once.
+            unsafe { BlockRun::retire(b, &ids, &mut alloc, &reaper, &guard) };
+            assert_eq!(ids.register(&mut alloc, c), Some(id_b), "C takes B's id");
+        }
+        for _ in 0..4 {
+            loom_api::reclaim_step();
+        }
+        match reader.join().unwrap().as_slice() {
+            [Some(2)] => outcome("B, old"),
+            [None] => outcome("C, young"),
+            [] => outcome("neither"),
+            other => panic!("the reader saw {other:?}"),
+        }
+        assert!(
+            loom_api::collect_garbage(|| {
+                reaper.free_all();
+                loom_api::live(Kind::BlockRun) == 1
+            }),
+            "B is freed once the reader has left"
+        );
+        // SAFETY: the model is over.
+        unsafe { BlockRun::discard(c) };
     });
 }
 

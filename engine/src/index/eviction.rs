@@ -20,13 +20,21 @@
 //!    entry — or key — count, then a random key-table slot; empty slots are retried), every
 //!    holder of a sampled key contributing its rank `(eff_count, last_seen)` (cap) or the key's
 //!    rank `(0, max last_seen)` (quota). The threshold is the sample at rank [`THRESHOLD_RANK`]
-//!    (≈ the 6% quantile of the population), or at [`THRESHOLD_RANK_BY_AGE`] (≈ 14%) when all
+//!    (≈ the 6% quantile of the population), or at [`THRESHOLD_RANK_BY_AGE`] (≈ 9%) when all
 //!    samples share one `eff_count` (pure age order); the samples at or below it are the first
 //!    candidates.
-//! 2. *Walk*: a persistent cursor (partition, position) walks the key tables lock-free,
-//!    collecting entries whose rank is ≤ the threshold into a small candidate buffer
-//!    (≤ [`CANDIDATES`], at most [`WALK_BUDGET`] slots per refill), sorted so the smallest rank
-//!    goes first.
+//! 2. *Walk*: a persistent cursor (partition, run id) walks the partitions' run registries
+//!    lock-free. Each registry entry keeps its run's *age*, a lower bound of its holders'
+//!    `last_seen` (`raw/block_run.rs`, [`RunIds`](crate::raw::block_run::RunIds)), so with a
+//!    threshold count of 0 a run younger than the threshold is passed on its entry alone and
+//!    only old runs are read. An old run's live blocks (under LRU its first one: step 4 brings
+//!    the rest) give their holders whose rank is ≤ the threshold as candidates, into a small
+//!    buffer (≤ [`CANDIDATES`] per refill, at most [`WALK_BUDGET`] registry entries), sorted so
+//!    the smallest rank goes first. Ids are reused in the order runs go, so from the cursor on
+//!    runs lie roughly oldest first: a walk that has candidates stops in front of the first
+//!    young run (past it, a stale threshold would leave runs a fresh one takes for a whole
+//!    lap), and a walk that finds nothing sets the cursor back once for a fresh threshold to
+//!    walk the same runs.
 //! 3. *Evict*: pop the smallest candidate, re-validate it under its partition's writer lock
 //!    (still present, same generation, rank still ≤ the threshold, index still over the cap: a
 //!    re-ingest or credit since the walk saves it) and remove it.
@@ -41,18 +49,18 @@
 //!    the threshold was evicted (the threshold goes stale as its entries disappear), or when a
 //!    walk finds nothing within its budget.
 //!
-//! Quality: every victim has a rank within the lowest ~6% (age order: ~14%) (± sampling noise)
-//! of the population at sampling time, and below-threshold candidates are taken smallest first.
+//! Quality: every victim has a rank within the lowest ~6% (age order: ~9%) (± sampling noise)
+//! of the population at sampling time, and below-threshold candidates are taken smallest first;
+//! where ids follow eviction order (fresh ingests at the cap) the walk is close to exact LRU.
 //! T86 (LRU, N = 100,000, cap 50,000: ≥ 95% of survivors from the newest half) and T87 (LFU)
 //! check it over sampler seeds; `cargo run --release -p inferencecache-bench --bin eviction`
 //! measures quality and cost for N = 100k and 1M (`bench/results/eviction.md`).
 //!
-//! Cost: ≈ 1/quantile ≈ 7 (age order) to 15 lock-free slot visits per victim (sequential over
-//! the key table) plus one re-probe and the removal under the partition's writer lock; the
-//! 64-sample re-estimation is amortized over ~3% of the population. A lower quantile buys
-//! quality with walk cost (rank 1 of 64: ~99.8% / ~35 visits per victim). Quotas, which have no
-//! cost bar, sample at the 7th of 64 (≈ 11%), which keeps V5's N/2 quality above its 95% bar
-//! over sampler seeds where the cap's rank did not always.
+//! Cost: ≈ 1/quantile ≈ 11 (age order) to 15 registry entries per victim (16 bytes each,
+//! sequential), one read of each old run, one re-probe and the removal under the partition's
+//! writer lock; the 64-sample re-estimation is amortized over ~3% of the population. Mixed LFU
+//! counts (a threshold count above 0) read every run the walk passes. Quotas, which have no
+//! cost bar, sample at the 7th of 64 (≈ 11%).
 //!
 //! **Counters.** The cap runs holding the calling ingest's key and entry deltas ([`HeldBackDeltas`]): a
 //! victim of the same partition folds its own deltas into them (and of the same replica, its
@@ -67,7 +75,7 @@ use super::records::{Partition, TenantRec};
 use super::route::{KeyBytesOwned, own_key};
 use crate::ReplicaId;
 use crate::config::Algorithm;
-use crate::raw::block_run::BlockRun;
+use crate::raw::block_run::{BlockRun, ScanStep};
 use crate::raw::holder::{Holder, key_parts};
 use crate::raw::run_store::KeyBytes;
 use crate::sink::{ChangeEvent, ChangeKind};
@@ -108,10 +116,10 @@ const SAMPLE_ATTEMPTS: usize = SAMPLES * 16;
 /// the module docs for the quality / cost trade-off).
 const THRESHOLD_RANK: usize = 3;
 /// Threshold index when every sample has the same `eff_count` (LRU, or LFU with nothing
-/// credited): the order is by age alone and the 9th smallest (≈ 14% quantile) halves the walk
-/// per victim at no measured quality cost; with mixed counts a looser threshold would admit
-/// credited entries while uncredited ones remain.
-const THRESHOLD_RANK_BY_AGE: usize = 8;
+/// credited): the order is by age alone and the 6th smallest (≈ 9% quantile) keeps walks short;
+/// with mixed counts a looser threshold would admit credited entries while uncredited ones
+/// remain.
+const THRESHOLD_RANK_BY_AGE: usize = 5;
 /// Threshold index for quotas (always by age): the 7th smallest (≈ 11%). The quota has no
 /// cost bar, and at the cap's rank its N/2 quality ranged 94.5–98.3% over 16 sampler seeds
 /// (V5 asks ≥ 95%); at this one, 96.5–99.0%.
@@ -122,9 +130,9 @@ const CANDIDATES: usize = 32;
 const RECENT_RING: usize = 1024;
 /// Ring entries examined per step before falling back to the buffer.
 const RECENT_TRIES: usize = 4;
-/// Key-table slots a refill walks at most.
+/// Registry entries a refill walks at most.
 const WALK_BUDGET: usize = 8192;
-/// Slots scanned between candidate-buffer checks.
+/// Registry entries scanned per step of a walk.
 const WALK_STEP: usize = 512;
 
 /// Comparable prefix of the ideal order used by the approximate path: `(eff_count, last_seen)`.
@@ -193,10 +201,12 @@ pub(crate) struct Hand {
     budget: u64,
     /// The cursor wrapped around since the last estimate.
     lapped: bool,
-    /// Walk cursor: (partition, position). The position is a fraction of a key table in units
-    /// of 2^-32, not a slot index: tables are rebuilt at other sizes under the walk, and a
-    /// key's home keeps its relative position.
-    cursor: (usize, u64),
+    /// The last walk found nothing and its runs are to be walked once more with a fresh
+    /// threshold ([`Index::refill`]).
+    rewalked: bool,
+    /// Walk cursor: (partition, position in its run registry). Run ids never move, so a
+    /// position stays where the lap stands whatever the writers do meanwhile.
+    cursor: (usize, usize),
     /// Cap only: new entries of LFU namespaces reported by earlier ingests, oldest first.
     recent: VecDeque<RecentEntry>,
     /// The cap's per-enforcement algorithm cache ([`Cx::algs`]), kept here between
@@ -216,6 +226,7 @@ impl Hand {
             thr: None,
             budget: 0,
             lapped: false,
+            rewalked: false,
             cursor: (0, 0),
             recent: VecDeque::new(),
             algs: Vec::new(),
@@ -248,6 +259,7 @@ impl Hand {
             self.thr = None;
             self.budget = 0;
             self.lapped = false;
+            self.rewalked = false;
             self.cursor = (0, 0);
         }
     }
@@ -644,11 +656,22 @@ impl Index {
         if hand.thr.is_none() {
             return false;
         }
+        let start = hand.cursor;
         self.walk(hand, cx);
         if hand.cands.is_empty() {
-            hand.thr = None; // too strict (or stale): re-estimate next time
+            // Too strict, or stale: re-estimate next time. The first time, the cursor goes
+            // back to where this walk began, so the fresh threshold walks the same runs: they
+            // lie roughly oldest first (ids are reused in eviction order), and skipped by a
+            // stale threshold they would wait a whole lap while younger runs are taken. A
+            // fresh threshold that finds nothing there either moves on.
+            if !hand.rewalked {
+                hand.cursor = start;
+            }
+            hand.rewalked = !hand.rewalked;
+            hand.thr = None;
             return false;
         }
+        hand.rewalked = false;
         hand.sort_cands();
         true
     }
@@ -715,15 +738,19 @@ impl Index {
         hand.cands.extend(hand.samples.drain(..n));
     }
 
-    /// Walks the cursor lock-free, collecting candidates at or below the threshold.
+    /// Walks the cursor lock-free over the partitions' run registries, collecting candidates at
+    /// or below the threshold.
     fn walk(&self, hand: &mut Hand, cx: &mut Cx) {
-        const WHOLE: u64 = 1 << 32;
         let Some(thr) = hand.thr else {
             return;
         };
         if hand.parts.is_empty() {
             return;
         }
+        // A run's age bounds every rank it holds from below by `(0, age)`, so with a threshold
+        // count of 0 a run younger than the threshold holds no candidate and the registry scan
+        // passes it by its age alone. A higher count admits runs of any age.
+        let max_age = if thr.0 == 0 { thr.1 } else { i64::MAX };
         let guard = epoch::pin();
         let (mut pi, mut pos) = hand.cursor;
         let mut visited = 0;
@@ -744,33 +771,53 @@ impl Index {
                 visited += 1;
                 continue;
             }
-            // Positions are fractions of the key table, so a table rebuilt at another size
-            // mid-lap is still covered where the lap stands (homes scale with the length).
-            let len = p.store.scan_len(&guard);
-            let step = ((WALK_STEP as u64) << 32)
-                .div_ceil(len.max(1) as u64)
-                .min(WHOLE);
-            let end_pos = (pos + step).min(WHOLE);
-            let first = ((pos as u128 * len as u128) >> 32) as usize;
-            let last = ((end_pos as u128 * len as u128) >> 32) as usize;
+            // Under LRU a cap victim's run mates carry its holder entry and follow it (module
+            // docs, step 4): a run's first live block stands for all of them. Otherwise (LFU
+            // counts are per block, quota victims are keys) every live block is a candidate.
+            let blocks_per_run =
+                if cx.mode == Mode::Cap && cx.alg(self, &p.tenant) == Algorithm::Lru {
+                    1
+                } else {
+                    usize::MAX
+                };
+            let len = p.store.run_scan_len();
+            let end = (pos + WALK_STEP).min(len);
             let cands = &mut hand.cands;
-            p.store.scan(first, last - first, &guard, |digest, run, o| {
-                let key = KeyBytes::new(digest, run.long_key(o));
-                self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
-                    if rank <= thr {
-                        cands.push(Victim {
-                            rank,
-                            part: pi,
-                            key: own_key(key.as_ref()),
-                            rep,
-                            generation,
-                        });
-                    }
-                });
+            let mut at_young = false;
+            let stopped = p.store.scan_runs(pos, end, max_age, &guard, |step| {
+                let ScanStep::Old(run) = step else {
+                    // A young run after candidates: the walk stops in front of it. Runs lie
+                    // roughly oldest first from the cursor on (ids are reused in eviction
+                    // order), so the first young one is where a threshold gone stale starts
+                    // to pass runs a fresh one would take; passed, they would wait a lap.
+                    at_young = !cands.is_empty();
+                    return !at_young;
+                };
+                let live = (0..run.len()).filter(|&o| !run.is_dead(o));
+                for o in live.take(blocks_per_run) {
+                    let key = KeyBytes::new(run.key(o), run.long_key(o));
+                    self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
+                        if rank <= thr {
+                            cands.push(Victim {
+                                rank,
+                                part: pi,
+                                key: own_key(key.as_ref()),
+                                rep,
+                                generation,
+                            });
+                        }
+                    });
+                }
+                // A long run's blocks can fill the buffer many times over: the rest of the
+                // step waits for the next refill.
+                cands.len() < CANDIDATES
             });
-            visited += (last - first).max(1);
-            pos = end_pos;
-            if pos >= WHOLE {
+            visited += (stopped - pos).max(1);
+            pos = stopped;
+            if at_young {
+                break;
+            }
+            if pos >= len {
                 pos = 0;
                 pi += 1;
             }

@@ -971,6 +971,15 @@ impl Reclaim for BlockRun {
 /// Ids of the runs of one partition: an id names its run's pointer while the run is
 /// registered (invariant 4), so a hint can check the run it names is still live. Chunks of
 /// doubling size (64, 128, … entries) that never move, read lock-free.
+///
+/// Each entry also keeps its run's *age*: a lower bound of the `last_seen` of the run's
+/// holders (the oldest at registration, lowered by a join; a holder leaving leaves it low).
+/// Holder entries are never rewritten (invariant 3), so a run never gets older than its age
+/// says, and a scan for old runs ([`RunIds::scan`]) can pass over every younger run reading
+/// only this array, never the runs. The age is written before the entry's pointer (Release),
+/// so a reader that loads the pointer with Acquire and then the age sees at least the
+/// registration's value; a join's lowering is Relaxed, and a scan that misses it passes a run
+/// whose newest holder it would have taken — an approximate walk's miss, never a wrong answer.
 pub struct RunIds {
     chunks: [AtomicPtr<AtomicU64>; CHUNKS],
 }
@@ -985,6 +994,16 @@ pub struct IdAllocator {
 
 const FIRST_CHUNK: usize = 64;
 const CHUNKS: usize = 26;
+/// Words per entry: the run pointer, then its age.
+const ENTRY_WORDS: usize = 2;
+
+/// A registered run met by [`RunIds::scan`].
+pub enum ScanStep<'a> {
+    /// A run whose age is at most the scan's bound.
+    Old(&'a BlockRun),
+    /// A younger run, not read.
+    Young,
+}
 
 /// Chunk and index of id `id` (ids start at 1; entry 0 of chunk 0 is never used).
 #[inline]
@@ -1019,10 +1038,87 @@ impl RunIds {
         if chunk.is_null() {
             return None;
         }
-        // SAFETY: chunk `c` holds `chunk_len(c)` initialised words and lives as long as the
+        // SAFETY: chunk `c` holds `chunk_len(c)` initialised entries and lives as long as the
         // registry; `i < chunk_len(c)` by `locate`.
-        let word = unsafe { &*chunk.add(i) }.load(Ordering::Acquire);
+        let word = unsafe { &*chunk.add(ENTRY_WORDS * i) }.load(Ordering::Acquire);
         NonNull::new(word as *mut BlockRun)
+    }
+
+    /// Positions a [`RunIds::scan`] covers: one per id the allocated chunks can hold (id 0's
+    /// position included, never registered).
+    pub fn scan_len(&self) -> usize {
+        (0..CHUNKS)
+            .take_while(|&c| !self.chunks[c].load(Ordering::Acquire).is_null())
+            .map(chunk_len)
+            .sum()
+    }
+
+    /// Calls `f` for every run registered at positions (ids) `first..end`: with
+    /// [`ScanStep::Old`] and the run if its age is at most `max_age`, else with
+    /// [`ScanStep::Young`] (reading nothing of the run), until `f` returns `false`. Returns
+    /// where the scan stopped: after an old run, at a young one (`end` if `f` never stopped
+    /// it). The runs are live while `guard` is pinned (invariant 4). Positions past
+    /// [`RunIds::scan_len`] are empty.
+    pub fn scan(
+        &self,
+        first: usize,
+        end: usize,
+        max_age: i64,
+        _guard: &Guard,
+        mut f: impl FnMut(ScanStep<'_>) -> bool,
+    ) -> usize {
+        let mut at = first;
+        while at < end {
+            let (c, i) = locate(at);
+            let Some(chunk) = self.chunks.get(c) else {
+                return end;
+            };
+            let chunk = chunk.load(Ordering::Acquire);
+            if chunk.is_null() {
+                return end;
+            }
+            let here = (chunk_len(c) - i).min(end - at);
+            for (position, i) in (at..).zip(i..i + here) {
+                // SAFETY: `i < chunk_len(c)`, within the chunk's initialised entries, which
+                // live as long as the registry.
+                let (pointer, age) = unsafe {
+                    (
+                        &*chunk.add(ENTRY_WORDS * i),
+                        &*chunk.add(ENTRY_WORDS * i + 1),
+                    )
+                };
+                // Acquire: the run's contents (and its age) before its use.
+                let run = pointer.load(Ordering::Acquire);
+                if run == 0 {
+                    continue;
+                }
+                if age.load(Ordering::Relaxed) as i64 > max_age {
+                    if !f(ScanStep::Young) {
+                        return position;
+                    }
+                    continue;
+                }
+                // SAFETY: a registered run, live while the caller's guard is pinned: it is
+                // deregistered before it is retired through the epoch (invariant 4).
+                if !f(ScanStep::Old(unsafe { &*(run as *const BlockRun) })) {
+                    return position + 1;
+                }
+            }
+            at += here;
+        }
+        end
+    }
+
+    /// Lowers the age of registered id `id` to `last_seen_ms` if that is older (a holder
+    /// joined the run). Writer side.
+    pub fn lower_age(&self, id: u32, last_seen_ms: i64) {
+        if id == 0 {
+            return;
+        }
+        let word = self.age(id);
+        if last_seen_ms < word.load(Ordering::Relaxed) as i64 {
+            word.store(last_seen_ms as u64, Ordering::Relaxed);
+        }
     }
 
     /// Fetches the registry entry of `id` (any value: a prefetch never faults, and an id
@@ -1037,7 +1133,7 @@ impl RunIds {
             // Relaxed: the address is only prefetched, never read through.
             let chunk = chunk.load(Ordering::Relaxed);
             if !chunk.is_null() {
-                prefetch(chunk.wrapping_add(i));
+                prefetch(chunk.wrapping_add(ENTRY_WORDS * i));
             }
         }
         #[cfg(loom)]
@@ -1055,8 +1151,9 @@ impl RunIds {
                     return None;
                 }
                 if self.chunks[c].load(Ordering::Relaxed).is_null() {
-                    let words: Box<[AtomicU64]> =
-                        (0..chunk_len(c)).map(|_| AtomicU64::new(0)).collect();
+                    let words: Box<[AtomicU64]> = (0..ENTRY_WORDS * chunk_len(c))
+                        .map(|_| AtomicU64::new(0))
+                        .collect();
                     // Release: the zeroed words before the chunk pointer.
                     self.chunks[c].store(Box::into_raw(words) as *mut AtomicU64, Ordering::Release);
                 }
@@ -1069,7 +1166,12 @@ impl RunIds {
         // The step in the high half stays; only the registering writer writes the id.
         let step = word.load(Ordering::Relaxed) & !u64::from(u32::MAX);
         word.store(step | u64::from(id), Ordering::Relaxed);
-        // Release: the run's contents before the entry that names it (module docs).
+        let mut age = i64::MAX;
+        // SAFETY: as above.
+        unsafe { run.as_ref() }.for_each_holder(|_, h| age = age.min(h.last_seen_ms()));
+        self.age(id).store(age as u64, Ordering::Relaxed);
+        // Release: the run's contents and its age before the entry that names it (module
+        // docs).
         self.entry(id).store(run.as_ptr() as u64, Ordering::Release);
         Some(id)
     }
@@ -1089,15 +1191,24 @@ impl RunIds {
         let chunk = self.chunks[c].load(Ordering::Acquire);
         debug_assert!(!chunk.is_null());
         // SAFETY: the chunk of an id handed out exists (allocated before the id) and holds
-        // `chunk_len(c) > i` words.
-        unsafe { &*chunk.add(i) }
+        // `chunk_len(c) > i` entries.
+        unsafe { &*chunk.add(ENTRY_WORDS * i) }
+    }
+
+    /// The age word of a registered or just-allocated id.
+    fn age(&self, id: u32) -> &AtomicU64 {
+        let (c, i) = locate(id as usize);
+        let chunk = self.chunks[c].load(Ordering::Acquire);
+        debug_assert!(!chunk.is_null());
+        // SAFETY: as in `entry`; the age is the entry's second word.
+        unsafe { &*chunk.add(ENTRY_WORDS * i + 1) }
     }
 
     /// Bytes the registry's chunks hold.
     pub fn bytes(&self) -> usize {
         (0..CHUNKS)
             .filter(|&c| !self.chunks[c].load(Ordering::Relaxed).is_null())
-            .map(|c| crate::raw::pages::heap_chunk(chunk_len(c) * WORD))
+            .map(|c| crate::raw::pages::heap_chunk(ENTRY_WORDS * chunk_len(c) * WORD))
             .sum()
     }
 }
@@ -1107,9 +1218,10 @@ impl Drop for RunIds {
         for (c, chunk) in self.chunks.iter().enumerate() {
             let p = chunk.load(Ordering::Relaxed);
             if !p.is_null() {
-                // SAFETY: built by `register` from a boxed slice of `chunk_len(c)` words, and
-                // the registry is being dropped, so no reader holds it.
-                drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, chunk_len(c))) });
+                let words = std::ptr::slice_from_raw_parts_mut(p, ENTRY_WORDS * chunk_len(c));
+                // SAFETY: built by `register` from a boxed slice of `ENTRY_WORDS * chunk_len(c)`
+                // words, and the registry is being dropped, so no reader holds it.
+                drop(unsafe { Box::from_raw(words) });
             }
         }
     }
@@ -1436,6 +1548,61 @@ mod tests {
         }
         // SAFETY: never in a slot.
         unsafe { BlockRun::discard(r) };
+    }
+
+    #[test]
+    fn a_scan_reads_only_runs_as_old_as_its_bound_and_stops_where_told() {
+        let guard = crossbeam_epoch::pin();
+        let ids = RunIds::new();
+        let mut alloc = IdAllocator::default();
+        // Ages: the oldest holder at registration.
+        let runs = [
+            run(&[holder(1, 50), holder(2, 20)], 3, &[1]),
+            run(&[holder(1, 40)], 2, &[2]),
+            run(&[holder(1, 10)], 1, &[3]),
+            run(&[holder(1, 60)], 2, &[4]),
+        ];
+        for r in runs {
+            ids.register(&mut alloc, r).expect("an id");
+        }
+        ids.deregister(&mut alloc, 3);
+        assert_eq!(ids.scan_len(), 64);
+        let seen = |first: usize, end: usize, max_age: i64, stop_young: bool| {
+            let (mut old, mut young) = (Vec::new(), 0);
+            let stopped = ids.scan(first, end, max_age, &guard, |step| match step {
+                ScanStep::Old(r) => {
+                    old.push(r.key(0));
+                    true
+                }
+                ScanStep::Young => {
+                    young += 1;
+                    !stop_young
+                }
+            });
+            (old, young, stopped)
+        };
+        // Id 3 is free: neither old nor young.
+        assert_eq!(seen(0, 64, 20, false), (vec![1], 2, 64));
+        assert_eq!(seen(0, 64, 40, false), (vec![1, 2], 1, 64));
+        assert_eq!(seen(2, 64, i64::MAX, false), (vec![2, 4], 0, 64));
+        // A young run stops the scan in front of it; an old one, after it.
+        assert_eq!(seen(1, 64, 20, true), (vec![1], 1, 2));
+        let stopped = ids.scan(0, 64, i64::MAX, &guard, |_| false);
+        assert_eq!(stopped, 2, "after id 1, the first registered");
+        // A join lowers the age; a younger one leaves it.
+        ids.lower_age(4, 30);
+        ids.lower_age(2, 45);
+        assert_eq!(seen(0, 64, 35, false), (vec![1, 4], 1, 64));
+        // Past the allocated chunks there is nothing.
+        assert_eq!(seen(64, 10_000, i64::MAX, false), (vec![], 0, 10_000));
+        // SAFETY: never in a slot; deregistered first.
+        unsafe {
+            for (id, r) in [(1, runs[0]), (2, runs[1]), (4, runs[3])] {
+                ids.deregister(&mut alloc, id);
+                BlockRun::discard(r);
+            }
+            BlockRun::discard(runs[2]);
+        }
     }
 
     #[test]

@@ -96,7 +96,8 @@
 //! replicas joining one shared stretch one by one copy `O(n²)` holder entries in all.
 
 use crate::raw::block_run::{
-    BlockRun, FLAG, HintTarget, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, long_part, pack, unpack,
+    BlockRun, FLAG, HintTarget, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, ScanStep, long_part,
+    pack, unpack,
 };
 use crate::raw::holder::{GEN_MASK, Holder};
 use crate::raw::reaper::Reaper;
@@ -1288,6 +1289,7 @@ impl RunStore {
                                     w.next_generation(),
                                 );
                                 if to - from == r.live_count() && r.push_holder(me) {
+                                    self.ids.lower_age(r.id(), me.last_seen_ms());
                                     report.added += to - from;
                                     (from..to)
                                         .for_each(|i| added(i, me.with_tokens(cumulative[i])));
@@ -1585,6 +1587,28 @@ impl RunStore {
             let r = run_ref(run);
             f(r.key(o), r, o);
         })
+    }
+
+    /// Calls `f` for the runs registered at positions `first..end` of the run registry
+    /// (`0..`[`RunStore::run_scan_len`]), with the run when its holders may have a `last_seen`
+    /// at or before `max_age` (ms), else with [`ScanStep::Young`] (the run not read), until `f`
+    /// returns `false`: the walk for old entries of the cap and the quotas, one visit per run
+    /// rather than per key. Returns where it stopped (after an old run, at a young one; `end`
+    /// if `f` never stopped it). The runs are live while `guard` is pinned.
+    pub fn scan_runs(
+        &self,
+        first: usize,
+        end: usize,
+        max_age: i64,
+        guard: &Guard,
+        f: impl FnMut(ScanStep<'_>) -> bool,
+    ) -> usize {
+        self.ids.scan(first, end, max_age, guard, f)
+    }
+
+    /// Positions of the run registry (a run scan's lap).
+    pub fn run_scan_len(&self) -> usize {
+        self.ids.scan_len()
     }
 
     /// Slots of the key table (a scan's lap).
