@@ -634,6 +634,15 @@ impl Index {
             Mode::Cap => self.evict_entry(part, &v, thr, cx, Some(&mut hand.cands)),
             Mode::Quota => self.evict_key(part, v.key.as_bytes(), thr.1, cx.now_us),
         };
+        // The next victim's slots are random lines of a table larger than the caches: fetched
+        // now, they arrive while the next ingest runs (the cap takes about one victim per
+        // ingest at the cap).
+        if let Some(next) = hand.cands.last() {
+            let (digest, _) = key_parts(next.key.as_bytes());
+            hand.parts[next.part]
+                .store
+                .prefetch_removal(digest, &epoch::pin());
+        }
         if removed {
             hand.budget = hand.budget.saturating_sub(1);
             if let Some(t) = tenant {

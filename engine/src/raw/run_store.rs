@@ -1611,6 +1611,15 @@ impl RunStore {
         self.ids.scan_len()
     }
 
+    /// Prefetches the slot lines of a key about to be removed (its key-table slot and, were it
+    /// a chain's first key, its root slot): the cap fetches its next victim's while the ingest
+    /// in between runs.
+    #[inline]
+    pub fn prefetch_removal(&self, digest: u64, guard: &Guard) {
+        self.table.prefetch_present(digest, guard);
+        self.roots.prefetch_present(digest, guard);
+    }
+
     /// Slots of the key table (a scan's lap).
     pub fn scan_len(&self, guard: &Guard) -> usize {
         self.table.scan_len(guard)
