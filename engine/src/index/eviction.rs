@@ -950,22 +950,8 @@ impl Index {
         let key = v.key.as_bytes();
         let (digest, long) = key_parts(key);
         let guard = epoch::pin();
-        // The victim's run mates, read before it goes (re-validated when they are taken).
         let mut queued = Vec::new();
-        if mates.is_some() && alg == Algorithm::Lru {
-            part.store
-                .for_each_run_mate(digest, long, v.rep, &guard, |mate| {
-                    if queued.len() < MAX_MATES {
-                        queued.push(Victim {
-                            rank: v.rank,
-                            part: v.part,
-                            key: own_key(mate.as_ref()),
-                            rep: v.rep,
-                            generation: v.generation,
-                        });
-                    }
-                });
-        }
+        let with_mates = mates.is_some() && alg == Algorithm::Lru;
         let mut pend = Pending::default();
         let mut gone = None;
         let report = part.store.remove_entry_if(
@@ -973,15 +959,30 @@ impl Index {
             long,
             v.rep,
             &guard,
-            |h| {
+            |h, run_mates| {
                 // Still over the cap? Read under the writer lock, after the victim was chosen: a
                 // removal the choice or the lock observed has already lowered the count
                 // (removals decrement before entries go, `Index::entry_removed`), so a
                 // concurrent PREFIX_EVICTED of another victim never makes the cap take one
                 // entry too many (loom m8a).
-                h.generation() == v.generation
+                let doomed = h.generation() == v.generation
                     && (eff_count(part, digest, h, alg, &guard), h.last_seen_ms()) <= thr
-                    && self.storage_entries.load(Ordering::Relaxed) > self.cfg.max_entries
+                    && self.storage_entries.load(Ordering::Relaxed) > self.cfg.max_entries;
+                // The victim's run mates, read before it goes (re-validated when taken).
+                if doomed && with_mates {
+                    run_mates.for_each(|mate| {
+                        if queued.len() < MAX_MATES {
+                            queued.push(Victim {
+                                rank: v.rank,
+                                part: v.part,
+                                key: own_key(mate.as_ref()),
+                                rep: v.rep,
+                                generation: v.generation,
+                            });
+                        }
+                    });
+                }
+                doomed
             },
             |h| {
                 self.entry_removed(part, key, &h, &guard, &mut pend);

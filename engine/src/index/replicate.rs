@@ -158,7 +158,7 @@ impl Index {
                 long,
                 rep,
                 &guard,
-                |h| h.last_seen_ms() <= *decided_ms,
+                |h, _| h.last_seen_ms() <= *decided_ms,
                 |h| self.entry_removed(part, key, &h, &guard, &mut pend),
             );
             if report.removed == 0 {

@@ -386,6 +386,24 @@ fn one_key<R>(digest: u64, long: Option<&[u8]>, f: impl FnOnce(Keys<'_, &[u8]>) 
     })
 }
 
+/// The other live keys of the run an entry is in (its *run mates*: entries of the same holder
+/// entry, so of one age; the cap takes them together), as [`RunStore::remove_entry_if`] shows
+/// them to its decision.
+pub struct RunMates<'g> {
+    run: &'g BlockRun,
+    offset: usize,
+}
+
+impl RunMates<'_> {
+    /// Calls `f` with each run mate's key.
+    pub fn for_each(&self, mut f: impl FnMut(KeyBytes<'_>)) {
+        let run = self.run;
+        for p in (0..run.len()).filter(|&p| p != self.offset && !run.is_dead(p)) {
+            f(KeyBytes::new(run.key(p), run.long_key(p)));
+        }
+    }
+}
+
 /// A key's bytes as a run names it: an 8-byte key rebuilt from its digest, or the bytes of a
 /// key of another length (a key copied out of a run to build another, a key a removal reports).
 pub enum KeyBytes<'g> {
@@ -487,6 +505,9 @@ impl StoreWriter {
     /// consecutive, a run's keys distinct), so this is exact for a removal. Many stretches are
     /// checked through [`has_repeats`] instead of pairwise.
     fn blocks_repeat(&mut self, keys: &[u64]) -> bool {
+        if self.stretches.len() < 2 {
+            return false; // one stretch names each of its blocks once
+        }
         let mut ranges = [(0usize, 0usize, 0usize); 16];
         let mut n = 0;
         for s in &self.stretches {
@@ -1713,22 +1734,28 @@ impl RunStore {
     }
 
     /// Removes replica `rep`'s entry of the key if it is present and `doomed` picks it (checked
-    /// under the writer lock: a cap victim re-validated), calling `removed(holder)` before it
-    /// goes. Returns what it removed.
+    /// under the writer lock: a cap victim re-validated; it may read the entry's [`RunMates`]),
+    /// calling `removed(holder)` before it goes. Returns what it removed.
     pub fn remove_entry_if(
         &self,
         digest: u64,
         long: Option<&[u8]>,
         rep: u32,
         guard: &Guard,
-        doomed: impl FnOnce(&Holder) -> bool,
+        doomed: impl FnOnce(&Holder, RunMates<'_>) -> bool,
         mut removed: impl FnMut(Holder),
     ) -> EvictReport {
         let mut w = self.lock_writer();
-        let Some(h) = self.entry(digest, long, rep, guard) else {
+        let Some((_, run, o)) = self.find_key(digest, long, guard) else {
             return EvictReport::default();
         };
-        if !doomed(&h) {
+        let mut found = None;
+        run.for_each_holder(|_, h| {
+            if h.rep() == rep {
+                found = Some(h.with_tokens(run.tokens_at(&h, o)));
+            }
+        });
+        if !found.is_some_and(|h| doomed(&h, RunMates { run, offset: o })) {
             return EvictReport::default();
         }
         let report = one_key(digest, long, |key| {
@@ -1764,30 +1791,6 @@ impl RunStore {
         });
         self.trim(&mut w, guard);
         report
-    }
-
-    /// Calls `f(key)` for each other live key of the run holding the key with `digest` and
-    /// long part `long`, if replica `rep` holds that run (its *run mates*: entries of the same
-    /// holder entry, so of one age; the cap takes them together).
-    pub fn for_each_run_mate(
-        &self,
-        digest: u64,
-        long: Option<&[u8]>,
-        rep: u32,
-        guard: &Guard,
-        mut f: impl FnMut(KeyBytes<'_>),
-    ) {
-        let Some((_, run, o)) = self.find_key(digest, long, guard) else {
-            return;
-        };
-        let mut held = false;
-        run.for_each_holder(|_, h| held |= h.rep() == rep);
-        if !held {
-            return;
-        }
-        for p in (0..run.len()).filter(|&p| p != o && !run.is_dead(p)) {
-            f(KeyBytes::new(run.key(p), run.long_key(p)));
-        }
     }
 
     /// Calls `f(key, run, offset)` for every present key (dump, digest, snapshot). Writers
