@@ -4,8 +4,8 @@
 #   flamegraphs/profile.sh            # everything: W1M lookups + ingest + server under load
 #   SERVER=0 flamegraphs/profile.sh   # skip the server/loadgen profile
 #   W1M=0 flamegraphs/profile.sh      # server profile only (server.svg, server-lookup.svg)
-#   W1M=0 SERVER=0 flamegraphs/profile.sh   # the cap-eviction profile only
-#   W1M=0 SERVER=0 EVICTION=0 flamegraphs/profile.sh   # the run-layout probe only (eviction-cap.svg)
+#   W1M=0 SERVER=0 PROBE=0 flamegraphs/profile.sh   # the cap-eviction profile only (eviction-cap.svg)
+#   W1M=0 SERVER=0 EVICTION=0 flamegraphs/profile.sh   # the run-layout probe only (probe-*.svg)
 #
 # What it does:
 #   1. installs perf (Debian `linux-perf`) and inferno when they are missing;
