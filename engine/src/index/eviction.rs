@@ -23,8 +23,11 @@
 //!    (≈ the 6% quantile of the population), or at [`THRESHOLD_RANK_BY_AGE`] (≈ 9%) when all
 //!    samples share one `eff_count` (pure age order); the samples at or below it are the first
 //!    candidates.
-//! 2. *Walk*: a persistent cursor (partition, run id) walks the partitions' run registries
-//!    lock-free. Each registry entry keeps its run's *age*, a lower bound of its holders'
+//! 2. *Walk*: a persistent cursor (partition, position) walks the partitions lock-free: an
+//!    LFU partition's key table in key order (its victims, entries of low counts, new ones
+//!    among them, are spread evenly there, while a new run takes the registry id its victim
+//!    freed, just behind the cursor), any other partition's run registry. Each registry entry
+//!    keeps its run's *age*, a lower bound of its holders'
 //!    `last_seen` (`raw/block_run.rs`, [`RunIds`](crate::raw::block_run::RunIds)), so with a
 //!    threshold count of 0 a run younger than the threshold is passed on its entry alone and
 //!    only old runs are read. An old run's live blocks (under LRU its first one: step 4 brings
@@ -135,6 +138,18 @@ const WALK_BUDGET: usize = 8192;
 /// Registry entries scanned per step of a walk.
 const WALK_STEP: usize = 512;
 
+/// Where one step of the walk over a partition left it.
+struct WalkStep {
+    /// The partition's position to go on from.
+    pos: u64,
+    /// Positions passed (the walk's budget counts them).
+    visited: usize,
+    /// The step reached the partition's end.
+    lapped: bool,
+    /// The step stopped in front of a young run ([`Index::walk_runs`]): the refill ends.
+    at_young: bool,
+}
+
 /// Comparable prefix of the ideal order used by the approximate path: `(eff_count, last_seen)`.
 type Rank = (u64, i64);
 
@@ -204,9 +219,9 @@ pub(crate) struct Hand {
     /// The last walk found nothing and its runs are to be walked once more with a fresh
     /// threshold ([`Index::refill`]).
     rewalked: bool,
-    /// Walk cursor: (partition, position in its run registry). Run ids never move, so a
-    /// position stays where the lap stands whatever the writers do meanwhile.
-    cursor: (usize, usize),
+    /// Walk cursor: (partition, position): a run id in its run registry, or, in an LFU
+    /// partition, a fraction of its key table ([`Index::walk_keys`]).
+    cursor: (usize, u64),
     /// Cap only: new entries of LFU namespaces reported by earlier ingests, oldest first.
     recent: VecDeque<RecentEntry>,
     /// The cap's per-enforcement algorithm cache ([`Cx::algs`]), kept here between
@@ -747,8 +762,8 @@ impl Index {
         hand.cands.extend(hand.samples.drain(..n));
     }
 
-    /// Walks the cursor lock-free over the partitions' run registries, collecting candidates at
-    /// or below the threshold.
+    /// Walks the cursor lock-free over the partitions, collecting candidates at or below the
+    /// threshold: an LFU partition's key table in key order, any other's run registry.
     fn walk(&self, hand: &mut Hand, cx: &mut Cx) {
         let Some(thr) = hand.thr else {
             return;
@@ -756,11 +771,6 @@ impl Index {
         if hand.parts.is_empty() {
             return;
         }
-        // A run's age bounds every rank it holds from below by `(0, age)`, so with a threshold
-        // count of 0 a run younger than the threshold holds no candidate and the registry scan
-        // passes it by its age alone. A higher count admits runs of any age.
-        let max_age = if thr.0 == 0 { thr.1 } else { i64::MAX };
-        let guard = epoch::pin();
         let (mut pi, mut pos) = hand.cursor;
         let mut visited = 0;
         let mut wraps = 0;
@@ -780,58 +790,133 @@ impl Index {
                 visited += 1;
                 continue;
             }
-            // Under LRU a cap victim's run mates carry its holder entry and follow it (module
-            // docs, step 4): a run's first live block stands for all of them. Otherwise (LFU
-            // counts are per block, quota victims are keys) every live block is a candidate.
-            let blocks_per_run =
-                if cx.mode == Mode::Cap && cx.alg(self, &p.tenant) == Algorithm::Lru {
-                    1
-                } else {
-                    usize::MAX
-                };
-            let len = p.store.run_scan_len();
-            let end = (pos + WALK_STEP).min(len);
-            let cands = &mut hand.cands;
-            let mut at_young = false;
-            let stopped = p.store.scan_runs(pos, end, max_age, &guard, |step| {
-                let ScanStep::Old(run) = step else {
-                    // A young run after candidates: the walk stops in front of it. Runs lie
-                    // roughly oldest first from the cursor on (ids are reused in eviction
-                    // order), so the first young one is where a threshold gone stale starts
-                    // to pass runs a fresh one would take; passed, they would wait a lap.
-                    at_young = !cands.is_empty();
-                    return !at_young;
-                };
-                let live = (0..run.len()).filter(|&o| !run.is_dead(o));
-                for o in live.take(blocks_per_run) {
-                    let key = KeyBytes::new(run.key(o), run.long_key(o));
-                    self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
-                        if rank <= thr {
-                            cands.push(Victim {
-                                rank,
-                                part: pi,
-                                key: own_key(key.as_ref()),
-                                rep,
-                                generation,
-                            });
-                        }
-                    });
-                }
-                // A long run's blocks can fill the buffer many times over: the rest of the
-                // step waits for the next refill.
-                cands.len() < CANDIDATES
-            });
-            visited += (stopped - pos).max(1);
-            pos = stopped;
-            if at_young {
+            let step = if cx.mode == Mode::Cap && cx.alg(self, &p.tenant) == Algorithm::Lfu {
+                self.walk_keys(cx, p, (pi, pos), thr, &mut hand.cands)
+            } else {
+                self.walk_runs(cx, p, (pi, pos), thr, &mut hand.cands)
+            };
+            visited += step.visited;
+            pos = step.pos;
+            if step.at_young {
                 break;
             }
-            if pos >= len {
+            if step.lapped {
                 pos = 0;
                 pi += 1;
             }
         }
         hand.cursor = (pi, pos);
+    }
+
+    /// One step of the walk over partition `p`'s run registry from position `at.1` (a run id).
+    /// Each registry entry keeps its run's age, a lower bound of its holders' `last_seen`, so
+    /// with a threshold count of 0 a run younger than the threshold holds no candidate and is
+    /// passed on its entry alone; a higher count admits runs of any age.
+    fn walk_runs(
+        &self,
+        cx: &mut Cx,
+        p: &Partition,
+        at: (usize, u64),
+        thr: Rank,
+        cands: &mut Vec<Victim>,
+    ) -> WalkStep {
+        let guard = epoch::pin();
+        let (pi, pos) = (at.0, at.1 as usize);
+        let max_age = if thr.0 == 0 { thr.1 } else { i64::MAX };
+        // Under LRU a cap victim's run mates carry its holder entry and follow it (module
+        // docs, step 4): a run's first live block stands for all of them. Otherwise (quota
+        // victims are keys) every live block is a candidate.
+        let blocks_per_run = if cx.mode == Mode::Cap && cx.alg(self, &p.tenant) == Algorithm::Lru {
+            1
+        } else {
+            usize::MAX
+        };
+        let len = p.store.run_scan_len();
+        // A position from a key-table walk (the tenant's algorithm changed) may lie past it.
+        let pos = pos.min(len);
+        let end = (pos + WALK_STEP).min(len);
+        let mut at_young = false;
+        let stopped = p.store.scan_runs(pos, end, max_age, &guard, |step| {
+            let ScanStep::Old(run) = step else {
+                // A young run after candidates: the walk stops in front of it. Runs lie
+                // roughly oldest first from the cursor on (ids are reused in eviction order),
+                // so the first young one is where a threshold gone stale starts to pass runs a
+                // fresh one would take; passed, they would wait a lap.
+                at_young = !cands.is_empty();
+                return !at_young;
+            };
+            let live = (0..run.len()).filter(|&o| !run.is_dead(o));
+            for o in live.take(blocks_per_run) {
+                let key = KeyBytes::new(run.key(o), run.long_key(o));
+                self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
+                    if rank <= thr {
+                        cands.push(Victim {
+                            rank,
+                            part: pi,
+                            key: own_key(key.as_ref()),
+                            rep,
+                            generation,
+                        });
+                    }
+                });
+            }
+            // A long run's blocks can fill the buffer many times over: the rest of the step
+            // waits for the next refill.
+            cands.len() < CANDIDATES
+        });
+        WalkStep {
+            pos: stopped as u64,
+            visited: (stopped - pos).max(1),
+            lapped: stopped >= len,
+            at_young,
+        }
+    }
+
+    /// One step of the walk over LFU partition `p`'s key table from position `at.1` (a
+    /// fraction of the table in units of 2^-32: tables are rebuilt at other sizes under the
+    /// walk, and a key's home keeps its relative position). Under LFU the victims are the
+    /// entries of low counts, new ones among them, which the registry keeps in no useful order
+    /// (a new run takes the id its victim freed, just behind the cursor): in key order they
+    /// are spread evenly over the lap.
+    fn walk_keys(
+        &self,
+        cx: &mut Cx,
+        p: &Partition,
+        at: (usize, u64),
+        thr: Rank,
+        cands: &mut Vec<Victim>,
+    ) -> WalkStep {
+        const WHOLE: u64 = 1 << 32;
+        let guard = epoch::pin();
+        let (pi, pos) = at;
+        let pos = pos.min(WHOLE);
+        let len = p.store.scan_len(&guard);
+        let step = ((WALK_STEP as u64) << 32)
+            .div_ceil(len.max(1) as u64)
+            .min(WHOLE);
+        let end = (pos + step).min(WHOLE);
+        let first = ((pos as u128 * len as u128) >> 32) as usize;
+        let last = ((end as u128 * len as u128) >> 32) as usize;
+        p.store.scan(first, last - first, &guard, |digest, run, o| {
+            let key = KeyBytes::new(digest, run.long_key(o));
+            self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
+                if rank <= thr {
+                    cands.push(Victim {
+                        rank,
+                        part: pi,
+                        key: own_key(key.as_ref()),
+                        rep,
+                        generation,
+                    });
+                }
+            });
+        });
+        WalkStep {
+            pos: end,
+            visited: (last - first).max(1),
+            lapped: end >= WHOLE,
+            at_young: false,
+        }
     }
 
     // ----------------------------------------------------------------------------------------
