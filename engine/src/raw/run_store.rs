@@ -1746,17 +1746,35 @@ impl RunStore {
         mut removed: impl FnMut(Holder),
     ) -> EvictReport {
         let mut w = self.lock_writer();
-        let Some((_, run, o)) = self.find_key(digest, long, guard) else {
+        let Some((value, run, o)) = self.find_key(digest, long, guard) else {
             return EvictReport::default();
         };
-        let mut found = None;
+        let (mut found, mut holding) = (None, 0);
         run.for_each_holder(|_, h| {
+            holding += 1;
             if h.rep() == rep {
                 found = Some(h.with_tokens(run.tokens_at(&h, o)));
             }
         });
-        if !found.is_some_and(|h| doomed(&h, RunMates { run, offset: o })) {
+        let Some(entry) = found.filter(|h| doomed(h, RunMates { run, offset: o })) else {
             return EvictReport::default();
+        };
+        if holding == 1 {
+            // The replica is the block's only holder: its entry goes with the key, as a key's
+            // removal takes it (`remove_keys_locked`), with no stretch to cut or run to copy.
+            removed(entry);
+            // Invariant 2: the offset is dead before its slot goes.
+            run.set_dead(o);
+            self.table.lock().remove(digest, guard);
+            if value & FLAG != 0 {
+                self.roots.lock().remove(digest, guard);
+            }
+            self.release(&mut w, unpack(value).0, 1, guard);
+            self.trim(&mut w, guard);
+            return EvictReport {
+                removed: 1,
+                keys_removed: 1,
+            };
         }
         let report = one_key(digest, long, |key| {
             self.evict_locked(&mut w, key, rep, guard, &mut |_, h| removed(h))
