@@ -446,7 +446,10 @@ fn cap_evicts_chains_whole_with_their_run_mates() {
         .count();
     println!("partial chains {partial}, whole among the newest 100: {whole_new}");
     assert!(partial <= 2, "chains left half-evicted: {partial}");
-    assert!(whole_new >= 95, "newest chains kept: {whole_new}");
+    // Exact LRU keeps all 100 and a random choice about a third; the sampled threshold keeps
+    // 91–100 (median 98 over 100 processes: the placement seed moves the samples), so the bar
+    // sits below that spread rather than at its edge.
+    assert!(whole_new >= 85, "newest chains kept: {whole_new}");
     // What is left of the runs: the live chains' and at most the partial ones'.
     // A chain's run: its keys, a header, four hints and two holder entries (one spare).
     let runs = e.ix.memory_breakdown().runs;
