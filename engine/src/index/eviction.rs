@@ -151,6 +151,27 @@ struct WalkStep {
     at_young: bool,
 }
 
+/// The `visit` callback of a walk: pushes each ranked entry of `key` (in partition `part`) at
+/// or below `thr` into `cands`.
+fn candidates_at_most<'a>(
+    thr: Rank,
+    part: usize,
+    key: &'a [u8],
+    cands: &'a mut Vec<Victim>,
+) -> impl FnMut(Rank, u32, u32) + 'a {
+    move |rank, rep, generation| {
+        if rank <= thr {
+            cands.push(Victim {
+                rank,
+                part,
+                key: own_key(key),
+                rep,
+                generation,
+            });
+        }
+    }
+}
+
 /// Comparable prefix of the ideal order used by the approximate path: `(eff_count, last_seen)`.
 type Rank = (u64, i64);
 
@@ -850,17 +871,8 @@ impl Index {
             let live = (0..run.len()).filter(|&o| !run.is_dead(o));
             for o in live.take(blocks_per_run) {
                 let key = KeyBytes::new(run.key(o), run.long_key(o));
-                self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
-                    if rank <= thr {
-                        cands.push(Victim {
-                            rank,
-                            part: pi,
-                            key: own_key(key.as_ref()),
-                            rep,
-                            generation,
-                        });
-                    }
-                });
+                let sink = candidates_at_most(thr, pi, key.as_ref(), cands);
+                self.visit(cx, p, run, o, &guard, sink);
             }
             // A long run's blocks can fill the buffer many times over: the rest of the step
             // waits for the next refill.
@@ -901,17 +913,8 @@ impl Index {
         let last = ((end as u128 * len as u128) >> 32) as usize;
         p.store.scan(first, last - first, &guard, |digest, run, o| {
             let key = KeyBytes::new(digest, run.long_key(o));
-            self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
-                if rank <= thr {
-                    cands.push(Victim {
-                        rank,
-                        part: pi,
-                        key: own_key(key.as_ref()),
-                        rep,
-                        generation,
-                    });
-                }
-            });
+            let sink = candidates_at_most(thr, pi, key.as_ref(), cands);
+            self.visit(cx, p, run, o, &guard, sink);
         });
         WalkStep {
             pos: end,

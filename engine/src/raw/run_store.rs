@@ -1575,21 +1575,27 @@ impl RunStore {
             let Some((v, r, o)) = self.find_key(k, keys.long(i), guard) else {
                 continue;
             };
-            let (run, _) = unpack(v);
             r.for_each_holder(|_, h| {
                 report.removed += 1;
                 removed(k, keys.long(i), h.with_tokens(r.tokens_at(&h, o)));
             });
             report.keys_removed += 1;
-            // Invariant 2: the offset is dead before its slot goes.
-            r.set_dead(o);
-            self.table.lock().remove(k, guard);
-            if v & FLAG != 0 {
-                self.roots.lock().remove(k, guard);
-            }
-            self.release(w, run, 1, guard);
+            self.unlink_key(w, k, v, guard);
         }
         report
+    }
+
+    /// Takes the key with `digest`, whose slot holds `value`, out of the store: its offset
+    /// dead, its slot and root slot gone, its run released.
+    fn unlink_key(&self, w: &mut StoreWriter, digest: u64, value: u64, guard: &Guard) {
+        let (run, o) = unpack(value);
+        // Invariant 2: the offset is dead before its slot goes.
+        run_ref(run).set_dead(o);
+        self.table.lock().remove(digest, guard);
+        if value & FLAG != 0 {
+            self.roots.lock().remove(digest, guard);
+        }
+        self.release(w, run, 1, guard);
     }
 
     /// Calls `f(digest, run, offset)` for the present keys among `count` key-table slots from
@@ -1763,13 +1769,7 @@ impl RunStore {
             // The replica is the block's only holder: its entry goes with the key, as a key's
             // removal takes it (`remove_keys_locked`), with no stretch to cut or run to copy.
             removed(entry);
-            // Invariant 2: the offset is dead before its slot goes.
-            run.set_dead(o);
-            self.table.lock().remove(digest, guard);
-            if value & FLAG != 0 {
-                self.roots.lock().remove(digest, guard);
-            }
-            self.release(&mut w, unpack(value).0, 1, guard);
+            self.unlink_key(&mut w, digest, value, guard);
             self.trim(&mut w, guard);
             return EvictReport {
                 removed: 1,
