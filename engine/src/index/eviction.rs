@@ -86,6 +86,7 @@ use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;
 use crossbeam_epoch::{self as epoch, Guard};
 use std::collections::VecDeque;
+use std::ptr::NonNull;
 use std::sync::{Arc, Weak};
 
 /// Eviction reason for `index_evictions_total`.
@@ -197,14 +198,41 @@ enum Mode {
 }
 
 /// A new storage entry with an 8-byte key, as an ingest reports it to the cap (see
-/// [`Index::enforce_cap`]): its partition (by address: partitions live as long as the index),
-/// key, replica and generation.
-#[derive(Clone, Copy, Default)]
+/// [`Index::enforce_cap`]): its partition, key, replica and generation.
+#[derive(Clone, Copy)]
 pub(crate) struct RecentEntry {
-    pub(crate) part: usize,
+    pub(crate) part: PartPtr,
     pub(crate) key: u64,
     pub(crate) rep: u32,
     pub(crate) generation: u32,
+}
+
+/// A partition named without a lifetime, for the cap's recent-entries ring, which outlives the
+/// ingests that fill it. Whoever dereferences one shows that the partition is not reclaimed yet
+/// (an ingest still entered in it, or the ring's clearing by the sweep: see `recent_step`).
+#[derive(Clone, Copy)]
+pub(crate) struct PartPtr(NonNull<Partition>);
+
+// SAFETY: a `PartPtr` is a shared reference to a `Partition` (which is `Sync`) without its
+// lifetime; sending or sharing it hands over nothing else, and every dereference states why the
+// partition is alive.
+unsafe impl Send for PartPtr {}
+// SAFETY: as for `Send`: only `&Partition` can be had from it.
+unsafe impl Sync for PartPtr {}
+
+impl PartPtr {
+    pub(crate) fn new(part: &Partition) -> Self {
+        Self(NonNull::from(part))
+    }
+
+    /// The partition.
+    ///
+    /// # Safety
+    /// The partition has not been reclaimed, and is not while the reference is used.
+    unsafe fn get<'a>(self) -> &'a Partition {
+        // SAFETY: (caller) the partition is alive for `'a`.
+        unsafe { self.0.as_ref() }
+    }
 }
 
 /// A candidate victim (cap: one storage entry; quota: one key, `rep`/`generation` unused).
@@ -463,7 +491,11 @@ impl Index {
     /// entries the calling ingest just created; when the index is over the cap, those of LFU
     /// namespaces join the recent-entries ring *after* this enforcement, so an entry is never a
     /// ring victim of its own ingest.
-    pub(super) fn enforce_cap(&self, created: &[RecentEntry], carry: Option<HeldBackDeltas<'_>>) {
+    pub(super) fn enforce_cap(
+        &self,
+        created: &[Option<RecentEntry>],
+        carry: Option<HeldBackDeltas<'_>>,
+    ) {
         let cap = self.cfg.max_entries;
         if !self.over_cap() {
             if let Some(c) = carry {
@@ -504,10 +536,10 @@ impl Index {
                 stall += 1;
             }
         }
-        for e in created {
-            // SAFETY: `e.part` is the address of a partition the calling ingest is still
-            // entered in (`Created::take`, `dir::Life`), so the sweep has not reclaimed it.
-            let part = unsafe { &*(e.part as *const Partition) };
+        for e in created.iter().flatten() {
+            // SAFETY: `e.part` names a partition the calling ingest is still entered in
+            // (`Created::take`, `dir::Life`), so the sweep has not reclaimed it.
+            let part = unsafe { e.part.get() };
             if !part.tenant.reserved && cx.alg(self, &part.tenant) == Algorithm::Lfu {
                 if hand.recent.len() >= RECENT_RING {
                     hand.recent.pop_front();
@@ -624,7 +656,7 @@ impl Index {
             // SAFETY: the ring only names partitions in `hand.parts` (it is filled after the
             // hand caught up with `all_parts`), and the sweep clears it, under this hand's
             // lock, whenever it drops a reclaimed partition from the hand (`forget_parts`).
-            let part = unsafe { &*(e.part as *const Partition) };
+            let part = unsafe { e.part.get() };
             let key = e.key.to_be_bytes();
             let rank = part
                 .store

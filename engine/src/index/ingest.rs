@@ -7,7 +7,7 @@
 //! counts) are not touched per block: their deltas collect in a [`Pending`] per (partition,
 //! replica) run and are applied once, after the entries are published (C3).
 
-use super::eviction::RecentEntry;
+use super::eviction::{PartPtr, RecentEntry};
 use super::records::{ModelRec, Partition, StatsRecord};
 use super::{Index, STATS_RECORD_BYTES};
 use crate::ReplicaId;
@@ -79,10 +79,11 @@ impl HeldBackDeltas<'_> {
 /// New entries of one (partition, replica) run an ingest reports to the cap.
 const RECENT_PER_RUN: usize = 4;
 
-/// The new entries an ingest passes to [`Index::enforce_cap`] (a few per run, none allocated).
+/// The new entries an ingest passes to [`Index::enforce_cap`] (a few per run, none allocated):
+/// the first `n` items are set.
 #[derive(Default)]
 struct Created {
-    items: [RecentEntry; RECENT_PER_RUN],
+    items: [Option<RecentEntry>; RECENT_PER_RUN],
     n: usize,
 }
 
@@ -91,12 +92,12 @@ impl Created {
     fn take(&mut self, part: &Partition, rep: u32, pend: &mut Pending) {
         for &(key, generation) in &pend.created[..std::mem::take(&mut pend.n_created)] {
             if self.n < self.items.len() {
-                self.items[self.n] = RecentEntry {
-                    part: part as *const Partition as usize,
+                self.items[self.n] = Some(RecentEntry {
+                    part: PartPtr::new(part),
                     key,
                     rep,
                     generation,
-                };
+                });
                 self.n += 1;
             }
         }
