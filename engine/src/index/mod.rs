@@ -97,6 +97,8 @@ pub struct Index {
     local_eviction: std::sync::atomic::AtomicBool,
     /// Receives the removals local eviction decides (replicated mode's leader).
     decision_log: RwLock<Option<Arc<dyn DecisionLog>>>,
+    /// Whether `decision_log` holds a log (written under its write lock).
+    decision_log_set: AtomicBool,
     ready: AtomicBool,
     ticker: Mutex<Option<Ticker>>,
     sweep_lock: Mutex<()>,
@@ -139,6 +141,7 @@ impl Index {
             sink_set: AtomicBool::new(false),
             local_eviction: std::sync::atomic::AtomicBool::new(true),
             decision_log: RwLock::new(None),
+            decision_log_set: AtomicBool::new(false),
             ready: AtomicBool::new(false),
             ticker: Mutex::new(None),
             sweep_lock: Mutex::new(()),

@@ -89,12 +89,15 @@ impl Index {
 
     /// Installs (or with `None` removes) the decision log.
     pub fn set_decision_log(&self, log: Option<Arc<dyn DecisionLog>>) {
-        *self.decision_log.write() = log;
+        let mut slot = self.decision_log.write();
+        self.decision_log_set.store(log.is_some(), Ordering::Release);
+        *slot = log;
     }
 
-    /// Whether a decision log is installed (lets hot removal loops skip name lookups).
+    /// Whether a decision log is installed (lets hot removal loops skip name lookups). One
+    /// load, no lock: the cap asks it once per victim.
     pub(crate) fn decision_log_installed(&self) -> bool {
-        self.decision_log.read().is_some()
+        self.decision_log_set.load(Ordering::Acquire)
     }
 
     /// Reports a removal to the decision log, if one is installed.
