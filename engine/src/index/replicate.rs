@@ -90,7 +90,8 @@ impl Index {
     /// Installs (or with `None` removes) the decision log.
     pub fn set_decision_log(&self, log: Option<Arc<dyn DecisionLog>>) {
         let mut slot = self.decision_log.write();
-        self.decision_log_set.store(log.is_some(), Ordering::Release);
+        self.decision_log_set
+            .store(log.is_some(), Ordering::Release);
         *slot = log;
     }
 
