@@ -776,11 +776,10 @@ impl Index {
             tries += 1;
             let r = hand.below(total as u64) as i64;
             let pi = hand.cum.partition_point(|&c| c <= r);
-            let n = hand.parts[pi].store.scan_len(&guard);
-            let i = hand.below(n as u64) as usize;
+            let slot = hand.next();
             let p = &hand.parts[pi];
             let samples = &mut hand.samples;
-            p.store.scan(i, 1, &guard, |digest, run, o| {
+            p.store.sample(slot, &guard, |digest, run, o| {
                 let key = own_key(KeyBytes::new(digest, run.long_key(o)).as_ref());
                 self.visit(cx, p, run, o, &guard, |rank, rep, generation| {
                     samples.push(Victim {

@@ -1616,6 +1616,23 @@ impl RunStore {
         })
     }
 
+    /// Calls `f(digest, run, offset)` for the key in the key-table slot `random` picks, if the
+    /// slot is live ([`SlotTable::sample`]); returns whether it was.
+    pub fn sample(
+        &self,
+        random: u64,
+        guard: &Guard,
+        f: impl FnOnce(u64, &BlockRun, usize),
+    ) -> bool {
+        let Some(v) = self.table.sample(random, guard) else {
+            return false;
+        };
+        let (run, o) = unpack(v);
+        let r = run_ref(run);
+        f(r.key(o), r, o);
+        true
+    }
+
     /// Calls `f` for the runs registered at positions `first..end` of the run registry
     /// (`0..`[`RunStore::run_scan_len`]), with the run when its holders may have a `last_seen`
     /// at or before `max_age` (ms), else with [`ScanStep::Young`] (the run not read), until `f`

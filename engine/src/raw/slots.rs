@@ -598,6 +598,17 @@ impl SlotTable {
         at
     }
 
+    /// The value of one slot picked by `random`, if that slot is live: the segment by the top
+    /// bits of `random`, the slot of its current table by the next ones. Over uniform
+    /// `random`, every segment is picked alike and every slot of its table alike, as a
+    /// position drawn over [`SlotTable::scan_len`] would pick them, but a draw reads one
+    /// segment's view word instead of all of them (the cap's sampling).
+    pub fn sample(&self, random: u64, guard: &Guard) -> Option<u64> {
+        let table = self.segment(segment_of(random), guard)?;
+        let v = table.slot(table.home(random)).value.load(Ordering::Acquire);
+        NonZeroU64::new(v).map(NonZeroU64::get)
+    }
+
     /// Segments of every table (a power of two).
     pub const fn segments() -> usize {
         SEGMENTS
@@ -1074,6 +1085,45 @@ mod tests {
         assert_eq!(cursor, 12_345 % lap, "a lap ends where it started");
         seen.sort_unstable();
         assert_eq!(seen, (1..=5_000).collect::<Vec<u64>>());
+    }
+
+    #[test]
+    fn a_sample_draw_picks_segments_and_their_slots_alike() {
+        let t = SlotTable::with_seed(23);
+        let guard = epoch::pin();
+        for k in 0..2_000u64 {
+            t.lock().insert(k, v(k + 1), &guard);
+        }
+        // Draws over every slot of every segment: the top bits pick the segment, the next ones
+        // its slot, so walking both hits each slot of the current tables exactly once.
+        let mut seen = Vec::new();
+        let mut draws = 0;
+        for s in 0..SlotTable::segments() as u64 {
+            let len = t.segment_capacity(s as usize, &guard) as u64;
+            for i in 0..len {
+                let random =
+                    s << (64 - SEGMENT_BITS) | i << (64 - SEGMENT_BITS - len.trailing_zeros());
+                draws += 1;
+                if let Some(value) = t.sample(random, &guard) {
+                    seen.push(value);
+                }
+            }
+        }
+        assert_eq!(draws, t.capacity(&guard));
+        seen.sort_unstable();
+        assert_eq!(seen, (1..=2_000).collect::<Vec<u64>>());
+        // A removed key is never drawn.
+        for k in 0..1_000u64 {
+            t.lock().remove(k, &guard);
+        }
+        let mut state = 99u64;
+        for _ in 0..20_000 {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let random = state.wrapping_mul(0xbf58_476d_1ce4_e5b9).rotate_left(29);
+            if let Some(value) = t.sample(random, &guard) {
+                assert!(value > 1_000, "drew removed key {}", value - 1);
+            }
+        }
     }
 
     #[test]
