@@ -751,6 +751,28 @@ impl RunStore {
         guard: &'g Guard,
     ) -> Option<(u64, &'g BlockRun, usize)> {
         let value = self.table.find(digest, guard)?.get();
+        Self::keyed(value, digest, long)
+    }
+
+    /// [`RunStore::find_key`] for a key expected present (a victim's), past the key table's
+    /// summary word ([`SlotTable::find_present`]).
+    fn find_victim<'g>(
+        &self,
+        digest: u64,
+        long: Option<&[u8]>,
+        guard: &'g Guard,
+    ) -> Option<(u64, &'g BlockRun, usize)> {
+        let value = self.table.find_present(digest, guard)?.get();
+        Self::keyed(value, digest, long)
+    }
+
+    /// The run and offset a slot value names, if that block's key is `digest` with long part
+    /// `long`.
+    fn keyed<'g>(
+        value: u64,
+        digest: u64,
+        long: Option<&[u8]>,
+    ) -> Option<(u64, &'g BlockRun, usize)> {
         let (run, o) = unpack(value);
         let run = run_ref(run);
         run.is_key(o, digest, long).then_some((value, run, o))
@@ -1572,7 +1594,7 @@ impl RunStore {
         let mut report = EvictReport::default();
         for i in 0..keys.len() {
             let k = keys.digest(i);
-            let Some((v, r, o)) = self.find_key(k, keys.long(i), guard) else {
+            let Some((v, r, o)) = self.find_victim(k, keys.long(i), guard) else {
                 continue;
             };
             r.for_each_holder(|_, h| {
@@ -1682,7 +1704,7 @@ impl RunStore {
         mut removed: impl FnMut(u64, Option<&[u8]>, Holder),
     ) -> EvictReport {
         let mut w = self.lock_writer();
-        let Some((_, r, _)) = self.find_key(digest, long, guard) else {
+        let Some((_, r, _)) = self.find_victim(digest, long, guard) else {
             return EvictReport::default();
         };
         let mut held = false;
@@ -1769,7 +1791,7 @@ impl RunStore {
         mut removed: impl FnMut(Holder),
     ) -> EvictReport {
         let mut w = self.lock_writer();
-        let Some((value, run, o)) = self.find_key(digest, long, guard) else {
+        let Some((value, run, o)) = self.find_victim(digest, long, guard) else {
             return EvictReport::default();
         };
         let (mut found, mut holding) = (None, 0);
@@ -1813,7 +1835,7 @@ impl RunStore {
         mut removed: impl FnMut(Holder),
     ) -> EvictReport {
         let mut w = self.lock_writer();
-        let Some((_, run, o)) = self.find_key(digest, long, guard) else {
+        let Some((_, run, o)) = self.find_victim(digest, long, guard) else {
             return EvictReport::default();
         };
         let mut holders = Vec::new();
