@@ -1243,6 +1243,60 @@ fn m13a_slot_reuse_vs_reader() {
     });
 }
 
+/// Model 13d: the cap's two readers of the key table against 13a's slot reuse. A reader probes
+/// `k` past the summary word (`find_present`, a victim's re-probe) and draws `k`'s home slot
+/// (`sample`, the threshold estimate) while the writer replaces `k`'s value (1 → 2), removes it
+/// and inserts `j` of the same home into the vacated slot. The probe answers as `find` does: 1,
+/// 2 or nothing, never `j`'s value; the draw answers a value the slot held (1, 2 or 3) or
+/// nothing (the slot vacated), never the next slot's.
+#[test]
+fn m13d_present_probe_and_sample_vs_slot_reuse() {
+    model(|| {
+        let keys = slot_mates(3);
+        let (k, j, after) = (keys[0], keys[1], keys[2]);
+        let table = Arc::new(SlotTable::with_seed(0));
+        {
+            let guard = crossbeam_epoch::pin();
+            let mut w = table.lock();
+            w.insert(k, slot_value(1), &guard);
+            w.insert(after, slot_value(9), &guard);
+        }
+        let draw = table.home_draw(k);
+        let reader = {
+            let table = table.clone();
+            spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                let probe = table.find_present(k, &guard).map(SlotValue::get);
+                (probe, table.sample(draw, &guard))
+            })
+        };
+        {
+            let guard = crossbeam_epoch::pin();
+            let mut w = table.lock();
+            assert_eq!(w.insert(k, slot_value(2), &guard), Some(slot_value(1)));
+            assert_eq!(w.remove(k, &guard), Some(slot_value(2)));
+            assert_eq!(w.insert(j, slot_value(3), &guard), None);
+        }
+        let (probe, drawn) = reader.join().unwrap();
+        match probe {
+            None => outcome("probe found nothing"),
+            Some(1) => outcome("probe found 1"),
+            Some(2) => outcome("probe found 2"),
+            Some(other) => panic!("the probe of k read {other}, another key's value"),
+        }
+        match drawn {
+            None => outcome("draw found the slot vacated"),
+            Some(1 | 2) => outcome("draw found k's value"),
+            Some(3) => outcome("draw found j's value"),
+            Some(other) => panic!("the draw of k's slot read {other}"),
+        }
+        let guard = crossbeam_epoch::pin();
+        assert_eq!(table.find_present(k, &guard), None);
+        assert_eq!(table.find_present(j, &guard), Some(slot_value(3)));
+        assert_eq!(table.sample(table.home_draw(j), &guard), Some(3));
+    });
+}
+
 /// Model 13b: a reader looks up a key present throughout while the writer's seventh insert
 /// into one segment rebuilds its 8-slot table at 16 slots, and a key the writer inserts
 /// meanwhile. The present key is always found with its value, whichever table the reader is

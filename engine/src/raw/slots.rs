@@ -674,6 +674,12 @@ impl SlotTable {
         self.rebuilds.load(Ordering::Relaxed)
     }
 
+    /// The [`SlotTable::sample`] draw that reads `key`'s home slot (tests and models use it to
+    /// draw a chosen slot).
+    pub fn home_draw(&self, key: u64) -> u64 {
+        mix(self.seed, key)
+    }
+
     /// Where `key` is placed in a table whose segment of it has `slots` slots, seeded `seed`:
     /// keys with equal answers share a segment and a home (tests and models use it to pick
     /// keys that share a probe sequence).
