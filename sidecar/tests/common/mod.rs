@@ -1,6 +1,7 @@
 //! Test helpers: an in-process recording gRPC sink and small builders.
 #![allow(dead_code)]
 
+pub mod engines;
 pub mod server_process;
 
 use inferencecache_proto::v1alpha1 as pb;
