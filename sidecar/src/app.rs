@@ -113,6 +113,7 @@ pub async fn run(
     rcfg.l2_mode = s.l2_mode;
     rcfg.adapters = s.adapters.clone();
     rcfg.block_size = s.block_size;
+    rcfg.attention_chunk_size = s.attention_chunk_size;
     rcfg.telemetry = telemetry;
     let reporter = tokio::spawn(Reporter::new(rcfg, sink.clone()).run(rx));
 

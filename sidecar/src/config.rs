@@ -31,6 +31,10 @@ pub struct Cli {
     /// are re-chunked.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// Attention chunk size in tokens of a vLLM chunked-local-attention group (Llama 4: 8192);
+    /// vLLM does not publish it. 0 = unknown: such groups are held to the full-attention rule.
+    #[arg(long, default_value_t = 0)]
+    pub attention_chunk_size: u64,
     /// Address of the sidecar's own /healthz and /metrics listener ("" = off).
     #[arg(long, default_value = "127.0.0.1:9091")]
     pub metrics_bind_address: String,
@@ -141,6 +145,7 @@ pub struct Settings {
     pub topic: String,
     pub replay_endpoint: Option<String>,
     pub block_size: usize,
+    pub attention_chunk_size: u64,
     pub metrics_bind_address: Option<String>,
     pub log_level: tracing::Level,
     pub log_format: crate::logging::LogFormat,
@@ -203,6 +208,7 @@ impl Settings {
             topic: cli.topic,
             replay_endpoint: non_empty(cli.engine_replay_endpoint),
             block_size: cli.block_size,
+            attention_chunk_size: cli.attention_chunk_size,
             metrics_bind_address: non_empty(cli.metrics_bind_address),
             log_level,
             log_format,

@@ -22,11 +22,30 @@
 //! - Blocks whose engine hash depends on more than tokens (vLLM `extra_keys` beyond the LoRA
 //!   name, SGLang `cache_salt`) are skipped, with the rest of their chain: a lookup carries
 //!   tokens only, so any index key for them would match a prompt the engine would not reuse.
+//!
+//! **Grouped mode** (vLLM ≥ 0.33, whose events carry `group_idx`): the map keeps, per page,
+//! which KV-cache group holds which copy, and reports a page's blocks only while the engine
+//! would reuse a prefix through them under its hybrid rule ([`crate::groups`]):
+//! - A page is *claimable* when every known group accepts the prefix ending at the page's end
+//!   and some group holds the page. With vLLM lookahead hashing (a block's hash covers the
+//!   `L` tokens after it), a page is claimable only once the map holds the chain's next `L`
+//!   tokens: the engine reuses the page only for a prompt that carries them.
+//! - The reported pages are the claimable ones and every page before one (the index's
+//!   lookup credits a leading run of blocks, so the path to a reusable end must be present).
+//!   A lookup that follows a stored chain is therefore credited exactly what the engine
+//!   reuses; one that leaves the chain between two claimable ends is credited up to where it
+//!   leaves, which the engine may round down to the previous claimable end.
+//! - A removal drops one group's copy; the page stays known while any group holds it, or
+//!   while pages after it are known (they are forgotten by their own removals). Claims are
+//!   re-evaluated for the page, the pages after it and (for the reported path) before it,
+//!   so a removal in one group never erases a prefix the other groups keep reusable, and a
+//!   claim shrinks as soon as the groups stop accepting it.
 
+use crate::groups::{Group, Groups, Kind, Rule};
 use crate::tier::{self, Tier};
 use crate::wire::BlockStored;
 use inferencecache_engine::fingerprint::{prefix_hashes_from, to_wire};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// One index entry derived from an engine page.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,13 +74,47 @@ struct Page {
     /// Index blocks that end inside this page: (prefix hash, cumulative tokens).
     owned: Vec<(u64, i32)>,
     adapter: String,
-    /// Media key → tier of every copy the engine holds.
+    /// Media key → tier of every copy the engine holds (legacy mode).
     media: BTreeMap<String, Tier>,
+    /// Tokens in the page.
+    page_tokens: u64,
+    /// Grouped mode: (group, copy key) → tier of every copy the engine holds.
+    copies: BTreeMap<(u32, String), Tier>,
+    /// Grouped mode: tokens after the page that its engine hash covers (lookahead hashing).
+    lookahead: u64,
+    /// Grouped mode: the engine reuses the prefix ending at this page.
+    claimable: bool,
+    /// Grouped mode: this page is claimable or lies before a claimable page.
+    on_claimed_path: bool,
+    /// Grouped mode: the tier the page's blocks are reported at (`None` = not reported).
+    reported: Option<Tier>,
 }
 
 impl Page {
     fn hottest(&self) -> Option<Tier> {
         self.media.values().min().copied()
+    }
+
+    /// Tokens from the chain start through the page's end.
+    fn end_tokens(&self) -> u64 {
+        u64::try_from(self.boundary_tokens).unwrap_or(0) + self.tail.len() as u64
+    }
+
+    fn holds(&self, group: u32) -> bool {
+        self.copies.keys().any(|(g, _)| *g == group)
+    }
+
+    /// The tier a claim through this page is served from: per group its hottest copy, and the
+    /// coldest of those (every group's copy is needed); GPU for a page no group holds.
+    fn grouped_tier(&self) -> Tier {
+        let mut per_group: BTreeMap<u32, Tier> = BTreeMap::new();
+        for ((group, _), &tier) in &self.copies {
+            per_group
+                .entry(*group)
+                .and_modify(|t| *t = (*t).min(tier))
+                .or_insert(tier);
+        }
+        per_group.values().max().copied().unwrap_or(Tier::Gpu)
     }
 
     fn entries(&self, tier: Tier) -> impl Iterator<Item = Entry> + '_ {
@@ -87,6 +140,10 @@ pub struct Stored {
     pub mismatched: bool,
     /// True when the medium is not in the tier table.
     pub unknown_medium: bool,
+    /// Grouped mode: claims that shrank (a newly learned group, or a changed rule).
+    pub evicted: Vec<Entry>,
+    /// Grouped mode: the kind of the event's group.
+    pub group_kind: Option<Kind>,
 }
 
 /// What one `BlockRemoved` event produced.
@@ -96,6 +153,31 @@ pub struct Removed {
     pub evicted: Vec<Entry>,
     /// Entries still held in a colder medium, at their new tier.
     pub retiered: Vec<Entry>,
+    /// Grouped mode: one item per removed copy: its group's kind, and whether the page's
+    /// blocks stayed reported (the other groups keep the prefix reusable).
+    pub group_copies: Vec<(Kind, bool)>,
+}
+
+/// Which copies a `BlockRemoved` event names.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Removal<'a> {
+    /// Storage medium; `None` = every medium.
+    pub medium: Option<&'a str>,
+    /// vLLM KV-cache group; `None` = every group.
+    pub group: Option<u32>,
+    /// vLLM `locality`.
+    pub locality: Option<&'a str>,
+    /// vLLM `ownership`.
+    pub ownership: Option<&'a str>,
+}
+
+/// A group's contiguous holdings along a chain, up to some page.
+#[derive(Debug, Clone)]
+struct Walk {
+    /// Per known group (in [`Groups`] order): it holds every page so far.
+    all: Vec<bool>,
+    /// Per known group: tokens of the contiguous run of held pages ending here.
+    run: Vec<u64>,
 }
 
 /// Engine page hash → positional fingerprint state, for one replica.
@@ -103,6 +185,18 @@ pub struct Removed {
 pub struct ReverseMap {
     pages: HashMap<Vec<u8>, Page>,
     block_size: usize,
+    /// Grouped mode: on once an event carried a `group_idx`.
+    grouped: bool,
+    /// Groups learned from store events.
+    groups: Groups,
+    /// Configured attention chunk size of chunked-local groups (0 = unknown).
+    attention_chunk: u64,
+    /// Largest lookahead seen, in tokens.
+    max_lookahead: u64,
+    /// Grouped mode: copies of pages not known yet (a group whose event names hashes the
+    /// map cannot key: null blocks left out, or a parent another group has not stored yet),
+    /// attached when the page is keyed, dropped by a removal or a clear.
+    parked: HashMap<Vec<u8>, BTreeMap<(u32, String), Tier>>,
 }
 
 impl Default for ReverseMap {
@@ -117,7 +211,28 @@ impl ReverseMap {
         Self {
             pages: HashMap::new(),
             block_size: block_size.max(1),
+            grouped: false,
+            groups: Groups::default(),
+            attention_chunk: 0,
+            max_lookahead: 0,
+            parked: HashMap::new(),
         }
+    }
+
+    /// Sets the attention chunk size of chunked-local-attention groups (vLLM does not publish
+    /// it; 0 = unknown, and such groups are then held to the full-attention rule).
+    pub fn set_attention_chunk_size(&mut self, tokens: u64) {
+        self.attention_chunk = tokens;
+    }
+
+    /// True once an event carried a `group_idx` (vLLM ≥ 0.33).
+    pub fn is_grouped(&self) -> bool {
+        self.grouped
+    }
+
+    /// The groups learned so far.
+    pub fn groups(&self) -> &Groups {
+        &self.groups
     }
 
     /// Number of known engine pages.
@@ -137,6 +252,9 @@ impl ReverseMap {
 
     /// Keys the pages of a `BlockStored` event under `adapter` and records them.
     pub fn store(&mut self, ev: &BlockStored, adapter: &str) -> Stored {
+        if ev.group_idx.is_some() || self.grouped {
+            return self.store_grouped(ev, adapter);
+        }
         let mut out = Stored::default();
         let pages = ev.block_hashes.len();
         let page_size = usize::try_from(ev.block_size).unwrap_or(0);
@@ -151,10 +269,14 @@ impl ReverseMap {
             out.mismatched = true;
             return out;
         }
-        let classified = tier::classify(ev.medium.as_deref());
+        let classified = tier::classify_copy(ev.medium.as_deref(), ev.locality.as_deref());
         out.unknown_medium = classified.unknown;
         let tier = classified.tier;
-        let media_key = tier::media_key(ev.medium.as_deref());
+        let media_key = tier::copy_key(
+            ev.medium.as_deref(),
+            ev.locality.as_deref(),
+            ev.ownership.as_deref(),
+        );
 
         let (mut boundary_hash, mut boundary_tokens, mut tail) = match &ev.parent_block_hash {
             None => (None, 0i64, Vec::new()),
@@ -166,11 +288,9 @@ impl ReverseMap {
                 }
             },
         };
-        let keyed_from = if ev.cache_salt.is_some() {
-            Some(0)
-        } else {
-            ev.first_keyed_block
-        };
+        // Without groups there is no claim bookkeeping: a block hashed with lookahead tokens is
+        // treated like one with extra keys.
+        let keyed_from = min_some(first_keyed(ev), first_lookahead(ev));
         let mut parent = ev.parent_block_hash.clone();
         for (i, hash) in ev.block_hashes.iter().enumerate() {
             if keyed_from.is_some_and(|k| i >= k) {
@@ -219,12 +339,37 @@ impl ReverseMap {
                 owned,
                 adapter: adapter.to_string(),
                 media: BTreeMap::from([(media_key.clone(), tier)]),
+                page_tokens: page_size as u64,
+                copies: BTreeMap::new(),
+                lookahead: 0,
+                claimable: false,
+                on_claimed_path: false,
+                reported: None,
             };
             out.entries.extend(page.entries(tier));
             self.pages.insert(hash.clone(), page);
             parent = Some(hash.clone());
         }
         out
+    }
+
+    /// Applies a `BlockRemoved` event: in grouped mode the named group's copies (see
+    /// [`Removal`]), otherwise [`ReverseMap::remove`] with the copy key of `medium`,
+    /// `locality` and `ownership`.
+    pub fn remove_copies(
+        &mut self,
+        engine_hashes: &[Vec<u8>],
+        removal: Removal<'_>,
+        cascade: bool,
+    ) -> Removed {
+        if self.grouped {
+            return self.remove_grouped(engine_hashes, removal);
+        }
+        if removal.medium.is_none() && removal.locality.is_none() && removal.ownership.is_none() {
+            return self.remove(engine_hashes, None, cascade);
+        }
+        let key = tier::copy_key(removal.medium, removal.locality, removal.ownership);
+        self.remove(engine_hashes, Some(&key), cascade)
     }
 
     /// Removes the copy in `medium` (every copy when `None`) of each known page. A page left
@@ -277,8 +422,536 @@ impl ReverseMap {
         }
     }
 
-    /// Forgets everything.
+    /// Forgets everything, the learned groups included (the engine may have restarted with
+    /// another layout; the next store events teach them again).
     pub fn clear(&mut self) {
         self.pages.clear();
+        self.groups.clear();
+        self.grouped = false;
+        self.max_lookahead = 0;
+        self.parked.clear();
+    }
+}
+
+/// First block whose hash has extra keys (`extra_keys` beyond the LoRA name, a cache salt).
+fn first_keyed(ev: &BlockStored) -> Option<usize> {
+    if ev.cache_salt.is_some() {
+        Some(0)
+    } else {
+        ev.first_keyed_block
+    }
+}
+
+/// First block whose hash covers lookahead tokens.
+fn first_lookahead(ev: &BlockStored) -> Option<usize> {
+    ev.lookahead_tokens
+        .as_ref()
+        .and_then(|l| l.iter().position(|&n| n > 0))
+}
+
+fn min_some(a: Option<usize>, b: Option<usize>) -> Option<usize> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    }
+}
+
+/// Claim changes found by [`ReverseMap::settle`].
+#[derive(Debug, Default)]
+struct Settled {
+    added: Vec<Entry>,
+    evicted: Vec<Entry>,
+    retiered: Vec<Entry>,
+}
+
+/// Grouped mode (vLLM per-group events): copies per group, claims under the hybrid rule.
+impl ReverseMap {
+    fn store_grouped(&mut self, ev: &BlockStored, adapter: &str) -> Stored {
+        let mut out = Stored::default();
+        if !self.grouped {
+            self.enter_grouped();
+        }
+        let group_index = ev.group_idx.unwrap_or(0);
+        let group = Group::from_wire(
+            ev.kv_cache_spec_kind.as_deref(),
+            ev.kv_cache_spec_sliding_window,
+            ev.block_size,
+            self.attention_chunk,
+        );
+        out.group_kind = Some(group.kind);
+        let rules_changed = self.groups.learn(group_index, group);
+        let touched = self.key_grouped(ev, adapter, group_index, &mut out);
+        let settled = if rules_changed {
+            self.settle_all()
+        } else {
+            self.settle(&touched)
+        };
+        out.entries.extend(settled.added);
+        out.entries.extend(settled.retiered);
+        out.evicted = settled.evicted;
+        out
+    }
+
+    /// Records the event's copies; returns the pages that gained one.
+    fn key_grouped(
+        &mut self,
+        ev: &BlockStored,
+        adapter: &str,
+        group: u32,
+        out: &mut Stored,
+    ) -> Vec<Vec<u8>> {
+        let mut touched = Vec::new();
+        let pages = ev.block_hashes.len();
+        let page_size = usize::try_from(ev.block_size).unwrap_or(0);
+        if pages == 0 {
+            return touched;
+        }
+        if page_size == 0
+            || page_size
+                .checked_mul(pages)
+                .is_none_or(|needed| ev.token_ids.len() < needed)
+        {
+            out.mismatched = true;
+            return touched;
+        }
+        let classified = tier::classify_copy(ev.medium.as_deref(), ev.locality.as_deref());
+        out.unknown_medium = classified.unknown;
+        let tier = classified.tier;
+        let key = (
+            group,
+            tier::copy_key(
+                ev.medium.as_deref(),
+                ev.locality.as_deref(),
+                ev.ownership.as_deref(),
+            ),
+        );
+        let lookahead_of = |i: usize| -> u64 {
+            ev.lookahead_tokens
+                .as_ref()
+                .and_then(|l| l.get(i))
+                .map_or(0, |&n| n as u64)
+        };
+        // vLLM leaves null (sliding-window, Mamba) and masked blocks out of `block_hashes` but
+        // not out of `token_ids`: with at least one whole block of tokens more than hashes, the
+        // hashes cannot be placed on the tokens, so only pages already known by hash (from
+        // another group) take the copy.
+        if ev.token_ids.len() >= page_size.saturating_mul(pages + 1) {
+            for (i, hash) in ev.block_hashes.iter().enumerate() {
+                match self.pages.get_mut(hash) {
+                    Some(page) => {
+                        page.copies.insert(key.clone(), tier);
+                        page.lookahead = page.lookahead.max(lookahead_of(i));
+                        touched.push(hash.clone());
+                    }
+                    None => {
+                        out.orphan_pages += 1;
+                        self.park(hash, &key, tier);
+                    }
+                }
+            }
+            self.note_lookahead(ev);
+            return touched;
+        }
+        let (mut boundary_hash, mut boundary_tokens, mut tail) = match &ev.parent_block_hash {
+            None => (None, 0i64, Vec::new()),
+            Some(parent) => match self.pages.get(parent) {
+                Some(p) => (p.boundary_hash, p.boundary_tokens, p.tail.clone()),
+                None => {
+                    out.orphan_pages = pages;
+                    for hash in &ev.block_hashes {
+                        self.park(hash, &key, tier);
+                    }
+                    return touched;
+                }
+            },
+        };
+        let keyed_from = first_keyed(ev);
+        let mut parent = ev.parent_block_hash.clone();
+        for (i, hash) in ev.block_hashes.iter().enumerate() {
+            if keyed_from.is_some_and(|k| i >= k) {
+                out.keyed_pages = pages - i;
+                break;
+            }
+            if let Some(known) = self.pages.get_mut(hash) {
+                known.copies.insert(key.clone(), tier);
+                known.lookahead = known.lookahead.max(lookahead_of(i));
+                boundary_hash = known.boundary_hash;
+                boundary_tokens = known.boundary_tokens;
+                tail = known.tail.clone();
+                parent = Some(hash.clone());
+                touched.push(hash.clone());
+                continue;
+            }
+            let mut tokens = std::mem::take(&mut tail);
+            tokens.extend_from_slice(&ev.token_ids[i * page_size..(i + 1) * page_size]);
+            let hashes = prefix_hashes_from(&tokens, self.block_size, boundary_hash);
+            let block = i64::try_from(self.block_size).unwrap_or(i64::MAX);
+            let owned: Vec<(u64, i32)> = hashes
+                .iter()
+                .enumerate()
+                .map(|(k, &h)| {
+                    let count =
+                        boundary_tokens.saturating_add((k as i64 + 1).saturating_mul(block));
+                    (h, i32::try_from(count).unwrap_or(i32::MAX))
+                })
+                .collect();
+            let full = hashes.len() * self.block_size;
+            tail = tokens[full..].to_vec();
+            boundary_hash = hashes.last().copied().or(boundary_hash);
+            boundary_tokens = boundary_tokens.saturating_add(full as i64);
+            if let Some(p) = parent.as_ref().and_then(|p| self.pages.get_mut(p)) {
+                p.children.push(hash.clone());
+            }
+            let mut copies = self.parked.remove(hash).unwrap_or_default();
+            copies.insert(key.clone(), tier);
+            self.pages.insert(
+                hash.clone(),
+                Page {
+                    parent: parent.clone(),
+                    children: Vec::new(),
+                    boundary_hash,
+                    boundary_tokens,
+                    tail: tail.clone(),
+                    owned,
+                    adapter: adapter.to_string(),
+                    media: BTreeMap::new(),
+                    page_tokens: page_size as u64,
+                    copies,
+                    lookahead: lookahead_of(i),
+                    claimable: false,
+                    on_claimed_path: false,
+                    reported: None,
+                },
+            );
+            parent = Some(hash.clone());
+            touched.push(hash.clone());
+        }
+        self.note_lookahead(ev);
+        touched
+    }
+
+    /// Bound on parked hashes: beyond it new ones are not parked (an under-claim at worst).
+    const MAX_PARKED: usize = 1 << 16;
+
+    fn park(&mut self, hash: &[u8], key: &(u32, String), tier: Tier) {
+        if self.parked.len() >= Self::MAX_PARKED && !self.parked.contains_key(hash) {
+            return;
+        }
+        self.parked
+            .entry(hash.to_vec())
+            .or_default()
+            .insert(key.clone(), tier);
+    }
+
+    fn note_lookahead(&mut self, ev: &BlockStored) {
+        if let Some(most) = ev.lookahead_tokens.as_ref().and_then(|l| l.iter().max()) {
+            self.max_lookahead = self.max_lookahead.max(*most as u64);
+        }
+    }
+
+    /// Switches from legacy to grouped mode: pages stored without a group become group 0's
+    /// copies, reported at their hottest tier as before.
+    fn enter_grouped(&mut self) {
+        self.grouped = true;
+        for page in self.pages.values_mut() {
+            for (key, &tier) in &page.media {
+                page.copies.insert((0, key.clone()), tier);
+            }
+            page.claimable = !page.media.is_empty();
+            page.on_claimed_path = page.claimable;
+            page.reported = page.hottest();
+        }
+    }
+
+    fn remove_grouped(&mut self, engine_hashes: &[Vec<u8>], removal: Removal<'_>) -> Removed {
+        let mut out = Removed::default();
+        let key = removal
+            .medium
+            .map(|m| tier::copy_key(Some(m), removal.locality, removal.ownership));
+        let remote_only = removal.medium.is_none() && tier::is_remote(removal.locality);
+        let mut touched = Vec::new();
+        let mut removed_groups: Vec<(Vec<u8>, u32)> = Vec::new();
+        let named = |group: u32, copy: &str| {
+            removal.group.is_none_or(|g| g == group)
+                && match &key {
+                    Some(k) => k == copy,
+                    None => !remote_only || copy.starts_with("REMOTE:"),
+                }
+        };
+        for hash in engine_hashes {
+            if let Some(parked) = self.parked.get_mut(hash) {
+                parked.retain(|(group, copy), _| !named(*group, copy));
+                if parked.is_empty() {
+                    self.parked.remove(hash);
+                }
+            }
+            let Some(page) = self.pages.get_mut(hash) else {
+                continue;
+            };
+            let mut gone = Vec::new();
+            page.copies.retain(|(group, copy), _| {
+                let hit = named(*group, copy);
+                if hit {
+                    gone.push(*group);
+                }
+                !hit
+            });
+            if !gone.is_empty() {
+                touched.push(hash.clone());
+                removed_groups.extend(gone.into_iter().map(|g| (hash.clone(), g)));
+            }
+        }
+        let mut settled = self.settle(&touched);
+        for (hash, group) in removed_groups {
+            let kind = self.groups.get(group).map_or(Kind::Other, |g| g.kind);
+            let kept = self.pages.get(&hash).is_some_and(|p| p.reported.is_some());
+            out.group_copies.push((kind, kept));
+        }
+        // Forget pages no group holds and nothing after them needs, then let their ancestors'
+        // lookahead coverage catch up.
+        let parents = self.collect_garbage(&touched);
+        if self.max_lookahead > 0 && !parents.is_empty() {
+            let more = self.settle(&parents);
+            settled.evicted.extend(more.evicted);
+            settled.retiered.extend(more.retiered);
+            settled.added.extend(more.added);
+        }
+        out.evicted = settled.evicted;
+        out.retiered = settled.retiered;
+        out.retiered.extend(settled.added);
+        out
+    }
+
+    /// Forgets every page in `hashes` (and, upwards, its ancestors) that no group holds, has
+    /// no child and is not reported. Returns the surviving parents of forgotten pages.
+    fn collect_garbage(&mut self, hashes: &[Vec<u8>]) -> Vec<Vec<u8>> {
+        let mut parents = Vec::new();
+        for hash in hashes {
+            let mut current = Some(hash.clone());
+            while let Some(h) = current.take() {
+                let Some(page) = self.pages.get(&h) else {
+                    break;
+                };
+                if !page.copies.is_empty() || !page.children.is_empty() || page.reported.is_some() {
+                    break;
+                }
+                let parent = page.parent.clone();
+                self.pages.remove(&h);
+                if let Some(p) = parent.as_ref().and_then(|p| self.pages.get_mut(p)) {
+                    p.children.retain(|c| c != &h);
+                    parents.push(parent.clone().unwrap_or_default());
+                    current = parent;
+                }
+            }
+        }
+        parents.retain(|p| self.pages.contains_key(p));
+        parents
+    }
+
+    /// Re-evaluates every page (the rule set changed).
+    fn settle_all(&mut self) -> Settled {
+        let roots: Vec<Vec<u8>> = self
+            .pages
+            .iter()
+            .filter(|(_, p)| {
+                p.parent
+                    .as_ref()
+                    .is_none_or(|parent| !self.pages.contains_key(parent))
+            })
+            .map(|(h, _)| h.clone())
+            .collect();
+        self.settle(&roots)
+    }
+
+    /// Re-evaluates the claims of `touched`, the pages after them, the pages whose lookahead
+    /// they may now cover, and the reported path before them; returns the changes.
+    fn settle(&mut self, touched: &[Vec<u8>]) -> Settled {
+        let mut starts: Vec<Vec<u8>> = Vec::new();
+        for hash in touched {
+            if !self.pages.contains_key(hash) {
+                continue;
+            }
+            starts.push(hash.clone());
+            if self.max_lookahead > 0 {
+                // Ancestors whose lookahead tokens this page may complete.
+                let end = self.pages[hash].end_tokens();
+                let mut up = self.pages[hash].parent.clone();
+                while let Some(a) = up {
+                    let Some(page) = self.pages.get(&a) else {
+                        break;
+                    };
+                    if end.saturating_sub(page.end_tokens()) > self.max_lookahead {
+                        break;
+                    }
+                    starts.push(a.clone());
+                    up = page.parent.clone();
+                }
+            }
+        }
+        // Phase 1: claimability of each start and every page after it, walking down with the
+        // groups' holdings along the chain.
+        let mut visited: HashSet<Vec<u8>> = HashSet::new();
+        let mut order: Vec<Vec<u8>> = Vec::new();
+        for start in &starts {
+            if visited.contains(start) {
+                continue;
+            }
+            let above = self.walk_above(start);
+            let mut stack = vec![(start.clone(), above)];
+            while let Some((hash, walk)) = stack.pop() {
+                if !visited.insert(hash.clone()) {
+                    continue;
+                }
+                let Some(page) = self.pages.get(&hash) else {
+                    continue;
+                };
+                let walk = self.step(&walk, page);
+                let claimable = !page.copies.is_empty()
+                    && self.accepted(&walk, page)
+                    && self.lookahead_covered(&hash);
+                let children = page.children.clone();
+                if let Some(page) = self.pages.get_mut(&hash) {
+                    page.claimable = claimable;
+                }
+                order.push(hash);
+                stack.extend(children.into_iter().map(|c| (c, walk.clone())));
+            }
+        }
+        // Phase 2: the claimed path, deepest pages first (a child ends after its parent).
+        order.sort_by_key(|h| std::cmp::Reverse(self.pages.get(h).map_or(0, Page::end_tokens)));
+        let mut candidates = order.clone();
+        for hash in &order {
+            self.refresh_path_flag(hash);
+        }
+        // The pages before each start: walk up while the flag changes.
+        for start in &starts {
+            let mut up = self.pages.get(start).and_then(|p| p.parent.clone());
+            while let Some(a) = up {
+                if !self.pages.contains_key(&a) {
+                    break;
+                }
+                let changed = self.refresh_path_flag(&a);
+                candidates.push(a.clone());
+                if !changed {
+                    break;
+                }
+                up = self.pages.get(&a).and_then(|p| p.parent.clone());
+            }
+        }
+        // Phase 3: report the differences, in chain order.
+        candidates.sort_by_key(|h| self.pages.get(h).map_or(0, Page::end_tokens));
+        let mut out = Settled::default();
+        let mut seen = HashSet::new();
+        for hash in candidates {
+            if !seen.insert(hash.clone()) {
+                continue;
+            }
+            let Some(page) = self.pages.get_mut(&hash) else {
+                continue;
+            };
+            let now = page.on_claimed_path.then(|| page.grouped_tier());
+            match (page.reported, now) {
+                (None, Some(t)) => out.added.extend(page.entries(t)),
+                (Some(before), None) => out.evicted.extend(page.entries(before)),
+                (Some(before), Some(t)) if before != t => out.retiered.extend(page.entries(t)),
+                _ => {}
+            }
+            page.reported = now;
+        }
+        out
+    }
+
+    /// Recomputes whether a page is on a claimed path from its own claim and its children's
+    /// flags; true when the flag changed.
+    fn refresh_path_flag(&mut self, hash: &[u8]) -> bool {
+        let Some(page) = self.pages.get(hash) else {
+            return false;
+        };
+        let flag = page.claimable
+            || page
+                .children
+                .iter()
+                .any(|c| self.pages.get(c).is_some_and(|p| p.on_claimed_path));
+        let page = self.pages.get_mut(hash).expect("looked up above");
+        let changed = page.on_claimed_path != flag;
+        page.on_claimed_path = flag;
+        changed
+    }
+
+    /// The groups' holdings along the chain up to the parent of `hash`.
+    fn walk_above(&self, hash: &[u8]) -> Walk {
+        let mut path = Vec::new();
+        let mut up = self.pages.get(hash).and_then(|p| p.parent.clone());
+        while let Some(a) = up {
+            let Some(page) = self.pages.get(&a) else {
+                break;
+            };
+            up = page.parent.clone();
+            path.push(page);
+        }
+        let groups = self.groups.len();
+        let mut walk = Walk {
+            all: vec![true; groups],
+            run: vec![0; groups],
+        };
+        for page in path.into_iter().rev() {
+            walk = self.step(&walk, page);
+        }
+        walk
+    }
+
+    /// The holdings after one more page.
+    fn step(&self, walk: &Walk, page: &Page) -> Walk {
+        let mut next = walk.clone();
+        for (i, (group, _)) in self.groups.iter().enumerate() {
+            let held = page.holds(group);
+            if let Some(all) = next.all.get_mut(i) {
+                *all = *all && held;
+            }
+            if let Some(run) = next.run.get_mut(i) {
+                *run = if held {
+                    run.saturating_add(page.page_tokens)
+                } else {
+                    0
+                };
+            }
+        }
+        next
+    }
+
+    /// Whether every known group accepts the prefix ending at `page` (holdings `walk`
+    /// include the page).
+    fn accepted(&self, walk: &Walk, page: &Page) -> bool {
+        let end = page.end_tokens();
+        self.groups.iter().enumerate().all(|(i, (group, g))| {
+            let all = walk.all.get(i).copied().unwrap_or(false);
+            let run = walk.run.get(i).copied().unwrap_or(0);
+            match g.rule {
+                Rule::Full => all,
+                rule => rule.accepts(end, page.holds(group), all, run),
+            }
+        })
+    }
+
+    /// Whether the map holds the chain's next tokens that the page's hash covers.
+    fn lookahead_covered(&self, hash: &[u8]) -> bool {
+        let Some(page) = self.pages.get(hash) else {
+            return false;
+        };
+        if page.lookahead == 0 {
+            return true;
+        }
+        let target = page.end_tokens().saturating_add(page.lookahead);
+        let mut current = page;
+        while current.end_tokens() < target {
+            // Any child: the page's hash fixes its lookahead tokens, so every child continues
+            // with them.
+            match current.children.first().and_then(|c| self.pages.get(c)) {
+                Some(child) => current = child,
+                None => return false,
+            }
+        }
+        true
     }
 }

@@ -8,7 +8,7 @@
 
 use crate::client::Sink;
 use crate::lora::AdapterMap;
-use crate::positional::{Entry, ReverseMap};
+use crate::positional::{Entry, Removal, ReverseMap};
 use crate::telemetry::{ResyncReason, Telemetry};
 use crate::tier::Tier;
 use crate::wire::{BlockStored, Event, EventBatch};
@@ -66,6 +66,8 @@ pub struct ReporterConfig {
     pub adapters: AdapterMap,
     /// Tokens per index block (the server's `--engine-block-size`).
     pub block_size: usize,
+    /// Attention chunk size of vLLM chunked-local-attention groups (0 = unknown).
+    pub attention_chunk_size: u64,
     /// Shared counters.
     pub telemetry: Arc<Telemetry>,
 }
@@ -80,6 +82,7 @@ impl ReporterConfig {
             l2_mode: false,
             adapters: AdapterMap::default(),
             block_size: DEFAULT_BLOCK_SIZE,
+            attention_chunk_size: 0,
             telemetry: Arc::default(),
         }
     }
@@ -137,8 +140,10 @@ fn tiered_entry(e: Entry) -> PrefixEntry {
 impl<S: Sink> Reporter<S> {
     /// A reporter with an empty reverse map.
     pub fn new(cfg: ReporterConfig, sink: S) -> Self {
+        let mut map = ReverseMap::new(cfg.block_size);
+        map.set_attention_chunk_size(cfg.attention_chunk_size);
         Self {
-            map: ReverseMap::new(cfg.block_size),
+            map,
             cfg,
             sink,
             pending: Vec::new(),
@@ -190,10 +195,18 @@ impl<S: Sink> Reporter<S> {
                 Event::BlockRemoved {
                     block_hashes,
                     medium,
+                    group_idx,
+                    locality,
+                    ownership,
                 } => {
                     Telemetry::inc(&telemetry.events_removed);
-                    self.on_removed(block_hashes, medium.as_deref(), ts_us)
-                        .await
+                    let removal = Removal {
+                        medium: medium.as_deref(),
+                        group: *group_idx,
+                        locality: locality.as_deref(),
+                        ownership: ownership.as_deref(),
+                    };
+                    self.on_removed(block_hashes, removal, ts_us).await
                 }
                 Event::AllBlocksCleared => {
                     Telemetry::inc(&telemetry.events_cleared);
@@ -236,7 +249,13 @@ impl<S: Sink> Reporter<S> {
             return;
         };
         let stored = self.map.store(ev, &adapter);
-        let telemetry = &self.cfg.telemetry;
+        let telemetry = Arc::clone(&self.cfg.telemetry);
+        if let Some(kind) = stored.group_kind {
+            telemetry.group_blocks_stored(kind, ev.block_hashes.len() as u64);
+        }
+        if !stored.evicted.is_empty() {
+            self.withdraw_claims(stored.evicted.clone(), ts_us).await;
+        }
         Telemetry::add(&telemetry.orphan_blocks, stored.orphan_pages as u64);
         Telemetry::add(&telemetry.keyed_blocks, stored.keyed_pages as u64);
         if stored.unknown_medium {
@@ -275,9 +294,51 @@ impl<S: Sink> Reporter<S> {
         }
     }
 
-    async fn on_removed(&mut self, hashes: &[Vec<u8>], medium: Option<&str>, ts_us: i64) {
+    /// Claims that shrank on a store (a newly learned KV-cache group is stricter): entries
+    /// still waiting in the pending buffer are dropped from it, and each is withdrawn from the
+    /// server (PREFIX_EVICTED; in L2 mode re-reported as T2, like a removal).
+    async fn withdraw_claims(&mut self, evicted: Vec<Entry>, ts_us: i64) {
+        let gone: std::collections::HashSet<([u8; 8], String)> = evicted
+            .iter()
+            .map(|e| (e.prefix_hash, e.adapter.clone()))
+            .collect();
+        self.pending.retain(|p| {
+            let key: Option<[u8; 8]> = p.prefix_hash.as_slice().try_into().ok();
+            !key.is_some_and(|k| gone.contains(&(k, p.adapter_id.clone())))
+        });
+        if self.cfg.l2_mode {
+            let prefixes: Vec<PrefixEntry> = evicted
+                .into_iter()
+                .map(|e| Entry {
+                    tier: Tier::Cpu,
+                    ..e
+                })
+                .map(tiered_entry)
+                .collect();
+            let update = self.update(ts_us, prefixes);
+            self.send_update(update).await;
+            return;
+        }
+        for e in evicted {
+            let ev = CacheEvent {
+                r#type: cache_event::Type::PrefixEvicted as i32,
+                replica_id: self.cfg.identity.replica_id.clone(),
+                model_id: self.cfg.identity.model_id.clone(),
+                tenant_id: self.cfg.identity.tenant_id.clone(),
+                prefix_hash: e.prefix_hash.to_vec(),
+                timestamp_us: ts_us,
+                adapter_id: e.adapter,
+            };
+            self.send_event(ev).await;
+        }
+    }
+
+    async fn on_removed(&mut self, hashes: &[Vec<u8>], removal: Removal<'_>, ts_us: i64) {
         // L2 mode: the engine offloads what it removes, so the chain after a page stays usable.
-        let removed = self.map.remove(hashes, medium, !self.cfg.l2_mode);
+        let removed = self.map.remove_copies(hashes, removal, !self.cfg.l2_mode);
+        for &(kind, kept) in &removed.group_copies {
+            self.cfg.telemetry.group_copy_removed(kind, kept);
+        }
         if !removed.retiered.is_empty() || (self.cfg.l2_mode && !removed.evicted.is_empty()) {
             // Stamped with the removal and never merged into the pending buffer, so a later
             // store cannot refresh a downgrade.

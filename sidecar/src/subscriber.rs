@@ -18,7 +18,7 @@ use crate::replay;
 use crate::reporter::Input;
 use crate::sequence::{Tracker, Verdict};
 use crate::telemetry::{ResyncReason, Telemetry};
-use crate::wire::{EventBatch, decode_batch, split_message};
+use crate::wire::{EventBatch, decode_batch_lenient, split_message};
 use bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -93,8 +93,19 @@ impl<'a> Session<'a> {
     }
 
     fn decode(&self, payload: &[u8], source: &str) -> Option<EventBatch> {
-        match decode_batch(payload) {
-            Ok(b) => Some(b),
+        match decode_batch_lenient(payload) {
+            Ok(decoded) => {
+                for e in &decoded.dropped {
+                    Telemetry::inc(&self.cfg.telemetry.malformed_events);
+                    warn!(
+                        event = "malformed_event",
+                        source,
+                        err = %e,
+                        "dropping one malformed event; applying the rest of its batch"
+                    );
+                }
+                Some(decoded.batch)
+            }
             Err(e) => {
                 Telemetry::inc(&self.cfg.telemetry.decode_failures);
                 warn!(

@@ -4,6 +4,7 @@
 //! counters are independent facts, read only by the `/metrics` handler, so no ordering between
 //! them is promised (a scrape may see a gap counted before its replay).
 
+use crate::groups::Kind;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -86,6 +87,21 @@ pub struct Telemetry {
     pub no_index_entries: AtomicU64,
     /// Wall clock (ms since the epoch) of the last batch received; 0 = none yet.
     last_event_ms: AtomicU64,
+    /// Events dropped from a batch because they were malformed (the rest was applied).
+    pub malformed_events: AtomicU64,
+    /// Engine blocks stored, per vLLM KV-cache group kind ([`Kind::ALL`] order).
+    group_stored: [AtomicU64; 5],
+    /// Block copies removed, per group kind.
+    group_removed: [AtomicU64; 5],
+    /// Removed copies whose page stayed reported because the other groups keep it reusable.
+    group_kept: [AtomicU64; 5],
+}
+
+fn kind_slot(kind: Kind) -> usize {
+    Kind::ALL
+        .iter()
+        .position(|k| *k == kind)
+        .unwrap_or(Kind::ALL.len() - 1)
 }
 
 fn bump(c: &AtomicU64) {
@@ -118,6 +134,20 @@ impl Telemetry {
     /// Resyncs so far for one reason.
     pub fn resyncs(&self, reason: ResyncReason) -> u64 {
         self.resyncs[reason as usize].load(Ordering::Relaxed)
+    }
+
+    /// Counts `blocks` stored in a group of `kind`.
+    pub fn group_blocks_stored(&self, kind: Kind, blocks: u64) {
+        Telemetry::add(&self.group_stored[kind_slot(kind)], blocks);
+    }
+
+    /// Counts one copy removed from a group of `kind`; `kept` when the page's blocks stayed
+    /// reported.
+    pub fn group_copy_removed(&self, kind: Kind, kept: bool) {
+        bump(&self.group_removed[kind_slot(kind)]);
+        if kept {
+            bump(&self.group_kept[kind_slot(kind)]);
+        }
     }
 
     /// Notes that a batch arrived now.
@@ -254,6 +284,42 @@ impl Telemetry {
             "BlockStored events whose token ids did not cover their blocks.",
             &[("", load(&self.no_index_entries))],
         );
+        counter(
+            &mut out,
+            "inferencecache_sidecar_malformed_events_total",
+            "Events dropped from a batch because they were malformed (the rest of the batch was applied).",
+            &[("", load(&self.malformed_events))],
+        );
+        for (name, help, values) in [
+            (
+                "inferencecache_sidecar_group_blocks_stored_total",
+                "Engine blocks stored, by vLLM KV-cache group kind.",
+                &self.group_stored,
+            ),
+            (
+                "inferencecache_sidecar_group_blocks_removed_total",
+                "Engine block copies removed, by vLLM KV-cache group kind.",
+                &self.group_removed,
+            ),
+            (
+                "inferencecache_sidecar_group_removals_kept_reusable_total",
+                "Removed block copies whose prefix stayed reported because the other groups keep it reusable, by group kind.",
+                &self.group_kept,
+            ),
+        ] {
+            let labelled: Vec<(String, u64)> = Kind::ALL
+                .iter()
+                .map(|k| {
+                    (
+                        format!("kind=\"{}\"", k.as_str()),
+                        load(&values[kind_slot(*k)]),
+                    )
+                })
+                .collect();
+            let samples: Vec<(&str, u64)> =
+                labelled.iter().map(|(l, v)| (l.as_str(), *v)).collect();
+            counter(&mut out, name, help, &samples);
+        }
         if let Some(age) = self.seconds_since_last_event() {
             let name = "inferencecache_sidecar_seconds_since_last_event";
             let _ = writeln!(

@@ -3,7 +3,14 @@
 //! A ZMQ message is `[topic, seq (u64 big-endian), payload]`; [`split_message`] takes the frames
 //! apart. The payload is `EventBatch = [ts, events, data_parallel_rank?, …]`. Each event is
 //! either a map with a `"type"` key (vLLM, SGLang) or an array whose element 0 is the tag (older
-//! engines). Unknown tags are skipped; a malformed event with a known tag rejects the whole batch.
+//! engines). Unknown tags are skipped. [`decode_batch`] rejects the whole batch when an event with a
+//! known tag is malformed; [`decode_batch_lenient`] (the subscriber's decoder) drops only that
+//! event and reports it, so one bad event cannot hide the rest of an engine step.
+//!
+//! vLLM 0.33 map-form events also carry per-group and offload fields (`group_idx`,
+//! `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`, `locality`, `ownership`, `session_id`,
+//! `lookahead_token_ids`); they are decoded here and interpreted by [`crate::groups`] and
+//! [`crate::positional`]. Keys the decoder does not know are ignored.
 
 use rmpv::Value;
 use std::fmt;
@@ -35,6 +42,12 @@ pub enum Event {
         block_hashes: Vec<Vec<u8>>,
         /// Storage medium of the removed copy; `None` = every copy.
         medium: Option<String>,
+        /// vLLM KV-cache group the copy belonged to; `None` = every group.
+        group_idx: Option<u32>,
+        /// vLLM `locality` (`LOCAL`, `REMOTE`); `None` = unspecified (local).
+        locality: Option<String>,
+        /// vLLM `ownership`: the secondary offloading tier that held the copy.
+        ownership: Option<String>,
     },
     AllBlocksCleared,
 }
@@ -61,6 +74,21 @@ pub struct BlockStored {
     pub first_keyed_block: Option<usize>,
     /// SGLang `cache_salt`: every block of the event is namespaced by it.
     pub cache_salt: Option<String>,
+    /// vLLM KV-cache group of the stored copies (`group_idx`); `None` = a single-group engine.
+    pub group_idx: Option<u32>,
+    /// vLLM `kv_cache_spec_kind` of that group (`full_attention`, `sliding_window`, `mamba`, …).
+    pub kv_cache_spec_kind: Option<String>,
+    /// vLLM `kv_cache_spec_sliding_window`: the window in tokens of a sliding-window group.
+    pub kv_cache_spec_sliding_window: Option<i64>,
+    /// vLLM `locality` (`LOCAL`, `REMOTE`); `None` = unspecified (local).
+    pub locality: Option<String>,
+    /// vLLM `ownership`: the secondary offloading tier that produced the copy.
+    pub ownership: Option<String>,
+    /// vLLM `session_id` (attribution only; the hash does not depend on it).
+    pub session_id: Option<String>,
+    /// vLLM `lookahead_token_ids`, as the number of tokens after each block that its hash
+    /// covers; `None` when lookahead hashing is off.
+    pub lookahead_tokens: Option<Vec<usize>>,
 }
 
 /// One ZMQ message taken apart: `[topic, seq, payload]`.
@@ -110,16 +138,40 @@ fn err<T>(msg: impl Into<String>) -> Result<T, DecodeError> {
     Err(DecodeError(msg.into()))
 }
 
-/// Decodes one msgpack payload (the last frame of a ZMQ message).
+/// Decodes one msgpack payload (the last frame of a ZMQ message); a malformed event rejects
+/// the whole batch.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
-    let mut rd = payload;
-    let value = rmpv::decode::read_value(&mut rd)
-        .map_err(|e| DecodeError(format!("invalid msgpack: {e}")))?;
+    let value = read_payload(payload)?;
     decode_batch_value(&value)
+}
+
+/// A batch decoded event by event: the malformed events are left out and listed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LenientBatch {
+    /// The well-formed events, in wire order.
+    pub batch: EventBatch,
+    /// Why each dropped event was rejected (its position is in the message).
+    pub dropped: Vec<DecodeError>,
+}
+
+/// Decodes one payload, dropping (and listing) each malformed event instead of rejecting the
+/// batch. The envelope (`[ts, events, …]`) must still be well formed.
+pub fn decode_batch_lenient(payload: &[u8]) -> Result<LenientBatch, DecodeError> {
+    let value = read_payload(payload)?;
+    decode_envelope(&value, false)
+}
+
+fn read_payload(payload: &[u8]) -> Result<Value, DecodeError> {
+    let mut rd = payload;
+    rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError(format!("invalid msgpack: {e}")))
 }
 
 /// Decodes an already parsed batch value.
 pub fn decode_batch_value(value: &Value) -> Result<EventBatch, DecodeError> {
+    decode_envelope(value, true).map(|lenient| lenient.batch)
+}
+
+fn decode_envelope(value: &Value, strict: bool) -> Result<LenientBatch, DecodeError> {
     let Value::Array(items) = value else {
         return err("batch is not an array");
     };
@@ -143,16 +195,28 @@ pub fn decode_batch_value(value: &Value) -> Result<EventBatch, DecodeError> {
         return err("batch events is not an array");
     };
     let mut events = Vec::with_capacity(raw_events.len());
+    let mut dropped = Vec::new();
     for (i, raw) in raw_events.iter().enumerate() {
-        if let Some(ev) = decode_event(raw).map_err(|e| DecodeError(format!("event {i}: {e}")))? {
-            events.push(ev);
+        match decode_event(raw) {
+            Ok(Some(ev)) => events.push(ev),
+            Ok(None) => {}
+            Err(e) => {
+                let e = DecodeError(format!("event {i}: {e}"));
+                if strict {
+                    return Err(e);
+                }
+                dropped.push(e);
+            }
         }
     }
     let data_parallel_rank = items.get(2).and_then(Value::as_i64);
-    Ok(EventBatch {
-        ts,
-        events,
-        data_parallel_rank,
+    Ok(LenientBatch {
+        batch: EventBatch {
+            ts,
+            events,
+            data_parallel_rank,
+        },
+        dropped,
     })
 }
 
@@ -202,6 +266,19 @@ fn decode_map_event(kv: &[(Value, Value)]) -> Result<Option<Event>, DecodeError>
                 lora_name,
                 first_keyed_block,
                 cache_salt: optional_str(map_get(kv, "cache_salt"), "cache_salt")?,
+                group_idx: group_idx(map_get(kv, "group_idx"))?,
+                kv_cache_spec_kind: optional_str(
+                    map_get(kv, "kv_cache_spec_kind"),
+                    "kv_cache_spec_kind",
+                )?,
+                kv_cache_spec_sliding_window: optional_int(
+                    map_get(kv, "kv_cache_spec_sliding_window"),
+                    "kv_cache_spec_sliding_window",
+                )?,
+                locality: optional_str(map_get(kv, "locality"), "locality")?,
+                ownership: optional_str(map_get(kv, "ownership"), "ownership")?,
+                session_id: optional_str(map_get(kv, "session_id"), "session_id")?,
+                lookahead_tokens: lookahead_tokens(map_get(kv, "lookahead_token_ids"), hashes)?,
             })))
         }
         TAG_BLOCK_REMOVED => {
@@ -211,6 +288,9 @@ fn decode_map_event(kv: &[(Value, Value)]) -> Result<Option<Event>, DecodeError>
             Ok(Some(Event::BlockRemoved {
                 block_hashes: hash_list(hashes)?,
                 medium: optional_str(map_get(kv, "medium"), "medium")?,
+                group_idx: group_idx(map_get(kv, "group_idx"))?,
+                locality: optional_str(map_get(kv, "locality"), "locality")?,
+                ownership: optional_str(map_get(kv, "ownership"), "ownership")?,
             }))
         }
         TAG_ALL_CLEARED => Ok(Some(Event::AllBlocksCleared)),
@@ -251,6 +331,9 @@ fn decode_tuple_event(items: &[Value]) -> Result<Option<Event>, DecodeError> {
             Ok(Some(Event::BlockRemoved {
                 block_hashes: hash_list(&items[1])?,
                 medium: lenient_str(items.get(2)),
+                group_idx: None,
+                locality: None,
+                ownership: None,
             }))
         }
         TAG_ALL_CLEARED => Ok(Some(Event::AllBlocksCleared)),
@@ -335,6 +418,53 @@ fn optional_str(v: Option<&Value>, what: &str) -> Result<Option<String>, DecodeE
         },
         Some(other) => err(format!("{what} has type {}", type_name(other))),
     }
+}
+
+/// An integer field that may be absent or nil; any other type is an error.
+fn optional_int(v: Option<&Value>, what: &str) -> Result<Option<i64>, DecodeError> {
+    match v {
+        None | Some(Value::Nil) => Ok(None),
+        Some(Value::Integer(i)) => match i.as_i64() {
+            Some(x) => Ok(Some(x)),
+            None => err(format!("{what} above i64::MAX")),
+        },
+        Some(other) => err(format!("{what} has type {}", type_name(other))),
+    }
+}
+
+/// vLLM `group_idx`: absent or nil → none, else an integer in 0..2^32−1.
+fn group_idx(v: Option<&Value>) -> Result<Option<u32>, DecodeError> {
+    match optional_int(v, "group_idx")? {
+        None => Ok(None),
+        Some(x) => match u32::try_from(x) {
+            Ok(g) => Ok(Some(g)),
+            Err(_) => err(format!("group_idx {x} is not in 0..2^32-1")),
+        },
+    }
+}
+
+/// vLLM `lookahead_token_ids`: nil, or one token list per block hash. Only the lengths are
+/// kept: the tokens are the chain's next tokens, which the sidecar sees as the next pages.
+fn lookahead_tokens(v: Option<&Value>, hashes: &Value) -> Result<Option<Vec<usize>>, DecodeError> {
+    let items = match v {
+        None | Some(Value::Nil) => return Ok(None),
+        Some(Value::Array(items)) => items,
+        Some(other) => {
+            return err(format!("lookahead_token_ids has type {}", type_name(other)));
+        }
+    };
+    let blocks = hashes.as_array().map_or(0, Vec::len);
+    if items.len() != blocks {
+        return err(format!(
+            "lookahead_token_ids has {} lists for {blocks} blocks",
+            items.len()
+        ));
+    }
+    items
+        .iter()
+        .map(|item| token_list(item).map(|tokens| tokens.len()))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 /// A positional string whose meaning depends on the engine version: a string, or nothing.

@@ -93,6 +93,9 @@ fn sc01_map_form_vllm_batch() {
         Event::BlockRemoved {
             block_hashes: vec![0xE001u64.to_be_bytes().to_vec()],
             medium: Some("GPU".into()),
+            group_idx: None,
+            locality: None,
+            ownership: None,
         }
     );
     assert_eq!(b.data_parallel_rank, Some(0));
@@ -142,6 +145,9 @@ fn sc01_tuple_form_with_extras_trailing_elements_and_unknown_event() {
         Event::BlockRemoved {
             block_hashes: vec![vec![0xFF; 8]],
             medium: Some("medium".into()),
+            group_idx: None,
+            locality: None,
+            ownership: None,
         }
     );
     assert_eq!(b.data_parallel_rank, Some(1));

@@ -57,6 +57,9 @@ fn remove(blocks: &[u64]) -> Event {
     Event::BlockRemoved {
         block_hashes: blocks.iter().map(|b| eh(*b)).collect(),
         medium: None,
+        group_idx: None,
+        locality: None,
+        ownership: None,
     }
 }
 

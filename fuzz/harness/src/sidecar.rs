@@ -32,11 +32,18 @@ pub fn sidecar_event(data: &[u8]) {
             Event::BlockStored(bs) => {
                 // §4: block_size is positive once decoded.
                 assert!(bs.block_size > 0, "block_size {}", bs.block_size);
-                check_store(&mut map, bs);
+                // The single-group re-keying (grouped mode is covered by the sidecar's tests).
+                let single = BlockStored {
+                    group_idx: None,
+                    lookahead_tokens: None,
+                    ..bs.clone()
+                };
+                check_store(&mut map, &single);
             }
             Event::BlockRemoved {
                 block_hashes,
                 medium,
+                ..
             } => {
                 map.remove(block_hashes, medium.as_deref(), true);
                 if medium.is_none() {
@@ -60,7 +67,8 @@ enum Form {
     Array,
 }
 
-/// The events as the array form can carry them: no LoRA name, extra keys or cache salt.
+/// The events as the array form can carry them: no LoRA name, extra keys, cache salt or vLLM
+/// 0.33 group and offload fields.
 fn expressible(events: &[Event], form: Form) -> Vec<Event> {
     events
         .iter()
@@ -69,8 +77,29 @@ fn expressible(events: &[Event], form: Form) -> Vec<Event> {
                 lora_name: None,
                 first_keyed_block: None,
                 cache_salt: None,
+                group_idx: None,
+                kv_cache_spec_kind: None,
+                kv_cache_spec_sliding_window: None,
+                locality: None,
+                ownership: None,
+                session_id: None,
+                lookahead_tokens: None,
                 ..bs.clone()
             }),
+            (
+                Event::BlockRemoved {
+                    block_hashes,
+                    medium,
+                    ..
+                },
+                Form::Array,
+            ) => Event::BlockRemoved {
+                block_hashes: block_hashes.clone(),
+                medium: medium.clone(),
+                group_idx: None,
+                locality: None,
+                ownership: None,
+            },
             _ => ev.clone(),
         })
         .collect()
@@ -110,16 +139,42 @@ fn canonical(batch: &EventBatch, form: Form) -> Value {
                         ("lora_name", optional_str(&bs.lora_name)),
                         ("cache_salt", optional_str(&bs.cache_salt)),
                         ("extra_keys", extra_keys(bs.first_keyed_block)),
+                        ("group_idx", bs.group_idx.map_or(Value::Nil, Value::from)),
+                        ("kv_cache_spec_kind", optional_str(&bs.kv_cache_spec_kind)),
+                        (
+                            "kv_cache_spec_sliding_window",
+                            bs.kv_cache_spec_sliding_window
+                                .map_or(Value::Nil, Value::from),
+                        ),
+                        ("locality", optional_str(&bs.locality)),
+                        ("ownership", optional_str(&bs.ownership)),
+                        ("session_id", optional_str(&bs.session_id)),
+                        (
+                            "lookahead_token_ids",
+                            bs.lookahead_tokens.as_ref().map_or(Value::Nil, |l| {
+                                Value::Array(
+                                    l.iter()
+                                        .map(|&n| Value::Array(vec![Value::from(0); n]))
+                                        .collect(),
+                                )
+                            }),
+                        ),
                     ],
                 ),
                 Event::BlockRemoved {
                     block_hashes,
                     medium,
+                    group_idx,
+                    locality,
+                    ownership,
                 } => (
                     TAG_BLOCK_REMOVED,
                     vec![
                         ("block_hashes", bin_list(block_hashes)),
                         ("medium", optional_str(medium)),
+                        ("group_idx", group_idx.map_or(Value::Nil, Value::from)),
+                        ("locality", optional_str(locality)),
+                        ("ownership", optional_str(ownership)),
                     ],
                 ),
                 Event::AllBlocksCleared => (TAG_ALL_CLEARED, vec![]),
@@ -136,7 +191,15 @@ fn canonical(batch: &EventBatch, form: Form) -> Value {
                             fields
                                 .into_iter()
                                 .filter(|(k, _)| {
-                                    !matches!(*k, "lora_name" | "cache_salt" | "extra_keys")
+                                    matches!(
+                                        *k,
+                                        "block_hashes"
+                                            | "parent_block_hash"
+                                            | "token_ids"
+                                            | "block_size"
+                                            | "lora_id"
+                                            | "medium"
+                                    )
                                 })
                                 .map(|(_, v)| v),
                         )

@@ -247,6 +247,8 @@ pub struct Rig<'a> {
     pub sidecar: Option<Child>,
     pub metrics_port: u16,
     pub sidecar_runs: usize,
+    /// Extra sidecar flags of the scenario.
+    pub sidecar_args: Vec<String>,
 }
 
 impl<'a> Rig<'a> {
@@ -284,6 +286,7 @@ impl<'a> Rig<'a> {
             sidecar: None,
             metrics_port: 0,
             sidecar_runs: 0,
+            sidecar_args: Vec::new(),
         }
     }
 
@@ -341,6 +344,7 @@ impl<'a> Rig<'a> {
                 "--stats-interval",
                 "1h",
             ])
+            .args(&self.sidecar_args)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .kill_on_drop(true)

@@ -10,7 +10,12 @@ and SGLang's native page-hash helpers (whose values only need to be stable and c
 Protocol: one JSON command per stdin line, one JSON answer per stdout line
 (`{"ok": true, ...}` or `{"ok": false, "error": "..."}`). Commands:
   start    engine=vllm|sglang endpoint replay buffer_steps page_size
-  publish  (vLLM) events=[{kind: stored|removed|cleared, chain, first, tokens, ...}]
+  publish  (vLLM) events=[{kind: stored|removed|cleared, chain, first, tokens, ...}]; vLLM 0.33's
+           per-group and offload fields pass through (group_idx, kv_cache_spec_kind,
+           kv_cache_spec_sliding_window, locality, ownership, session_id, lookahead_token_ids);
+           a stored event's `blocks` names its block indices when vLLM left null blocks out of
+           block_hashes (token_ids still cover them); `override` sets fields after construction
+           (a malformed event, as msgspec encodes whatever the fields hold)
   store / remove / clear   (SGLang radix nodes, through KVCacheEventRecorder), then one batch
   restart  a new publisher process state on the same endpoints (sequence back to 0)
   proxy    upstream listen drop=[seq...]: forwards the PUB stream, dropping those sequences
@@ -238,6 +243,17 @@ class Host:
         return {"seq": seq}
 
     # --- vLLM events ------------------------------------------------------------------
+    STORED_GROUP_FIELDS = (
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
+    )
+    REMOVED_GROUP_FIELDS = ("group_idx", "locality", "ownership")
+
     def publish(self, cmd):
         kv = self.kv
         out = []
@@ -247,32 +263,35 @@ class Host:
                 size = ev.get("block_size", 16)
                 tokens = ev["tokens"]
                 first = ev.get("first", 0)
-                count = len(tokens) // size
-                out.append(
-                    kv.BlockStored(
-                        block_hashes=[vllm_hash(ev["chain"], first + i) for i in range(count)],
-                        parent_block_hash=vllm_hash(ev["chain"], first - 1) if first > 0 else None,
-                        token_ids=tokens,
-                        block_size=size,
-                        lora_id=ev.get("lora_id"),
-                        medium=ev.get("medium", kv.MEDIUM_GPU),
-                        lora_name=ev.get("lora_name"),
-                        extra_keys=[tuple(k) if k is not None else None for k in ev["extra_keys"]]
-                        if ev.get("extra_keys") is not None
-                        else None,
-                    )
+                blocks = ev.get("blocks", [first + i for i in range(len(tokens) // size)])
+                extra = {k: ev[k] for k in self.STORED_GROUP_FIELDS if k in ev}
+                event = kv.BlockStored(
+                    block_hashes=[vllm_hash(ev["chain"], b) for b in blocks],
+                    parent_block_hash=vllm_hash(ev["chain"], first - 1) if first > 0 else None,
+                    token_ids=tokens,
+                    block_size=size,
+                    lora_id=ev.get("lora_id"),
+                    medium=ev.get("medium", kv.MEDIUM_GPU),
+                    lora_name=ev.get("lora_name"),
+                    extra_keys=[tuple(k) if k is not None else None for k in ev["extra_keys"]]
+                    if ev.get("extra_keys") is not None
+                    else None,
+                    **extra,
                 )
             elif kind == "removed":
-                out.append(
-                    kv.BlockRemoved(
-                        block_hashes=[vllm_hash(ev["chain"], i) for i in ev["blocks"]],
-                        medium=ev.get("medium", kv.MEDIUM_GPU),
-                    )
+                extra = {k: ev[k] for k in self.REMOVED_GROUP_FIELDS if k in ev}
+                event = kv.BlockRemoved(
+                    block_hashes=[vllm_hash(ev["chain"], i) for i in ev["blocks"]],
+                    medium=ev.get("medium", kv.MEDIUM_GPU),
+                    **extra,
                 )
             elif kind == "cleared":
-                out.append(kv.AllBlocksCleared())
+                event = kv.AllBlocksCleared()
             else:
                 raise ValueError(f"unknown event kind {kind!r}")
+            for field, value in ev.get("override", {}).items():
+                setattr(event, field, value)
+            out.append(event)
         return self._publish(out)
 
     # --- SGLang radix nodes -----------------------------------------------------------
