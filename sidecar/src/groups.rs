@@ -276,7 +276,12 @@ mod tests {
         let c = Rule::Chunked { chunk: 32 };
         // Blocks 0–1 gone: 64 (a chunk boundary) needs nothing, 48 needs block 2.
         assert_eq!(longest(c, &[false, false, true, true], 16), 64);
-        assert_eq!(longest(c, &[false, false, true, false], 16), 48);
+        // Block 3 gone too: 64 is a chunk boundary, still nothing needed.
+        assert_eq!(longest(c, &[false, false, true, false], 16), 64);
+        // Five blocks, block 4 gone: 80 needs block 4 → 64.
+        assert_eq!(longest(c, &[true, true, true, true, false], 16), 64);
+        // Block 2 gone of three: 48 needs block 2 (its chunk starts at 32).
+        assert_eq!(longest(c, &[true, true, false], 16), 32);
         // Three blocks, block 2 gone: 48 needs block 2 → 32 (a chunk boundary).
         assert_eq!(longest(c, &[false, false, false], 16), 32);
         // One block, gone: 16 needs block 0.

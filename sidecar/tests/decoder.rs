@@ -85,6 +85,10 @@ fn sc01_map_form_vllm_batch() {
             block_size: 2,
             lora_id: Some(3),
             medium: Some("GPU".into()),
+            // vLLM 0.33's group and offload fields are decoded (issue 47).
+            group_idx: Some(0),
+            kv_cache_spec_kind: Some("full_attention".into()),
+            locality: Some("local".into()),
             ..BlockStored::default()
         })
     );
