@@ -35,6 +35,9 @@ pub struct EventBatch {
 }
 
 /// A decoded engine event.
+// Stores are most of the stream, so boxing the large variant would add an allocation to nearly
+// every event without making a batch's `Vec<Event>` smaller.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     BlockStored(BlockStored),
