@@ -513,3 +513,78 @@ fn unknown_fields_are_ignored_and_one_bad_event_is_dropped() {
     // The strict decoder still rejects the batch.
     assert!(inferencecache_sidecar::wire::decode_batch(&payload).is_err());
 }
+
+#[test]
+fn a_group_whose_parent_is_not_stored_yet_waits_for_it() {
+    let mut map = ReverseMap::new(BS);
+    let counts = |entries: &[inferencecache_sidecar::positional::Entry]| {
+        let mut c: Vec<i32> = entries.iter().map(|e| e.token_count).collect();
+        c.sort_unstable();
+        c
+    };
+    map.store(&map_store(0, &[0, 1], 0, "full_attention", None), "");
+    map.store(&map_store(0, &[0, 1], 1, "sliding_window", Some(32)), "");
+    // The window group's block 3 (parent 2) comes before anyone stored block 2: parked.
+    let early = map.store(&map_store(3, &[3], 1, "sliding_window", Some(32)), "");
+    assert_eq!(early.orphan_pages, 1);
+    // Full attention stores 2–3: block 3 takes the parked window copy, but 64 still needs the
+    // window's block 2 and 48 needs it too; 32 stays the claim.
+    let out = map.store(&map_store(2, &[2, 3], 0, "full_attention", None), "");
+    assert!(out.entries.is_empty(), "{:?}", counts(&out.entries));
+    // The window group stores block 2: 64 becomes reusable (without the parked copy of 3 it
+    // would not).
+    let out = map.store(&map_store(2, &[2], 1, "sliding_window", Some(32)), "");
+    assert_eq!(counts(&out.entries), [48, 64]);
+}
+
+#[tokio::test]
+async fn claims_withdrawn_by_a_later_group_leave_the_pending_buffer_and_the_server() {
+    use common::{Call, Mode, sink_to, start_fake_server};
+    use inferencecache_sidecar::reporter::{Identity, Reporter, ReporterConfig};
+    use inferencecache_sidecar::wire::EventBatch;
+    let (rec, addr) = start_fake_server(Mode::Ok).await;
+    let mut cfg = ReporterConfig::new(Identity {
+        replica_id: "r0".into(),
+        model_id: "m".into(),
+        tenant_id: "t".into(),
+        hash_scheme: "vllm".into(),
+    });
+    cfg.block_size = BS;
+    let mut r = Reporter::new(cfg, sink_to(addr, None));
+    let batch = |events| EventBatch {
+        ts: 2.0,
+        events,
+        data_parallel_rank: None,
+    };
+    // Full attention stores 0–3 (pending), then a Mamba group appears holding only its state
+    // at 32: 48 and 64 are withdrawn before anything was sent, 16 and 32 stay.
+    let mut mamba = map_store(0, &[1], 1, "mamba", None);
+    mamba.token_ids = span(1000, 32);
+    r.handle_batch(&batch(vec![
+        Event::BlockStored(map_store(0, &[0, 1, 2, 3], 0, "full_attention", None)),
+        Event::BlockStored(mamba),
+    ]))
+    .await;
+    assert_eq!(r.pending_len(), 2);
+    r.flush().await;
+    let updates = rec.updates();
+    let counts: Vec<i32> = updates[0].prefixes.iter().map(|p| p.token_count).collect();
+    assert_eq!(counts, [16, 32]);
+    // The withdrawals still reach the server (the blocks may be there from an earlier flush).
+    let evicted = rec
+        .calls()
+        .iter()
+        .filter(|c| matches!(c, Call::Publish(_)))
+        .count();
+    assert_eq!(evicted, 2);
+    // The Mamba state at 32 goes: nothing is reusable.
+    r.handle_batch(&batch(vec![Event::BlockRemoved {
+        block_hashes: vec![engine_hash(1)],
+        medium: None,
+        group_idx: Some(1),
+        locality: None,
+        ownership: None,
+    }]))
+    .await;
+    assert_eq!(rec.events().len(), 4);
+}
