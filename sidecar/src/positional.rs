@@ -41,7 +41,7 @@
 //!   so a removal in one group never erases a prefix the other groups keep reusable, and a
 //!   claim shrinks as soon as the groups stop accepting it.
 
-use crate::groups::{Group, Groups, Kind, Rule};
+use crate::groups::{Group, Groups, Kind};
 use crate::tier::{self, Tier};
 use crate::wire::BlockStored;
 use inferencecache_engine::fingerprint::{prefix_hashes_from, to_wire};
@@ -88,6 +88,9 @@ struct Page {
     on_claimed_path: bool,
     /// Grouped mode: the tier the page's blocks are reported at (`None` = not reported).
     reported: Option<Tier>,
+    /// Grouped mode: bit `i` set when the `i`-th known group holds every page from the chain
+    /// start through this one (kept for full-attention groups, whose rule needs it).
+    held_from_start: u64,
 }
 
 impl Page {
@@ -174,11 +177,15 @@ pub struct Removal<'a> {
 /// A group's contiguous holdings along a chain, up to some page.
 #[derive(Debug, Clone)]
 struct Walk {
-    /// Per known group (in [`Groups`] order): it holds every page so far.
-    all: Vec<bool>,
+    /// Bit `i`: the `i`-th known group (in [`Groups`] order) holds every page so far.
+    all: u64,
     /// Per known group: tokens of the contiguous run of held pages ending here.
     run: Vec<u64>,
 }
+
+/// Where [`ReverseMap::settle`] starts: a page whose holdings changed, and how far after it
+/// (in tokens past its end) claims may have changed with it; `None` = the whole subtree.
+type Start = (Vec<u8>, Option<u64>);
 
 /// Engine page hash → positional fingerprint state, for one replica.
 #[derive(Debug)]
@@ -345,6 +352,7 @@ impl ReverseMap {
                 claimable: false,
                 on_claimed_path: false,
                 reported: None,
+                held_from_start: 0,
             };
             out.entries.extend(page.entries(tier));
             self.pages.insert(hash.clone(), page);
@@ -433,6 +441,15 @@ impl ReverseMap {
     }
 }
 
+/// Records one copy of a known page; true when the page changed (a new copy, another tier, a
+/// longer lookahead).
+fn add_copy(page: &mut Page, key: &(u32, String), tier: Tier, lookahead: u64) -> bool {
+    let before = page.copies.insert(key.clone(), tier);
+    let longer = lookahead > page.lookahead;
+    page.lookahead = page.lookahead.max(lookahead);
+    before != Some(tier) || longer
+}
+
 /// First block whose hash has extra keys (`extra_keys` beyond the LoRA name, a cache salt).
 fn first_keyed(ev: &BlockStored) -> Option<usize> {
     if ev.cache_salt.is_some() {
@@ -485,7 +502,11 @@ impl ReverseMap {
         let settled = if rules_changed {
             self.settle_all()
         } else {
-            self.settle(&touched)
+            // A page's claim depends on the pages within its group rules' reach before it, so
+            // a change in one group reaches that far after the page (full attention: all).
+            let reach = group.rule.reach();
+            let starts: Vec<Start> = touched.into_iter().map(|h| (h, reach)).collect();
+            self.settle(&starts)
         };
         out.entries.extend(settled.added);
         out.entries.extend(settled.retiered);
@@ -540,9 +561,9 @@ impl ReverseMap {
             for (i, hash) in ev.block_hashes.iter().enumerate() {
                 match self.pages.get_mut(hash) {
                     Some(page) => {
-                        page.copies.insert(key.clone(), tier);
-                        page.lookahead = page.lookahead.max(lookahead_of(i));
-                        touched.push(hash.clone());
+                        if add_copy(page, &key, tier, lookahead_of(i)) {
+                            touched.push(hash.clone());
+                        }
                     }
                     None => {
                         out.orphan_pages += 1;
@@ -574,13 +595,15 @@ impl ReverseMap {
                 break;
             }
             if let Some(known) = self.pages.get_mut(hash) {
-                known.copies.insert(key.clone(), tier);
-                known.lookahead = known.lookahead.max(lookahead_of(i));
+                // A copy the map already has (vLLM re-reports prefix-cache hits) changes no
+                // claim: the page and everything after it are left alone.
+                if add_copy(known, &key, tier, lookahead_of(i)) {
+                    touched.push(hash.clone());
+                }
                 boundary_hash = known.boundary_hash;
                 boundary_tokens = known.boundary_tokens;
                 tail = known.tail.clone();
                 parent = Some(hash.clone());
-                touched.push(hash.clone());
                 continue;
             }
             let mut tokens = std::mem::take(&mut tail);
@@ -622,6 +645,7 @@ impl ReverseMap {
                     claimable: false,
                     on_claimed_path: false,
                     reported: None,
+                    held_from_start: 0,
                 },
             );
             parent = Some(hash.clone());
@@ -702,7 +726,14 @@ impl ReverseMap {
                 removed_groups.extend(gone.into_iter().map(|g| (hash.clone(), g)));
             }
         }
-        let mut settled = self.settle(&touched);
+        let starts: Vec<Start> = removed_groups
+            .iter()
+            .map(|(hash, group)| {
+                let reach = self.groups.get(*group).and_then(|g| g.rule.reach());
+                (hash.clone(), reach)
+            })
+            .collect();
+        let mut settled = self.settle(&starts);
         for (hash, group) in removed_groups {
             let kind = self.groups.get(group).map_or(Kind::Other, |g| g.kind);
             let kept = self.pages.get(&hash).is_some_and(|p| p.reported.is_some());
@@ -712,7 +743,8 @@ impl ReverseMap {
         // lookahead coverage catch up.
         let parents = self.collect_garbage(&touched);
         if self.max_lookahead > 0 && !parents.is_empty() {
-            let more = self.settle(&parents);
+            let starts: Vec<Start> = parents.into_iter().map(|h| (h, Some(0))).collect();
+            let more = self.settle(&starts);
             settled.evicted.extend(more.evicted);
             settled.retiered.extend(more.retiered);
             settled.added.extend(more.added);
@@ -751,7 +783,7 @@ impl ReverseMap {
 
     /// Re-evaluates every page (the rule set changed).
     fn settle_all(&mut self) -> Settled {
-        let roots: Vec<Vec<u8>> = self
+        let roots: Vec<Start> = self
             .pages
             .iter()
             .filter(|(_, p)| {
@@ -759,20 +791,21 @@ impl ReverseMap {
                     .as_ref()
                     .is_none_or(|parent| !self.pages.contains_key(parent))
             })
-            .map(|(h, _)| h.clone())
+            .map(|(h, _)| (h.clone(), None))
             .collect();
         self.settle(&roots)
     }
 
-    /// Re-evaluates the claims of `touched`, the pages after them, the pages whose lookahead
-    /// they may now cover, and the reported path before them; returns the changes.
-    fn settle(&mut self, touched: &[Vec<u8>]) -> Settled {
-        let mut starts: Vec<Vec<u8>> = Vec::new();
-        for hash in touched {
+    /// Re-evaluates the claims of each start page and the pages after it within its reach, the
+    /// pages whose lookahead they may now cover, and the reported path before them; returns
+    /// the changes.
+    fn settle(&mut self, changed: &[Start]) -> Settled {
+        let mut starts: Vec<Start> = Vec::new();
+        for (hash, reach) in changed {
             if !self.pages.contains_key(hash) {
                 continue;
             }
-            starts.push(hash.clone());
+            starts.push((hash.clone(), *reach));
             if self.max_lookahead > 0 {
                 // Ancestors whose lookahead tokens this page may complete.
                 let end = self.pages[hash].end_tokens();
@@ -784,25 +817,39 @@ impl ReverseMap {
                     if end.saturating_sub(page.end_tokens()) > self.max_lookahead {
                         break;
                     }
-                    starts.push(a.clone());
+                    starts.push((a.clone(), Some(0)));
                     up = page.parent.clone();
                 }
             }
         }
-        // Phase 1: claimability of each start and every page after it, walking down with the
-        // groups' holdings along the chain.
-        let mut visited: HashSet<Vec<u8>> = HashSet::new();
+        // Chain order (a parent ends before its children), so a start's parent is settled
+        // before the start's holdings are read from it.
+        starts.sort_by_key(|(h, _)| self.pages.get(h).map_or(0, Page::end_tokens));
+        // Phase 1: claimability of each start and the pages after it within reach, walking
+        // down with the groups' holdings along the chain. A page reached again with a longer
+        // reach is walked again (its subtree may need it).
+        let mut reached: HashMap<Vec<u8>, Option<u64>> = HashMap::new();
         let mut order: Vec<Vec<u8>> = Vec::new();
-        for start in &starts {
-            if visited.contains(start) {
+        let covers = |have: Option<u64>, want: Option<u64>| match (have, want) {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(h), Some(w)) => h >= w,
+        };
+        for (start, reach) in &starts {
+            let Some(start_end) = self.pages.get(start).map(Page::end_tokens) else {
+                continue;
+            };
+            let limit = reach.map(|r| start_end.saturating_add(r));
+            if reached.get(start).is_some_and(|&have| covers(have, limit)) {
                 continue;
             }
             let above = self.walk_above(start);
-            let mut stack = vec![(start.clone(), above)];
-            while let Some((hash, walk)) = stack.pop() {
-                if !visited.insert(hash.clone()) {
+            let mut stack = vec![(start.clone(), above, limit)];
+            while let Some((hash, walk, limit)) = stack.pop() {
+                if reached.get(&hash).is_some_and(|&have| covers(have, limit)) {
                     continue;
                 }
+                reached.insert(hash.clone(), limit);
                 let Some(page) = self.pages.get(&hash) else {
                     continue;
                 };
@@ -810,14 +857,26 @@ impl ReverseMap {
                 let claimable = !page.copies.is_empty()
                     && self.accepted(&walk, page)
                     && self.lookahead_covered(&hash);
-                let children = page.children.clone();
+                let children: Vec<Vec<u8>> = page
+                    .children
+                    .iter()
+                    .filter(|c| {
+                        let end = self.pages.get(*c).map_or(u64::MAX, Page::end_tokens);
+                        limit.is_none_or(|l| end < l)
+                    })
+                    .cloned()
+                    .collect();
                 if let Some(page) = self.pages.get_mut(&hash) {
                     page.claimable = claimable;
+                    page.held_from_start = walk.all;
                 }
                 order.push(hash);
-                stack.extend(children.into_iter().map(|c| (c, walk.clone())));
+                stack.extend(children.into_iter().map(|c| (c, walk.clone(), limit)));
             }
         }
+        order.sort();
+        order.dedup();
+        let starts: Vec<Vec<u8>> = starts.into_iter().map(|(h, _)| h).collect();
         // Phase 2: the claimed path, deepest pages first (a child ends after its parent).
         order.sort_by_key(|h| std::cmp::Reverse(self.pages.get(h).map_or(0, Page::end_tokens)));
         let mut candidates = order.clone();
@@ -879,26 +938,51 @@ impl ReverseMap {
         changed
     }
 
-    /// The groups' holdings along the chain up to the parent of `hash`.
+    /// The groups' holdings along the chain up to the parent of `hash`: the parent's
+    /// held-from-start bits, and each group's run walked back at most as far as any rule looks.
     fn walk_above(&self, hash: &[u8]) -> Walk {
-        let mut path = Vec::new();
-        let mut up = self.pages.get(hash).and_then(|p| p.parent.clone());
-        while let Some(a) = up {
-            let Some(page) = self.pages.get(&a) else {
-                break;
-            };
-            up = page.parent.clone();
-            path.push(page);
-        }
         let groups = self.groups.len();
-        let mut walk = Walk {
-            all: vec![true; groups],
-            run: vec![0; groups],
+        let parent = self
+            .pages
+            .get(hash)
+            .and_then(|p| p.parent.as_ref())
+            .and_then(|p| self.pages.get(p));
+        let Some(parent) = parent else {
+            return Walk {
+                all: u64::MAX,
+                run: vec![0; groups],
+            };
         };
-        for page in path.into_iter().rev() {
-            walk = self.step(&walk, page);
+        let horizon = self
+            .groups
+            .iter()
+            .filter_map(|(_, g)| g.rule.reach())
+            .max()
+            .unwrap_or(0);
+        let mut run = vec![0u64; groups];
+        let mut open = vec![true; groups];
+        let mut current = Some(parent);
+        let mut walked = 0u64;
+        while let Some(page) = current {
+            if walked >= horizon || !open.iter().any(|&o| o) {
+                break;
+            }
+            for (i, (group, _)) in self.groups.iter().enumerate() {
+                if open[i] {
+                    if page.holds(group) {
+                        run[i] = run[i].saturating_add(page.page_tokens);
+                    } else {
+                        open[i] = false;
+                    }
+                }
+            }
+            walked = walked.saturating_add(page.page_tokens);
+            current = page.parent.as_ref().and_then(|p| self.pages.get(p));
         }
-        walk
+        Walk {
+            all: parent.held_from_start,
+            run,
+        }
     }
 
     /// The holdings after one more page.
@@ -906,8 +990,8 @@ impl ReverseMap {
         let mut next = walk.clone();
         for (i, (group, _)) in self.groups.iter().enumerate() {
             let held = page.holds(group);
-            if let Some(all) = next.all.get_mut(i) {
-                *all = *all && held;
+            if i < 64 && !held {
+                next.all &= !(1u64 << i);
             }
             if let Some(run) = next.run.get_mut(i) {
                 *run = if held {
@@ -925,12 +1009,10 @@ impl ReverseMap {
     fn accepted(&self, walk: &Walk, page: &Page) -> bool {
         let end = page.end_tokens();
         self.groups.iter().enumerate().all(|(i, (group, g))| {
-            let all = walk.all.get(i).copied().unwrap_or(false);
+            // Beyond 64 groups the held-from-start bit is unknown: refuse (never over-claim).
+            let all = i < 64 && walk.all & (1u64 << i) != 0;
             let run = walk.run.get(i).copied().unwrap_or(0);
-            match g.rule {
-                Rule::Full => all,
-                rule => rule.accepts(end, page.holds(group), all, run),
-            }
+            g.rule.accepts(end, page.holds(group), all, run)
         })
     }
 

@@ -588,3 +588,26 @@ async fn claims_withdrawn_by_a_later_group_leave_the_pending_buffer_and_the_serv
     .await;
     assert_eq!(rec.events().len(), 4);
 }
+
+/// A long conversation under a 128-token window: the window group frees every block behind
+/// it, one removal at a time, as vLLM does while a request runs; the whole prefix stays
+/// claimed (and each step touches only the pages within the window of the freed block).
+#[test]
+fn a_long_conversation_keeps_its_claim_while_the_window_slides() {
+    let mut map = ReverseMap::new(BS);
+    let n = 2000;
+    let blocks: Vec<usize> = (0..n).collect();
+    let mut fa = map_store(0, &blocks, 0, "full_attention", None);
+    fa.token_ids = span(0, (n * BS) as u32);
+    assert_eq!(map.store(&fa, "").entries.len(), n);
+    let mut sw = map_store(0, &blocks, 1, "sliding_window", Some(128));
+    sw.token_ids = span(0, (n * BS) as u32);
+    let out = map.store(&sw, "");
+    assert!(out.entries.is_empty() && out.evicted.is_empty());
+    for b in 0..n - 8 {
+        assert_eq!(remove_group(&mut map, &[b], 1), (vec![], 1), "block {b}");
+    }
+    // The window's last block goes: N = n·16 misses it, every shorter N misses block n−9.
+    let (evicted, kept) = remove_group(&mut map, &[n - 1], 1);
+    assert_eq!((evicted.len(), kept), (n, 0));
+}
