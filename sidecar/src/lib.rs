@@ -4,7 +4,8 @@
 //!
 //! Modules follow the pipeline: [`subscriber`] (ZMQ, with [`sequence`] tracking and the
 //! engine's [`replay`] socket) → [`wire`] (msgpack) → [`reporter`] (positional hashing via
-//! [`positional`] with vLLM's per-group hit rule from [`groups`], tiers via [`tier`], adapters via [`lora`]) → [`client`] (gRPC), and
+//! [`positional`] with vLLM's per-group hit rule from [`groups`], tiers via [`tier`], adapters
+//! via [`lora`]) → [`client`] (gRPC), and
 //! [`metrics`] + [`stats`] (through [`scrape_client`]) for the stats path. [`telemetry`] counts, [`exporter`] serves the
 //! counters, [`logging`] formats logs. [`fake_engine`] is the test publisher.
 

@@ -932,10 +932,13 @@ impl ReverseMap {
                 .children
                 .iter()
                 .any(|c| self.pages.get(c).is_some_and(|p| p.on_claimed_path));
-        let page = self.pages.get_mut(hash).expect("looked up above");
-        let changed = page.on_claimed_path != flag;
-        page.on_claimed_path = flag;
-        changed
+        match self.pages.get_mut(hash) {
+            Some(page) if page.on_claimed_path != flag => {
+                page.on_claimed_path = flag;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// The groups' holdings along the chain up to the parent of `hash`: the parent's
