@@ -611,3 +611,54 @@ fn a_long_conversation_keeps_its_claim_while_the_window_slides() {
     let (evicted, kept) = remove_group(&mut map, &[n - 1], 1);
     assert_eq!((evicted.len(), kept), (n, 0));
 }
+
+#[tokio::test]
+async fn l2_mode_rereports_a_shrunk_claim_as_t2() {
+    use common::{Mode, sink_to, start_fake_server};
+    use inferencecache_proto::v1alpha1::CacheTier;
+    use inferencecache_sidecar::reporter::{Identity, Reporter, ReporterConfig};
+    use inferencecache_sidecar::wire::EventBatch;
+    let (rec, addr) = start_fake_server(Mode::Ok).await;
+    let mut cfg = ReporterConfig::new(Identity {
+        replica_id: "r0".into(),
+        model_id: "m".into(),
+        tenant_id: "t".into(),
+        hash_scheme: "vllm".into(),
+    });
+    cfg.block_size = BS;
+    cfg.l2_mode = true;
+    let mut r = Reporter::new(cfg, sink_to(addr, None));
+    let batch = |ts, events| EventBatch {
+        ts,
+        events,
+        data_parallel_rank: None,
+    };
+    r.handle_batch(&batch(
+        2.0,
+        vec![
+            Event::BlockStored(map_store(0, &[0, 1, 2, 3], 0, "full_attention", None)),
+            Event::BlockStored(map_store(0, &[0, 1, 2, 3], 1, "sliding_window", Some(32))),
+        ],
+    ))
+    .await;
+    r.flush().await;
+    let removal = |blocks: &[usize]| Event::BlockRemoved {
+        block_hashes: blocks.iter().map(|&b| engine_hash(b)).collect(),
+        medium: None,
+        group_idx: Some(1),
+        locality: None,
+        ownership: None,
+    };
+    // Blocks 0–1 leave the window group: the claim stands, nothing is sent.
+    r.handle_batch(&batch(3.0, vec![removal(&[0, 1])])).await;
+    assert_eq!(rec.updates().len(), 1);
+    // Block 3 leaves it: the four blocks are re-reported at T2 with the removal's time.
+    r.handle_batch(&batch(4.0, vec![removal(&[3])])).await;
+    let updates = rec.updates();
+    assert_eq!(updates.len(), 2);
+    let t2 = &updates[1];
+    assert_eq!(t2.timestamp_us, 4_000_000);
+    assert_eq!(t2.prefixes.len(), 4);
+    assert!(t2.prefixes.iter().all(|p| p.tier == CacheTier::T2 as i32));
+    assert!(rec.events().is_empty(), "no PREFIX_EVICTED in L2 mode");
+}
