@@ -128,7 +128,9 @@ impl Group {
 impl Rule {
     /// Whether a group with this rule accepts a prefix ending at `end` tokens, given that it
     /// holds the block ending there (`holds_last`), holds every block from the chain start
-    /// (`holds_all`), and holds a contiguous run of `run` tokens ending there.
+    /// (`holds_all`, read only by [`Rule::Full`]: the map keeps it exact for full-attention
+    /// groups alone), and holds a contiguous run of `run` tokens ending there (read up to
+    /// [`Rule::reach`] tokens back).
     pub fn accepts(self, end: u64, holds_last: bool, holds_all: bool, run: u64) -> bool {
         if end == 0 {
             return true;
