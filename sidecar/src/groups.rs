@@ -88,6 +88,8 @@ impl Kind {
 pub struct Group {
     pub kind: Kind,
     pub rule: Rule,
+    /// Tokens per block of the group (its events' `block_size`).
+    pub block_size: u64,
 }
 
 impl Group {
@@ -121,6 +123,7 @@ impl Group {
         Group {
             kind: kind_of,
             rule,
+            block_size: u64::try_from(block_size).unwrap_or(0),
         }
     }
 }
@@ -175,6 +178,11 @@ impl Groups {
     /// Every known group, by index.
     pub fn iter(&self) -> impl Iterator<Item = (u32, Group)> + '_ {
         self.groups.iter().map(|(&i, &g)| (i, g))
+    }
+
+    /// True when some known group has blocks smaller than `block_size` tokens.
+    pub fn has_finer_than(&self, block_size: u64) -> bool {
+        self.groups.values().any(|g| g.block_size < block_size)
     }
 
     /// Number of known groups.

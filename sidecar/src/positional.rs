@@ -556,8 +556,12 @@ impl ReverseMap {
         // vLLM leaves null (sliding-window, Mamba) and masked blocks out of `block_hashes` but
         // not out of `token_ids`: with at least one whole block of tokens more than hashes, the
         // hashes cannot be placed on the tokens, so only pages already known by hash (from
-        // another group) take the copy.
-        if ev.token_ids.len() >= page_size.saturating_mul(pages + 1) {
+        // another group) take the copy. A group with larger blocks than another known group
+        // does the same: its block hash is the finer group's hash at the same boundary
+        // (`BlockHashListWithBlockSize`), so its copy goes to the finer page ending there and
+        // the chain keeps the finer pages.
+        let coarser = self.groups.has_finer_than(page_size as u64);
+        if coarser || ev.token_ids.len() >= page_size.saturating_mul(pages + 1) {
             for (i, hash) in ev.block_hashes.iter().enumerate() {
                 match self.pages.get_mut(hash) {
                     Some(page) => {

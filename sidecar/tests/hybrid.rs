@@ -662,3 +662,31 @@ async fn l2_mode_rereports_a_shrunk_claim_as_t2() {
     assert!(t2.prefixes.iter().all(|p| p.tier == CacheTier::T2 as i32));
     assert!(rec.events().is_empty(), "no PREFIX_EVICTED in L2 mode");
 }
+
+/// A Mamba group with 64-token blocks over 16-token full attention: its block hash is the
+/// full-attention hash at the same boundary, and its copy lands on the 16-token page ending
+/// there, even when its event comes first.
+#[test]
+fn a_coarser_group_attaches_to_the_finer_pages() {
+    let mut map = ReverseMap::new(BS);
+    map.store(&map_store(0, &[0, 1, 2, 3], 0, "full_attention", None), "");
+    let mamba = |blocks: &[usize], tokens: u32| BlockStored {
+        block_size: 64,
+        token_ids: span(1000, tokens),
+        ..map_store(0, blocks, 1, "mamba", None)
+    };
+    // The Mamba block ending at 64 has the full-attention hash of block 3.
+    let out = map.store(&mamba(&[3], 64), "");
+    assert_eq!(out.orphan_pages, 0);
+    assert_eq!(map.len(), 4, "no 64-token page of its own");
+    // Only the prefix ending at 64 is reusable; the path to it is reported.
+    assert!(out.evicted.is_empty());
+    // A second Mamba block (ending at 128) comes before full attention stores 4–7: parked.
+    let out = map.store(&mamba(&[7], 128), "");
+    assert_eq!(out.orphan_pages, 1);
+    let out = map.store(&map_store(4, &[4, 5, 6, 7], 0, "full_attention", None), "");
+    let mut counts: Vec<i32> = out.entries.iter().map(|e| e.token_count).collect();
+    counts.sort_unstable();
+    assert_eq!(counts, [80, 96, 112, 128]);
+    assert_eq!(map.len(), 8);
+}
