@@ -223,6 +223,7 @@ async fn observable(s: &Server) -> (Vec<pb::GetCacheStateResponse>, String) {
             c.get_cache_state(pb::GetCacheStateRequest {
                 tenant_id: tenant.into(),
                 model_id: "m".into(),
+                ..Default::default()
             })
             .await
             .unwrap()

@@ -4,7 +4,7 @@
 //!
 //! Modules follow the pipeline: [`subscriber`] (ZMQ, with [`sequence`] tracking and the
 //! engine's [`replay`] socket) → [`wire`] (msgpack) → [`reporter`] (positional hashing via
-//! [`positional`], tiers via [`tier`], adapters via [`lora`]) → [`client`] (gRPC), and
+//! [`positional`], tiers via [`tier`], adapters via [`lora`]) → [`client`] (gRPC, through the outbox and reconcile of [`link`]), and
 //! [`metrics`] + [`stats`] (through [`scrape_client`]) for the stats path. [`telemetry`] counts, [`exporter`] serves the
 //! counters, [`logging`] formats logs. [`fake_engine`] is the test publisher.
 
@@ -13,6 +13,7 @@ pub mod client;
 pub mod config;
 pub mod exporter;
 pub mod fake_engine;
+pub mod link;
 pub use inferencecache_logging as logging;
 pub mod lora;
 pub mod metrics;

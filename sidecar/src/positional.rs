@@ -282,3 +282,17 @@ impl ReverseMap {
         self.pages.clear();
     }
 }
+
+impl ReverseMap {
+    /// Every index entry the known pages own, each at its page's hottest tier: the replica's
+    /// full current block set, which a reconcile sends and the anti-entropy digest sums.
+    pub fn current_entries(&self) -> Vec<Entry> {
+        let mut out = Vec::new();
+        for page in self.pages.values() {
+            if let Some(tier) = page.hottest() {
+                out.extend(page.entries(tier));
+            }
+        }
+        out
+    }
+}

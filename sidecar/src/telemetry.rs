@@ -86,6 +86,8 @@ pub struct Telemetry {
     pub no_index_entries: AtomicU64,
     /// Wall clock (ms since the epoch) of the last batch received; 0 = none yet.
     last_event_ms: AtomicU64,
+    /// The link to the server: retries, outbox, reconciles, digests (`link.rs`).
+    pub link: crate::link::LinkTelemetry,
 }
 
 fn bump(c: &AtomicU64) {
@@ -261,6 +263,7 @@ impl Telemetry {
                 "# HELP {name} Seconds since the last event batch arrived.\n# TYPE {name} gauge\n{name} {age}"
             );
         }
+        self.link.render(&mut out);
         out
     }
 }

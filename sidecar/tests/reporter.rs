@@ -273,10 +273,13 @@ async fn sc07_lora_mapping_partitions_and_fails_closed() {
 }
 
 #[tokio::test]
-async fn sc08_failing_server_reporter_keeps_running_and_drains() {
+async fn sc08_failing_server_keeps_the_outbox_in_order_and_delivers_it_when_it_answers() {
     let (rec, addr) = start_fake_server(Mode::Fail).await;
     let mut cfg = config();
     cfg.window = Duration::from_millis(20);
+    cfg.retry_min = Duration::from_millis(20);
+    cfg.retry_max = Duration::from_millis(100);
+    let telemetry = std::sync::Arc::clone(&cfg.telemetry);
     let (tx, rx) = tokio::sync::mpsc::channel(256);
     let task = tokio::spawn(Reporter::new(cfg, sink_to(addr, None)).run(rx));
     tx.send(batch(1.0, vec![store(0, 2, None)]).into())
@@ -289,17 +292,47 @@ async fn sc08_failing_server_reporter_keeps_running_and_drains() {
     tx.send(batch(3.0, vec![store(0, 1, None)]).into())
         .await
         .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let failed_attempts = rec.calls().len();
+    assert!(
+        failed_attempts >= 2,
+        "the server saw retries: {failed_attempts}"
+    );
+    assert!(
+        telemetry
+            .link
+            .send_retries
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
+    // The clear superseded the store and its removals: the outbox holds the clear and the
+    // store after it, in that order, and delivers exactly those once the server answers. This
+    // fake server offers no digest, so the failed deliveries cannot be proven: a reconcile
+    // (the clear and the full block set: the one block) follows.
+    rec.set_mode(Mode::Ok);
     drop(tx);
     let r = tokio::time::timeout(Duration::from_secs(10), task)
         .await
         .expect("reporter drains")
         .unwrap();
+    let calls = rec.calls();
+    assert_eq!(
+        kinds(&calls[failed_attempts..]),
+        ["cleared", "report[1]", "cleared", "report[1]"],
+        "{:?}",
+        kinds(&calls)
+    );
     let c = r.counters();
     assert!(c.updates_failed >= 2, "{c:?}");
-    // Removing block 0 evicts block 1 after it too, then the clear: 3 failed events.
-    assert_eq!(c.events_failed, 3);
-    assert_eq!(c.updates_sent, 0);
-    assert!(!rec.calls().is_empty(), "the server saw the attempts");
+    assert_eq!((c.updates_sent, c.events_sent), (2, 2), "{c:?}");
+    assert_eq!(c.reconciles, 1, "{c:?}");
+    assert_eq!(
+        telemetry
+            .link
+            .reconciles(inferencecache_sidecar::link::ReconcileReason::Unproven),
+        1
+    );
+    assert_eq!(r.outbox_len(), 0);
 }
 
 #[tokio::test]

@@ -247,6 +247,8 @@ pub struct Rig<'a> {
     pub sidecar: Option<Child>,
     pub metrics_port: u16,
     pub sidecar_runs: usize,
+    /// Flags added to the sidecar's command line (after the harness's own).
+    pub sidecar_args: Vec<String>,
 }
 
 impl<'a> Rig<'a> {
@@ -284,6 +286,7 @@ impl<'a> Rig<'a> {
             sidecar: None,
             metrics_port: 0,
             sidecar_runs: 0,
+            sidecar_args: Vec::new(),
         }
     }
 
@@ -341,6 +344,7 @@ impl<'a> Rig<'a> {
                 "--stats-interval",
                 "1h",
             ])
+            .args(&self.sidecar_args)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .kill_on_drop(true)
@@ -528,7 +532,24 @@ impl<'a> Rig<'a> {
     /// Asserts that within [`CONVERGENCE`] every prompt answers as wanted and the replica holds
     /// exactly `entries` index entries.
     pub async fn expect(&mut self, step: &str, wants: &[Want], entries: u64) {
-        let deadline = tokio::time::Instant::now() + CONVERGENCE;
+        self.expect_by(
+            step,
+            wants,
+            entries,
+            tokio::time::Instant::now() + CONVERGENCE,
+        )
+        .await;
+    }
+
+    /// [`Rig::expect`] with the deadline given: every prompt answers as wanted and the replica
+    /// holds exactly `entries` entries by `deadline` (checked at least once).
+    pub async fn expect_by(
+        &mut self,
+        step: &str,
+        wants: &[Want],
+        entries: u64,
+        deadline: tokio::time::Instant,
+    ) {
         loop {
             let mut got = Vec::new();
             for w in wants {
