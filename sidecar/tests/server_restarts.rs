@@ -68,6 +68,16 @@ async fn get_json(rig: &mut Rig<'_>, url: String) -> Value {
     serde_json::from_str(answer["text"].as_str().unwrap_or_default()).unwrap_or(Value::Null)
 }
 
+/// Prints how long after `since` (the server ready, or for the pair the kill) the index was
+/// exact: the numbers the docs quote.
+fn converged(engine: Engine, scenario: &str, since: Instant) {
+    eprintln!(
+        "{}: {scenario}: exact {:.2} s after the server was ready (the pair: after the kill)",
+        engine.name(),
+        since.elapsed().as_secs_f64()
+    );
+}
+
 fn counter(m: &Scrape, name: &str) -> f64 {
     m.get(&format!("inferencecache_sidecar_{name}"), &[])
 }
@@ -130,6 +140,7 @@ async fn deploy(engine: Engine, bin: &Path, sources: &Path, dir: &Path) {
         ready + RECOVERY,
     )
     .await;
+    converged(engine, "deploy", ready);
     keeps(
         &mut rig,
         "deploy: keeps",
@@ -209,6 +220,7 @@ async fn crash(engine: Engine, bin: &Path, sources: &Path, dir: &Path) {
         ready + RECOVERY,
     )
     .await;
+    converged(engine, "crash", ready);
     keeps(&mut rig, "crash: keeps", &[want(&a23, 32), want(&b, 32)], 4).await;
     let m = rig.metrics().await;
     assert_eq!(counter(&m, "server_instance_changes_total"), 1.0);
@@ -240,6 +252,7 @@ async fn outage(engine: Engine, bin: &Path, sources: &Path, dir: &Path) {
         ready + RECOVERY,
     )
     .await;
+    converged(engine, "outage", ready);
     keeps(
         &mut rig,
         "outage: keeps",
@@ -292,6 +305,7 @@ async fn unreachable(engine: Engine, bin: &Path, sources: &Path, dir: &Path) {
     let wants = [want(&a23, 64), want(&b, 0), want(&d, 0), want(&c, 0)];
     rig.expect_by("unreachable: burst applied", &wants, 4, ready + RECOVERY)
         .await;
+    converged(engine, "unreachable", ready);
     keeps(&mut rig, "unreachable: keeps", &wants, 4).await;
     let m = rig.metrics().await;
     assert!(counter(&m, "send_retries_total") >= 1.0);
@@ -406,6 +420,7 @@ async fn replicated_pair(engine: Engine, bin: &Path, sources: &Path, dir: &Path)
     let wants = [want(&a23, 32), want(&b, 32), want(&c, 32)];
     rig.expect_by("pair: after failover", &wants, 6, killed + RECOVERY)
         .await;
+    converged(engine, "pair", killed);
     keeps(&mut rig, "pair: keeps", &wants, 6).await;
     let m = rig.metrics().await;
     assert!(counter(&m, "send_retries_total") >= 1.0);
