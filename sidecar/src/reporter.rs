@@ -734,8 +734,20 @@ impl<S: Sink> Reporter<S> {
         if self.backing_off() || !self.link.outbox.is_empty() {
             return;
         }
-        if let Ok(answer) = self.sink.cache_state(self.state_request(false)).await {
-            self.note_instance(&answer.server_instance_id);
+        match self.sink.cache_state(self.state_request(false)).await {
+            Ok(answer) => {
+                self.succeeded();
+                self.note_instance(&answer.server_instance_id);
+            }
+            Err(status) => {
+                // The server is gone: whatever answers next (the same process after a freeze,
+                // a restarted one, another one) is verified, and it is asked as often as the
+                // backoff allows rather than at the next probe, so a restart from a checkpoint
+                // is noticed within the retry delay of its readiness.
+                self.link.verify = true;
+                self.failed("GetCacheState", &status);
+                return;
+            }
         }
         self.pump().await;
     }
