@@ -17,6 +17,9 @@
 //!    may still be applied late) during a burst of stores and removals, then SIGCONT.
 //! 5. **Replicated pair** (a real `nats-server`): the sidecar's server is killed; the sidecar
 //!    fails over to the other one.
+//! 6. **Drift** (anti-entropy, `--anti-entropy-interval 2s`): another client writes a false
+//!    entry under the sidecar's replica and removes a true one; the periodic digest comparison
+//!    finds it and reconciles.
 //!
 //! After each, within 10 s of the server reporting ready (`/readyz`; for the pair, of the kill),
 //! LookupRoute and `/snapshot` show exactly what the engine holds, and keep showing it; the
@@ -432,6 +435,82 @@ async fn replicated_pair(engine: Engine, bin: &Path, sources: &Path, dir: &Path)
     drop(nats);
 }
 
+/// 6. Drift nobody announced: a foreign client adds an entry the engine does not hold under the
+/// sidecar's replica and evicts one it does hold; the periodic digest comparison repairs both.
+async fn drift(engine: Engine, bin: &Path, sources: &Path, dir: &Path) {
+    use inferencecache_engine::fingerprint::{prefix_hashes, to_wire};
+    use inferencecache_proto::v1alpha1 as pb;
+    use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
+    let server = single_server(bin, dir, "drift", &[]).await;
+    let mut rig = Rig::new(engine, &server, sources, "drift", json!({})).await;
+    push_policy(&mut rig, &server).await;
+    rig.sidecar_args = vec!["--anti-entropy-interval".into(), "2s".into()];
+    rig.start_sidecar().await;
+    let (a01, a23, b) = chain(16);
+    let z = root("z", span(9000, 32), 16);
+    rig.apply(&[store(&a01), store(&a23), store(&b)]).await;
+    let wants = [want(&a23, 64), want(&b, 32), want(&z, 0)];
+    rig.expect("store", &wants, 6).await;
+    let mut client = InferenceCacheClient::connect(format!("http://127.0.0.1:{}", server.grpc))
+        .await
+        .unwrap();
+    let z_keys = prefix_hashes(&z.full, BS);
+    client
+        .report_cache_state(tokio_stream::iter(vec![pb::CacheStateUpdate {
+            replica_id: rig.replica.clone(),
+            model_id: rig.model(),
+            tenant_id: TENANT.into(),
+            hash_scheme: rig.scheme().into(),
+            prefixes: z_keys
+                .iter()
+                .enumerate()
+                .map(|(i, &key)| pb::PrefixEntry {
+                    prefix_hash: to_wire(key).to_vec(),
+                    token_count: (BS * (i + 1)) as i32,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }]))
+        .await
+        .unwrap();
+    client
+        .publish_event(pb::CacheEvent {
+            r#type: pb::cache_event::Type::PrefixEvicted as i32,
+            replica_id: rig.replica.clone(),
+            model_id: rig.model(),
+            tenant_id: TENANT.into(),
+            prefix_hash: to_wire(prefix_hashes(&b.full, BS)[0]).to_vec(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let drifted = Instant::now();
+    // The drift is real: a false entry answers, a true one does not.
+    rig.expect_by(
+        "drifted",
+        &[want(&a23, 64), want(&b, 0), want(&z, 32)],
+        7,
+        Instant::now(),
+    )
+    .await;
+    rig.expect_by("drift: repaired", &wants, 6, drifted + RECOVERY)
+        .await;
+    eprintln!(
+        "{}: drift: exact {:.2} s after the foreign writes",
+        engine.name(),
+        drifted.elapsed().as_secs_f64()
+    );
+    keeps(&mut rig, "drift: keeps", &wants, 6).await;
+    let m = rig.metrics().await;
+    assert!(counter(&m, "digest_mismatches_total") >= 1.0);
+    assert!(reconciles(&m, "digest_mismatch") >= 1.0);
+    assert_eq!(counter(&m, "server_instance_changes_total"), 0.0);
+    assert_eq!(counter(&m, "send_retries_total"), 0.0);
+    rig.finish().await;
+    server.stop(Stop::Term).await;
+}
+
 async fn all_scenarios(engine: Engine) {
     let Some(sources) = engine_sources() else {
         return;
@@ -444,6 +523,7 @@ async fn all_scenarios(engine: Engine) {
     outage(engine, &bin, &sources, &dir).await;
     unreachable(engine, &bin, &sources, &dir).await;
     replicated_pair(engine, &bin, &sources, &dir).await;
+    drift(engine, &bin, &sources, &dir).await;
     eprintln!(
         "{}: every server-restart scenario in {:.1} s",
         engine.name(),
