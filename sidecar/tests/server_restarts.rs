@@ -435,8 +435,9 @@ async fn replicated_pair(engine: Engine, bin: &Path, sources: &Path, dir: &Path)
     drop(nats);
 }
 
-/// 6. Drift nobody announced: a foreign client adds an entry the engine does not hold under the
-/// sidecar's replica and evicts one it does hold; the periodic digest comparison repairs both.
+/// Scenario 6, drift nobody announced: a foreign client adds an entry the engine does not hold
+/// under the sidecar's replica and evicts one it does hold; the periodic digest comparison
+/// repairs both.
 async fn drift(engine: Engine, bin: &Path, sources: &Path, dir: &Path) {
     use inferencecache_engine::fingerprint::{prefix_hashes, to_wire};
     use inferencecache_proto::v1alpha1 as pb;
