@@ -28,6 +28,7 @@ pub use index::{
     CapturedHits, ChainMatch, Decided, DecisionLog, DumpPartition, DumpedEntry, DumpedStats,
     EvictionReason, Index, IndexDigest, LoadEntry, LoadOutcome, LoadTarget, MatchScratch,
     MemoryBreakdown, PartitionHandle, RecordCounts, RouteBuffer, RouteResult, SLICE, SweepOutcome,
+    replica_entry_hash,
 };
 #[cfg(loom)]
 pub use raw::loom_api;

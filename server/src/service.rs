@@ -117,6 +117,28 @@ struct Shared {
     limits: Limits,
     producer_limiter: ProducerLimiter,
     connections: crate::connections::ConnectionGate,
+    /// This process's identity, told to producers in every `Ack` (see [`new_instance_id`]).
+    instance_id: String,
+}
+
+/// A fresh server instance identity: random per process (and per [`AppState`]), so every start,
+/// a warm restart from a checkpoint included, is a new instance to producers. A producer that
+/// sees it change reconciles its replica: the new instance may hold less (a cold start) or
+/// more (a checkpoint older than the last removals) than the producer reported.
+pub fn new_instance_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    // `RandomState` draws its keys from the OS's randomness; the time and process id make a
+    // collision between two processes seeded alike impossible in practice.
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    hasher.write_u128(nanos);
+    hasher.write_u32(std::process::id());
+    let high = hasher.finish();
+    hasher.write_u64(high);
+    format!("{high:016x}{:016x}", hasher.finish())
 }
 
 impl AppState {
@@ -178,6 +200,7 @@ impl AppState {
                     options.max_connections,
                     metrics.clone(),
                 ),
+                instance_id: new_instance_id(),
             }),
         }
     }
@@ -390,6 +413,20 @@ impl AppState {
         self.inner.drain_notice
     }
 
+    /// This server instance's identity (changes at every start).
+    pub fn instance_id(&self) -> &str {
+        &self.inner.instance_id
+    }
+
+    /// An accepting `Ack` stamped with this instance's identity.
+    pub fn ack(&self) -> pb::Ack {
+        pb::Ack {
+            accepted: true,
+            reason_code: String::new(),
+            server_instance_id: self.inner.instance_id.clone(),
+        }
+    }
+
     /// The admission gate of gRPC connections.
     pub fn connections(&self) -> &crate::connections::ConnectionGate {
         &self.inner.connections
@@ -450,12 +487,29 @@ impl InferenceCache for CacheService {
             return Ok(Response::new(pb::GetCacheStateResponse {
                 replicas: Vec::new(),
                 summary: Some(pb::CacheSummary::default()),
+                server_instance_id: self.state.instance_id().to_string(),
+                replica_digest: None,
             }));
         }
         let state = self
             .state
             .index()
             .cache_state(&req.tenant_id, &req.model_id);
+        // A producer's anti-entropy question: the digest of its replica's entries. Asked while
+        // a warm restart loads, it waits for the load, so it never compares a partial index.
+        let replica_digest = if req.replica_id.is_empty() {
+            None
+        } else {
+            self.state.wait_restored().await;
+            let digest =
+                self.state
+                    .index()
+                    .replica_digest(&req.tenant_id, &req.model_id, &req.replica_id);
+            Some(pb::ReplicaDigest {
+                entries: i64::try_from(digest.entries).unwrap_or(i64::MAX),
+                digest: digest.hash.to_be_bytes().to_vec(),
+            })
+        };
         Ok(Response::new(pb::GetCacheStateResponse {
             replicas: state
                 .replicas
@@ -474,6 +528,8 @@ impl InferenceCache for CacheService {
                 total_prefixes: state.total_prefixes,
                 hot_prefixes: state.hot_prefixes,
             }),
+            server_instance_id: self.state.instance_id().to_string(),
+            replica_digest,
         }))
     }
 
@@ -493,10 +549,7 @@ impl InferenceCache for CacheService {
         while let Some(update) = stream.message().await? {
             self.state.ingest_limited(peer, &update).await;
         }
-        Ok(Response::new(pb::Ack {
-            accepted: true,
-            reason_code: String::new(),
-        }))
+        Ok(Response::new(self.state.ack()))
     }
 
     async fn publish_event(
@@ -518,20 +571,14 @@ impl InferenceCache for CacheService {
                     event.timestamp_us = self.state.index().now_us();
                 }
                 replication.submit_event(event).await;
-                return Ok(Response::new(pb::Ack {
-                    accepted: true,
-                    reason_code: String::new(),
-                }));
+                return Ok(Response::new(self.state.ack()));
             }
             // A removal applied before a warm restart's load would be undone by it.
             self.state.wait_restored().await;
             self.state.metrics().observe_event(event.r#type);
             apply_event(self.state.index(), &event);
         }
-        Ok(Response::new(pb::Ack {
-            accepted: true,
-            reason_code: String::new(),
-        }))
+        Ok(Response::new(self.state.ack()))
     }
 
     type StreamCacheEventsStream = ObserverStream<pb::CacheEvent>;

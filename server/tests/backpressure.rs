@@ -168,14 +168,10 @@ async fn report_raw(
 fn assert_all_accepted(ends: &[StreamEnd]) {
     for end in ends {
         assert_eq!(end.grpc_status.as_deref(), Some("0"), "{end:?}");
-        assert_eq!(
-            end.ack,
-            Some(pb::Ack {
-                accepted: true,
-                reason_code: String::new()
-            }),
-            "{end:?}"
-        );
+        let ack = end.ack.as_ref().expect("an Ack");
+        assert!(ack.accepted, "{end:?}");
+        assert_eq!(ack.reason_code, "", "{end:?}");
+        assert_eq!(ack.server_instance_id.len(), 32, "{end:?}");
     }
 }
 

@@ -459,6 +459,7 @@ async fn wall_clock_jumps_clamp_freshness_and_never_panic() {
             c.get_cache_state(pb::GetCacheStateRequest {
                 tenant_id: "t".into(),
                 model_id: "m".into(),
+                ..Default::default()
             })
             .await
             .unwrap();
@@ -712,6 +713,7 @@ async fn prefixes_per_update_limit_applies_the_first_refs_and_the_stats() {
         .get_cache_state(pb::GetCacheStateRequest {
             tenant_id: "t".into(),
             model_id: "m".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -802,6 +804,7 @@ async fn bad_inputs_are_acked_or_fail_open() {
         .get_cache_state(pb::GetCacheStateRequest {
             tenant_id: "t".into(),
             model_id: "m".into(),
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -543,6 +543,7 @@ async fn events_and_cache_state_round_trip() {
         .get_cache_state(pb::GetCacheStateRequest {
             model_id: "m".into(),
             tenant_id: "t".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -584,6 +585,7 @@ async fn events_and_cache_state_round_trip() {
         .get_cache_state(pb::GetCacheStateRequest {
             model_id: "m".into(),
             tenant_id: "t".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -626,6 +628,7 @@ async fn quota_evictions_are_exported() {
         .get_cache_state(pb::GetCacheStateRequest {
             model_id: "m".into(),
             tenant_id: "t".into(),
+            ..Default::default()
         })
         .await
         .unwrap()

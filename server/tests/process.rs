@@ -175,6 +175,7 @@ async fn sv18_producer_token_guards_producer_rpcs_only() {
         .get_cache_state(pb::GetCacheStateRequest {
             model_id: "m".into(),
             tenant_id: "t".into(),
+            ..Default::default()
         })
         .await;
     assert!(state.is_ok());

@@ -215,19 +215,34 @@ async fn answers(client: &mut InferenceCacheClient<Channel>) -> Vec<pb::LookupRo
     out
 }
 
+/// The instance identity of a running server (a new one at every start).
+async fn instance_of(s: &Server) -> String {
+    let mut c = s.client().await;
+    c.get_cache_state(pb::GetCacheStateRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .server_instance_id
+}
+
+/// What a restore must give back exactly: GetCacheState (without the instance identity, which
+/// every start renews) and `/snapshot`.
 async fn observable(s: &Server) -> (Vec<pb::GetCacheStateResponse>, String) {
     let mut c = s.client().await;
     let mut states = Vec::new();
     for tenant in ["t", "lfu-t"] {
-        states.push(
-            c.get_cache_state(pb::GetCacheStateRequest {
+        let mut state = c
+            .get_cache_state(pb::GetCacheStateRequest {
                 tenant_id: tenant.into(),
                 model_id: "m".into(),
+                ..Default::default()
             })
             .await
             .unwrap()
-            .into_inner(),
-        );
+            .into_inner();
+        assert_eq!(state.server_instance_id.len(), 32);
+        state.server_instance_id.clear();
+        states.push(state);
     }
     let (status, _, snapshot) = http_request(s.control_addr(), "GET", "/snapshot", "").await;
     assert_eq!(status, 200);
@@ -269,6 +284,7 @@ async fn a_sigterm_restart_answers_exactly_as_before() {
     let before = answers(&mut c).await;
     assert!(before.iter().any(|a| a.reason_code == "PREFIX_MATCH"));
     let state_before = observable(&first).await;
+    let first_instance = instance_of(&first).await;
     assert!(
         state_before.0[1].summary.as_ref().unwrap().hot_prefixes > 0,
         "LFU credits made prefixes hot"
@@ -284,6 +300,9 @@ async fn a_sigterm_restart_answers_exactly_as_before() {
         state_before,
         "GetCacheState and /snapshot"
     );
+    // A restore from a checkpoint is a new instance: producers must not assume it holds what
+    // they sent to the previous one.
+    assert_ne!(instance_of(&second).await, first_instance);
     let mut c2 = second.client().await;
     assert_eq!(answers(&mut c2).await, before, "1,000 LookupRoute answers");
     let (status, _, body) = http_request(second.control_addr(), "GET", "/checkpoint", "").await;

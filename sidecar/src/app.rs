@@ -1,7 +1,7 @@
 //! Wiring of the sidecar process (spec `sidecar.md` §1): subscriber → reporter, and the
 //! independent stats reporter, with a bounded graceful drain on shutdown.
 
-use crate::client::{GrpcSink, TokenSource, build_channel};
+use crate::client::{GrpcSink, TokenSource, build_channel_named, expand_servers};
 use crate::config::Settings;
 use crate::metrics::{Deriver, Profile, ScraperConfig};
 use crate::reporter::{Identity, Reporter, ReporterConfig};
@@ -20,9 +20,14 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Builds the gRPC sink (the caller exits 1 on error).
 pub fn build_sink(s: &Settings) -> anyhow::Result<GrpcSink> {
-    let channel = build_channel(&s.server, &s.tls)?;
+    let mut channels = Vec::new();
+    for (address, tls_name) in expand_servers(&s.servers) {
+        let channel = build_channel_named(&address, tls_name.as_deref(), &s.tls)
+            .map_err(|e| anyhow::anyhow!("--server {address}: {e}"))?;
+        channels.push((address, channel));
+    }
     let token = s.token_file.as_ref().map(TokenSource::new).transpose()?;
-    Ok(GrpcSink::new(channel, token))
+    Ok(GrpcSink::with_servers(channels, token))
 }
 
 /// Builds the engine metrics client (the caller exits 1 on error).
@@ -115,6 +120,10 @@ pub async fn run(
     rcfg.block_size = s.block_size;
     rcfg.attention_chunk_size = s.attention_chunk_size;
     rcfg.telemetry = telemetry;
+    rcfg.outbox_max_entries = s.outbox_max_entries;
+    rcfg.retry_max = s.retry_max_delay;
+    rcfg.anti_entropy_interval = s.anti_entropy_interval;
+    rcfg.probe_interval = s.probe_interval;
     let reporter = tokio::spawn(Reporter::new(rcfg, sink.clone()).run(rx));
 
     let stats = StatsReporter {

@@ -1,14 +1,24 @@
-//! gRPC client side: channel construction (plaintext or TLS), the producer token and the
-//! [`Sink`] abstraction the reporters send through.
+//! gRPC client side: channel construction (plaintext or TLS), the producer token, failover
+//! over several servers and the [`Sink`] abstraction the reporters send through.
+//!
+//! Failover: a [`GrpcSink`] holds one channel per server (each `--server` entry, and each
+//! address a DNS name resolves to). Every call goes to the current one; a call that fails in a
+//! way that says the server is gone (unavailable, timed out, cancelled, unknown) moves every
+//! clone of the sink to the next server. Whatever that server holds is proven, never assumed:
+//! its `server_instance_id` differs, which the reporter treats like a restarted server (digest
+//! comparison, reconcile on mismatch; see `reporter.rs`).
 
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
-use inferencecache_proto::v1alpha1::{Ack, CacheEvent, CacheStateUpdate};
+use inferencecache_proto::v1alpha1::{
+    Ack, CacheEvent, CacheStateUpdate, GetCacheStateRequest, GetCacheStateResponse,
+};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
-use tonic::{Request, Status};
-use tracing::warn;
+use tonic::{Code, Request, Status};
+use tracing::{info, warn};
 
 /// Per-RPC timeout of the reporters (§6, §9).
 pub const RPC_TIMEOUT: Duration = Duration::from_secs(5);
@@ -26,6 +36,11 @@ pub trait Sink: Send {
         &mut self,
         event: CacheEvent,
     ) -> impl std::future::Future<Output = Result<Ack, Status>> + Send;
+    /// One unary `GetCacheState` (the instance probe and the replica digest).
+    fn cache_state(
+        &mut self,
+        request: GetCacheStateRequest,
+    ) -> impl std::future::Future<Output = Result<GetCacheStateResponse, Status>> + Send;
 }
 
 /// TLS material for the server connection.
@@ -48,6 +63,56 @@ impl TlsFiles {
 
 /// Builds a lazily connecting channel to `server` (`host:port`, or a full `http(s)://` URI).
 pub fn build_channel(server: &str, tls: &TlsFiles) -> anyhow::Result<Channel> {
+    build_channel_named(server, None, tls)
+}
+
+/// Splits `host:port` (a bracketed IPv6 host included); `None` for a URI or no port.
+fn host_port(server: &str) -> Option<(&str, u16)> {
+    if server.contains("://") {
+        return None;
+    }
+    let (host, port) = server.rsplit_once(':')?;
+    let port = port.parse().ok()?;
+    Some((host.trim_start_matches('[').trim_end_matches(']'), port))
+}
+
+/// The servers to fail over between: every `--server` entry, a `host:port` whose host
+/// resolves to several addresses expanded into one target per address (TLS still verifies the
+/// host name). A name that does not resolve now is kept as it is (it is resolved per connect).
+pub fn expand_servers(servers: &[String]) -> Vec<(String, Option<String>)> {
+    let mut out = Vec::new();
+    for server in servers {
+        let resolved: Vec<std::net::SocketAddr> = match host_port(server) {
+            Some((host, _)) if host.parse::<std::net::IpAddr>().is_ok() => Vec::new(),
+            Some(_) => std::net::ToSocketAddrs::to_socket_addrs(server.as_str())
+                .map(|addrs| addrs.collect())
+                .unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let mut unique: Vec<std::net::SocketAddr> = Vec::new();
+        for addr in resolved {
+            if !unique.contains(&addr) {
+                unique.push(addr);
+            }
+        }
+        if unique.len() > 1 {
+            let host = host_port(server).map(|(h, _)| h.to_string());
+            info!(server = %server, addresses = unique.len(), "server name resolves to several addresses; failing over between them");
+            out.extend(unique.into_iter().map(|a| (a.to_string(), host.clone())));
+        } else {
+            out.push((server.clone(), None));
+        }
+    }
+    out
+}
+
+/// [`build_channel`] with the TLS server name given apart from the address (an address a DNS
+/// name resolved to).
+pub fn build_channel_named(
+    server: &str,
+    tls_name: Option<&str>,
+    tls: &TlsFiles,
+) -> anyhow::Result<Channel> {
     let uri = if server.contains("://") {
         server.to_string()
     } else if tls.enabled() {
@@ -58,6 +123,9 @@ pub fn build_channel(server: &str, tls: &TlsFiles) -> anyhow::Result<Channel> {
     let mut ep = Endpoint::from_shared(uri)?.connect_timeout(RPC_TIMEOUT);
     if tls.enabled() {
         let mut cfg = ClientTlsConfig::new();
+        if let Some(name) = tls_name {
+            cfg = cfg.domain_name(name);
+        }
         if let Some(ca) = &tls.ca_file {
             let pem = std::fs::read(ca)
                 .map_err(|e| anyhow::anyhow!("reading CA file {}: {e}", ca.display()))?;
@@ -141,21 +209,74 @@ impl TokenSource {
     }
 }
 
-/// The gRPC sink: one `ReportCacheState` stream per update, unary `PublishEvent`.
+/// The gRPC sink: one `ReportCacheState` stream per update, unary `PublishEvent`, over one or
+/// several servers (failover; see the module docs). Clones share the current server.
 #[derive(Debug, Clone)]
 pub struct GrpcSink {
-    client: InferenceCacheClient<Channel>,
+    clients: Arc<[(String, InferenceCacheClient<Channel>)]>,
+    current: Arc<AtomicUsize>,
     token: Option<TokenSource>,
     timeout: Duration,
+}
+
+/// Whether a failed call says the server is gone (so the next call tries another one), as
+/// opposed to an answer from a live server (bad credentials, a refused message).
+pub fn server_gone(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
+    )
 }
 
 impl GrpcSink {
     /// Wraps a channel.
     pub fn new(channel: Channel, token: Option<TokenSource>) -> Self {
+        Self::with_servers(vec![(String::new(), channel)], token)
+    }
+
+    /// One channel per server, named for the logs; the first one is used first.
+    pub fn with_servers(channels: Vec<(String, Channel)>, token: Option<TokenSource>) -> Self {
         Self {
-            client: InferenceCacheClient::new(channel),
+            clients: channels
+                .into_iter()
+                .map(|(name, channel)| (name, InferenceCacheClient::new(channel)))
+                .collect(),
+            current: Arc::default(),
             token,
             timeout: RPC_TIMEOUT,
+        }
+    }
+
+    /// Number of servers it fails over between.
+    pub fn servers(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// The current server's position and client.
+    fn client(&self) -> (usize, InferenceCacheClient<Channel>) {
+        let at = self.current.load(Ordering::Acquire) % self.clients.len().max(1);
+        (at, self.clients[at].1.clone())
+    }
+
+    /// After a failed call on server `at`: move to the next server if the failure says this
+    /// one is gone (once per failure, however many clones saw it).
+    fn after_failure(&self, at: usize, status: &Status) {
+        if self.clients.len() < 2 || !server_gone(status) {
+            return;
+        }
+        let next = (at + 1) % self.clients.len();
+        if self
+            .current
+            .compare_exchange(at, next, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            warn!(
+                event = "server_failover",
+                from = %self.clients[at].0,
+                to = %self.clients[next].0,
+                code = ?status.code(),
+                "server unreachable; failing over"
+            );
         }
     }
 
@@ -172,27 +293,68 @@ impl GrpcSink {
 
 impl Sink for GrpcSink {
     async fn report(&mut self, update: CacheStateUpdate) -> Result<Ack, Status> {
+        let (at, mut client) = self.client();
         let req = self.decorate(Request::new(tokio_stream::iter(vec![update])));
-        let fut = self.client.report_cache_state(req);
-        match tokio::time::timeout(self.timeout, fut).await {
+        let result = match tokio::time::timeout(self.timeout, client.report_cache_state(req)).await
+        {
             Ok(r) => r.map(tonic::Response::into_inner),
             Err(_) => Err(Status::deadline_exceeded("ReportCacheState timed out")),
+        };
+        if let Err(status) = &result {
+            self.after_failure(at, status);
         }
+        result
     }
 
     async fn publish(&mut self, event: CacheEvent) -> Result<Ack, Status> {
+        let (at, mut client) = self.client();
         let req = self.decorate(Request::new(event));
-        let fut = self.client.publish_event(req);
-        match tokio::time::timeout(self.timeout, fut).await {
+        let result = match tokio::time::timeout(self.timeout, client.publish_event(req)).await {
             Ok(r) => r.map(tonic::Response::into_inner),
             Err(_) => Err(Status::deadline_exceeded("PublishEvent timed out")),
+        };
+        if let Err(status) = &result {
+            self.after_failure(at, status);
         }
+        result
+    }
+
+    async fn cache_state(
+        &mut self,
+        request: GetCacheStateRequest,
+    ) -> Result<GetCacheStateResponse, Status> {
+        let (at, mut client) = self.client();
+        let req = self.decorate(Request::new(request));
+        let result = match tokio::time::timeout(self.timeout, client.get_cache_state(req)).await {
+            Ok(r) => r.map(tonic::Response::into_inner),
+            Err(_) => Err(Status::deadline_exceeded("GetCacheState timed out")),
+        };
+        if let Err(status) = &result {
+            self.after_failure(at, status);
+        }
+        result
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_ports_and_literal_addresses() {
+        assert_eq!(host_port("a.example:9090"), Some(("a.example", 9090)));
+        assert_eq!(host_port("[::1]:9090"), Some(("::1", 9090)));
+        assert_eq!(host_port("http://a:1"), None);
+        assert_eq!(host_port("a"), None);
+        let servers = vec!["127.0.0.1:1".to_string(), "127.0.0.2:2".to_string()];
+        assert_eq!(
+            expand_servers(&servers),
+            vec![
+                ("127.0.0.1:1".to_string(), None),
+                ("127.0.0.2:2".to_string(), None)
+            ]
+        );
+    }
 
     #[test]
     fn first_token_skips_comments_and_blanks() {

@@ -44,9 +44,25 @@ pub struct Cli {
     /// Log format: json or text.
     #[arg(long, default_value = "json")]
     pub log_format: String,
-    /// Server gRPC address.
-    #[arg(long, default_value = "127.0.0.1:9090")]
-    pub server: String,
+    /// Server gRPC address(es): repeat the flag or give a comma list to fail over between
+    /// several servers (a replicated pair); a host name resolving to several addresses fails
+    /// over between them.
+    #[arg(long, default_value = "127.0.0.1:9090", action = clap::ArgAction::Append, value_delimiter = ',')]
+    pub server: Vec<String>,
+    /// Bound of the outbox (index entries held in order while the server is unreachable);
+    /// beyond it the outbox is dropped and the replica reconciled once the server answers.
+    #[arg(long, default_value_t = crate::link::DEFAULT_OUTBOX_MAX_ENTRIES)]
+    pub outbox_max_entries: usize,
+    /// Longest delay between two attempts to reach an unreachable server (backoff cap).
+    #[arg(long, default_value = "2s")]
+    pub retry_max_delay: String,
+    /// Period of the anti-entropy comparison of this replica's digest with the server's
+    /// ("0" = off).
+    #[arg(long, default_value = "30s")]
+    pub anti_entropy_interval: String,
+    /// Period of the server-instance probe while the engine is idle ("0" = off).
+    #[arg(long, default_value = "5s")]
+    pub server_probe_interval: String,
     /// Replica identity (typically the pod name).
     #[arg(long)]
     pub replica_id: String,
@@ -138,6 +154,15 @@ pub fn duration_or_default(s: &str, default: Duration) -> Result<Duration, Strin
     })
 }
 
+/// A duration flag where `0` means off; negative is an error.
+pub fn duration_or_off(s: &str) -> Result<Duration, String> {
+    let ns = parse_go_duration(s)?;
+    if ns < 0 {
+        return Err(format!("negative duration {s:?}"));
+    }
+    Ok(Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX)))
+}
+
 /// Validated settings.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -149,7 +174,13 @@ pub struct Settings {
     pub metrics_bind_address: Option<String>,
     pub log_level: tracing::Level,
     pub log_format: crate::logging::LogFormat,
+    /// Every `--server` entry, in order (for the logs: [`Settings::server`] joins them).
+    pub servers: Vec<String>,
     pub server: String,
+    pub outbox_max_entries: usize,
+    pub retry_max_delay: Duration,
+    pub anti_entropy_interval: Duration,
+    pub probe_interval: Duration,
     pub replica_id: String,
     pub model_id: String,
     pub tenant_id: String,
@@ -192,6 +223,22 @@ impl Settings {
         if cli.block_size == 0 || cli.block_size > i32::MAX as usize {
             return Err("--block-size must be between 1 and 2^31-1".into());
         }
+        let servers: Vec<String> = cli
+            .server
+            .iter()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
+        if servers.is_empty() {
+            return Err("--server must name at least one server".into());
+        }
+        let retry_max_delay =
+            duration_or_default(&cli.retry_max_delay, crate::link::DEFAULT_RETRY_MAX)
+                .map_err(|e| format!("--retry-max-delay: {e}"))?;
+        let anti_entropy_interval = duration_or_off(&cli.anti_entropy_interval)
+            .map_err(|e| format!("--anti-entropy-interval: {e}"))?;
+        let probe_interval = duration_or_off(&cli.server_probe_interval)
+            .map_err(|e| format!("--server-probe-interval: {e}"))?;
         let log_level = crate::logging::parse_level(&cli.log_level)?;
         let log_format = crate::logging::parse_format(&cli.log_format)?;
         let non_empty = |s: String| {
@@ -212,7 +259,12 @@ impl Settings {
             metrics_bind_address: non_empty(cli.metrics_bind_address),
             log_level,
             log_format,
-            server: cli.server,
+            server: servers.join(","),
+            servers,
+            outbox_max_entries: cli.outbox_max_entries,
+            retry_max_delay,
+            anti_entropy_interval,
+            probe_interval,
             replica_id: cli.replica_id,
             model_id: cli.model_id,
             tenant_id: cli.tenant_id,
@@ -276,6 +328,11 @@ mod tests {
         assert_eq!(s.metrics_bind_address.as_deref(), Some("127.0.0.1:9091"));
         assert_eq!(s.log_level, tracing::Level::INFO);
         assert_eq!(s.server, "127.0.0.1:9090");
+        assert_eq!(s.servers, ["127.0.0.1:9090"]);
+        assert_eq!(s.outbox_max_entries, 100_000);
+        assert_eq!(s.retry_max_delay, Duration::from_secs(2));
+        assert_eq!(s.anti_entropy_interval, Duration::from_secs(30));
+        assert_eq!(s.probe_interval, Duration::from_secs(5));
         assert_eq!(s.window, Duration::from_millis(100));
         assert_eq!(s.stats_interval, Duration::from_secs(10));
         assert_eq!(s.ceiling, 256);
@@ -320,10 +377,41 @@ mod tests {
         ])
         .unwrap();
         assert!(!s.l2_mode);
+        let s = parse(&[
+            "--replica-id",
+            "r",
+            "--model-id",
+            "m",
+            "--server",
+            "a:1,b:2",
+            "--server",
+            "c:3",
+            "--anti-entropy-interval",
+            "0",
+            "--server-probe-interval",
+            "250ms",
+        ])
+        .unwrap();
+        assert_eq!(s.servers, ["a:1", "b:2", "c:3"]);
+        assert_eq!(s.server, "a:1,b:2,c:3");
+        assert_eq!(s.anti_entropy_interval, Duration::ZERO);
+        assert_eq!(s.probe_interval, Duration::from_millis(250));
     }
 
     #[test]
     fn invalid_configurations() {
+        assert!(parse(&["--replica-id", "r", "--model-id", "m", "--server", ","]).is_err());
+        assert!(
+            parse(&[
+                "--replica-id",
+                "r",
+                "--model-id",
+                "m",
+                "--anti-entropy-interval",
+                "-1s"
+            ])
+            .is_err()
+        );
         assert!(parse(&["--model-id", "m"]).is_err());
         assert!(parse(&["--replica-id", "", "--model-id", "m"]).is_err());
         assert!(parse(&["--replica-id", "r", "--model-id", "m", "--hash-scheme", ""]).is_err());

@@ -1044,3 +1044,27 @@ impl ReverseMap {
         true
     }
 }
+
+impl ReverseMap {
+    /// Every index entry the map reports, each at its reported tier (a page's hottest copy; in
+    /// grouped mode only the claimed pages and the path to them, at the claim's tier): the
+    /// replica's full current block set, which a reconcile sends and the anti-entropy digest
+    /// sums.
+    pub fn current_entries(&self) -> Vec<Entry> {
+        let mut out = Vec::new();
+        for page in self.pages.values() {
+            // Grouped mode reports only what the hybrid rule claims (and the path to it), at
+            // the claim's tier; a page held by some group but not claimable is not the
+            // server's to hold.
+            let tier = if self.grouped {
+                page.reported
+            } else {
+                page.hottest()
+            };
+            if let Some(tier) = tier {
+                out.extend(page.entries(tier));
+            }
+        }
+        out
+    }
+}

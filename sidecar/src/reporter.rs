@@ -5,20 +5,27 @@
 //! The reporter applies its input strictly in order; the subscriber guarantees that order
 //! matches the engine's sequence numbers and inserts a [`Input::Resync`] wherever it cannot,
 //! which clears this replica (and only it) on the server before anything after it is applied.
+//!
+//! Everything it sends goes through the link of `link.rs`: an in-order outbox retried with
+//! backoff, a reconcile (clear this replica, send the reverse map's full block set) when the
+//! outbox overflows or a digest comparison fails, and a digest comparison whenever delivery
+//! cannot be proven (a failed call, a new server instance, periodically).
 
 use crate::client::Sink;
+use crate::link::{self, Outbox, Outgoing, Pushed, ReconcileReason};
 use crate::lora::AdapterMap;
 use crate::positional::{Entry, Removal, ReverseMap};
 use crate::telemetry::{ResyncReason, Telemetry};
 use crate::tier::Tier;
 use crate::wire::{BlockStored, Event, EventBatch};
 use inferencecache_proto::v1alpha1::{
-    CacheEvent, CacheStateUpdate, CacheTier, PrefixEntry, cache_event,
+    Ack, CacheEvent, CacheStateUpdate, CacheTier, GetCacheStateRequest, PrefixEntry, cache_event,
 };
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tracing::{info, warn};
 
 /// What the subscriber hands the reporter, in engine order.
@@ -70,6 +77,15 @@ pub struct ReporterConfig {
     pub attention_chunk_size: u64,
     /// Shared counters.
     pub telemetry: Arc<Telemetry>,
+    /// Bound of the outbox in entries; beyond it the outbox is dropped for a reconcile.
+    pub outbox_max_entries: usize,
+    /// First and longest delay between attempts to deliver the outbox's head.
+    pub retry_min: Duration,
+    pub retry_max: Duration,
+    /// Period of the anti-entropy digest comparison (zero = off).
+    pub anti_entropy_interval: Duration,
+    /// Period of the server-instance probe while nothing else reaches the server (zero = off).
+    pub probe_interval: Duration,
 }
 
 impl ReporterConfig {
@@ -84,6 +100,11 @@ impl ReporterConfig {
             block_size: DEFAULT_BLOCK_SIZE,
             attention_chunk_size: 0,
             telemetry: Arc::default(),
+            outbox_max_entries: link::DEFAULT_OUTBOX_MAX_ENTRIES,
+            retry_min: link::DEFAULT_RETRY_MIN,
+            retry_max: link::DEFAULT_RETRY_MAX,
+            anti_entropy_interval: link::DEFAULT_ANTI_ENTROPY_INTERVAL,
+            probe_interval: link::DEFAULT_PROBE_INTERVAL,
         }
     }
 }
@@ -98,6 +119,7 @@ pub struct ReporterCounters {
     pub dropped_unmapped_lora: u64,
     pub no_index_entries: u64,
     pub resyncs: u64,
+    pub reconciles: u64,
 }
 
 /// Converts engine float seconds into µs (`ts ≤ 0 → 0`, else truncated).
@@ -119,6 +141,26 @@ pub struct Reporter<S: Sink> {
     warned_lora: HashSet<i64>,
     warned_media: HashSet<String>,
     counters: ReporterCounters,
+    link: LinkState,
+}
+
+/// Where the reporter stands with the server (see `link.rs`).
+struct LinkState {
+    outbox: Outbox,
+    /// The server instance that acknowledged the last call.
+    instance: Option<String>,
+    /// A reconcile is owed (the outbox is then empty and stays so until it is done).
+    reconcile: Option<ReconcileReason>,
+    /// A digest comparison is owed.
+    verify: bool,
+    /// Whether the server answered a digest question with a digest (unknown until asked).
+    digests: Option<bool>,
+    /// No attempt before this (backing off after a failure).
+    retry_at: Option<Instant>,
+    /// The delays left since the last success.
+    backoff: Option<backon::ExponentialBackoff>,
+    /// Whether a failure was logged since the last success (one warning per outage).
+    warned: bool,
 }
 
 fn prefix_entry(e: Entry, tier: CacheTier) -> PrefixEntry {
@@ -144,14 +186,34 @@ impl<S: Sink> Reporter<S> {
         map.set_attention_chunk_size(cfg.attention_chunk_size);
         Self {
             map,
-            cfg,
             sink,
             pending: Vec::new(),
             pending_ts_us: 0,
             warned_lora: HashSet::new(),
             warned_media: HashSet::new(),
             counters: ReporterCounters::default(),
+            link: LinkState {
+                outbox: Outbox::new(cfg.outbox_max_entries),
+                instance: None,
+                reconcile: None,
+                verify: false,
+                digests: None,
+                retry_at: None,
+                backoff: None,
+                warned: false,
+            },
+            cfg,
         }
+    }
+
+    /// Messages waiting for the server's acknowledgement.
+    pub fn outbox_len(&self) -> usize {
+        self.link.outbox.len()
+    }
+
+    /// The server instance that acknowledged the last call.
+    pub fn server_instance(&self) -> Option<&str> {
+        self.link.instance.as_deref()
     }
 
     /// The reverse map (tests).
@@ -408,8 +470,8 @@ impl<S: Sink> Reporter<S> {
         }
     }
 
-    /// Sends the pending entries as one update (nothing pending → nothing sent). Errors are
-    /// logged and the batch is dropped.
+    /// Sends the pending entries as one update (nothing pending → nothing sent), through the
+    /// outbox.
     pub async fn flush(&mut self) {
         if self.pending.is_empty() {
             return;
@@ -421,61 +483,369 @@ impl<S: Sink> Reporter<S> {
     }
 
     async fn send_update(&mut self, update: CacheStateUpdate) {
-        let n = update.prefixes.len();
-        match self.sink.report(update).await {
-            Ok(_) => {
-                self.counters.updates_sent += 1;
-                Telemetry::inc(&self.cfg.telemetry.updates_sent);
-            }
-            Err(status) => {
-                self.counters.updates_failed += 1;
-                Telemetry::inc(&self.cfg.telemetry.report_errors);
-                warn!(
-                    code = ?status.code(),
-                    err = %status.message(),
-                    prefixes = n,
-                    "ReportCacheState failed; batch dropped"
-                );
-            }
-        }
+        self.enqueue(Outgoing::Update(update));
+        self.pump().await;
     }
 
     async fn send_event(&mut self, ev: CacheEvent) {
-        let ty = ev.r#type;
-        match self.sink.publish(ev).await {
-            Ok(_) => {
-                self.counters.events_sent += 1;
-                let telemetry = &self.cfg.telemetry;
-                if ty == cache_event::Type::AllCleared as i32 {
-                    Telemetry::inc(&telemetry.clears_sent);
-                } else {
-                    Telemetry::inc(&telemetry.evictions_sent);
-                }
-            }
-            Err(status) => {
-                self.counters.events_failed += 1;
-                Telemetry::inc(&self.cfg.telemetry.publish_errors);
-                warn!(
-                    code = ?status.code(),
-                    err = %status.message(),
-                    event_type = ty,
-                    "PublishEvent failed"
+        self.enqueue(Outgoing::Event(ev));
+        self.pump().await;
+    }
+
+    /// Queues a message, unless a reconcile is owed (the reverse map already holds what it
+    /// carries, and the reconcile sends all of that).
+    fn enqueue(&mut self, message: Outgoing) {
+        if self.link.reconcile.is_some() {
+            return;
+        }
+        if self.link.outbox.push(message) == Pushed::Overflowed {
+            Telemetry::inc(&self.cfg.telemetry.link.outbox_overflows);
+            warn!(
+                event = "outbox_overflow",
+                max_entries = self.cfg.outbox_max_entries,
+                "outbox full while the server is unreachable; the replica will be reconciled"
+            );
+            self.link.reconcile = Some(ReconcileReason::OutboxOverflow);
+        }
+        self.cfg.telemetry.link.outbox(&self.link.outbox);
+    }
+
+    /// Whether a backoff still holds further attempts back.
+    fn backing_off(&self) -> bool {
+        self.link.retry_at.is_some_and(|at| Instant::now() < at)
+    }
+
+    /// After a failed attempt: wait the next delay of the schedule before the next one.
+    fn failed(&mut self, what: &str, status: &tonic::Status) {
+        let (min, max) = (self.cfg.retry_min, self.cfg.retry_max);
+        let delay = self
+            .link
+            .backoff
+            .get_or_insert_with(|| link::retry_schedule(min, max))
+            .next()
+            .unwrap_or(max)
+            // Jitter may add up to the delay itself; the cap is what operators are promised.
+            .min(max);
+        self.link.retry_at = Some(Instant::now() + delay);
+        if !self.link.warned {
+            self.link.warned = true;
+            warn!(
+                code = ?status.code(),
+                err = %status.message(),
+                rpc = what,
+                outbox = self.link.outbox.len(),
+                "call to the server failed; kept in order and retried with backoff"
+            );
+        }
+    }
+
+    /// After a successful call: the schedule starts over.
+    fn succeeded(&mut self) {
+        self.link.retry_at = None;
+        self.link.backoff = None;
+        if self.link.warned {
+            self.link.warned = false;
+            info!(event = "server_reachable", "the server answers again");
+        }
+    }
+
+    /// Notes which server instance answered: a different one than before may hold less (a
+    /// restart) or more (a restore from an older checkpoint, another replica of a pair) than
+    /// this replica reported, so it owes a digest comparison.
+    fn note_instance(&mut self, instance: &str) {
+        if instance.is_empty() {
+            return;
+        }
+        match &self.link.instance {
+            Some(known) if known == instance => {}
+            Some(known) => {
+                Telemetry::inc(&self.cfg.telemetry.link.instance_changes);
+                info!(
+                    event = "server_instance_changed",
+                    from = %known,
+                    to = %instance,
+                    "a new server instance answers; comparing this replica's digest"
                 );
+                self.link.instance = Some(instance.to_string());
+                self.link.verify = true;
+            }
+            None => self.link.instance = Some(instance.to_string()),
+        }
+    }
+
+    async fn deliver(&mut self, message: Outgoing) -> Result<Ack, tonic::Status> {
+        match message {
+            Outgoing::Update(update) => {
+                let result = self.sink.report(update).await;
+                match &result {
+                    Ok(_) => {
+                        self.counters.updates_sent += 1;
+                        Telemetry::inc(&self.cfg.telemetry.updates_sent);
+                    }
+                    Err(_) => {
+                        self.counters.updates_failed += 1;
+                        Telemetry::inc(&self.cfg.telemetry.report_errors);
+                    }
+                }
+                result
+            }
+            Outgoing::Event(event) => {
+                let clear = event.r#type == cache_event::Type::AllCleared as i32;
+                let result = self.sink.publish(event).await;
+                let telemetry = &self.cfg.telemetry;
+                match &result {
+                    Ok(_) => {
+                        self.counters.events_sent += 1;
+                        if clear {
+                            Telemetry::inc(&telemetry.clears_sent);
+                        } else {
+                            Telemetry::inc(&telemetry.evictions_sent);
+                        }
+                    }
+                    Err(_) => {
+                        self.counters.events_failed += 1;
+                        Telemetry::inc(&telemetry.publish_errors);
+                    }
+                }
+                result
             }
         }
     }
 
+    /// Moves the link forward as far as the server lets it: an owed reconcile, then the outbox
+    /// in order, then an owed digest comparison. Returns at the first failure (the backoff
+    /// decides when the next attempt is due) and does nothing while backing off.
+    pub async fn pump(&mut self) {
+        if self.backing_off() {
+            return;
+        }
+        loop {
+            if let Some(reason) = self.link.reconcile {
+                if !self.reconcile(reason).await {
+                    return;
+                }
+                continue;
+            }
+            let Some(mut head) = self.link.outbox.pop() else {
+                if self.link.verify && self.pending.is_empty() {
+                    self.verify().await;
+                    if self.link.reconcile.is_some() && !self.backing_off() {
+                        continue;
+                    }
+                }
+                return;
+            };
+            if head.attempts > 0 {
+                Telemetry::inc(&self.cfg.telemetry.link.send_retries);
+            }
+            let rpc = match &head.message {
+                Outgoing::Update(_) => "ReportCacheState",
+                Outgoing::Event(_) => "PublishEvent",
+            };
+            match self.deliver(head.message.clone()).await {
+                Ok(ack) => {
+                    self.succeeded();
+                    self.note_instance(&ack.server_instance_id);
+                }
+                Err(status) => {
+                    head.attempts += 1;
+                    self.link.outbox.unpop(head);
+                    // It may have been applied, or may still be (a timed-out call): prove it.
+                    self.link.verify = true;
+                    self.failed(rpc, &status);
+                }
+            }
+            self.cfg.telemetry.link.outbox(&self.link.outbox);
+            if self.backing_off() {
+                return;
+            }
+        }
+    }
+
+    fn state_request(&self, with_digest: bool) -> GetCacheStateRequest {
+        let id = &self.cfg.identity;
+        GetCacheStateRequest {
+            model_id: id.model_id.clone(),
+            tenant_id: id.tenant_id.clone(),
+            replica_id: if with_digest {
+                id.replica_id.clone()
+            } else {
+                String::new()
+            },
+        }
+    }
+
+    /// Compares the reverse map's digest with the server's digest of this replica (asked
+    /// again once after [`link::RECHECK_DELAY`] when they differ); a mismatch, or a server
+    /// that cannot answer with a digest, owes a reconcile. Called with nothing queued or
+    /// pending, so the two sides describe the same moment.
+    async fn verify(&mut self) {
+        // L2 mode reports removed blocks as T2 and forgets them: the index rightly holds
+        // entries the reverse map does not, so no digest can match. It reconciles instead.
+        if self.cfg.l2_mode {
+            self.link.verify = false;
+            self.link.reconcile = Some(ReconcileReason::Unproven);
+            return;
+        }
+        let local =
+            link::replica_digest(&self.cfg.identity.hash_scheme, self.map.current_entries());
+        for attempt in 0..2 {
+            let answer = match self.sink.cache_state(self.state_request(true)).await {
+                Ok(answer) => answer,
+                Err(status) => {
+                    self.failed("GetCacheState", &status);
+                    return;
+                }
+            };
+            self.succeeded();
+            self.note_instance(&answer.server_instance_id);
+            self.link.verify = false;
+            let Some(remote) = answer.replica_digest else {
+                self.link.digests = Some(false);
+                self.link.reconcile = Some(ReconcileReason::Unproven);
+                return;
+            };
+            self.link.digests = Some(true);
+            Telemetry::inc(&self.cfg.telemetry.link.digest_checks);
+            let hash = <[u8; 16]>::try_from(remote.digest.as_slice())
+                .map(u128::from_be_bytes)
+                .ok();
+            let entries = u64::try_from(remote.entries).ok();
+            if entries == Some(local.0) && hash == Some(local.1) {
+                return;
+            }
+            if attempt == 0 {
+                tokio::time::sleep(link::RECHECK_DELAY).await;
+                continue;
+            }
+            Telemetry::inc(&self.cfg.telemetry.link.digest_mismatches);
+            warn!(
+                event = "digest_mismatch",
+                local_entries = local.0,
+                server_entries = remote.entries,
+                "the server's entries of this replica differ from the engine's; reconciling"
+            );
+            self.link.reconcile = Some(ReconcileReason::DigestMismatch);
+        }
+    }
+
+    /// Clears this replica on the server and sends its full current block set, in updates of
+    /// at most `flush_threshold` entries; whatever was queued is superseded. Returns false on
+    /// a failure (the reconcile stays owed and starts over) or when the server instance changed
+    /// on the way (what went to the old one may be lost).
+    async fn reconcile(&mut self, reason: ReconcileReason) -> bool {
+        self.link.outbox.clear();
+        self.cfg.telemetry.link.outbox(&self.link.outbox);
+        self.pending.clear();
+        self.pending_ts_us = 0;
+        let id = &self.cfg.identity;
+        let clear = CacheEvent {
+            r#type: cache_event::Type::AllCleared as i32,
+            replica_id: id.replica_id.clone(),
+            model_id: id.model_id.clone(),
+            tenant_id: id.tenant_id.clone(),
+            prefix_hash: Vec::new(),
+            timestamp_us: 0,
+            adapter_id: String::new(),
+        };
+        let entries = self.map.current_entries();
+        let started_with = self.link.instance.clone();
+        let mut messages = vec![Outgoing::Event(clear)];
+        let chunk = self.cfg.flush_threshold.max(1);
+        for part in entries.chunks(chunk) {
+            let prefixes = part.iter().cloned().map(tiered_entry).collect();
+            messages.push(Outgoing::Update(self.update(0, prefixes)));
+        }
+        for message in messages {
+            let rpc = match message {
+                Outgoing::Update(_) => "ReportCacheState",
+                Outgoing::Event(_) => "PublishEvent",
+            };
+            match self.deliver(message).await {
+                Ok(ack) => {
+                    self.succeeded();
+                    self.note_instance(&ack.server_instance_id);
+                }
+                Err(status) => {
+                    self.failed(rpc, &status);
+                    return false;
+                }
+            }
+        }
+        if started_with.is_some() && self.link.instance != started_with {
+            // Started against one instance, ended against another: start over.
+            return true;
+        }
+        self.link.reconcile = None;
+        self.link.verify = false;
+        self.counters.reconciles += 1;
+        self.cfg.telemetry.link.reconciled(reason);
+        info!(
+            event = "reconcile",
+            reason = reason.as_str(),
+            entries = entries.len(),
+            "cleared this replica on the server and sent its full block set"
+        );
+        true
+    }
+
+    /// Asks the server which instance it is (a cheap question), so a restart is noticed even
+    /// while the engine is idle.
+    async fn probe(&mut self) {
+        if self.backing_off() || !self.link.outbox.is_empty() {
+            return;
+        }
+        match self.sink.cache_state(self.state_request(false)).await {
+            Ok(answer) => {
+                self.succeeded();
+                self.note_instance(&answer.server_instance_id);
+            }
+            Err(status) => {
+                // The server is gone: whatever answers next (the same process after a freeze,
+                // a restarted one, another one) is verified, and it is asked as often as the
+                // backoff allows rather than at the next probe, so a restart from a checkpoint
+                // is noticed within the retry delay of its readiness.
+                self.link.verify = true;
+                self.failed("GetCacheState", &status);
+                return;
+            }
+        }
+        self.pump().await;
+    }
+
+    /// The periodic anti-entropy comparison (skipped against a server without digests, which
+    /// would otherwise make every period a reconcile).
+    async fn anti_entropy(&mut self) {
+        if self.link.digests == Some(false) {
+            return;
+        }
+        self.flush().await;
+        self.link.verify = true;
+        self.pump().await;
+    }
+
     /// Runs until `rx` closes: batches are handled as they come, pending adds are flushed on
-    /// every window tick, and a final flush happens when the input closes.
+    /// every window tick, the outbox is retried when its backoff ends, the server instance is
+    /// probed and the digest compared periodically; when the input closes, a final flush and
+    /// a bounded attempt to deliver what is left.
     pub async fn run(mut self, mut rx: mpsc::Receiver<Input>) -> Self {
         let window = if self.cfg.window.is_zero() {
             DEFAULT_WINDOW
         } else {
             self.cfg.window
         };
-        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + window, window);
+        let mut ticker = tokio::time::interval_at(Instant::now() + window, window);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let never = Duration::from_secs(365 * 24 * 3600);
+        let period = |d: Duration| if d.is_zero() { never } else { d };
+        let probe_every = period(self.cfg.probe_interval);
+        let mut probe = tokio::time::interval_at(Instant::now() + probe_every, probe_every);
+        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let check_every = period(self.cfg.anti_entropy_interval);
+        let mut check = tokio::time::interval_at(Instant::now() + check_every, check_every);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            let retry_at = self.link.retry_at;
             // Unbiased: a steady stream of batches cannot starve the window tick.
             tokio::select! {
                 msg = rx.recv() => match msg {
@@ -483,20 +853,44 @@ impl<S: Sink> Reporter<S> {
                     None => break,
                 },
                 _ = ticker.tick() => self.flush().await,
+                _ = tokio::time::sleep_until(retry_at.unwrap_or_else(|| Instant::now() + never)), if retry_at.is_some() => {
+                    self.link.retry_at = None;
+                    self.pump().await;
+                }
+                _ = probe.tick() => self.probe().await,
+                _ = check.tick() => self.anti_entropy().await,
             }
         }
         self.flush().await;
+        let deadline = Instant::now() + FINAL_DELIVERY;
+        while !self.link.outbox.is_empty() || self.link.reconcile.is_some() {
+            let at = self
+                .link
+                .retry_at
+                .unwrap_or_else(Instant::now)
+                .min(deadline);
+            tokio::time::sleep_until(at).await;
+            if Instant::now() >= deadline {
+                break;
+            }
+            self.link.retry_at = None;
+            self.pump().await;
+        }
         let c = self.counters;
         info!(
             updates_sent = c.updates_sent,
             updates_failed = c.updates_failed,
             events_sent = c.events_sent,
             events_failed = c.events_failed,
+            undelivered = self.link.outbox.len(),
             "reporter drained"
         );
         self
     }
 }
+
+/// How long a stopping reporter keeps trying to deliver its outbox.
+pub const FINAL_DELIVERY: Duration = Duration::from_secs(3);
 
 #[cfg(test)]
 mod tests {

@@ -95,6 +95,8 @@ pub struct Telemetry {
     group_removed: [AtomicU64; 5],
     /// Removed copies whose page stayed reported because the other groups keep it reusable.
     group_kept: [AtomicU64; 5],
+    /// The link to the server: retries, outbox, reconciles, digests (`link.rs`).
+    pub link: crate::link::LinkTelemetry,
 }
 
 fn kind_slot(kind: Kind) -> usize {
@@ -327,6 +329,7 @@ impl Telemetry {
                 "# HELP {name} Seconds since the last event batch arrived.\n# TYPE {name} gauge\n{name} {age}"
             );
         }
+        self.link.render(&mut out);
         out
     }
 }

@@ -188,7 +188,9 @@ fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
-        if text.contains("ReportCacheState failed") && text.contains("load_signal_stale") {
+        if text.contains("call to the server failed; kept in order")
+            && text.contains("load_signal_stale")
+        {
             break;
         }
         assert!(
@@ -224,6 +226,13 @@ fn sc08_unreachable_server_never_stops_the_process_and_sigterm_drains() {
     assert_eq!(text.matches("\"empty_tenant\"").count(), 1, "{text}");
     // Exactly one stale ERROR however many failures followed.
     assert_eq!(text.matches("load_signal_stale").count(), 1, "{text}");
+    // One WARN for the outage however many retries followed, then the bounded final attempt.
+    assert_eq!(
+        text.matches("call to the server failed").count(),
+        1,
+        "{text}"
+    );
+    assert!(text.contains("\"undelivered\":"), "{text}");
     let _ = engine.kill();
     let _ = engine.wait();
     let _ = std::fs::remove_dir_all(dir);

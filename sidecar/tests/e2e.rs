@@ -323,6 +323,7 @@ async fn sc14_omitted_token_ids_and_truncated_event_index_nothing() {
         .get_cache_state(pb::GetCacheStateRequest {
             model_id: "m14".into(),
             tenant_id: "team-a".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -372,6 +373,7 @@ async fn sc15_producer_token_required() {
         .get_cache_state(pb::GetCacheStateRequest {
             model_id: "m15a".into(),
             tenant_id: "team-a".into(),
+            ..Default::default()
         })
         .await
         .unwrap()

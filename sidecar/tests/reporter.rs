@@ -276,10 +276,13 @@ async fn sc07_lora_mapping_partitions_and_fails_closed() {
 }
 
 #[tokio::test]
-async fn sc08_failing_server_reporter_keeps_running_and_drains() {
+async fn sc08_failing_server_keeps_the_outbox_in_order_and_delivers_it_when_it_answers() {
     let (rec, addr) = start_fake_server(Mode::Fail).await;
     let mut cfg = config();
     cfg.window = Duration::from_millis(20);
+    cfg.retry_min = Duration::from_millis(20);
+    cfg.retry_max = Duration::from_millis(100);
+    let telemetry = std::sync::Arc::clone(&cfg.telemetry);
     let (tx, rx) = tokio::sync::mpsc::channel(256);
     let task = tokio::spawn(Reporter::new(cfg, sink_to(addr, None)).run(rx));
     tx.send(batch(1.0, vec![store(0, 2, None)]).into())
@@ -292,17 +295,47 @@ async fn sc08_failing_server_reporter_keeps_running_and_drains() {
     tx.send(batch(3.0, vec![store(0, 1, None)]).into())
         .await
         .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let failed_attempts = rec.calls().len();
+    assert!(
+        failed_attempts >= 2,
+        "the server saw retries: {failed_attempts}"
+    );
+    assert!(
+        telemetry
+            .link
+            .send_retries
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
+    // The clear superseded the store and its removals: the outbox holds the clear and the
+    // store after it, in that order, and delivers exactly those once the server answers. This
+    // fake server offers no digest, so the failed deliveries cannot be proven: a reconcile
+    // (the clear and the full block set: the one block) follows.
+    rec.set_mode(Mode::Ok);
     drop(tx);
     let r = tokio::time::timeout(Duration::from_secs(10), task)
         .await
         .expect("reporter drains")
         .unwrap();
+    let calls = rec.calls();
+    assert_eq!(
+        kinds(&calls[failed_attempts..]),
+        ["cleared", "report[1]", "cleared", "report[1]"],
+        "{:?}",
+        kinds(&calls)
+    );
     let c = r.counters();
     assert!(c.updates_failed >= 2, "{c:?}");
-    // Removing block 0 evicts block 1 after it too, then the clear: 3 failed events.
-    assert_eq!(c.events_failed, 3);
-    assert_eq!(c.updates_sent, 0);
-    assert!(!rec.calls().is_empty(), "the server saw the attempts");
+    assert_eq!((c.updates_sent, c.events_sent), (2, 2), "{c:?}");
+    assert_eq!(c.reconciles, 1, "{c:?}");
+    assert_eq!(
+        telemetry
+            .link
+            .reconciles(inferencecache_sidecar::link::ReconcileReason::Unproven),
+        1
+    );
+    assert_eq!(r.outbox_len(), 0);
 }
 
 #[tokio::test]
@@ -411,4 +444,114 @@ async fn producer_token_is_sent_and_reloaded() {
     std::fs::write(dir.join("empty"), "# nothing\n").unwrap();
     assert!(TokenSource::new(dir.join("empty")).is_err());
     let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn an_overflowing_outbox_is_a_gap_closed_by_a_reconcile() {
+    let (rec, addr) = start_fake_server(Mode::Fail).await;
+    let mut cfg = config();
+    cfg.window = Duration::from_millis(20);
+    cfg.retry_min = Duration::from_millis(20);
+    cfg.retry_max = Duration::from_millis(50);
+    // Two blocks fit; the third store's update overflows.
+    cfg.outbox_max_entries = 2;
+    let telemetry = std::sync::Arc::clone(&cfg.telemetry);
+    let (tx, rx) = tokio::sync::mpsc::channel(256);
+    let task = tokio::spawn(Reporter::new(cfg, sink_to(addr, None)).run(rx));
+    for i in 0..4 {
+        tx.send(batch(1.0 + i as f64, vec![store(i, 1, None)]).into())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(load(&telemetry.link.outbox_overflows), 1);
+    // Owed a reconcile, the reporter queues nothing more: the reverse map holds it all.
+    assert_eq!(load(&telemetry.link.outbox_messages), 0);
+    let failed_attempts = rec.calls().len();
+    rec.set_mode(Mode::Ok);
+    drop(tx);
+    let r = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("reporter drains")
+        .unwrap();
+    // The reconcile: clear the replica, then its full block set (4 blocks) in one update.
+    // (A failed attempt may land between the count and the mode switch: it is a clear too.)
+    let calls = kinds(&rec.calls());
+    let after = &calls[failed_attempts..];
+    assert!(after.len() >= 2, "{calls:?}");
+    assert_eq!(
+        after[after.len() - 2..],
+        ["cleared", "report[4]"],
+        "{calls:?}"
+    );
+    assert!(
+        after[..after.len() - 2].iter().all(|k| k == "cleared"),
+        "{calls:?}"
+    );
+    let mut sent: Vec<Vec<u8>> = rec
+        .updates()
+        .last()
+        .unwrap()
+        .prefixes
+        .iter()
+        .map(|p| p.prefix_hash.clone())
+        .collect();
+    sent.sort();
+    let mut want: Vec<Vec<u8>> = (0..4).map(wire).collect();
+    want.sort();
+    assert_eq!(sent, want);
+    assert_eq!(
+        telemetry
+            .link
+            .reconciles(inferencecache_sidecar::link::ReconcileReason::OutboxOverflow),
+        1
+    );
+    assert_eq!(r.counters().reconciles, 1);
+}
+
+#[tokio::test]
+async fn a_server_gone_fails_over_to_the_next_and_keeps_the_order() {
+    let (down, down_addr) = start_fake_server(Mode::Fail).await;
+    let (up, up_addr) = start_fake_server(Mode::Ok).await;
+    let channel = |addr: std::net::SocketAddr| {
+        inferencecache_sidecar::client::build_channel(&addr.to_string(), &Default::default())
+            .unwrap()
+    };
+    let sink = inferencecache_sidecar::client::GrpcSink::with_servers(
+        vec![
+            ("down".into(), channel(down_addr)),
+            ("up".into(), channel(up_addr)),
+        ],
+        None,
+    );
+    assert_eq!(sink.servers(), 2);
+    let mut cfg = config();
+    cfg.retry_min = Duration::from_millis(10);
+    cfg.retry_max = Duration::from_millis(20);
+    let (tx, rx) = tokio::sync::mpsc::channel(256);
+    let task = tokio::spawn(Reporter::new(cfg, sink).run(rx));
+    tx.send(batch(1.0, vec![store(0, 2, None)]).into())
+        .await
+        .unwrap();
+    tx.send(batch(2.0, vec![remove(&[1])]).into())
+        .await
+        .unwrap();
+    drop(tx);
+    let r = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("reporter drains")
+        .unwrap();
+    assert_eq!(
+        down.calls().len(),
+        1,
+        "one attempt on the server that is gone"
+    );
+    // The failed store first, then the removal, then (the fake offers no digest, so the
+    // failed attempt cannot be proven) the reconcile: the one block left.
+    assert_eq!(
+        kinds(&up.calls()),
+        ["report[2]", "evicted", "cleared", "report[1]"]
+    );
+    assert_eq!(r.outbox_len(), 0);
 }

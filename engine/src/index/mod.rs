@@ -35,7 +35,7 @@ mod walk;
 
 pub use dump::{DumpPartition, DumpedEntry, DumpedStats, LoadEntry, LoadOutcome, LoadTarget};
 pub use eviction::EvictionReason;
-pub use replicate::{Decided, DecisionLog, IndexDigest};
+pub use replicate::{Decided, DecisionLog, IndexDigest, replica_entry_hash};
 pub use reports::{MemoryBreakdown, RecordCounts};
 pub use resolution::PartitionHandle;
 pub use route::{CapturedHits, RouteBuffer, RouteResult};

@@ -22,6 +22,10 @@
 //!   LFU namespaces are counted by the server and logged; every server applies the counts.
 //! - **A digest** ([`Index::digest`]): an order-independent hash over every entry, so equal
 //!   digests mean equal contents.
+//! - **A replica's digest** ([`Index::replica_digest`], [`replica_entry_hash`]): the same kind
+//!   of sum over one replica's entries of one (tenant, model), over the values its producer
+//!   knows (scheme, adapter, key, tier, token count; not `last_seen`), so a producer can prove
+//!   the index holds exactly the entries it reported (the sidecar's anti-entropy).
 //! - **Clearing** ([`Index::remove_everything`]): a server that must re-bootstrap drops what
 //!   it holds before it loads a checkpoint.
 
@@ -29,7 +33,7 @@ use super::DumpPartition;
 use super::ingest::Pending;
 use super::records::Partition;
 use super::{CapturedHits, Index};
-use crate::raw::holder::key_parts;
+use crate::raw::holder::{key_parts, tier_code, tier_wire};
 use crossbeam_epoch as epoch;
 use std::sync::Arc;
 // The switch is a setting outside the loom seam (see `Index::local_eviction`'s field).
@@ -252,6 +256,37 @@ impl Index {
         digest
     }
 
+    /// Order-independent digest of the entries `replica_id` holds under (`tenant_id`,
+    /// `model_id`), every scheme and adapter: the scope an `ALL_CLEARED` of that replica
+    /// clears. Each entry adds [`replica_entry_hash`] of its scheme, adapter, key, tier and
+    /// token count, so a producer that sums the same over the entries it reported gets the same
+    /// digest exactly when the index holds those entries and no other. Walks only the pair's
+    /// partitions, without a lock (per-entry consistent, like [`Index::digest`]).
+    pub fn replica_digest(&self, tenant_id: &str, model_id: &str, replica_id: &str) -> IndexDigest {
+        let mut digest = IndexDigest::default();
+        for part in self.dump_partitions() {
+            if part.tenant() != tenant_id || part.model() != model_id {
+                continue;
+            }
+            for shard in 0..DumpPartition::SHARDS {
+                part.for_each_entry(shard, |key, _slot, replica, entry| {
+                    if replica.as_str() != replica_id {
+                        return;
+                    }
+                    digest.entries += 1;
+                    digest.hash = digest.hash.wrapping_add(replica_entry_hash(
+                        part.scheme(),
+                        part.adapter(),
+                        key,
+                        entry.tier,
+                        entry.tokens,
+                    ));
+                });
+            }
+        }
+        digest
+    }
+
     /// Removes every entry (re-bootstrap). Returns the entries removed. Stats records stay:
     /// the next load replaces those it holds and the sweep expires the rest.
     pub fn remove_everything(&self) -> u64 {
@@ -262,6 +297,26 @@ impl Index {
         }
         removed
     }
+}
+
+/// One entry's term of [`Index::replica_digest`]: a 128-bit hash of its scheme, adapter, key,
+/// tier (a wire value, normalized as the index stores it: K6) and token count. A producer
+/// sums (wrapping) this over the entries it reported to compare with the index's digest.
+pub fn replica_entry_hash(
+    scheme: &str,
+    adapter: &str,
+    key: &[u8],
+    wire_tier: i32,
+    tokens: i32,
+) -> u128 {
+    let mut buf: Vec<u8> = Vec::with_capacity(64 + key.len() + adapter.len() + scheme.len());
+    for field in [scheme.as_bytes(), adapter.as_bytes(), key] {
+        buf.extend_from_slice(&(field.len() as u32).to_le_bytes());
+        buf.extend_from_slice(field);
+    }
+    buf.extend_from_slice(&tier_wire(tier_code(wire_tier)).to_le_bytes());
+    buf.extend_from_slice(&tokens.to_le_bytes());
+    xxh3_128(&buf)
 }
 
 impl CapturedHits {

@@ -247,7 +247,7 @@ pub struct Rig<'a> {
     pub sidecar: Option<Child>,
     pub metrics_port: u16,
     pub sidecar_runs: usize,
-    /// Extra sidecar flags of the scenario.
+    /// Flags added to the sidecar's command line (after the harness's own).
     pub sidecar_args: Vec<String>,
 }
 
@@ -532,7 +532,24 @@ impl<'a> Rig<'a> {
     /// Asserts that within [`CONVERGENCE`] every prompt answers as wanted and the replica holds
     /// exactly `entries` index entries.
     pub async fn expect(&mut self, step: &str, wants: &[Want], entries: u64) {
-        let deadline = tokio::time::Instant::now() + CONVERGENCE;
+        self.expect_by(
+            step,
+            wants,
+            entries,
+            tokio::time::Instant::now() + CONVERGENCE,
+        )
+        .await;
+    }
+
+    /// [`Rig::expect`] with the deadline given: every prompt answers as wanted and the replica
+    /// holds exactly `entries` entries by `deadline` (checked at least once).
+    pub async fn expect_by(
+        &mut self,
+        step: &str,
+        wants: &[Want],
+        entries: u64,
+        deadline: tokio::time::Instant,
+    ) {
         loop {
             let mut got = Vec::new();
             for w in wants {

@@ -69,10 +69,12 @@ impl Recorder {
             Mode::Ok => Ok(Response::new(pb::Ack {
                 accepted: true,
                 reason_code: String::new(),
+                ..Default::default()
             })),
             Mode::Reject => Ok(Response::new(pb::Ack {
                 accepted: false,
                 reason_code: "NOPE".into(),
+                ..Default::default()
             })),
             Mode::Fail => Err(Status::unavailable("fake server failing")),
         }
@@ -125,6 +127,7 @@ impl InferenceCache for Recorder {
         Ok(Response::new(pb::GetCacheStateResponse {
             replicas: Vec::new(),
             summary: Some(pb::CacheSummary::default()),
+            ..Default::default()
         }))
     }
     async fn report_cache_state(
