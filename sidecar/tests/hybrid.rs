@@ -74,9 +74,35 @@ async fn vllm_rig<'a>(server: &'a Server, sources: &'a Path, scenario: &str) -> 
     Rig::new(Engine::Vllm, server, sources, scenario, json!({})).await
 }
 
+/// Waits for two more anti-entropy comparisons and asserts none of them found a difference:
+/// the claimed set the sidecar would reconcile with (its digest) equals what the server holds.
+async fn digests_agree(rig: &mut Rig<'_>) {
+    let checks = "inferencecache_sidecar_digest_checks_total";
+    let mismatches = "inferencecache_sidecar_digest_mismatches_total";
+    let before = rig.metrics().await.get(checks, &[]);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let m = rig.metrics().await;
+        if m.get(checks, &[]) >= before + 2.0 {
+            assert_eq!(
+                m.get(mismatches, &[]),
+                0.0,
+                "the sidecar's claimed set and the server differ"
+            );
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no anti-entropy comparison ran"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
 /// Full attention + a 32-token sliding window: the example.
 async fn sliding_window_32(server: &Server, sources: &Path) {
     let mut rig = vllm_rig(server, sources, "swa32").await;
+    rig.sidecar_args = vec!["--anti-entropy-interval".into(), "300ms".into()];
     rig.start_sidecar().await;
     publish(
         &mut rig,
@@ -92,6 +118,7 @@ async fn sliding_window_32(server: &Server, sources: &Path) {
     publish(&mut rig, vec![removed(&[0, 1], 1)]).await;
     // The window group keeps 2–3, the two blocks (⌈31/16⌉) before 64: still 64.
     rig.expect("window frees 0-1", &[t1(4, 64)], 4).await;
+    digests_agree(&mut rig).await;
     publish(&mut rig, vec![removed(&[3], 1)]).await;
     // Window group holds only block 2: N=64 misses block 3, N=48 misses block 1, N≤32 miss
     // 0–1 → the engine reuses nothing, and the claim must go.
@@ -99,6 +126,7 @@ async fn sliding_window_32(server: &Server, sources: &Path) {
         .await;
     publish(&mut rig, vec![stored(3, 1, 1, "sliding_window", Some(32))]).await;
     rig.expect("window re-stores 3", &[t1(4, 64)], 4).await;
+    digests_agree(&mut rig).await;
     publish(&mut rig, vec![removed(&[1], 0)]).await;
     // Full attention loses block 1: N ≥ 32 fails; N=16 needs the window's block 0 (gone).
     rig.expect("full attention frees 1", &[t1(4, 0)], 0).await;
