@@ -4,7 +4,8 @@
 #   - pytest: client (sync + asyncio, fail-open), fingerprint golden vectors, the CLI,
 #     docs/metrics.md vs a live /metrics, the Grafana dashboard's PromQL, the Kubernetes
 #     manifests (schemas offline, every flag run through the real server and sidecar), the alert
-#     rules (promtool check rules / test rules, Debian's promtool extracted and cached).
+#     rules (promtool check rules / test rules, Debian's promtool extracted and cached), the
+#     container images' runtime layout (podman build FROM scratch, run under unshare + chroot).
 # Called by one step of .ci/run; runnable locally from anywhere: bash clients/python/ci.sh
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
