@@ -31,8 +31,11 @@ mkdir -p "$package"
 "$venv/bin/python" -m build --outdir "$scratch/dist" "$package" >"$scratch/build.log" 2>&1 || { cat "$scratch/build.log"; exit 1; }
 sdist="$(ls "$scratch"/dist/inferencecache_client-*.tar.gz)"
 wheel="$(ls "$scratch"/dist/inferencecache_client-*.whl)"
-tar -tzf "$sdist" | grep -q '/proto/inferencecache/v1alpha1/inferencecache.proto$'
-"$venv/bin/python" -m zipfile -l "$wheel" | grep -q 'inferencecache/v1alpha1/inferencecache_pb2_grpc.py'
+# (Listings captured first: `grep -q` closing a pipe early would fail the pipeline.)
+sdist_files="$(tar -tzf "$sdist")"
+wheel_files="$("$venv/bin/python" -m zipfile -l "$wheel")"
+grep -q '/proto/inferencecache/v1alpha1/inferencecache.proto$' <<<"$sdist_files"
+grep -q 'inferencecache/v1alpha1/inferencecache_pb2_grpc.py' <<<"$wheel_files"
 echo "built $(basename "$sdist") and $(basename "$wheel") from the package directory alone"
 # A plain install of that wheel, as a user would do it.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$wheel[test]"
