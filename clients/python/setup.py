@@ -1,6 +1,11 @@
-"""Build hook: generates the gRPC stubs from the repository's proto/ into the wheel.
+"""Build hook: generates the gRPC stubs from the package's own copy of the contract into the
+wheel.
 
-The generated modules land in ``inferencecache/v1alpha1/`` (the proto package is
+``proto/inferencecache/v1alpha1/inferencecache.proto`` here is a byte-for-byte copy of the
+repository's ``proto/`` file (``tests/test_packaging.py`` fails when they differ; refresh it with
+``cp proto/inferencecache/v1alpha1/inferencecache.proto clients/python/proto/inferencecache/v1alpha1/``
+from the repository root), so the sdist and the wheel build from this directory alone. The
+generated modules land in ``inferencecache/v1alpha1/`` (the proto package is
 ``inferencecache.v1alpha1``, so the generated absolute imports resolve inside this package).
 Set ``INFERENCECACHE_PROTO_ROOT`` to build from a proto tree elsewhere.
 """
@@ -16,11 +21,11 @@ PROTO = "inferencecache/v1alpha1/inferencecache.proto"
 
 
 def proto_root() -> pathlib.Path:
-    root = pathlib.Path(os.environ.get("INFERENCECACHE_PROTO_ROOT", HERE.parent.parent / "proto"))
+    root = pathlib.Path(os.environ.get("INFERENCECACHE_PROTO_ROOT", HERE / "proto"))
     if not (root / PROTO).is_file():
         raise SystemExit(
-            f"inferencecache-client: {root / PROTO} not found; build from a checkout of the "
-            "repository (pip install ./clients/python) or set INFERENCECACHE_PROTO_ROOT"
+            f"inferencecache-client: {root / PROTO} not found; build from the package directory "
+            "(python -m build clients/python) or set INFERENCECACHE_PROTO_ROOT"
         )
     return root
 

@@ -137,7 +137,7 @@ pub struct Cli {
     /// Records waiting for NATS at most (an outage fills it; more are dropped and counted).
     #[arg(long, default_value_t = crate::replication::DEFAULT_BUFFER_RECORDS)]
     pub nats_buffer: u64,
-    /// Oldest record the stream keeps (created with it; ≥ 3 × --checkpoint-interval).
+    /// Oldest record the stream keeps (created with it; ≥ 2 × --checkpoint-interval).
     #[arg(long, default_value = "15m")]
     pub nats_max_age: String,
     /// Bytes the stream keeps at most (0 = no limit: trimmed by age alone; a limit must hold

@@ -75,8 +75,9 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         http_addr = %settings.http_addr,
         snapshot_addr = %settings.snapshot_addr,
         max_entries = settings.max_entries,
-        ttl = ?settings.ttl,
-        state_dir = ?settings.state.as_ref().map(|s| s.dir.display().to_string()),
+        ttl_seconds = settings.ttl.as_secs_f64(),
+        // "" when warm restart is off.
+        state_dir = %settings.state.as_ref().map(|s| s.dir.display().to_string()).unwrap_or_default(),
         "startup"
     );
     let grpc = match TcpListener::bind(settings.grpc_addr).await {

@@ -580,7 +580,7 @@ impl Metrics {
         let mut fam = Family::new(
             name,
             "summary",
-            "index-only LookupRoute latency (60 s window)",
+            "index-only LookupRoute latency, quantiles over a sliding window of 30-60 s",
         );
         let window = self.origin.elapsed().as_secs() / WINDOW.as_secs();
         let mut merged = new_histogram();

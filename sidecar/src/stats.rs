@@ -49,6 +49,11 @@ impl Staleness {
         self.failures
     }
 
+    /// Whether any delivery succeeded yet.
+    pub fn delivered_once(&self) -> bool {
+        self.delivered_once
+    }
+
     /// Records a non-delivery.
     pub fn failure(&mut self) -> StaleLog {
         self.failures = self.failures.saturating_add(1);
@@ -82,32 +87,51 @@ pub fn emit(log: StaleLog, err: &str) {
     match log {
         StaleLog::Warn { consecutive } => warn!(
             consecutive_failures = consecutive,
-            err, "engine load stats update failed; will retry"
+            err, "load_signal_failed"
         ),
         StaleLog::Stale {
             consecutive,
             never_delivered: true,
-        } => error!(
-            event = "load_signal_stale",
-            consecutive_failures = consecutive,
-            err,
-            "engine load stats were never delivered; the server has no load signal for this replica"
-        ),
-        StaleLog::Stale { consecutive, .. } => error!(
-            event = "load_signal_stale",
-            consecutive_failures = consecutive,
-            err,
-            "engine load stats are stale; the server keeps the last delivered sample"
-        ),
+        } => error!(consecutive_failures = consecutive, err, "load_signal_stale"),
+        StaleLog::Stale { consecutive, .. } => {
+            error!(consecutive_failures = consecutive, err, "load_signal_stale")
+        }
         StaleLog::Debug { consecutive } => debug!(
             consecutive_failures = consecutive,
-            err, "engine load stats update failed again"
+            err, "load_signal_failed"
         ),
-        StaleLog::Recovered { after_failures } => info!(
-            event = "load_signal_recovered",
-            after_failures, "engine load stats delivered again"
-        ),
+        StaleLog::Recovered { after_failures } => info!(after_failures, "load_signal_recovered"),
         StaleLog::Quiet => {}
+    }
+}
+
+/// `--engine-metrics-url`'s default. Scrape failures against it before any delivery mean the
+/// operator did not point the sidecar at an engine's metrics (the README quick start): one
+/// INFO `engine_metrics_unavailable`, then DEBUG, never the WARN/ERROR staleness sequence of a
+/// configured endpoint that stops answering.
+pub const DEFAULT_ENGINE_METRICS_URL: &str = "http://127.0.0.1:8000/metrics";
+
+/// What to log for a decision of `staleness` (after it recorded the attempt) for `url`.
+pub fn emit_for(url: &str, staleness: &Staleness, log: StaleLog, err: &str) {
+    let unconfigured = url == DEFAULT_ENGINE_METRICS_URL && !staleness.delivered_once();
+    match log {
+        StaleLog::Warn { consecutive: 1 } if unconfigured => info!(
+            url,
+            err,
+            note = "no load statistics until this endpoint answers (--engine-metrics-url)",
+            "engine_metrics_unavailable"
+        ),
+        StaleLog::Warn { consecutive }
+        | StaleLog::Stale { consecutive, .. }
+        | StaleLog::Debug { consecutive }
+            if unconfigured =>
+        {
+            debug!(
+                consecutive_failures = consecutive,
+                err, "load_signal_failed"
+            )
+        }
+        other => emit(other, err),
     }
 }
 
@@ -155,7 +179,11 @@ impl<S: Sink> StatsReporter<S> {
             }),
             adapter_id: String::new(),
         };
-        match self.sink.report(update).await {
+        let outcome = self.sink.report(update).await;
+        // A stats-only update is an RPC to the server like any other: its outcome is the
+        // sidecar's view of whether the server is reachable (`/readyz`).
+        crate::exporter::server_health().record(outcome.is_ok());
+        match outcome {
             Ok(ack) if ack.accepted => Ok(()),
             Ok(_) => Err("Ack.accepted = false".into()),
             Err(s) => Err(format!("{:?}: {}", s.code(), s.message())),
@@ -167,12 +195,12 @@ impl<S: Sink> StatsReporter<S> {
         match self.tick().await {
             Ok(()) => {
                 let log = self.staleness.success();
-                emit(log, "");
+                emit_for(&self.url, &self.staleness, log, "");
                 log
             }
             Err(e) => {
                 let log = self.staleness.failure();
-                emit(log, &e);
+                emit_for(&self.url, &self.staleness, log, &e);
                 log
             }
         }

@@ -109,10 +109,9 @@ impl<'a> Session<'a> {
             Err(e) => {
                 Telemetry::inc(&self.cfg.telemetry.decode_failures);
                 warn!(
-                    event = "undecodable_batch",
                     source,
                     err = %e,
-                    "skipping undecodable event batch"
+                    "undecodable_batch"
                 );
                 None
             }
@@ -131,10 +130,9 @@ impl<'a> Session<'a> {
             Err(e) => {
                 Telemetry::inc(&self.cfg.telemetry.replay_failures);
                 warn!(
-                    event = "replay_failed",
                     replay_endpoint = %endpoint,
                     err = %e,
-                    "cannot replay the engine's buffer; rebuilding from live events"
+                    "replay_failed"
                 );
                 return Ok(());
             }
@@ -157,12 +155,7 @@ impl<'a> Session<'a> {
             applied += 1;
             self.send(Input::Batch(batch)).await?;
         }
-        info!(
-            event = "replayed",
-            reason = reason.as_str(),
-            batches = applied,
-            "applied the engine's replay buffer"
-        );
+        info!(reason = reason.as_str(), batches = applied, "replayed");
         Ok(())
     }
 
@@ -176,7 +169,7 @@ impl<'a> Session<'a> {
             Ok(a) => a,
             Err(e) => {
                 Telemetry::inc(&self.cfg.telemetry.replay_failures);
-                warn!(event = "replay_failed", replay_endpoint = %endpoint, err = %e, "gap replay failed");
+                warn!(replay_endpoint = %endpoint, err = %e, "replay_failed");
                 return Ok(false);
             }
         };
@@ -246,11 +239,10 @@ impl<'a> Session<'a> {
             Verdict::Gap { from } => {
                 Telemetry::inc(&telemetry.gaps);
                 warn!(
-                    event = "sequence_gap",
                     from,
                     to = seq,
-                    rank = ?batch.data_parallel_rank,
-                    "missed engine batches"
+                    rank = batch.data_parallel_rank,
+                    "sequence_gap"
                 );
                 if self.fill(&key, from, seq).await? {
                     Telemetry::inc(&telemetry.gaps_filled);
@@ -261,10 +253,9 @@ impl<'a> Session<'a> {
             }
             Verdict::Restart => {
                 warn!(
-                    event = "engine_restart",
                     seq,
-                    expected = ?self.trackers.get(&key).and_then(Tracker::next),
-                    "engine sequence went backwards"
+                    expected = self.trackers.get(&key).and_then(Tracker::next),
+                    "engine_restart"
                 );
                 Some(ResyncReason::EngineRestart)
             }
@@ -310,14 +301,14 @@ pub async fn run(cfg: SubscriberConfig, tx: mpsc::Sender<Input>, cancel: Cancell
         let (mut sock, mut monitor) = match dialed {
             Ok(s) => s,
             Err(e) => {
-                warn!(endpoint = %cfg.endpoint, err = %e, "ZMQ dial failed; retrying");
+                warn!(endpoint = %cfg.endpoint, err = %e, "engine_dial_failed");
                 tokio::select! {
                     _ = cancel.cancelled() => break,
                     _ = tokio::time::sleep(RETRY_DELAY) => continue,
                 }
             }
         };
-        info!(endpoint = %cfg.endpoint, topic = %cfg.topic, "subscribed to engine KV events");
+        info!(endpoint = %cfg.endpoint, topic = %cfg.topic, "engine_subscribed");
         let reason = if first {
             ResyncReason::Startup
         } else {
@@ -336,7 +327,7 @@ pub async fn run(cfg: SubscriberConfig, tx: mpsc::Sender<Input>, cancel: Cancell
                 _ = cancel.cancelled() => break 'outer,
                 Some(ev) = monitor.next() => {
                     if let SocketEvent::Disconnected(_) = ev {
-                        warn!(endpoint = %cfg.endpoint, "engine connection lost; redialing");
+                        warn!(endpoint = %cfg.endpoint, "engine_connection_lost");
                         drop(sock.close().await);
                         tokio::select! {
                             _ = cancel.cancelled() => break 'outer,
@@ -347,12 +338,11 @@ pub async fn run(cfg: SubscriberConfig, tx: mpsc::Sender<Input>, cancel: Cancell
                 _ = &mut silence, if !heard => {
                     heard = true;
                     warn!(
-                        event = "no_events",
                         endpoint = %cfg.endpoint,
                         topic = %cfg.topic,
                         seconds = cfg.silence_warning.as_secs(),
-                        "no KV event received since subscribing; check the engine's \
-                         --kv-events-config endpoint and topic"
+                        hint = "check the engine's --kv-events-config endpoint and topic",
+                        "no_events"
                     );
                 }
                 m = sock.recv() => match m {
@@ -363,7 +353,7 @@ pub async fn run(cfg: SubscriberConfig, tx: mpsc::Sender<Input>, cancel: Cancell
                         }
                     }
                     Err(e) => {
-                        warn!(endpoint = %cfg.endpoint, err = %e, "ZMQ receive failed; reconnecting");
+                        warn!(endpoint = %cfg.endpoint, err = %e, "engine_receive_failed");
                         drop(sock.close().await);
                         tokio::select! {
                             _ = cancel.cancelled() => break 'outer,
@@ -374,5 +364,5 @@ pub async fn run(cfg: SubscriberConfig, tx: mpsc::Sender<Input>, cancel: Cancell
             }
         }
     }
-    info!(endpoint = %cfg.endpoint, "subscriber stopped");
+    info!(endpoint = %cfg.endpoint, "subscriber_stopped");
 }

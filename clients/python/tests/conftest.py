@@ -93,7 +93,13 @@ class Server:
 
 
 def start_server(tmp: pathlib.Path, extra: Optional[List[str]] = None) -> Server:
-    grpc_port, http_port, control_port = free_port(), free_port(), free_port()
+    return start_server_on(tmp, (free_port(), free_port(), free_port()), extra)
+
+
+def start_server_on(tmp: pathlib.Path, ports, extra: Optional[List[str]] = None) -> Server:
+    """A server on the given (gRPC, HTTP, control) ports, ready when this returns."""
+    grpc_port, http_port, control_port = ports
+    tmp.mkdir(parents=True, exist_ok=True)
     log = tmp / "server.log"
     process = subprocess.Popen(
         [

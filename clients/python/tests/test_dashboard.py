@@ -81,6 +81,9 @@ def test_every_expression_names_only_exported_metrics(server):
         router.lookup("m", tenant_id="t", token_ids=list(range(64)))
     with urllib.request.urlopen(server.metrics_url, timeout=5) as reply:
         exported = exported_sample_names(reply.read().decode())
+    # The sidecar panels: the sidecar's families (its README table, held to a live sidecar by
+    # test_texts.py).
+    exported |= sidecar_metrics()
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = list(expressions(dashboard))
     assert len(exprs) >= 20
@@ -101,8 +104,63 @@ def test_every_expression_names_only_exported_metrics(server):
         "inferencecache_index_memory_bytes",
         "inferencecache_index_evictions_total",
         "inferencecache_stream_events_dropped_total",
+        "inferencecache_replication_lag_seconds",
+        "inferencecache_replication_gaps_total",
+        "inferencecache_replication_leader",
+        "inferencecache_grpc_connections_open",
+        "inferencecache_grpc_connections_refused_total",
+        "inferencecache_sidecar_resyncs_total",
+        "inferencecache_sidecar_sequence_gaps_total",
+        "inferencecache_sidecar_send_errors_total",
+        "inferencecache_sidecar_server_reachable",
     ]:
         assert needed in used, f"the dashboard has no panel on {needed}"
+
+
+def sidecar_metrics() -> Set[str]:
+    section = (REPO / "sidecar" / "README.md").read_text().split("## The sidecar's own metrics", 1)[1]
+    return set(re.findall(r"^\| `(inferencecache_sidecar_[a-z_]+)` \|", section, re.M))
+
+
+def expected_units(expr: str) -> Set[str]:
+    """The units a panel may show ``expr`` in, from what it computes."""
+    names = metric_names(expr)
+    rated = "rate(" in expr
+    if "histogram_quantile" in expr:
+        return {"s"}
+    if any(n.endswith("_bytes") for n in names):
+        return {"bytes", "decbytes"}
+    if names == {"process_cpu_seconds_total"}:
+        return {"none", "short"}  # CPU seconds per second: cores
+    if rated and "/" in expr:
+        if all(n.endswith(("_seconds_sum", "_seconds_count")) for n in names):
+            return {"s"}  # mean duration
+        return {"percentunit"}  # a share
+    if "increase(" in expr:
+        return {"short", "none"}  # a count over the window
+    if rated:
+        return {"ops", "reqps", "short"}  # per second
+    if "time()" in expr or any(n.endswith("_seconds") or "_seconds_since_" in n for n in names):
+        return {"s"}
+    return {"short", "none"}
+
+
+def test_every_series_is_shown_in_its_unit():
+    dashboard = json.loads(DASHBOARD.read_text())
+    wrong = []
+    for panel in dashboard["panels"]:
+        config = panel.get("fieldConfig", {})
+        default = config.get("defaults", {}).get("unit", "short")
+        by_ref = {
+            o["matcher"]["options"]: next(p["value"] for p in o["properties"] if p["id"] == "unit")
+            for o in config.get("overrides", [])
+            if o.get("matcher", {}).get("id") == "byFrameRefID"
+        }
+        for target in panel["targets"]:
+            unit = by_ref.get(target["refId"], default)
+            if unit not in expected_units(target["expr"]):
+                wrong.append(f'{panel["title"]} {target["refId"]}: {unit} for {target["expr"]}')
+    assert not wrong, "\n".join(wrong)
 
 
 def test_dashboard_shape():

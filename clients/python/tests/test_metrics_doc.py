@@ -78,6 +78,25 @@ def test_every_metric_is_documented_and_every_documented_metric_exported(tmp_pat
         assert labels <= doc_labels, f"{name}: labels {sorted(labels - doc_labels)} are not documented"
 
 
+def test_every_help_text_opens_its_documented_meaning(tmp_path):
+    """A ``# HELP`` line and the table's Meaning cell say the same thing: the cell starts with
+    the HELP text verbatim (and may go on with detail), so neither can drift alone."""
+    text = scrape(tmp_path)
+    meanings: Dict[str, str] = {}
+    for line in (REPO / "docs" / "metrics.md").read_text().splitlines():
+        if ROW.match(line):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            meanings[cells[0].strip("`")] = "|".join(cells[3:])
+    helps = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, help_text = line[len("# HELP "):].partition(" ")
+            helps[name] = help_text
+    assert len(helps) > 40
+    disagree = [f"{n}: HELP {h!r}, docs {meanings.get(n, '')[:80]!r}" for n, h in helps.items() if not meanings.get(n, "").startswith(h)]
+    assert not disagree, "\n".join(disagree)
+
+
 def test_latency_buckets_resolve_microseconds_and_keep_the_reference_ones(tmp_path):
     text = scrape(tmp_path)
     bounds = [

@@ -382,7 +382,7 @@ pub fn families(c: &Counters, enabled: bool) -> Vec<Family> {
         ),
         gauge(
             "inferencecache_replication_lag_seconds",
-            "age of the oldest published message not yet applied here (0 when caught up)",
+            "age of the last applied message while behind the stream's head (0 when caught up)",
             c.lag_seconds_micros.load(Ordering::Relaxed) as f64 / 1e6,
         ),
         counter(

@@ -35,21 +35,21 @@ fn main() {
         let sink = match app::build_sink(&settings) {
             Ok(s) => s,
             Err(e) => {
-                tracing::error!(err = %e, "cannot build the gRPC client");
+                tracing::error!(err = %e, "grpc_client_failed");
                 std::process::exit(1);
             }
         };
         let metrics_client = match app::build_metrics_client(&settings) {
             Ok(c) => c,
             Err(e) => {
-                tracing::error!(err = %e, "cannot build the engine metrics client");
+                tracing::error!(err = %e, "engine_metrics_client_failed");
                 std::process::exit(1);
             }
         };
         let metrics_listener = match app::bind_metrics(&settings).await {
             Ok(l) => l,
             Err(e) => {
-                tracing::error!(err = %e, "cannot serve the sidecar's metrics");
+                tracing::error!(err = %e, "metrics_listener_failed");
                 std::process::exit(1);
             }
         };

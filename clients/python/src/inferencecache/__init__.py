@@ -1,6 +1,7 @@
 """Python client for InferenceCache, the cache-aware routing index for LLM serving fleets.
 
-- :class:`Router` — ``LookupRoute`` for gateways, with a deadline, fail-open by construction.
+- :class:`Router` — ``LookupRoute`` (and ``LookupPDRoute``, ``RenderTemplate``) for gateways,
+  with a deadline, fail-open by construction.
 - :class:`Producer` — ``ReportCacheState`` streams and ``PublishEvent`` for engine sidecars.
 - :class:`Observer` — ``GetCacheState``, ``StreamCacheEvents``, ``StreamMetrics``.
 - :func:`fingerprint` / :func:`chain` — the server's block hashes, computed locally.
@@ -13,8 +14,10 @@ Command line: ``python -m inferencecache lookup|state|snapshot --help``.
 from inferencecache._common import (
     FAIL_OPEN_CAUSES,
     KNOWN_REASON_CODES,
+    InvalidRequest,
     LookupResult,
     ReplicaScore,
+    channel_options,
 )
 from inferencecache.client import Observer, Producer, Router, StateStream, open_channel
 from inferencecache.fingerprint import (
@@ -33,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "FAIL_OPEN_CAUSES",
+    "InvalidRequest",
     "KNOWN_REASON_CODES",
     "LookupResult",
     "Observer",
@@ -42,6 +46,7 @@ __all__ = [
     "SEED",
     "StateStream",
     "chain",
+    "channel_options",
     "content_hash",
     "fingerprint",
     "next_prefix",

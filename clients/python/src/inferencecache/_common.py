@@ -35,7 +35,49 @@ DEFAULT_TIMEOUT_S = 0.05
 """Default lookup deadline: 50 ms, far above the server's microsecond answers and far below a
 request's routing budget."""
 
-FAIL_OPEN_CAUSES = ("transport_error", "timeout", "unknown_reason_code")
+FAIL_OPEN_CAUSES = ("transport_error", "timeout", "unknown_reason_code", "invalid_request")
+"""Why a client-side ``NO_HINT``: the server was unreachable or failed (``transport_error``),
+the deadline passed (``timeout``), the server sent a code this client does not know
+(``unknown_reason_code``), or the request itself was wrong (``invalid_request``: a value the
+wire cannot carry, such as a negative token id, or the server's ``INVALID_ARGUMENT``) — a
+caller's bug, never a network fault."""
+
+RECONNECT_BACKOFF_INITIAL_MS = 100
+RECONNECT_BACKOFF_MAX_MS = 1000
+"""Reconnect backoff bounds. gRPC's default grows to 120 s, so after an outage lookups kept
+failing open long after the server was back; capped at 1 s a channel reconnects within about
+a second of the server's return (``tests/test_client.py`` measures it)."""
+
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+"""HTTP/2 keepalive on active connections: a peer that vanished without a FIN (a node lost,
+a NAT entry expired) is detected in about 25 s instead of at the next TCP timeout."""
+
+SERVICE_CONFIG_ROUND_ROBIN = '{"loadBalancingConfig": [{"round_robin": {}}]}'
+"""Spreads calls over every address the name resolves to. With a ``dns:///`` target naming a
+headless Kubernetes Service (one A record per pod) every server pod gets lookups; through a
+ClusterIP Service one channel holds one connection to one pod, whatever the policy."""
+
+
+def channel_options(extra: Optional[Sequence[Tuple[str, object]]] = None) -> List[Tuple[str, object]]:
+    """The channel options every client opens its channel with (``extra`` wins)."""
+    options: Dict[str, object] = {
+        "grpc.initial_reconnect_backoff_ms": RECONNECT_BACKOFF_INITIAL_MS,
+        "grpc.min_reconnect_backoff_ms": RECONNECT_BACKOFF_INITIAL_MS,
+        "grpc.max_reconnect_backoff_ms": RECONNECT_BACKOFF_MAX_MS,
+        "grpc.keepalive_time_ms": KEEPALIVE_TIME_MS,
+        "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
+        # Pings only while calls are active (servers may refuse idle pings as abuse).
+        "grpc.keepalive_permit_without_calls": 0,
+        "grpc.service_config": SERVICE_CONFIG_ROUND_ROBIN,
+    }
+    for key, value in extra or ():
+        options[key] = value
+    return list(options.items())
+
+
+class InvalidRequest(ValueError):
+    """A request this client refuses to send (e.g. an empty ``tenant_id`` for a producer)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +146,17 @@ class FailOpenCounters:
             return sum(self._counts.values())
 
 
+def require_tenant(tenant_id: str) -> str:
+    """``tenant_id`` if non-empty: an empty tenant is never matched by any lookup."""
+    if not isinstance(tenant_id, str) or not tenant_id:
+        raise InvalidRequest("tenant_id must be a non-empty string: the index never matches an empty tenant")
+    return tenant_id
+
+
 def build_lookup_request(
     model_id: str,
     *,
-    tenant_id: str = "",
+    tenant_id: str,
     token_ids: Optional[Sequence[int]] = None,
     block_hashes: Optional[Sequence[bytes]] = None,
     block_token_counts: Optional[Sequence[int]] = None,
@@ -118,8 +167,10 @@ def build_lookup_request(
     adapter_id: str = "",
     ttft_ms: int = 0,
 ) -> pb.LookupRouteRequest:
-    """Builds a ``LookupRouteRequest``; raises ``ValueError`` only for values protobuf cannot
-    hold (callers turn that into a fail-open result)."""
+    """Builds a ``LookupRouteRequest``; raises ``ValueError`` (or ``TypeError``) for values
+    protobuf cannot hold and :class:`InvalidRequest` for an empty tenant (callers turn both
+    into an ``invalid_request`` fail-open result)."""
+    require_tenant(tenant_id)
     request = pb.LookupRouteRequest(
         model_id=model_id,
         tenant_id=tenant_id,
@@ -175,6 +226,17 @@ def fail_open_result(cause: str, detail: str, counters: FailOpenCounters) -> Loo
     """A ``NO_HINT`` result standing for an error this client absorbed (counted)."""
     counters.add(cause)
     return LookupResult(reason_code=NO_HINT, fail_open_cause=cause, detail=detail)
+
+
+def cause_of_status(code: object) -> str:
+    """The fail-open cause of a failed call's gRPC status."""
+    import grpc
+
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timeout"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return "invalid_request"
+    return "transport_error"
 
 
 def is_deadline(code: object) -> bool:

@@ -1,4 +1,5 @@
-"""The asyncio clients on ``grpc.aio``: same behaviour as :mod:`inferencecache.client`.
+"""The asyncio clients on ``grpc.aio``: the same behaviour and methods as
+:mod:`inferencecache.client` (``tests/test_aio.py`` holds the two to the same public names).
 
 ``await Router.lookup(...)`` never raises (cancellation of the awaiting task excepted, which
 is the caller's own decision); producer and observer calls raise ``grpc.RpcError``.
@@ -6,7 +7,8 @@ is the caller's own decision); producer and observer calls raise ``grpc.RpcError
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Iterable, Optional, Sequence, Union
+import asyncio
+from typing import AsyncIterator, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import grpc
 import grpc.aio
@@ -14,24 +16,35 @@ import grpc.aio
 from inferencecache._common import (
     DEFAULT_TARGET,
     DEFAULT_TIMEOUT_S,
+    NO_HINT,
     FailOpenCounters,
     LookupResult,
     bearer_metadata,
     build_lookup_request,
+    cause_of_status,
+    channel_options,
     fail_open_result,
-    is_deadline,
+    require_tenant,
     result_from_response,
 )
 from inferencecache.client import Producer as _BlockingProducer
+from inferencecache.client import build_pd_request, build_render_request
+from inferencecache.fingerprint import DEFAULT_BLOCK_SIZE
 from inferencecache.v1alpha1 import inferencecache_pb2 as pb
 from inferencecache.v1alpha1 import inferencecache_pb2_grpc as pb_grpc
 
 
-def open_channel(target: str, credentials: Optional[grpc.ChannelCredentials] = None) -> grpc.aio.Channel:
-    """An asyncio channel to ``target``: TLS when ``credentials`` is given."""
+def open_channel(
+    target: str,
+    credentials: Optional[grpc.ChannelCredentials] = None,
+    options: Optional[Sequence[Tuple[str, object]]] = None,
+) -> grpc.aio.Channel:
+    """An asyncio channel to ``target`` with the same options as
+    :func:`inferencecache.open_channel` (bounded reconnect backoff, keepalive, ``round_robin``)."""
+    merged = channel_options(options)
     if credentials is not None:
-        return grpc.aio.secure_channel(target, credentials)
-    return grpc.aio.insecure_channel(target)
+        return grpc.aio.secure_channel(target, credentials, options=merged)
+    return grpc.aio.insecure_channel(target, options=merged)
 
 
 class _Client:
@@ -41,9 +54,10 @@ class _Client:
         *,
         channel: Optional[grpc.aio.Channel] = None,
         credentials: Optional[grpc.ChannelCredentials] = None,
+        options: Optional[Sequence[Tuple[str, object]]] = None,
     ) -> None:
         self._owns_channel = channel is None
-        self.channel = channel if channel is not None else open_channel(target, credentials)
+        self.channel = channel if channel is not None else open_channel(target, credentials, options)
         self.stub = pb_grpc.InferenceCacheStub(self.channel)
 
     async def close(self) -> None:
@@ -58,6 +72,12 @@ class _Client:
         await self.close()
 
 
+def _status_cause(err: Exception) -> Tuple[str, str]:
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else ""
+    return cause_of_status(code), f"{code}: {details}"
+
+
 class Router(_Client):
     """Asyncio ``LookupRoute`` with a deadline, fail-open by construction (see
     :class:`inferencecache.Router`)."""
@@ -69,8 +89,9 @@ class Router(_Client):
         timeout: float = DEFAULT_TIMEOUT_S,
         channel: Optional[grpc.aio.Channel] = None,
         credentials: Optional[grpc.ChannelCredentials] = None,
+        options: Optional[Sequence[Tuple[str, object]]] = None,
     ) -> None:
-        super().__init__(target, channel=channel, credentials=credentials)
+        super().__init__(target, channel=channel, credentials=credentials, options=options)
         self.timeout = timeout
         self.fail_open = FailOpenCounters()
 
@@ -78,7 +99,7 @@ class Router(_Client):
         self,
         model_id: str,
         *,
-        tenant_id: str = "",
+        tenant_id: str,
         token_ids: Optional[Sequence[int]] = None,
         block_hashes: Optional[Sequence[bytes]] = None,
         block_token_counts: Optional[Sequence[int]] = None,
@@ -109,13 +130,93 @@ class Router(_Client):
                 request, timeout=self.timeout if timeout is None else timeout
             )
         except grpc.RpcError as err:
-            code = err.code() if hasattr(err, "code") else None
-            cause = "timeout" if is_deadline(code) else "transport_error"
-            details = err.details() if hasattr(err, "details") else ""
-            return fail_open_result(cause, f"{code}: {details}", self.fail_open)
+            cause, detail = _status_cause(err)
+            return fail_open_result(cause, detail, self.fail_open)
+        except (ValueError, TypeError) as err:  # a value the wire cannot carry: the caller's bug
+            return fail_open_result("invalid_request", repr(err), self.fail_open)
+        except asyncio.CancelledError:
+            raise
         except Exception as err:  # fail-open by construction: nothing escapes a lookup
             return fail_open_result("transport_error", repr(err), self.fail_open)
         return result_from_response(response, self.fail_open)
+
+    async def lookup_pd_route(
+        self,
+        model_id: str,
+        *,
+        tenant_id: str,
+        prefix_hash: bytes = b"",
+        prefix_token_count: int = 0,
+        pd_topology_ref: str = "",
+        timeout: Optional[float] = None,
+    ) -> pb.LookupPDRouteResponse:
+        """``LookupPDRoute``; never raises (see :meth:`inferencecache.Router.lookup_pd_route`)."""
+        try:
+            request = build_pd_request(model_id, tenant_id, prefix_hash, prefix_token_count, pd_topology_ref)
+            return await self.stub.LookupPDRoute(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as err:
+            self.fail_open.add(_status_cause(err)[0])
+        except (ValueError, TypeError):
+            self.fail_open.add("invalid_request")
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.fail_open.add("transport_error")
+        return pb.LookupPDRouteResponse(reason_code=NO_HINT)
+
+    async def render_template(
+        self,
+        template_ref: str,
+        *,
+        tenant_id: str,
+        variables: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> pb.RenderTemplateResponse:
+        """``RenderTemplate``; never raises (see :meth:`inferencecache.Router.render_template`)."""
+        try:
+            request = build_render_request(template_ref, tenant_id, variables)
+            return await self.stub.RenderTemplate(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as err:
+            self.fail_open.add(_status_cause(err)[0])
+        except (ValueError, TypeError):
+            self.fail_open.add("invalid_request")
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.fail_open.add("transport_error")
+        return pb.RenderTemplateResponse(reason_code="OK")
+
+
+class StateStream:
+    """One open asyncio ``ReportCacheState`` stream (see :class:`inferencecache.StateStream`):
+    ``await send(update)``, then ``await close()`` for the ``Ack``."""
+
+    def __init__(self, stub: pb_grpc.InferenceCacheStub, metadata, timeout: Optional[float]) -> None:
+        self._call = stub.ReportCacheState(metadata=metadata, timeout=timeout)
+        self._closed = False
+
+    async def send(self, update: pb.CacheStateUpdate) -> None:
+        """Writes one update on the stream."""
+        if self._closed:
+            raise RuntimeError("the stream is closed")
+        await self._call.write(update)
+
+    async def close(self) -> pb.Ack:
+        """Ends the stream and waits for the server's ``Ack``."""
+        if not self._closed:
+            self._closed = True
+            await self._call.done_writing()
+        return await self._call
+
+    async def __aenter__(self) -> "StateStream":
+        return self
+
+    async def __aexit__(self, exc_type, *rest) -> None:
+        if exc_type is None:
+            await self.close()
+        else:
+            self._closed = True
+            self._call.cancel()
 
 
 class Producer(_Client):
@@ -127,16 +228,17 @@ class Producer(_Client):
         *,
         replica_id: str,
         model_id: str,
-        tenant_id: str = "",
+        tenant_id: str,
         hash_scheme: str = "vllm",
         token: Optional[str] = None,
         channel: Optional[grpc.aio.Channel] = None,
         credentials: Optional[grpc.ChannelCredentials] = None,
+        options: Optional[Sequence[Tuple[str, object]]] = None,
     ) -> None:
-        super().__init__(target, channel=channel, credentials=credentials)
+        self.tenant_id = require_tenant(tenant_id)
+        super().__init__(target, channel=channel, credentials=credentials, options=options)
         self.replica_id = replica_id
         self.model_id = model_id
-        self.tenant_id = tenant_id
         self.hash_scheme = hash_scheme
         self._metadata = bearer_metadata(token)
 
@@ -158,6 +260,22 @@ class Producer(_Client):
             timeout=timeout,
         )
 
+    async def report_token_chains(
+        self,
+        chains: Iterable[Sequence[int]],
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        tier: int = pb.CACHE_TIER_T1,
+        timeout: Optional[float] = None,
+    ) -> pb.Ack:
+        """Reports one update holding each token sequence's chain."""
+        entries = [self.chain_entry(tokens, block_size, tier=tier) for tokens in chains]
+        return await self.report([self.update(entries)], timeout=timeout)
+
+    def stream(self, *, timeout: Optional[float] = None) -> StateStream:
+        """Opens a long-lived ``ReportCacheState`` stream (``await close()`` for the ``Ack``)."""
+        return StateStream(self.stub, self._metadata, timeout)
+
     async def publish(self, event: pb.CacheEvent, *, timeout: Optional[float] = None) -> pb.Ack:
         """Publishes one event as is."""
         return await self.stub.PublishEvent(event, metadata=self._metadata, timeout=timeout)
@@ -169,6 +287,10 @@ class Producer(_Client):
     async def clear(self, *, timeout: Optional[float] = None) -> pb.Ack:
         """``ALL_CLEARED`` for this replica."""
         return await self.publish(self._event(pb.CacheEvent.ALL_CLEARED), timeout=timeout)
+
+    async def heartbeat(self, *, timeout: Optional[float] = None) -> pb.Ack:
+        """``REPLICA_UPDATED``: refreshes this replica's liveness."""
+        return await self.publish(self._event(pb.CacheEvent.REPLICA_UPDATED), timeout=timeout)
 
 
 class Observer(_Client):
@@ -186,5 +308,9 @@ class Observer(_Client):
             pb.StreamEventsRequest(model_id=model_id, tenant_id=tenant_id, types=list(types))
         )
 
+    def metrics(self, names: Sequence[str] = ()):
+        """``StreamMetrics`` as an async iterator of metric samples (about once a second)."""
+        return self.stub.StreamMetrics(pb.StreamMetricsRequest(names=list(names)))
 
-__all__ = ["Router", "Producer", "Observer", "open_channel"]
+
+__all__ = ["Router", "Producer", "Observer", "StateStream", "open_channel"]

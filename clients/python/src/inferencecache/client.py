@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterable, Iterator, List, Optional, Sequence
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
 from inferencecache._common import (
     DEFAULT_TARGET,
     DEFAULT_TIMEOUT_S,
+    NO_HINT,
     FailOpenCounters,
     LookupResult,
     bearer_metadata,
     build_lookup_request,
+    cause_of_status,
+    channel_options,
     fail_open_result,
-    is_deadline,
+    require_tenant,
     result_from_response,
 )
 from inferencecache.fingerprint import DEFAULT_BLOCK_SIZE, chain
@@ -31,11 +34,20 @@ from inferencecache.v1alpha1 import inferencecache_pb2 as pb
 from inferencecache.v1alpha1 import inferencecache_pb2_grpc as pb_grpc
 
 
-def open_channel(target: str, credentials: Optional[grpc.ChannelCredentials] = None) -> grpc.Channel:
-    """A channel to ``target`` (``host:port``): TLS when ``credentials`` is given."""
+def open_channel(
+    target: str,
+    credentials: Optional[grpc.ChannelCredentials] = None,
+    options: Optional[Sequence[Tuple[str, object]]] = None,
+) -> grpc.Channel:
+    """A channel to ``target``: TLS when ``credentials`` is given, with
+    :func:`inferencecache._common.channel_options` (bounded reconnect backoff, keepalive,
+    ``round_robin``; ``options`` override them). ``target`` is ``host:port`` or a gRPC URI;
+    behind a Kubernetes Service use ``dns:///<headless-service>.<namespace>.svc:9090`` so that
+    ``round_robin`` reaches every pod."""
+    merged = channel_options(options)
     if credentials is not None:
-        return grpc.secure_channel(target, credentials)
-    return grpc.insecure_channel(target)
+        return grpc.secure_channel(target, credentials, options=merged)
+    return grpc.insecure_channel(target, options=merged)
 
 
 class _Client:
@@ -45,9 +57,10 @@ class _Client:
         *,
         channel: Optional[grpc.Channel] = None,
         credentials: Optional[grpc.ChannelCredentials] = None,
+        options: Optional[Sequence[Tuple[str, object]]] = None,
     ) -> None:
         self._owns_channel = channel is None
-        self.channel = channel if channel is not None else open_channel(target, credentials)
+        self.channel = channel if channel is not None else open_channel(target, credentials, options)
         self.stub = pb_grpc.InferenceCacheStub(self.channel)
 
     def close(self) -> None:
@@ -77,18 +90,19 @@ class Router(_Client):
         timeout: float = DEFAULT_TIMEOUT_S,
         channel: Optional[grpc.Channel] = None,
         credentials: Optional[grpc.ChannelCredentials] = None,
+        options: Optional[Sequence[Tuple[str, object]]] = None,
     ) -> None:
-        super().__init__(target, channel=channel, credentials=credentials)
+        super().__init__(target, channel=channel, credentials=credentials, options=options)
         self.timeout = timeout
         self.fail_open = FailOpenCounters()
         """Client-side fail-opens by cause: ``transport_error``, ``timeout``,
-        ``unknown_reason_code``."""
+        ``unknown_reason_code``, ``invalid_request``."""
 
     def lookup(
         self,
         model_id: str,
         *,
-        tenant_id: str = "",
+        tenant_id: str,
         token_ids: Optional[Sequence[int]] = None,
         block_hashes: Optional[Sequence[bytes]] = None,
         block_token_counts: Optional[Sequence[int]] = None,
@@ -102,8 +116,8 @@ class Router(_Client):
     ) -> LookupResult:
         """Asks which replicas hold the longest prefix of this request. Never raises.
 
-        ``tenant_id`` partitions the index (and names the policy namespace): a lookup with an
-        empty tenant never matches, so producers and routers must agree on a non-empty one.
+        ``tenant_id`` partitions the index (and names the policy namespace): it is required, and
+        an empty one is an ``invalid_request`` (it could never match).
         Give the prompt one way: ``token_ids`` (the server fingerprints them with its
         ``--engine-block-size``), ``block_hashes`` + ``block_token_counts`` (see
         :func:`inferencecache.chain`), ``prefix_hash`` + ``prefix_token_count`` (legacy exact
@@ -127,11 +141,80 @@ class Router(_Client):
                 request, timeout=self.timeout if timeout is None else timeout
             )
         except grpc.RpcError as err:
-            cause = "timeout" if is_deadline(err.code()) else "transport_error"
-            return fail_open_result(cause, f"{err.code()}: {err.details()}", self.fail_open)
+            return fail_open_result(cause_of_status(err.code()), f"{err.code()}: {err.details()}", self.fail_open)
+        except (ValueError, TypeError) as err:  # a value the wire cannot carry: the caller's bug
+            return fail_open_result("invalid_request", repr(err), self.fail_open)
         except Exception as err:  # fail-open by construction: nothing escapes a lookup
             return fail_open_result("transport_error", repr(err), self.fail_open)
         return result_from_response(response, self.fail_open)
+
+    def lookup_pd_route(
+        self,
+        model_id: str,
+        *,
+        tenant_id: str,
+        prefix_hash: bytes = b"",
+        prefix_token_count: int = 0,
+        pd_topology_ref: str = "",
+        timeout: Optional[float] = None,
+    ) -> pb.LookupPDRouteResponse:
+        """``LookupPDRoute`` (prefill/decode pair). Never raises: a failure is a response with
+        ``reason_code`` ``NO_HINT`` and no replicas (counted in :attr:`fail_open`). The server
+        answers ``NO_HINT`` today (a stub, ``docs/grpc-contract.md``)."""
+        try:
+            request = build_pd_request(model_id, tenant_id, prefix_hash, prefix_token_count, pd_topology_ref)
+            return self.stub.LookupPDRoute(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as err:
+            self.fail_open.add(cause_of_status(err.code()))
+        except (ValueError, TypeError):
+            self.fail_open.add("invalid_request")
+        except Exception:
+            self.fail_open.add("transport_error")
+        return pb.LookupPDRouteResponse(reason_code=NO_HINT)
+
+    def render_template(
+        self,
+        template_ref: str,
+        *,
+        tenant_id: str,
+        variables: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> pb.RenderTemplateResponse:
+        """``RenderTemplate``. Never raises: a failure is an empty ``OK`` response (an empty
+        ``stable_prefix_hash`` means "hash the raw prompt yourself"), counted in
+        :attr:`fail_open`. The server answers that empty response today (a stub)."""
+        try:
+            request = build_render_request(template_ref, tenant_id, variables)
+            return self.stub.RenderTemplate(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as err:
+            self.fail_open.add(cause_of_status(err.code()))
+        except (ValueError, TypeError):
+            self.fail_open.add("invalid_request")
+        except Exception:
+            self.fail_open.add("transport_error")
+        return pb.RenderTemplateResponse(reason_code="OK")
+
+
+def build_pd_request(
+    model_id: str, tenant_id: str, prefix_hash: bytes, prefix_token_count: int, pd_topology_ref: str
+) -> pb.LookupPDRouteRequest:
+    """A ``LookupPDRouteRequest`` (raises ``ValueError``/``TypeError`` for an invalid one)."""
+    return pb.LookupPDRouteRequest(
+        model_id=model_id,
+        tenant_id=require_tenant(tenant_id),
+        prefix_hash=prefix_hash,
+        prefix_token_count=prefix_token_count,
+        pd_topology_ref=pd_topology_ref,
+    )
+
+
+def build_render_request(
+    template_ref: str, tenant_id: str, variables: Optional[Dict[str, str]]
+) -> pb.RenderTemplateRequest:
+    """A ``RenderTemplateRequest`` (raises ``ValueError``/``TypeError`` for an invalid one)."""
+    return pb.RenderTemplateRequest(
+        template_ref=template_ref, tenant_id=require_tenant(tenant_id), variables=dict(variables or {})
+    )
 
 
 class StateStream:
@@ -186,6 +269,8 @@ class Producer(_Client):
     """The sidecar side for one replica: streams ``CacheStateUpdate`` s and publishes events.
 
     ``token`` is the producer bearer token (``--producer-token-file`` on the server).
+    ``tenant_id`` is required and non-empty (:class:`inferencecache.InvalidRequest`
+    otherwise): what a producer reports under the empty tenant no lookup can ever find.
     """
 
     def __init__(
@@ -194,16 +279,18 @@ class Producer(_Client):
         *,
         replica_id: str,
         model_id: str,
-        tenant_id: str = "",
+        tenant_id: str,
         hash_scheme: str = "vllm",
         token: Optional[str] = None,
         channel: Optional[grpc.Channel] = None,
         credentials: Optional[grpc.ChannelCredentials] = None,
+        options: Optional[Sequence[Tuple[str, object]]] = None,
     ) -> None:
-        super().__init__(target, channel=channel, credentials=credentials)
+        # Before the channel opens: a refused configuration leaves nothing to close.
+        self.tenant_id = require_tenant(tenant_id)
+        super().__init__(target, channel=channel, credentials=credentials, options=options)
         self.replica_id = replica_id
         self.model_id = model_id
-        self.tenant_id = tenant_id
         self.hash_scheme = hash_scheme
         self._metadata = bearer_metadata(token)
 
