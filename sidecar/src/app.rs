@@ -61,7 +61,7 @@ pub async fn run(
     cancel: CancellationToken,
 ) {
     if s.profile == Profile::Vllm && s.hash_scheme != "vllm" {
-        warn!(hash_scheme = %s.hash_scheme, "unknown hash scheme; using the vLLM metrics profile");
+        warn!(hash_scheme = %s.hash_scheme, "unknown_hash_scheme");
     }
     if s.tenant_id.is_empty() {
         // T50: lookups never reach tenant "".
@@ -77,7 +77,7 @@ pub async fn run(
             .local_addr()
             .map(|a| a.to_string())
             .unwrap_or_default();
-        info!(metrics_address = %address, "serving /healthz and /metrics");
+        info!(metrics_address = %address, "metrics_listening");
         tokio::spawn(crate::exporter::serve(
             listener,
             Arc::clone(&telemetry),
@@ -104,7 +104,7 @@ pub async fn run(
         lora_adapters = s.adapters.len(),
         tls = s.tls.enabled(),
         producer_token = s.token_file.is_some(),
-        "sidecar starting"
+        "startup"
     );
 
     let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
@@ -144,18 +144,18 @@ pub async fn run(
     let stats_task = tokio::spawn(stats.run(cancel.child_token()));
 
     cancel.cancelled().await;
-    info!("shutdown requested; draining");
+    info!("graceful_shutdown_started");
     // The subscriber returns on cancellation and drops the sender, closing the reporter input.
     let _ = sub.await;
     match tokio::time::timeout(DRAIN_TIMEOUT, reporter).await {
         Ok(_) => {}
-        Err(_) => warn!("reporter drain timed out"),
+        Err(_) => warn!("reporter_drain_timed_out"),
     }
     match tokio::time::timeout(DRAIN_TIMEOUT, stats_task).await {
         Ok(_) => {}
-        Err(_) => warn!("stats reporter stop timed out"),
+        Err(_) => warn!("stats_stop_timed_out"),
     }
-    info!("sidecar stopped");
+    info!("graceful_shutdown_done");
 }
 
 /// Resolves on SIGINT or SIGTERM.

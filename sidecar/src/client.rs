@@ -97,7 +97,7 @@ pub fn expand_servers(servers: &[String]) -> Vec<(String, Option<String>)> {
         }
         if unique.len() > 1 {
             let host = host_port(server).map(|(h, _)| h.to_string());
-            info!(server = %server, addresses = unique.len(), "server name resolves to several addresses; failing over between them");
+            info!(server = %server, addresses = unique.len(), "server_addresses_expanded");
             out.extend(unique.into_iter().map(|a| (a.to_string(), host.clone())));
         } else {
             out.push((server.clone(), None));
@@ -197,11 +197,11 @@ impl TokenSource {
                         st.stamp = stamp;
                     }
                     None => {
-                        warn!(path = %self.path.display(), "token file holds no token; keeping the last one")
+                        warn!(path = %self.path.display(), "token_file_empty")
                     }
                 },
                 Err(e) => {
-                    warn!(path = %self.path.display(), err = %e, "token file unreadable; keeping the last token")
+                    warn!(path = %self.path.display(), err = %e, "token_file_unreadable")
                 }
             }
         }
@@ -300,6 +300,8 @@ impl Sink for GrpcSink {
             Ok(r) => r.map(tonic::Response::into_inner),
             Err(_) => Err(Status::deadline_exceeded("ReportCacheState timed out")),
         };
+        // /readyz and `server_reachable` follow the latest call of any kind.
+        crate::exporter::server_health().record(result.is_ok());
         if let Err(status) = &result {
             self.after_failure(at, status);
         }
@@ -313,6 +315,8 @@ impl Sink for GrpcSink {
             Ok(r) => r.map(tonic::Response::into_inner),
             Err(_) => Err(Status::deadline_exceeded("PublishEvent timed out")),
         };
+        // /readyz and `server_reachable` follow the latest call of any kind.
+        crate::exporter::server_health().record(result.is_ok());
         if let Err(status) = &result {
             self.after_failure(at, status);
         }
@@ -329,6 +333,8 @@ impl Sink for GrpcSink {
             Ok(r) => r.map(tonic::Response::into_inner),
             Err(_) => Err(Status::deadline_exceeded("GetCacheState timed out")),
         };
+        // /readyz and `server_reachable` follow the latest call of any kind.
+        crate::exporter::server_health().record(result.is_ok());
         if let Err(status) = &result {
             self.after_failure(at, status);
         }

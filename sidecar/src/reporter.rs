@@ -534,7 +534,7 @@ impl<S: Sink> Reporter<S> {
                 err = %status.message(),
                 rpc = what,
                 outbox = self.link.outbox.len(),
-                "call to the server failed; kept in order and retried with backoff"
+                "send_failed"
             );
         }
     }
@@ -883,7 +883,7 @@ impl<S: Sink> Reporter<S> {
             events_sent = c.events_sent,
             events_failed = c.events_failed,
             undelivered = self.link.outbox.len(),
-            "reporter drained"
+            "reporter_drained"
         );
         self
     }

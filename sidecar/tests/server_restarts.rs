@@ -246,6 +246,9 @@ async fn outage(engine: Engine, bin: &Path, sources: &Path, dir: &Path) {
     rig.apply(&[store(&b)]).await;
     rig.apply(&[remove(&a23)]).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
+    // The sidecar's health follows its calls: refused ones mark the server unreachable.
+    let reachable = "inferencecache_sidecar_server_reachable";
+    assert_eq!(rig.metrics().await.get(reachable, &[]), 0.0, "server down");
     let ready = server.restart().await;
     push_policy(&mut rig, &server).await;
     rig.expect_by(
@@ -268,6 +271,7 @@ async fn outage(engine: Engine, bin: &Path, sources: &Path, dir: &Path) {
     assert_eq!(counter(&m, "server_instance_changes_total"), 1.0);
     assert!(counter(&m, "digest_mismatches_total") >= 1.0);
     assert!(reconciles(&m, "digest_mismatch") >= 1.0);
+    assert_eq!(m.get(reachable, &[]), 1.0, "server back");
     rig.finish().await;
     server.stop(Stop::Term).await;
 }
