@@ -156,6 +156,9 @@ pub struct Cli {
     /// address (re-read when it changes).
     #[arg(long)]
     pub epp_endpoints_file: Option<String>,
+    /// Hash scheme of the picker's lookups (the sidecars' --hash-scheme).
+    #[arg(long, default_value = "vllm")]
+    pub epp_hash_scheme: String,
     /// Tenant of picker requests without an x-inferencecache-tenant header.
     #[arg(long, default_value = "")]
     pub epp_tenant: String,

@@ -58,6 +58,8 @@ pub struct Settings {
     pub bind: SocketAddr,
     pub endpoints_file: Option<PathBuf>,
     pub tenant: String,
+    /// Hash scheme of the lookups (what the sidecars report under).
+    pub hash_scheme: String,
     pub max_body_bytes: usize,
     pub weights: pick::Weights,
     /// Every candidate at this many in flight: 429 (0: never shed).
@@ -93,6 +95,7 @@ impl Settings {
             bind,
             endpoints_file,
             tenant: cli.epp_tenant.clone(),
+            hash_scheme: cli.epp_hash_scheme.clone(),
             max_body_bytes: usize::try_from(cli.epp_max_body_bytes).unwrap_or(usize::MAX),
             weights: pick::Weights {
                 load_weight: cli.epp_load_weight,
@@ -435,6 +438,7 @@ impl Picker {
                 tenant_id: tenant.clone(),
                 token_ids: tokens.clone(),
                 adapter_id: context.adapter.clone(),
+                hash_scheme: self.settings.hash_scheme.clone(),
                 ..Default::default()
             };
             // The same in-process path as LookupRoute (H1–H13), no network hop.
