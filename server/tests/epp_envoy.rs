@@ -71,6 +71,36 @@ fn envoy_config(
     engines: &[SocketAddr],
     request_body_mode: &str,
 ) -> String {
+    // `REQUEST/RESPONSE` body modes (the response's defaults to FULL_DUPLEX_STREAMED); `OFF`:
+    // no picker at all (plain round robin, the benchmark's baseline).
+    let (request, response) = request_body_mode
+        .split_once('/')
+        .unwrap_or((request_body_mode, "FULL_DUPLEX_STREAMED"));
+    let ext_proc = if request == "OFF" {
+        String::new()
+    } else {
+        format!(
+            r#"          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: {{cluster_name: picker}}
+                timeout: 10s
+              failure_mode_allow: true
+              message_timeout: 5s
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: {request}
+                response_body_mode: {response}
+                request_trailer_mode: SEND
+                response_trailer_mode: SEND
+              metadata_options:
+                forwarding_namespaces: {{untyped: ["envoy.lb.subset_hint"]}}
+                receiving_namespaces: {{untyped: ["envoy.lb"]}}
+"#
+        )
+    };
     let endpoints: String = engines
         .iter()
         .map(|e| {
@@ -118,25 +148,7 @@ static_resources:
                       handle:streamInfo():dynamicMetadata():set("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", subset)
                     end
                   end
-          - name: envoy.filters.http.ext_proc
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service:
-                envoy_grpc: {{cluster_name: picker}}
-                timeout: 10s
-              failure_mode_allow: true
-              message_timeout: 5s
-              processing_mode:
-                request_header_mode: SEND
-                response_header_mode: SEND
-                request_body_mode: {request_body_mode}
-                response_body_mode: FULL_DUPLEX_STREAMED
-                request_trailer_mode: SEND
-                response_trailer_mode: SEND
-              metadata_options:
-                forwarding_namespaces: {{untyped: ["envoy.lb.subset_hint"]}}
-                receiving_namespaces: {{untyped: ["envoy.lb"]}}
-          - name: envoy.filters.http.router
+{ext_proc}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
   clusters:
@@ -773,4 +785,196 @@ async fn two_pickers_over_nats_give_the_same_pick() {
     }
     drop(pickers);
     drop(nats);
+}
+
+/// One keep-alive HTTP/1.1 exchange on `stream`; returns the status.
+async fn exchange(
+    stream: &mut tokio::io::BufReader<tokio::net::TcpStream>,
+    request: &[u8],
+) -> std::io::Result<u16> {
+    use tokio::io::AsyncBufReadExt;
+    stream.get_mut().write_all(request).await?;
+    let mut status = 0u16;
+    let mut length: Option<usize> = None;
+    let mut chunked = false;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if stream.read_line(&mut line).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        let lower = line.to_ascii_lowercase();
+        if status == 0 {
+            status = lower
+                .split(' ')
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+        } else if let Some(v) = lower.strip_prefix("content-length:") {
+            length = v.trim().parse().ok();
+        } else if lower.starts_with("transfer-encoding:") && lower.contains("chunked") {
+            chunked = true;
+        } else if line == "\r\n" {
+            break;
+        }
+    }
+    if chunked {
+        loop {
+            line.clear();
+            stream.read_line(&mut line).await?;
+            let size = usize::from_str_radix(line.trim(), 16).unwrap_or(0);
+            let mut chunk = vec![0u8; size + 2];
+            stream.read_exact(&mut chunk).await?;
+            if size == 0 {
+                break;
+            }
+        }
+    } else {
+        let mut body = vec![0u8; length.unwrap_or(0)];
+        stream.read_exact(&mut body).await?;
+    }
+    Ok(status)
+}
+
+/// Open-loop load: request `i` is due at `start + i / rate`; its latency runs from that due
+/// time to the end of its response (a late send counts against the gateway, not hidden).
+/// Returns (p50, p99, max, errors) in microseconds.
+async fn open_loop(
+    gateway: SocketAddr,
+    rate: u64,
+    seconds: u64,
+    bodies: &[String],
+) -> (u64, u64, u64, u64) {
+    let total = rate * seconds;
+    let interval = Duration::from_nanos(1_000_000_000 / rate);
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let errors = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let requests: std::sync::Arc<Vec<Vec<u8>>> = std::sync::Arc::new(
+        bodies
+            .iter()
+            .map(|b| {
+                format!(
+                    "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
+                    b.len()
+                )
+                .into_bytes()
+            })
+            .collect(),
+    );
+    let start = tokio::time::Instant::now() + Duration::from_millis(100);
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (next, errors, requests) = (next.clone(), errors.clone(), requests.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let mut stream =
+                tokio::io::BufReader::new(tokio::net::TcpStream::connect(gateway).await.unwrap());
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= total {
+                    break;
+                }
+                let due = start + interval * u32::try_from(i).unwrap();
+                tokio::time::sleep_until(due).await;
+                let request = &requests[usize::try_from(i).unwrap() % requests.len()];
+                match exchange(&mut stream, request).await {
+                    Ok(200) => latencies.push(u64::try_from(due.elapsed().as_micros()).unwrap()),
+                    _ => {
+                        errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        stream = tokio::io::BufReader::new(
+                            tokio::net::TcpStream::connect(gateway).await.unwrap(),
+                        );
+                    }
+                }
+            }
+            latencies
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await.unwrap());
+    }
+    all.sort_unstable();
+    let at = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len() - 1)];
+    (
+        at(0.50),
+        at(0.99),
+        *all.last().unwrap(),
+        errors.load(std::sync::atomic::Ordering::Relaxed),
+    )
+}
+
+/// The picker's added latency (bench/epp-latency.sh; recorded in bench/RESULTS.md): Envoy
+/// with the picker against Envoy round-robin to the same three fake engines, open loop at
+/// `EPP_BENCH_RATE` req/s (1,000) for `EPP_BENCH_SECONDS` (20) each, chat requests of about
+/// 200 tokens over 50 system prompts cached across the engines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "benchmark: bench/epp-latency.sh"]
+async fn epp_latency_benchmark() {
+    let Some(envoy) = envoy_bin() else { return };
+    let rate: u64 = std::env::var("EPP_BENCH_RATE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let seconds: u64 = std::env::var("EPP_BENCH_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let dir = temp_dir("epp-bench");
+    let models = models_dir(&dir);
+    let engines = [
+        FakeEngine::start("e0").await,
+        FakeEngine::start("e1").await,
+        FakeEngine::start("e2").await,
+    ];
+    let addrs: Vec<SocketAddr> = engines.iter().map(|e| e.addr).collect();
+    let (server, picker) = picker_server(&dir, &models, &["--log-level", "warn"]);
+    server.wait_ready().await;
+    wait_listening(picker).await;
+    for (i, engine) in engines.iter().enumerate() {
+        announce(&server, &format!("r{i}"), &engine.endpoint()).await;
+    }
+    let mut bodies = Vec::new();
+    for p in 0..50u32 {
+        let system = words(100 + 200 * p, 180);
+        cache(
+            &server,
+            &format!("r{}", p % 3),
+            &chat_tokens(&[("system", system.as_str())])[..176],
+        )
+        .await;
+        for q in 0..4u32 {
+            let question = words(7000 + 20 * q + p, 10);
+            bodies.push(chat_body(
+                &[("system", system.as_str()), ("user", &question)],
+                false,
+            ));
+        }
+    }
+    let mut rows = Vec::new();
+    for (name, mode) in [
+        ("round robin, no picker", "OFF"),
+        ("picker, BUFFERED request body", "BUFFERED/NONE"),
+        (
+            "picker, FULL_DUPLEX_STREAMED both ways",
+            "FULL_DUPLEX_STREAMED/FULL_DUPLEX_STREAMED",
+        ),
+    ] {
+        let proxy = start_envoy(&envoy, &dir, picker, &addrs, mode).await;
+        // Warm-up: connections, the picker's tokenizer.
+        open_loop(proxy.addr, rate.min(200), 1, &bodies).await;
+        let (p50, p99, max, errors) = open_loop(proxy.addr, rate, seconds, &bodies).await;
+        rows.push(format!(
+            "| {name} | {rate} | {seconds} s | {:.2} | {:.2} | {:.2} | {errors} |",
+            p50 as f64 / 1000.0,
+            p99 as f64 / 1000.0,
+            max as f64 / 1000.0
+        ));
+        drop(proxy);
+    }
+    println!("| Gateway | req/s | duration | p50 ms | p99 ms | max ms | errors |");
+    println!("|---|---|---|---|---|---|---|");
+    for row in rows {
+        println!("{row}");
+    }
 }
