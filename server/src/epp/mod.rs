@@ -588,6 +588,14 @@ pub async fn spawn(
     state: AppState,
     settings: Settings,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<anyhow::Result<()>>)> {
+    if settings.tenant.is_empty() {
+        // The index never routes the empty tenant: without a tenant header every pick would
+        // go by load.
+        tracing::warn!(
+            effect = "requests without an x-inferencecache-tenant header are picked by load only",
+            "epp_empty_tenant"
+        );
+    }
     if let Some(path) = &settings.endpoints_file {
         let entries = endpoints::load_file(path)?;
         state.endpoints().replace_file(entries);
