@@ -339,3 +339,24 @@ async fn health_services_answer() {
         assert_eq!(status, ServingStatus::Serving as i32, "{service}");
     }
 }
+
+#[test]
+fn a_bad_endpoints_file_or_picker_flag_exits_2() {
+    let dir = temp_dir("epp-bad-flags");
+    let file = dir.join("endpoints.json");
+    std::fs::write(&file, r#"[{"replica_id":"r","endpoint":"not-an-address"}]"#).unwrap();
+    let file = file.to_str().unwrap().to_owned();
+    for extra in [
+        vec!["--epp-endpoints-file", file.as_str()],
+        vec!["--epp-load-weight", "-1"],
+        vec!["--epp-max-endpoints", "0"],
+    ] {
+        let mut args = vec!["--epp-bind-address", "127.0.0.1:0"];
+        args.extend(extra);
+        let output = std::process::Command::new(common::SERVER_BIN)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {output:?}");
+    }
+}
