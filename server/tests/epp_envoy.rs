@@ -136,6 +136,9 @@ static_resources:
                   retry_policy:
                     retry_on: "connect-failure,refused-stream,reset"
                     num_retries: 3
+                # The gateway reports the endpoint that served (read by the picker).
+                response_headers_to_add:
+                - header: {{key: x-gateway-destination-endpoint-served, value: "%UPSTREAM_HOST%"}}
           http_filters:
           - name: envoy.filters.http.lua
             typed_config:
@@ -667,6 +670,25 @@ async fn envoy_with_the_picker_in_front_of_three_engines() {
         serving.endpoint(),
         "the next endpoint of the list served"
     );
+    // The picker read the gateway's x-gateway-destination-endpoint-served: the fallback once,
+    // the pick for everything else it routed.
+    let http = SocketAddr::from(([127, 0, 0, 1], server.http));
+    let (_, _, metrics) = common::http_request(http, "GET", "/metrics", "").await;
+    let sample = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(-1.0)
+    };
+    assert_eq!(
+        sample("inferencecache_epp_served_total{outcome=\"fallback\"}"),
+        1.0
+    );
+    assert_eq!(
+        sample("inferencecache_epp_served_total{outcome=\"other\"}"),
+        0.0
+    );
+    assert!(sample("inferencecache_epp_served_total{outcome=\"picked\"}") >= 1100.0);
 
     // Scenario 5: the picker is down. With the body BUFFERED, Envoy still holds it and
     // `failure_mode_allow` fails open to the fallback policy (round robin): every request is
