@@ -360,3 +360,67 @@ fn a_bad_endpoints_file_or_picker_flag_exits_2() {
         assert_eq!(output.status.code(), Some(2), "{args:?}: {output:?}");
     }
 }
+
+#[tokio::test]
+async fn shedding_answers_429_while_every_endpoint_is_at_the_limit() {
+    let dir = temp_dir("epp-shed");
+    let port = free_port();
+    let bind = format!("127.0.0.1:{port}");
+    let server = ServerProcess::start(
+        &dir,
+        &[
+            "--epp-bind-address",
+            &bind,
+            "--epp-tenant",
+            "t",
+            "--epp-shed-in-flight",
+            "1",
+        ],
+    );
+    server.wait_ready().await;
+    let addr: SocketAddr = bind.parse().unwrap();
+    let mut client = server.client().await;
+    let updates = [("ra", ENDPOINT_A), ("rb", ENDPOINT_B)]
+        .iter()
+        .map(|(replica, endpoint)| pb::CacheStateUpdate {
+            replica_id: (*replica).into(),
+            model_id: MODEL.into(),
+            tenant_id: "t".into(),
+            hash_scheme: "vllm".into(),
+            stats: Some(pb::ReplicaStats {
+                endpoint: (*endpoint).into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .collect();
+    common::report(&mut client, updates).await;
+    let body = chat_body(&[("user", "w1 w2")], false);
+    let path = "/v1/chat/completions";
+    // Two requests in flight, one per endpoint (the second goes to the idle one)...
+    let (first, held_first) = ext_proc_open(addr, path, &[], body.as_bytes(), 4096).await;
+    let (second, held_second) = ext_proc_open(addr, path, &[], body.as_bytes(), 4096).await;
+    let mut picked = vec![first.endpoints()[0].clone(), second.endpoints()[0].clone()];
+    picked.sort();
+    assert_eq!(picked, [ENDPOINT_A, ENDPOINT_B]);
+    // ...so the next one is shed.
+    let third = ext_proc_request(addr, path, &[], body.as_bytes(), 4096).await;
+    assert_eq!(third.immediate_status, 429);
+    // One finishes: its endpoint takes the next request.
+    let freed = first.endpoints()[0].clone();
+    drop(held_first);
+    let started = Instant::now();
+    loop {
+        let next = ext_proc_request(addr, path, &[], body.as_bytes(), 4096).await;
+        if next.immediate_status == 0 {
+            assert_eq!(next.endpoints()[0], freed);
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the in-flight unit was not released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(held_second);
+}

@@ -329,6 +329,26 @@ pub async fn ext_proc_request(
     body: &[u8],
     chunk: usize,
 ) -> PickerAnswer {
+    ext_proc_open(picker, path, extra_headers, body, chunk)
+        .await
+        .0
+}
+
+/// The open side of an ext_proc exchange: while it lives, the request is in flight.
+pub type OpenExchange = (
+    tokio::sync::mpsc::Sender<ProcessingRequest>,
+    tonic::Streaming<ProcessingResponse>,
+);
+
+/// [`ext_proc_request`] that leaves the stream open (the request stays in flight at its
+/// endpoint until the returned exchange is dropped).
+pub async fn ext_proc_open(
+    picker: SocketAddr,
+    path: &str,
+    extra_headers: &[(&str, &str)],
+    body: &[u8],
+    chunk: usize,
+) -> (PickerAnswer, OpenExchange) {
     let mut client = ExternalProcessorClient::connect(format!("http://{picker}"))
         .await
         .expect("connect to the picker");
@@ -386,8 +406,7 @@ pub async fn ext_proc_request(
     tokio::time::timeout(Duration::from_secs(10), read)
         .await
         .expect("the picker answered within 10 s");
-    drop(tx);
-    answer
+    (answer, (tx, responses))
 }
 
 /// Folds one response into `answer`; true when the request side is fully answered.
