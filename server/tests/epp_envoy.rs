@@ -994,6 +994,15 @@ async fn epp_latency_benchmark() {
         ));
         drop(proxy);
     }
+    // The picker's own time per pick (parse, tokenize, lookup, rank), over every run.
+    let http = SocketAddr::from(([127, 0, 0, 1], server.http));
+    let (_, _, metrics) = common::http_request(http, "GET", "/metrics", "").await;
+    for line in metrics
+        .lines()
+        .filter(|l| l.starts_with("inferencecache_epp_pick_latency_seconds"))
+    {
+        println!("| pick latency | {line} |");
+    }
     println!("| Gateway | req/s | duration | p50 ms | p99 ms | max ms | errors |");
     println!("|---|---|---|---|---|---|---|");
     for row in rows {
