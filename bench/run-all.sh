@@ -119,8 +119,14 @@ section() {
         echo "server had; it is the lag of the end of an overloaded phase. All processes share the 2 cores:"
         echo "each server applies every block, so 3 servers at 1 M blocks/s are 3 M applied blocks/s."
       } >"$RES/replication.tmp" && mv "$RES/replication.tmp" "$RES/replication.md" ;;
+    epp-latency)
+      { header "Endpoint picker: latency Envoy adds with the picker (issue 43)" "bench/epp-latency.sh"
+        echo "Open loop at 1,000 req/s for 20 s per gateway (details: the script's header)."
+        echo
+        (cd "$ROOT" && bash bench/epp-latency.sh) || true
+      } >"$RES/epp-latency.tmp" && mv "$RES/epp-latency.tmp" "$RES/epp-latency.md" ;;
     *)
-      echo "unknown section: $1 (w1m, layout-probe, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc, checkpoint, replication)" >&2; exit 2 ;;
+      echo "unknown section: $1 (w1m, layout-probe, eviction, rw, criterion, churn, churn-fit, churn-fit-mimalloc, checkpoint, replication, epp-latency)" >&2; exit 2 ;;
   esac
 }
 

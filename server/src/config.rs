@@ -147,6 +147,36 @@ pub struct Cli {
     /// This server's name in the stream (record ids, the leader lease); default: a random one.
     #[arg(long)]
     pub nats_server_id: Option<String>,
+    // --- the endpoint picker (docs/epp.md) ---
+    /// Endpoint-picker listener: Envoy ext_proc per the Gateway API Inference Extension's
+    /// protocol (off when unset).
+    #[arg(long)]
+    pub epp_bind_address: Option<String>,
+    /// JSON list of {replica_id, endpoint, models} for replicas whose sidecars report no
+    /// address (re-read when it changes).
+    #[arg(long)]
+    pub epp_endpoints_file: Option<String>,
+    /// Hash scheme of the picker's lookups (the sidecars' --hash-scheme).
+    #[arg(long, default_value = "vllm")]
+    pub epp_hash_scheme: String,
+    /// Tenant of picker requests without an x-inferencecache-tenant header.
+    #[arg(long, default_value = "")]
+    pub epp_tenant: String,
+    /// Request body bytes the picker reads; past it the pick goes by load.
+    #[arg(long, default_value_t = crate::epp::DEFAULT_MAX_BODY_BYTES)]
+    pub epp_max_body_bytes: u64,
+    /// Weight of load against the cached fraction of the prompt in the pick.
+    #[arg(long, default_value_t = 1.0)]
+    pub epp_load_weight: f64,
+    /// In-flight requests that weigh as much as a fully loaded engine in the pick.
+    #[arg(long, default_value_t = 8.0)]
+    pub epp_inflight_capacity: f64,
+    /// With every candidate at this many in flight the picker answers 429 (0 = never).
+    #[arg(long, default_value_t = 0)]
+    pub epp_shed_in_flight: u32,
+    /// Endpoints in the picker's list at most (the first is picked, the rest are fallbacks).
+    #[arg(long, default_value_t = 4)]
+    pub epp_max_endpoints: u32,
 }
 
 /// Long flags of this command line that take no value.

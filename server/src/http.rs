@@ -31,6 +31,7 @@ async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
 async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
     let mut families = state.metrics().gather(state.index());
     families.extend(state.checkpoint_status().families());
+    families.extend(state.epp_metrics().families());
     match state.replication() {
         Some(replication) => families.extend(replication.families()),
         None => families.extend(crate::replication::families(

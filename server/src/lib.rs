@@ -10,6 +10,7 @@ pub mod config;
 pub mod config_file;
 pub mod connections;
 pub mod control;
+pub mod epp;
 pub mod http;
 pub mod limits;
 pub mod lookup;
@@ -173,6 +174,24 @@ pub async fn run(cli: config::Cli) -> ExitCode {
             }
         });
     }
+    // The endpoint picker (docs/epp.md), when --epp-bind-address is given.
+    let picker = match epp::Settings::from_cli(&cli) {
+        Ok(Some(picker_settings)) => match epp::spawn(state.clone(), picker_settings).await {
+            Ok((addr, task)) => {
+                info!(epp_addr = %addr, "epp_listening");
+                Some(task)
+            }
+            Err(err) => {
+                error!(err = %format!("{err:#}"), "serve_error");
+                return ExitCode::from(1);
+            }
+        },
+        Ok(None) => None,
+        Err(err) => {
+            eprintln!("inferencecache-server: {err:#}");
+            return ExitCode::from(2);
+        }
+    };
     let mut control =
         control::ControlServer::spawn(control::ControlState::new(state.clone(), auth), snapshot);
     let control_failed = control.failure();
@@ -189,6 +208,9 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         c.write_now().await;
     }
     let control_result = control.stop().await;
+    if let Some(picker) = picker {
+        picker.abort();
+    }
     match served.and(control_result) {
         Ok(()) => {
             info!("graceful_shutdown_done");

@@ -648,7 +648,7 @@ pub struct Sample {
 }
 
 impl Family {
-    fn new(name: &str, kind: &'static str, help: &'static str) -> Self {
+    pub(crate) fn new(name: &str, kind: &'static str, help: &'static str) -> Self {
         Self {
             name: name.to_string(),
             kind,
@@ -670,7 +670,7 @@ impl Family {
         f
     }
 
-    fn push(&mut self, name: &str, labels: Vec<(String, String)>, value: f64) {
+    pub(crate) fn push(&mut self, name: &str, labels: Vec<(String, String)>, value: f64) {
         self.samples.push(Sample {
             name: name.to_string(),
             labels,

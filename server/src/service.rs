@@ -119,6 +119,9 @@ struct Shared {
     connections: crate::connections::ConnectionGate,
     /// This process's identity, told to producers in every `Ack` (see [`new_instance_id`]).
     instance_id: String,
+    /// The endpoint picker's replica → `ip:port` map and in-flight counts (docs/epp.md).
+    endpoints: Arc<crate::epp::endpoints::Registry>,
+    epp_metrics: Arc<crate::epp::EppMetrics>,
 }
 
 /// A fresh server instance identity: random per process (and per [`AppState`]), so every start,
@@ -201,6 +204,8 @@ impl AppState {
                     metrics.clone(),
                 ),
                 instance_id: new_instance_id(),
+                endpoints: Arc::default(),
+                epp_metrics: Arc::default(),
             }),
         }
     }
@@ -342,6 +347,27 @@ impl AppState {
         &*self.inner.route_index
     }
 
+    /// The endpoint picker's endpoint registry (filled from producers' stats whether or not
+    /// the picker runs).
+    pub fn endpoints(&self) -> &Arc<crate::epp::endpoints::Registry> {
+        &self.inner.endpoints
+    }
+
+    /// The endpoint picker's counters.
+    pub fn epp_metrics(&self) -> &crate::epp::EppMetrics {
+        &self.inner.epp_metrics
+    }
+
+    /// Records the engine address a producer's stats carry (every server applying the update
+    /// learns it, so picker replicas agree).
+    pub fn observe_endpoint(&self, update: &pb::CacheStateUpdate) {
+        if let Some(stats) = &update.stats {
+            self.inner
+                .endpoints
+                .observe(&update.replica_id, &stats.endpoint);
+        }
+    }
+
     pub fn block_size(&self) -> usize {
         self.inner.block_size
     }
@@ -369,9 +395,11 @@ impl AppState {
                 .acquire(peer, cost, counters)
                 .await;
             let now_us = self.inner.index.now_us();
-            replication
-                .submit_update(crate::replication::owned_update(admitted, now_us))
-                .await;
+            let mut owned = crate::replication::owned_update(admitted, now_us);
+            if let (Some(out), Some(stats)) = (owned.stats.as_mut(), update.stats.as_ref()) {
+                out.endpoint.clone_from(&stats.endpoint);
+            }
+            replication.submit_update(owned).await;
             return;
         }
         // A warm restart's entries are older than anything a producer sends now.
@@ -380,6 +408,7 @@ impl AppState {
             .producer_limiter
             .acquire(peer, cost, counters)
             .await;
+        self.observe_endpoint(update);
         self.inner.index.ingest(admitted);
     }
 
@@ -522,6 +551,7 @@ impl InferenceCache for CacheService {
                     client_version: String::new(),
                     t2_hit_tokens: r.t2_hit_tokens,
                     t2_query_tokens: r.t2_query_tokens,
+                    endpoint: String::new(),
                 })
                 .collect(),
             summary: Some(pb::CacheSummary {

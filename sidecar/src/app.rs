@@ -138,6 +138,7 @@ pub async fn run(
             capacity_bytes: s.capacity_bytes,
             ceiling: s.ceiling,
         }),
+        endpoint: s.engine_api_address.clone(),
         sink,
         staleness: Staleness::new(),
     };

@@ -81,6 +81,10 @@ pub struct Cli {
     /// Engine Prometheus endpoint.
     #[arg(long, default_value = "http://127.0.0.1:8000/metrics")]
     pub engine_metrics_url: String,
+    /// `ip:port` of the engine's OpenAI-compatible API, reported with the stats for the
+    /// server's endpoint picker (docs/epp.md); empty → the host:port of --engine-metrics-url.
+    #[arg(long, default_value = "")]
+    pub engine_api_address: String,
     /// PEM CA bundle trusted (besides the system's) for an https --engine-metrics-url.
     #[arg(long)]
     pub engine_metrics_ca_file: Option<PathBuf>,
@@ -188,6 +192,8 @@ pub struct Settings {
     pub window: Duration,
     pub engine_metrics_url: String,
     pub engine_metrics_ca_file: Option<PathBuf>,
+    /// The engine's API address reported in `ReplicaStats.endpoint` (empty: not reported).
+    pub engine_api_address: String,
     pub stats_interval: Duration,
     pub capacity_bytes: i64,
     pub ceiling: i64,
@@ -250,7 +256,12 @@ impl Settings {
                 "--server-tls-cert-file and --server-tls-key-file must be given together".into(),
             );
         }
+        let engine_api_address = match cli.engine_api_address.trim() {
+            "" => url_host_port(&cli.engine_metrics_url).unwrap_or_default(),
+            given => given.to_owned(),
+        };
         Ok(Self {
+            engine_api_address,
             engine_endpoint: cli.engine_endpoint,
             topic: cli.topic,
             replay_endpoint: non_empty(cli.engine_replay_endpoint),
@@ -290,6 +301,22 @@ impl Settings {
     }
 }
 
+/// The `host:port` of an `http(s)://host[:port]/path` URL (vLLM and SGLang serve `/metrics` on
+/// their API port, so the metrics URL names the API's address). A URL without an explicit port
+/// gives `None`: the scheme's default port is rarely where an engine listens.
+fn url_host_port(url: &str) -> Option<String> {
+    let rest = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit('@').next()?;
+    let (host, port) = authority.rsplit_once(':')?;
+    if host.is_empty() || port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(authority.to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -316,6 +343,35 @@ mod tests {
             duration_or_default("-1s", Duration::from_secs(10)).unwrap(),
             Duration::from_secs(10)
         );
+    }
+
+    #[test]
+    fn engine_api_address_defaults_to_the_metrics_url_authority() {
+        let s = parse(&["--replica-id", "r", "--model-id=m"]).unwrap();
+        assert_eq!(s.engine_api_address, "127.0.0.1:8000");
+        let s = parse(&[
+            "--replica-id=r",
+            "--model-id=m",
+            "--engine-metrics-url=https://10.1.2.3:31000/metrics?x=1",
+        ])
+        .unwrap();
+        assert_eq!(s.engine_api_address, "10.1.2.3:31000");
+        // No explicit port: nothing is reported rather than a guessed one.
+        let s = parse(&[
+            "--replica-id=r",
+            "--model-id=m",
+            "--engine-metrics-url=http://e/m",
+        ])
+        .unwrap();
+        assert_eq!(s.engine_api_address, "");
+        let s = parse(&[
+            "--replica-id=r",
+            "--model-id=m",
+            "--engine-api-address",
+            "10.9.9.9:8001",
+        ])
+        .unwrap();
+        assert_eq!(s.engine_api_address, "10.9.9.9:8001");
     }
 
     #[test]

@@ -438,6 +438,7 @@ impl Deriver {
             client_version: String::new(),
             t2_hit_tokens,
             t2_query_tokens,
+            endpoint: String::new(),
         })
     }
 }

@@ -150,6 +150,8 @@ pub struct StatsReporter<S: Sink> {
     pub client: MetricsClient,
     pub interval: Duration,
     pub deriver: Deriver,
+    /// The engine's API address (`ReplicaStats.endpoint`; empty: not reported).
+    pub endpoint: String,
     pub sink: S,
     pub staleness: Staleness,
 }
@@ -175,6 +177,7 @@ impl<S: Sink> StatsReporter<S> {
             prefixes: Vec::new(),
             stats: Some(inferencecache_proto::v1alpha1::ReplicaStats {
                 replica_id: self.identity.replica_id.clone(),
+                endpoint: self.endpoint.clone(),
                 ..stats
             }),
             adapter_id: String::new(),

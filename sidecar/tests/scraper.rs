@@ -337,6 +337,7 @@ async fn sc12_staleness_sequence_and_ack_rejection() {
         client: MetricsClient::new(),
         interval: std::time::Duration::from_secs(10),
         deriver: Deriver::new(cfg(Profile::Vllm)),
+        endpoint: "10.0.0.7:8000".into(),
         sink: sink_to(addr, None),
         staleness: Staleness::new(),
     };
@@ -349,6 +350,8 @@ async fn sc12_staleness_sequence_and_ack_rejection() {
     let st = u.stats.unwrap();
     assert_eq!(st.replica_id, "r0");
     assert_eq!(st.cache_memory_bytes, 250_000);
+    // The engine's API address rides with the stats (the server's endpoint picker).
+    assert_eq!(st.endpoint, "10.0.0.7:8000");
     // Ticks 2–6 fail: scrape errors, then Ack.accepted = false, then RPC errors.
     state.lock().unwrap().0 = 500;
     let mut logs = vec![sr.tick_and_log().await, sr.tick_and_log().await];
@@ -395,6 +398,7 @@ async fn stale_wording_when_never_delivered() {
         client: MetricsClient::new(),
         interval: std::time::Duration::from_secs(10),
         deriver: Deriver::new(cfg(Profile::Vllm)),
+        endpoint: "10.0.0.7:8000".into(),
         sink: sink_to(addr, None),
         staleness: Staleness::new(),
     };

@@ -82,12 +82,30 @@ impl Model {
     /// The text the engine would tokenize for a single user message: the rendered chat
     /// template, or the prompt itself for a model without a template.
     pub(crate) fn render_chat(&self, prompt: &str) -> Result<String, TokenizeError> {
+        self.render_messages(&[crate::ChatMessage {
+            role: "user".to_owned(),
+            content: prompt.to_owned(),
+        }])
+    }
+
+    /// The text the engine would tokenize for a conversation: the rendered chat template with
+    /// `add_generation_prompt`, or the contents joined by newlines for a model without one.
+    pub(crate) fn render_messages(
+        &self,
+        messages: &[crate::ChatMessage],
+    ) -> Result<String, TokenizeError> {
         let Some(chat) = &self.chat else {
-            return Ok(prompt.to_owned());
+            let contents: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+            return Ok(contents.join("\n"));
         };
-        let message = Value::from_pairs([("role", "user"), ("content", prompt)]);
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                Value::from_pairs([("role", m.role.as_str()), ("content", m.content.as_str())])
+            })
+            .collect();
         let mut ctx: Vec<(&str, Value)> = vec![
-            ("messages", Value::from(vec![message])),
+            ("messages", Value::from(messages)),
             ("add_generation_prompt", Value::from(true)),
         ];
         for (name, tok) in &chat.special {

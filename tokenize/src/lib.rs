@@ -117,8 +117,51 @@ impl fmt::Display for TokenizeError {
 
 impl std::error::Error for TokenizeError {}
 
+/// One message of a chat conversation (OpenAI `messages[]` with text content).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, … passed to the template as written.
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
 /// What the server needs from a tokenizer, so tests can inject a double.
 pub trait PromptTokenizer: Send + Sync {
+    /// Token ids of a whole conversation rendered with `model_id`'s chat template (with the
+    /// generation prompt), encoded without adding special tokens: what an engine's
+    /// `/v1/chat/completions` caches. The default renders a single user message through
+    /// [`encode_chat_until`](Self::encode_chat_until) and refuses anything else.
+    fn encode_messages_until(
+        &self,
+        model_id: &str,
+        messages: &[ChatMessage],
+        deadline: Instant,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        match messages {
+            [only] if only.role == "user" => {
+                self.encode_chat_until(model_id, &only.content, deadline)
+            }
+            _ => Err(TokenizeError::InvalidInput(
+                "this tokenizer encodes single user messages only".to_owned(),
+            )),
+        }
+    }
+
+    /// Token ids of a raw completion prompt (`/v1/completions`): the text encoded with the
+    /// tokenizer's special tokens, no template. The default refuses (no raw encoder).
+    fn encode_text_until(
+        &self,
+        model_id: &str,
+        text: &str,
+        deadline: Instant,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let _ = (model_id, text, deadline);
+        Err(TokenizeError::InvalidInput(
+            "this tokenizer has no raw text encoder".to_owned(),
+        ))
+    }
+
     /// Token ids of `prompt` sent as one user message to `model_id` (see the crate docs).
     fn encode_chat(&self, model_id: &str, prompt: &str) -> Result<Vec<u32>, TokenizeError>;
 
@@ -320,6 +363,35 @@ impl PromptTokenizer for Tokenizers {
         Tokenizers::encode_chat(self, model_id, prompt)
     }
 
+    fn encode_messages_until(
+        &self,
+        model_id: &str,
+        messages: &[ChatMessage],
+        deadline: Instant,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        if Instant::now() >= deadline {
+            return Err(TokenizeError::DeadlineExceeded);
+        }
+        let model = self.get(model_id)?;
+        let text = render_messages(model, messages)?;
+        if Instant::now() >= deadline {
+            return Err(TokenizeError::DeadlineExceeded);
+        }
+        encode(model, &text, false)
+    }
+
+    fn encode_text_until(
+        &self,
+        model_id: &str,
+        text: &str,
+        deadline: Instant,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        if Instant::now() >= deadline {
+            return Err(TokenizeError::DeadlineExceeded);
+        }
+        self.encode_raw(model_id, text)
+    }
+
     fn encode_chat_until(
         &self,
         model_id: &str,
@@ -355,6 +427,16 @@ fn render(model: &Model, prompt: &str) -> Result<String, TokenizeError> {
 
 #[cfg(not(feature = "hf"))]
 fn render(model: &Model, _prompt: &str) -> Result<String, TokenizeError> {
+    match *model {}
+}
+
+#[cfg(feature = "hf")]
+fn render_messages(model: &Model, messages: &[ChatMessage]) -> Result<String, TokenizeError> {
+    model.render_messages(messages)
+}
+
+#[cfg(not(feature = "hf"))]
+fn render_messages(model: &Model, _messages: &[ChatMessage]) -> Result<String, TokenizeError> {
     match *model {}
 }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use inferencecache_tokenize::{LoadStats, PromptTokenizer, TokenizeError, Tokenizers};
+use inferencecache_tokenize::{ChatMessage, LoadStats, PromptTokenizer, TokenizeError, Tokenizers};
 use serde_json::json;
 use tempfile::TempDir;
 
@@ -75,6 +75,56 @@ fn trait_object_and_deadline() {
     assert_eq!(
         shared.encode_chat_until("org/name", "hello", past),
         Err(TokenizeError::DeadlineExceeded)
+    );
+}
+
+fn message(role: &str, content: &str) -> ChatMessage {
+    ChatMessage {
+        role: role.into(),
+        content: content.into(),
+    }
+}
+
+#[test]
+fn conversations_and_raw_text_through_the_trait() {
+    let (_root, t) = load_one(Some(CHATML));
+    let shared: Arc<dyn PromptTokenizer> = Arc::new(t);
+    let later = Instant::now() + Duration::from_secs(60);
+    // Every turn rendered in order, then the generation prompt; no post-processor tokens.
+    assert_eq!(
+        shared
+            .encode_messages_until(
+                "org/name",
+                &[message("system", "hello"), message("user", "world")],
+                later
+            )
+            .unwrap(),
+        [
+            IM_START, SYSTEM, HELLO, IM_END, IM_START, USER, WORLD, IM_END, IM_START, ASSISTANT
+        ]
+    );
+    // One user message is exactly encode_chat.
+    assert_eq!(
+        shared
+            .encode_messages_until("org/name", &[message("user", "hello")], later)
+            .unwrap(),
+        shared.encode_chat("org/name", "hello").unwrap()
+    );
+    // A completion prompt: raw, with the tokenizer's special tokens.
+    assert_eq!(
+        shared
+            .encode_text_until("org/name", "hello world", later)
+            .unwrap(),
+        [BOS, HELLO, WORLD, EOS]
+    );
+    let past = Instant::now();
+    assert_eq!(
+        shared.encode_messages_until("org/name", &[message("user", "hello")], past),
+        Err(TokenizeError::DeadlineExceeded)
+    );
+    assert_eq!(
+        shared.encode_text_until("missing/model", "hello", later),
+        Err(TokenizeError::UnknownModel)
     );
 }
 

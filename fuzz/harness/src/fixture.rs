@@ -138,6 +138,7 @@ fn stats(hit_rate: f32, pressure: f32) -> pb::ReplicaStats {
         client_version: String::new(),
         t2_hit_tokens: 0,
         t2_query_tokens: 0,
+        endpoint: String::new(),
     }
 }
 

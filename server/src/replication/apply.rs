@@ -214,7 +214,10 @@ fn run_command(state: &AppState, counters: &Counters, command: Command) {
 fn apply_record(state: &AppState, record: &Record) {
     let index = state.index();
     match &record.body {
-        Some(Body::Update(update)) => crate::service::ingest(index, update),
+        Some(Body::Update(update)) => {
+            state.observe_endpoint(update);
+            crate::service::ingest(index, update)
+        }
         Some(Body::Event(event)) => crate::service::apply_event(index, event),
         Some(Body::Policy(body)) => match crate::policy::decode_push(body) {
             Ok(layer) => state.push_policy(body, layer),

@@ -536,6 +536,8 @@ where
             client_version: String::new(),
             t2_hit_tokens: s.t2_hit_tokens,
             t2_query_tokens: s.t2_query_tokens,
+            // The caller copies the producer's endpoint (the engine's update type has none).
+            endpoint: String::new(),
         }),
     }
 }
