@@ -257,6 +257,13 @@ impl<T> Directory<T> {
                 Self::free_nodes(&old);
             });
         }
+        // The old table's nodes hold a reference to every record it listed: handed to the
+        // collector now, not when this thread's bag fills. A writer thread that rebuilds a
+        // directory and then goes quiet (a producer's connection after a churn wave) would
+        // otherwise keep every record of the old table alive, records the sweep reclaimed
+        // included, for as long as it defers nothing else (issue 42). Rebuilds are rare (the
+        // size doubles or halves), so the flush costs nothing measurable.
+        guard.flush();
     }
 
     /// Records in the directory.
