@@ -20,8 +20,8 @@
 //!    concurrent `ReportCacheState` streams. The wave's peak RSS is the process's `VmHWM`,
 //!    reset before the wave (`/proc/PID/clear_refs` ← 5), or the highest `VmRSS` sampled every
 //!    20 ms when the reset is not permitted. Then it waits until `/metrics` reports 0 entries
-//!    and 0 engine memory (every entry expired and swept), plus two sweep intervals, and reads
-//!    `VmRSS`.
+//!    and 0 engine memory (every entry expired and swept), plus two sweep intervals and
+//!    `--settle-ms`, and reads `VmRSS`.
 //!
 //! Bars (exit 1 when one is missed): for every wave, (peak − baseline) / count ≤
 //! `--peak-bar-bytes`, and RSS after expiry ≤ baseline + `--expiry-bar-mib`. Loopback only.
@@ -83,6 +83,10 @@ struct Args {
     /// Bar: RSS after each wave expired, above the baseline, in MiB.
     #[arg(long, default_value_t = 50)]
     expiry_bar_mib: u64,
+    /// Wait after the wave's entries expired and two more sweeps ran, before RSS is read, in
+    /// milliseconds (the allocator returns freed pages after a delay: mimalloc's purge delay).
+    #[arg(long, default_value_t = 2_000)]
+    settle_ms: u64,
     /// Longest wait for a wave's entries to expire, in seconds.
     #[arg(long, default_value_t = 120)]
     expiry_timeout_s: u64,
@@ -256,7 +260,12 @@ async fn ingest(
 /// Waits until every entry expired and was swept (0 entries, 0 engine bytes), then two more
 /// sweep intervals (the sweep that reclaims the emptied records runs after the one that
 /// removed their last entry).
-async fn await_expiry(http: u16, sweep: Duration, timeout: Duration) -> Result<Duration, Error> {
+async fn await_expiry(
+    http: u16,
+    sweep: Duration,
+    settle: Duration,
+    timeout: Duration,
+) -> Result<Duration, Error> {
     let started = Instant::now();
     loop {
         let (entries, bytes) = index_state(http)?;
@@ -272,7 +281,7 @@ async fn await_expiry(http: u16, sweep: Duration, timeout: Duration) -> Result<D
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let expired_after = started.elapsed();
-    tokio::time::sleep(sweep * 2 + Duration::from_millis(200)).await;
+    tokio::time::sleep(sweep * 2 + Duration::from_millis(200) + settle).await;
     Ok(expired_after)
 }
 
@@ -317,6 +326,7 @@ async fn run(args: Args) -> Result<bool, Error> {
     let target = format!("http://127.0.0.1:{grpc}");
     let sweep = Duration::from_millis(args.sweep_ms);
     let expiry_timeout = Duration::from_secs(args.expiry_timeout_s);
+    let settle = Duration::from_millis(args.settle_ms);
 
     // Warm-up: identities above every wave's range.
     let warm_first = u64::MAX / 2;
@@ -329,7 +339,7 @@ async fn run(args: Args) -> Result<bool, Error> {
         args.streams,
     )
     .await?;
-    await_expiry(http, sweep, expiry_timeout).await?;
+    await_expiry(http, sweep, settle, expiry_timeout).await?;
     let baseline = status_bytes(pid, "VmRSS")?;
     println!(
         "churn-waves: kind {:?}, {} per wave, {} waves, {} blocks each, TTL {} ms, sweep {} ms, {} streams; \
@@ -373,7 +383,7 @@ async fn run(args: Args) -> Result<bool, Error> {
         .await?;
         let ingest_took = started.elapsed();
         let (live_entries, live_bytes) = index_state(http)?;
-        let expired_after = await_expiry(http, sweep, expiry_timeout).await?;
+        let expired_after = await_expiry(http, sweep, settle, expiry_timeout).await?;
         stop.store(true, Ordering::Relaxed);
         sampler.await?;
         let peak = if hwm_reset {
