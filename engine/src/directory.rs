@@ -109,6 +109,10 @@ impl<T> Drop for Rcu<T> {
 }
 
 /// One record of a [`Directory`], in its bucket's list.
+/// Bytes of one directory node (its hash, link and record reference), for the memory
+/// accounting.
+pub(crate) const DIRECTORY_NODE_BYTES: usize = std::mem::size_of::<DirectoryNode<()>>();
+
 struct DirectoryNode<T> {
     hash: u64,
     rec: Arc<T>,
