@@ -55,9 +55,9 @@ const ARC_HEADER_BYTES: usize = 16;
 
 /// What one record costs besides what it owns outside itself: its allocation (with the `Arc`
 /// header, rounded as the allocator does) and its directory node. A partition's record holds
-/// the inline arrays of its key tables and run registry (two 64-segment slot tables, about
-/// 4 KiB: most of what a new tenant costs), so that is counted here, not in the tables' own
-/// figures, which size what they allocate.
+/// the inline parts of its key tables and run registry (each table's root word and writer
+/// counts; the registry's 30 chunk pointers), so those are counted here, not in the tables'
+/// own figures, which size what they allocate (segments, a split table's directory, chunks).
 fn record_bytes<T>() -> i64 {
     (heap_chunk(std::mem::size_of::<T>() + ARC_HEADER_BYTES) + heap_chunk(DIRECTORY_NODE_BYTES))
         as i64
