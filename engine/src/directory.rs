@@ -109,6 +109,10 @@ impl<T> Drop for Rcu<T> {
 }
 
 /// One record of a [`Directory`], in its bucket's list.
+/// Bytes of one directory node (its hash, link and record reference), for the memory
+/// accounting.
+pub(crate) const DIRECTORY_NODE_BYTES: usize = std::mem::size_of::<DirectoryNode<()>>();
+
 struct DirectoryNode<T> {
     hash: u64,
     rec: Arc<T>,
@@ -257,6 +261,13 @@ impl<T> Directory<T> {
                 Self::free_nodes(&old);
             });
         }
+        // The old table's nodes hold a reference to every record it listed: handed to the
+        // collector now, not when this thread's bag fills. A writer thread that rebuilds a
+        // directory and then goes quiet (a producer's connection after a churn wave) would
+        // otherwise keep every record of the old table alive, records the sweep reclaimed
+        // included, for as long as it defers nothing else (issue 42). Rebuilds are rare (the
+        // size doubles or halves), so the flush costs nothing measurable.
+        guard.flush();
     }
 
     /// Records in the directory.

@@ -40,12 +40,15 @@ fn t91_concurrent_readers_writers() {
     ));
     let now_ms = (T0 + 1_000_000_000) / 1000;
     // Baseline: partitions exist, no entries. Shards are created by their first writer and
-    // kept, so the baseline writes (and removes) every key the test uses once: the same shards
-    // exist before and after.
-    for (t, k) in ["t", "old"]
-        .into_iter()
-        .flat_map(|t| (0..KEYS).chain([9999]).map(move |k| (t, key(k))))
-    {
+    // kept, and a key table splits into its segment directory when it first holds more than
+    // 48 keys (kept too), so the baseline writes every key the test uses, all at once, then
+    // removes them: the same shards and segments exist before and after.
+    let baseline_keys = || {
+        ["t", "old"]
+            .into_iter()
+            .flat_map(|t| (0..KEYS).chain([9999]).map(move |k| (t, key(k))))
+    };
+    for (t, k) in baseline_keys() {
         let none: &[Vec<u8>] = &[];
         ix.ingest(CacheStateUpdate {
             replica_id: "w0",
@@ -64,6 +67,8 @@ fn t91_concurrent_readers_writers() {
                 adapter_id: "",
             }),
         });
+    }
+    for (t, k) in baseline_keys() {
         ix.apply_event(CacheEventInput {
             event_type: event_type::PREFIX_EVICTED,
             replica_id: "w0",

@@ -1344,9 +1344,9 @@ fn m13b_slot_rebuild_vs_reader() {
     });
 }
 
-/// Model 13c: a reader looks up a key of a segment that has no table yet while the writer's
-/// first insert into that segment creates and publishes one. The reader finds nothing (the
-/// null segment) or the key with its value, never anything else.
+/// Model 13c: a reader looks up a key of a table that has no slots yet while the writer's
+/// first insert creates its single table and publishes it through the root. The reader finds
+/// nothing (the null root) or the key with its value, never anything else.
 #[test]
 fn m13c_segment_creation_vs_reader() {
     model(|| {
@@ -1368,7 +1368,56 @@ fn m13c_segment_creation_vs_reader() {
             Some(other) => panic!("key 1 read {other}"),
         }
         let guard = crossbeam_epoch::pin();
-        assert_eq!(table.capacity(&guard), 8, "one segment created");
+        assert_eq!(table.capacity(&guard), 8, "one single table created");
+    });
+}
+
+/// Model 13e: a reader looks up a key present throughout, and the key whose insert splits the
+/// table, while the writer's insert of a 49th key passes the single table's 64 slots: the
+/// writer builds the segment directory (a table per segment with keys), publishes it through
+/// the root and retires the single table. The present key is always found with its value,
+/// whether the reader loaded the single table or the directory; the new key is found or not,
+/// with its own value. The single table is freed through the epoch after the reader.
+#[test]
+fn m13e_directory_split_vs_reader() {
+    model(|| {
+        let table = Arc::new(SlotTable::with_seed(0));
+        {
+            let guard = crossbeam_epoch::pin();
+            let mut w = table.lock();
+            for k in 1..=48u64 {
+                w.insert(k, slot_value(k * 10), &guard);
+            }
+            assert!(!table.is_split(), "48 keys fit the single table");
+        }
+        let reader = {
+            let table = table.clone();
+            spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                (
+                    table.find(17, &guard).map(SlotValue::get),
+                    table.find(49, &guard).map(SlotValue::get),
+                )
+            })
+        };
+        {
+            let guard = crossbeam_epoch::pin();
+            assert_eq!(table.lock().insert(49, slot_value(490), &guard), None);
+            assert!(table.is_split(), "the 49th key split the table");
+        }
+        let (present, fresh) = reader.join().unwrap();
+        assert_eq!(
+            present,
+            Some(170),
+            "a key present throughout is always found"
+        );
+        match fresh {
+            None => outcome("new key not yet seen"),
+            Some(490) => outcome("new key seen"),
+            Some(other) => panic!("the new key read {other}"),
+        }
+        let guard = crossbeam_epoch::pin();
+        assert!((1..=49u64).all(|k| table.find(k, &guard) == Some(slot_value(k * 10))));
     });
 }
 

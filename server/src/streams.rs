@@ -193,19 +193,26 @@ impl Broadcaster {
     }
 }
 
+/// The name prefix of the contract's metric families (server.md §11).
+const CONTRACT_PREFIX: &str = "inferencecache_";
+
 fn now_us() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
-/// One `Metric` per exposition sample of the requested families (all when `names` is empty).
+/// One `Metric` per exposition sample of the requested families. With `names` empty, every
+/// `inferencecache_*` family: the process collector (`process_*`, not contract) is sent only
+/// when named (server.md §8.6).
 pub fn samples(families: &[Family], names: &[String], timestamp_us: i64) -> Vec<pb::Metric> {
     let wanted = |f: &Family| {
-        names.is_empty()
-            || names.iter().any(|n| {
-                *n == f.name || n == f.declared_name() || f.samples.iter().any(|s| s.name == *n)
-            })
+        if names.is_empty() {
+            return f.name.starts_with(CONTRACT_PREFIX);
+        }
+        names.iter().any(|n| {
+            *n == f.name || n == f.declared_name() || f.samples.iter().any(|s| s.name == *n)
+        })
     };
     families
         .iter()

@@ -197,6 +197,87 @@ async fn metrics_stream_sends_a_first_sample_at_once() {
     server.shutdown().await;
 }
 
+/// Reads one whole sample of a metrics stream: every message up to the first one carrying a
+/// later timestamp (the start of the next sample, about a second later).
+async fn one_sample(stream: &mut tonic::Streaming<pb::Metric>) -> Vec<pb::Metric> {
+    let mut sample: Vec<pb::Metric> = Vec::new();
+    loop {
+        let metric = timeout(Duration::from_secs(5), stream.message())
+            .await
+            .expect("sample in time")
+            .expect("stream ok")
+            .expect("open");
+        if sample
+            .first()
+            .is_some_and(|first| first.timestamp_us != metric.timestamp_us)
+        {
+            return sample;
+        }
+        sample.push(metric);
+    }
+}
+
+/// §8.6: without names, every `inferencecache_*` family and no process metrics; `process_*`
+/// families only when named.
+#[tokio::test]
+async fn metrics_stream_without_names_sends_process_families_only_when_named() {
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    // One lookup, so that the LookupRoute latency histogram has a series with buckets.
+    c.lookup_route(pb::LookupRouteRequest {
+        model_id: "m".into(),
+        tenant_id: "t".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut all = c
+        .stream_metrics(pb::StreamMetricsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let sample = one_sample(&mut all).await;
+    let foreign: Vec<&str> = sample
+        .iter()
+        .map(|m| m.name.as_str())
+        .filter(|name| !name.starts_with("inferencecache_"))
+        .collect();
+    assert!(foreign.is_empty(), "unnamed families streamed: {foreign:?}");
+    assert!(
+        sample
+            .iter()
+            .any(|m| m.name == "inferencecache_server_up" && m.r#type == "gauge" && m.value == 1.0)
+    );
+    assert!(
+        sample
+            .iter()
+            .any(|m| m.name.ends_with("_bucket") && m.labels.contains_key("le"))
+    );
+    drop(all);
+
+    let mut named = c
+        .stream_metrics(pb::StreamMetricsRequest {
+            names: vec![
+                "process_resident_memory_bytes".into(),
+                "inferencecache_server_up".into(),
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut names: Vec<String> = one_sample(&mut named)
+        .await
+        .into_iter()
+        .map(|m| m.name)
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["inferencecache_server_up", "process_resident_memory_bytes"]
+    );
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn shutdown_ends_open_streams_with_ok() {
     let server = TestServer::start().await;

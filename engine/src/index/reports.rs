@@ -5,11 +5,12 @@
 
 use super::Index;
 use super::eviction::{EvictionReason, evict_slot};
-use super::records::{ModelRec, Partition, StatsRecord};
+use super::records::{GaugeRec, ModelRec, Partition, ScopeRec, StatsRecord, TenantRec};
 use crate::ReplicaId;
 use crate::config::Algorithm;
-use crate::directory::{hash_strs, same_str};
+use crate::directory::{DIRECTORY_NODE_BYTES, hash_strs, same_str};
 use crate::raw::holder::{key_parts, tier_wire};
+use crate::raw::pages::heap_chunk;
 use crate::sync::Ordering;
 use crate::types::*;
 use crossbeam_epoch as epoch;
@@ -27,7 +28,8 @@ pub struct MemoryBreakdown {
     pub run_ids: i64,
     /// LFU cells, their stripes and key sums, and the cells' tables.
     pub lfu: i64,
-    /// Everything else `memory_bytes` counts: partition and stats records.
+    /// Everything else `memory_bytes` counts: the records (tenants, pairs, scopes, gauges,
+    /// partitions with their tables' inline arrays) with their directory nodes, and stats.
     pub other: i64,
 }
 
@@ -48,7 +50,18 @@ pub struct RecordCounts {
     pub scope_replicas: usize,
 }
 
-const PARTITION_BYTES: i64 = 512;
+/// Bytes of an `Arc`'s header (strong and weak counts).
+const ARC_HEADER_BYTES: usize = 16;
+
+/// What one record costs besides what it owns outside itself: its allocation (with the `Arc`
+/// header, rounded as the allocator does) and its directory node. A partition's record holds
+/// the inline parts of its key tables and run registry (each table's root word and writer
+/// counts; the registry's 30 chunk pointers), so those are counted here, not in the tables'
+/// own figures, which size what they allocate (segments, a split table's directory, chunks).
+fn record_bytes<T>() -> i64 {
+    (heap_chunk(std::mem::size_of::<T>() + ARC_HEADER_BYTES) + heap_chunk(DIRECTORY_NODE_BYTES))
+        as i64
+}
 
 impl Index {
     /// G1 CacheState. The reserved tenant reports empty.
@@ -282,15 +295,24 @@ impl Index {
         v
     }
 
-    /// Approximate bytes held by the index structures (tables, nodes, cells, records, stats).
+    /// Approximate bytes held by the index structures (tables, nodes, cells, records, stats):
+    /// every partition's key tables, runs and LFU cells, and every record (tenant, (tenant,
+    /// model) pair, scope, gauge, partition) with its directory node. An identity whose
+    /// entries all expired counts nothing once the sweep reclaimed its records.
     pub fn memory_bytes(&self) -> i64 {
+        let records = self.tenants.len() as i64 * record_bytes::<TenantRec>()
+            + self.models.len() as i64 * record_bytes::<ModelRec>()
+            + self.scopes.len() as i64 * record_bytes::<ScopeRec>()
+            + self.gauges.len() as i64 * record_bytes::<GaugeRec>();
         let parts = self.all_parts.lock();
         let guard = epoch::pin();
         let t: i64 = parts
             .iter()
-            .map(|p| p.store.memory_bytes(&guard) as i64 + p.lfu.bytes() + PARTITION_BYTES)
+            .map(|p| {
+                p.store.memory_bytes(&guard) as i64 + p.lfu.bytes() + record_bytes::<Partition>()
+            })
             .sum();
-        t + self.stats_bytes.load(Ordering::Relaxed)
+        t + records + self.stats_bytes.load(Ordering::Relaxed)
     }
 
     /// [`Index::memory_bytes`] by component (see [`MemoryBreakdown`]).

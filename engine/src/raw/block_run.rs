@@ -970,7 +970,9 @@ impl Reclaim for BlockRun {
 
 /// Ids of the runs of one partition: an id names its run's pointer while the run is
 /// registered (invariant 4), so a hint can check the run it names is still live. Chunks of
-/// doubling size (64, 128, … entries) that never move, read lock-free.
+/// doubling size (4, 8, … entries) that never move, read lock-free: a small first chunk, since
+/// most partitions (a churned tenant's) hold a run or two, and 30 chunks, so that ids still
+/// reach 2^32 − 4.
 ///
 /// Each entry also keeps its run's *age*: a lower bound of the `last_seen` of the run's
 /// holders (the oldest at registration, lowered by a join; a holder leaving leaves it low).
@@ -992,8 +994,8 @@ pub struct IdAllocator {
     next: u32,
 }
 
-const FIRST_CHUNK: usize = 64;
-const CHUNKS: usize = 26;
+const FIRST_CHUNK: usize = 4;
+const CHUNKS: usize = 30;
 /// Words per entry: the run pointer, then its age.
 const ENTRY_WORDS: usize = 2;
 
@@ -1541,8 +1543,8 @@ mod tests {
         assert_eq!(ids.get(200, &guard), None);
         assert_eq!(ids.register(&mut alloc, r), Some(200));
         assert!(ids.bytes() >= 512 * 8);
-        for (c, i) in
-            [(1, 0), (63, 0), (64, 1), (191, 1), (192, 2)].map(|(id, c)| (locate(id).0, c))
+        for (c, i) in [(1, 0), (3, 0), (4, 1), (11, 1), (12, 2), (507, 6), (508, 7)]
+            .map(|(id, c)| (locate(id).0, c))
         {
             assert_eq!(c, i);
         }
@@ -1566,7 +1568,7 @@ mod tests {
             ids.register(&mut alloc, r).expect("an id");
         }
         ids.deregister(&mut alloc, 3);
-        assert_eq!(ids.scan_len(), 64);
+        assert_eq!(ids.scan_len(), 4 + 8);
         let seen = |first: usize, end: usize, max_age: i64, stop_young: bool| {
             let (mut old, mut young) = (Vec::new(), 0);
             let stopped = ids.scan(first, end, max_age, &guard, |step| match step {

@@ -9,8 +9,10 @@
 //!
 //! # Structure
 //!
-//! A table is 64 **segments**, picked by the top 6 bits of the seeded, multiplied key. A
-//! segment is a power-of-two array of 16-byte slots `{key, value}`, probed linearly from the
+//! A table starts as **one segment** for all its keys (the *single table*) and, when that
+//! segment would grow past [`SINGLE_MAX_SLOTS`] slots, **splits** into 64 segments, picked by
+//! the top 6 bits of the seeded, multiplied key, listed in a segment directory. A segment is a
+//! power-of-two array of 16-byte slots `{key, value}`, probed linearly from the
 //! key's home (the mixed key's next bits), and a **presence summary**: one 64-bit word per 8
 //! slots in which every key present sets four bits chosen by its hash (a superset: bits are
 //! cleared only by a rebuild), so most absent keys stop at one word, 1/16 the size of the slots
@@ -41,7 +43,20 @@
 //! holds the old and the new copy until the epoch frees the old one. Rebuilt one segment at a
 //! time, that transient is 1/64 of the table (and the writer is held 1/64 as long) rather than
 //! a second whole table. A segment gets its table at its first insert; before, it reads as
-//! empty, so a small partition pays only for the segments its keys use.
+//! empty, so a split partition pays only for the segments its keys use.
+//!
+//! The single table is what keeps a small table small: most partitions (a tenant's or model's
+//! few chains) never pass 48 keys, and a directory (64 view words and 64 table pointers,
+//! 1 KiB) for each of their two tables would outweigh everything else they hold. Before the
+//! split the table is the **root** word (0, or the single table's view word) plus writer
+//! counts, about 80 bytes; the split allocates the directory, and the root then names it for
+//! the table's life (a split is never undone: a table that once held 49 keys keeps its
+//! directory, and its segments shrink as usual). Positions of a scan and segment numbers are
+//! the directory's; before the split, segment 0 is the single table and the others have none.
+//! A split moves keys between segments, as a concurrent rebuild moves them between slots: a
+//! scan spread over calls across a split may visit a key twice or miss one that moved to a
+//! segment it had passed (the callers' scans allow both, `RunStore::remove_holders_with` by
+//! restarting a segment whose table changed).
 //!
 //! # Memory ordering
 //!
@@ -62,15 +77,25 @@
 //! - A reader that misses a summary bit, or meets an empty slot an insert is about to fill,
 //!   answers as if it read before that insert. One that has seen anything the inserting
 //!   writer published later sees the bits (they were stored before the value's Release).
+//! - A reader loads the root (Acquire), then, once split, the key's segment's view word in the
+//!   directory (Acquire): two loads before the slots, the first of a word in the table's own
+//!   record. No lock and no retry: reads stay wait-free.
 //! - A rebuild fills a new segment table with Relaxed stores and publishes it with a Release
-//!   store of the segment's pointer (readers load it with Acquire; a null pointer, before the
-//!   segment's first insert, reads as absent); the old table is never written again and is
+//!   store of its view word (the root before the split, the directory's word after; a 0 word,
+//!   before the first insert, reads as absent); the old table is never written again and is
 //!   freed through the epoch, so a reader still on it reads a consistent older state.
+//! - The split fills the directory's view words and their tables with Relaxed stores (nothing
+//!   reaches the directory yet) and publishes it with one Release store of the root; the
+//!   single table is retired through the epoch like a rebuilt one. A reader that loaded the
+//!   old root reads the single table's consistent older state; one that loaded the new root
+//!   sees the directory's words and every slot stored before it. The directory is freed only
+//!   when the table is dropped, so its address stays valid for any reader of the table.
 //! - A reader's probe is bounded by the segment's length, so it ends even on a table whose
 //!   writers keep moving its empty slots.
 //!
 //! Loom model m13a checks a reader against the insert, replace, removal and reuse of its
-//! slot; m13b against a growth rebuild.
+//! slot; m13b against a growth rebuild; m13c against the first insert's publication of the
+//! root; m13d the present-key probe and the sampling draw; m13e a reader against the split.
 
 use crate::raw::pages::PageArray;
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
@@ -90,6 +115,9 @@ const SUMMARY_SLOTS: usize = 8;
 const SEGMENT_BITS: u32 = 6;
 /// Segments of a table.
 const SEGMENTS: usize = 1 << SEGMENT_BITS;
+/// Slots of the largest table a table without a directory keeps: a growth past it splits the
+/// table into the directory's segments (module docs, "Structure").
+const SINGLE_MAX_SLOTS: usize = 64;
 /// Bytes of a replaced segment table from which its rebuild hands it to the epoch's collector
 /// at once.
 const FLUSH_MIN: usize = 256 * 1024;
@@ -97,6 +125,12 @@ const FLUSH_MIN: usize = 256 * 1024;
 const HOME_MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 /// Multiplier of the summary bits (independent of the placement's bits).
 const SUMMARY_MIX: u64 = 0xC2B2_AE3D_27D4_EB4F;
+
+/// Slots of a table rebuilt for `live` keys: load ≤ 1/2, a power of two, at least
+/// [`MIN_SLOTS`].
+fn table_len(live: usize) -> usize {
+    (live * 2).next_power_of_two().max(MIN_SLOTS)
+}
 
 /// Prefetches the cache line at `p` into all cache levels. A hint only: never faults.
 #[inline(always)]
@@ -380,30 +414,74 @@ impl Probe<'_> {
     }
 }
 
-/// One segment's writer-side counts (under the writer lock).
+/// One segment's writer-side counts (under the writer lock). 32 bits: a segment of 2^32 slots
+/// would be 64 GiB, far past any partition the index holds.
 #[derive(Clone, Copy, Default)]
 struct SegmentCounts {
     /// Live slots.
-    live: usize,
+    live: u32,
     /// Live and vacated slots.
-    used: usize,
+    used: u32,
 }
 
 /// Writer-side state (under the writer lock).
 struct Counts {
-    segments: [SegmentCounts; SEGMENTS],
+    /// The counts of the single table, before the table has a directory.
+    single: SegmentCounts,
+    /// Each segment's counts, from the split on (with the directory).
+    segments: Option<Box<[SegmentCounts; SEGMENTS]>>,
     /// Live keys of all segments.
     live: usize,
 }
 
+impl Counts {
+    fn of(&self, s: usize) -> SegmentCounts {
+        match &self.segments {
+            Some(segments) => segments[s],
+            None => self.single,
+        }
+    }
+
+    fn of_mut(&mut self, s: usize) -> &mut SegmentCounts {
+        match &mut self.segments {
+            Some(segments) => &mut segments[s],
+            None => &mut self.single,
+        }
+    }
+}
+
+/// A table's segment directory, allocated when its single table splits and freed with the
+/// table (never replaced, so a reader that loaded its address may use it while it holds the
+/// table). 64-byte aligned: its address is told from a view word by its zero low 6 bits.
+#[repr(C, align(64))]
+struct Directory {
+    /// Each segment's view word ([`Slots::view_word`]; 0 for a segment without keys yet): all
+    /// a reader loads, after the root, to reach a segment's slots and summary.
+    views: [AtomicU64; SEGMENTS],
+    /// The tables the views name, owned here and retired through the epoch (null for a
+    /// segment without a table). Writers only.
+    tables: [Atomic<Slots>; SEGMENTS],
+}
+
+/// What a table's root word names (see [`SlotTable`]).
+enum Root<'t> {
+    /// No key was ever inserted.
+    Empty,
+    /// One table for all keys: its view word.
+    Single(u64),
+    /// The segment directory.
+    Directory(&'t Directory),
+}
+
 /// A table of key-inline slots; see the module docs.
 pub struct SlotTable {
-    /// Each segment's view word ([`Slots::view_word`]; 0 before its first insert): all a reader
-    /// loads to reach a segment's slots and summary.
-    views: [AtomicU64; SEGMENTS],
-    /// The tables the views name, owned here and retired through the epoch (null before a
-    /// segment's first insert). Writers only.
-    tables: [Atomic<Slots>; SEGMENTS],
+    /// What readers load first: 0 before the first insert; the single table's view word
+    /// ([`Slots::view_word`], low 6 bits ≥ 3: its slots' log2) until the split; from then on
+    /// the address of the [`Directory`] (low 6 bits 0), never changed again.
+    root: AtomicU64,
+    /// The single table the root names, owned here and retired through the epoch (null before
+    /// the first insert and after the split). Writers only.
+    single: Atomic<Slots>,
     writer: Mutex<Counts>,
     /// Live keys, for readers of the size (Relaxed; exact once writers quiesce).
     live: AtomicU64,
@@ -432,10 +510,11 @@ impl SlotTable {
     /// An empty table with a fixed placement seed (tests and models).
     pub fn with_seed(seed: u64) -> Self {
         SlotTable {
-            views: std::array::from_fn(|_| AtomicU64::new(0)),
-            tables: std::array::from_fn(|_| Atomic::null()),
+            root: AtomicU64::new(0),
+            single: Atomic::null(),
             writer: Mutex::new(Counts {
-                segments: [SegmentCounts::default(); SEGMENTS],
+                single: SegmentCounts::default(),
+                segments: None,
                 live: 0,
             }),
             live: AtomicU64::new(0),
@@ -445,13 +524,75 @@ impl SlotTable {
         }
     }
 
-    /// Segment `s`'s current table, if it has one, valid while `guard` is pinned.
+    /// What the root names now.
+    #[inline(always)]
+    fn root(&self) -> Root<'_> {
+        // Acquire: pairs with the Release store that published the single table (after its
+        // slots) or the directory (after its view words and their tables' slots).
+        let word = self.root.load(Ordering::Acquire);
+        if word & 63 != 0 {
+            Root::Single(word)
+        } else if word == 0 {
+            Root::Empty
+        } else {
+            // SAFETY: a non-zero root with its low 6 bits clear is the address of the
+            // directory a split published (Release, loaded above with Acquire, so its contents
+            // are visible); it is freed only when the table is dropped, after `&self`.
+            Root::Directory(unsafe { &*(word as *const Directory) })
+        }
+    }
+
+    /// The view word of segment `s` (0 for none): the single table's for segment 0 before the
+    /// split.
+    #[inline(always)]
+    fn segment_word(&self, s: usize) -> u64 {
+        match self.root() {
+            Root::Empty => 0,
+            Root::Single(word) => {
+                if s == 0 {
+                    word
+                } else {
+                    0
+                }
+            }
+            // Acquire: pairs with the Release store that published the segment's table.
+            Root::Directory(directory) => directory.views[s].load(Ordering::Acquire),
+        }
+    }
+
+    /// Segment `s`'s current table, if it has one, valid while `guard` is pinned. Before the
+    /// split, the single table is segment 0 and the others have none.
     #[inline(always)]
     fn segment<'g>(&self, s: usize, _guard: &'g Guard) -> Option<View<'g>> {
-        // Acquire: pairs with the Release store that published the table, after its slots.
         // The table stays allocated while `_guard` is pinned: a replaced one is retired
         // through the epoch after its view word changed.
-        View::of(self.views[s].load(Ordering::Acquire))
+        View::of(self.segment_word(s))
+    }
+
+    /// Every segment's current table (one root load), valid while `guard` is pinned.
+    fn segment_views<'g>(&self, _guard: &'g Guard) -> [Option<View<'g>>; SEGMENTS] {
+        match self.root() {
+            Root::Empty => [None; SEGMENTS],
+            Root::Single(word) => {
+                std::array::from_fn(|s| if s == 0 { View::of(word) } else { None })
+            }
+            Root::Directory(directory) => {
+                std::array::from_fn(|s| View::of(directory.views[s].load(Ordering::Acquire)))
+            }
+        }
+    }
+
+    /// The table of the mixed key `mixed`, if it has one, valid while `guard` is pinned: the
+    /// single table before the split, its segment's after.
+    #[inline(always)]
+    fn table_of<'g>(&self, mixed: u64, _guard: &'g Guard) -> Option<View<'g>> {
+        match self.root() {
+            Root::Empty => None,
+            Root::Single(word) => View::of(word),
+            Root::Directory(directory) => {
+                View::of(directory.views[segment_of(mixed)].load(Ordering::Acquire))
+            }
+        }
     }
 
     /// The value of `key`, if present (lock-free; see "Memory ordering").
@@ -459,8 +600,7 @@ impl SlotTable {
     pub fn find(&self, key: u64, guard: &Guard) -> Option<SlotValue> {
         let mixed = mix(self.seed, key);
         let bits = summary_bits(self.seed, key);
-        self.segment(segment_of(mixed), guard)?
-            .find(key, mixed, bits)
+        self.table_of(mixed, guard)?.find(key, mixed, bits)
     }
 
     /// [`SlotTable::find`] for a key expected present (a victim about to be removed): the
@@ -469,8 +609,7 @@ impl SlotTable {
     /// ([`SlotTable::prefetch_present`]). Same answer as `find`.
     pub fn find_present(&self, key: u64, guard: &Guard) -> Option<SlotValue> {
         let mixed = mix(self.seed, key);
-        self.segment(segment_of(mixed), guard)?
-            .find_in_slots(key, mixed)
+        self.table_of(mixed, guard)?.find_in_slots(key, mixed)
     }
 
     /// Where a lookup of `key` goes, computed once for a prefetch now and a probe later
@@ -478,7 +617,7 @@ impl SlotTable {
     #[inline]
     pub fn probe<'g>(&self, key: u64, guard: &'g Guard) -> Option<Probe<'g>> {
         let mixed = mix(self.seed, key);
-        let table = self.segment(segment_of(mixed), guard)?;
+        let table = self.table_of(mixed, guard)?;
         Some(Probe {
             table,
             key,
@@ -509,7 +648,7 @@ impl SlotTable {
     #[inline]
     pub fn prefetch_present(&self, key: u64, guard: &Guard) {
         let mixed = mix(self.seed, key);
-        let Some(table) = self.segment(segment_of(mixed), guard) else {
+        let Some(table) = self.table_of(mixed, guard) else {
             return;
         };
         let home = table.home(mixed);
@@ -529,17 +668,22 @@ impl SlotTable {
         self.len() == 0
     }
 
-    /// Bytes of the current segment tables (slots, summaries, headers).
+    /// Bytes of the current segment tables (slots, summaries, headers) and the directory.
     pub fn memory_bytes(&self, guard: &Guard) -> usize {
-        self.tables
-            .iter()
-            .map(|table| {
-                let table = table.load(Ordering::Acquire, guard);
-                // SAFETY: null or a table stored by a writer, freed only through the epoch,
-                // after `guard`.
-                unsafe { table.as_ref() }.map_or(0, Slots::bytes)
-            })
-            .sum()
+        let bytes = |table: &Atomic<Slots>| {
+            let table = table.load(Ordering::Acquire, guard);
+            // SAFETY: null or a table stored by a writer, freed only through the epoch, after
+            // `guard`.
+            unsafe { table.as_ref() }.map_or(0, Slots::bytes)
+        };
+        match self.root() {
+            Root::Empty => 0,
+            Root::Single(_) => bytes(&self.single),
+            Root::Directory(directory) => {
+                crate::raw::pages::heap_chunk(std::mem::size_of::<Directory>())
+                    + directory.tables.iter().map(bytes).sum::<usize>()
+            }
+        }
     }
 
     /// The writer lock: every change goes through the returned writer.
@@ -553,7 +697,7 @@ impl SlotTable {
     /// Calls `f` with the value of every live slot of the current tables (writers and owners:
     /// a concurrent writer may move values past the visit).
     pub fn for_each_value(&self, guard: &Guard, mut f: impl FnMut(u64)) {
-        for table in (0..SEGMENTS).filter_map(|s| self.segment(s, guard)) {
+        for table in self.segment_views(guard).into_iter().flatten() {
             table.for_each_value_from(0, table.len(), &mut f);
         }
     }
@@ -564,8 +708,10 @@ impl SlotTable {
     /// segment rebuilt at another size mid-lap is still covered where the lap stands, and a
     /// rebuild of one segment moves no other segment's positions.
     pub fn scan_len(&self, guard: &Guard) -> usize {
-        let longest = (0..SEGMENTS)
-            .map(|s| self.segment_capacity(s, guard))
+        let longest = self
+            .segment_views(guard)
+            .iter()
+            .map(|t| t.map_or(0, View::len))
             .max()
             .unwrap_or(0);
         SEGMENTS * longest
@@ -586,7 +732,7 @@ impl SlotTable {
         guard: &Guard,
         mut f: impl FnMut(u64),
     ) -> usize {
-        let tables: [Option<View<'_>>; SEGMENTS] = std::array::from_fn(|s| self.segment(s, guard));
+        let tables = self.segment_views(guard);
         let longest = tables
             .iter()
             .map(|t| t.map_or(0, View::len))
@@ -620,7 +766,7 @@ impl SlotTable {
     /// position drawn over [`SlotTable::scan_len`] would pick them, but a draw reads one
     /// segment's view word instead of all of them (the cap's sampling).
     pub fn sample(&self, random: u64, guard: &Guard) -> Option<u64> {
-        let table = self.segment(segment_of(random), guard)?;
+        let table = self.table_of(random, guard)?;
         let v = table.slot(table.home(random)).value.load(Ordering::Acquire);
         NonZeroU64::new(v).map(NonZeroU64::get)
     }
@@ -639,7 +785,7 @@ impl SlotTable {
     /// replaced it between them (a replaced table is not freed, so its address not reused,
     /// while the guard is pinned).
     pub fn segment_id(&self, s: usize, _guard: &Guard) -> u64 {
-        self.views[s].load(Ordering::Acquire)
+        self.segment_word(s)
     }
 
     /// Calls `f` with the value of every live slot among `count` slots of segment `s` from
@@ -659,7 +805,15 @@ impl SlotTable {
 
     /// Slots of all current segment tables (tests and models).
     pub fn capacity(&self, guard: &Guard) -> usize {
-        (0..SEGMENTS).map(|s| self.segment_capacity(s, guard)).sum()
+        self.segment_views(guard)
+            .iter()
+            .map(|t| t.map_or(0, View::len))
+            .sum()
+    }
+
+    /// Whether the table has split into its directory's segments (tests and models).
+    pub fn is_split(&self) -> bool {
+        matches!(self.root(), Root::Directory(_))
     }
 
     /// The segments that may be underfilled (bit `s` for segment `s`), read without the writer
@@ -696,11 +850,18 @@ impl Drop for SlotTable {
         // here (replaced tables were handed to the epoch when they were replaced).
         unsafe {
             let guard = crossbeam_epoch::unprotected();
-            for table in &self.tables {
+            let free = |table: &Atomic<Slots>| {
                 let table = table.swap(Shared::null(), Ordering::Relaxed, guard);
                 if !table.is_null() {
                     drop(table.into_owned());
                 }
+            };
+            free(&self.single);
+            let word = self.root.load(Ordering::Relaxed);
+            if word != 0 && word & 63 == 0 {
+                // The directory a split leaked from its box (`SlotWriter::split`).
+                let directory = Box::from_raw(word as *mut Directory);
+                directory.tables.iter().for_each(free);
             }
         }
     }
@@ -718,6 +879,16 @@ impl SlotWriter<'_> {
         self.table.segment(s, guard)
     }
 
+    /// The segment whose counts and table hold the mixed key `mixed`: 0 (the single table)
+    /// before the split.
+    fn segment_index(&self, mixed: u64) -> usize {
+        if self.counts.segments.is_some() {
+            segment_of(mixed)
+        } else {
+            0
+        }
+    }
+
     /// Stores the live count for [`SlotTable::len`] (a plain store: only this lock's holder
     /// writes it).
     fn publish_len(&self) {
@@ -729,7 +900,7 @@ impl SlotWriter<'_> {
     /// The value of `key`, if present.
     pub fn get(&self, key: u64, guard: &Guard) -> Option<SlotValue> {
         let mixed = mix(self.table.seed, key);
-        let table = self.current(segment_of(mixed), guard)?;
+        let table = self.current(self.segment_index(mixed), guard)?;
         let (at, _) = table.locate(key, mixed);
         at.and_then(|i| NonZeroU64::new(table.slot(i).value.load(Ordering::Relaxed)))
     }
@@ -738,7 +909,7 @@ impl SlotWriter<'_> {
     pub fn insert(&mut self, key: u64, value: SlotValue, guard: &Guard) -> Option<SlotValue> {
         let seed = self.table.seed;
         let (mixed, bits) = (mix(seed, key), summary_bits(seed, key));
-        let s = segment_of(mixed);
+        let s = self.segment_index(mixed);
         let table = match self.current(s, guard) {
             Some(table) => table,
             None => self.rebuild(s, 0, guard),
@@ -752,18 +923,23 @@ impl SlotWriter<'_> {
             return NonZeroU64::new(old);
         }
         let fills_empty = table.slot(free).key.load(Ordering::Relaxed) == 0;
-        let counts = self.counts.segments[s];
-        let used = counts.used + usize::from(fills_empty);
+        let counts = self.counts.of(s);
+        let used = counts.used as usize + usize::from(fills_empty);
         if used * 4 > table.len() * 3 {
-            let table = self.rebuild(s, counts.live + 1, guard);
+            let live = counts.live as usize + 1;
+            if self.counts.segments.is_none() && table_len(live) > SINGLE_MAX_SLOTS {
+                self.split(guard);
+                return self.insert(key, value, guard);
+            }
+            let table = self.rebuild(s, live, guard);
             let (_, free) = table.locate(key, mixed);
             table.fill(free, key, mixed, bits, value);
-            self.counts.segments[s].used += 1;
+            self.counts.of_mut(s).used += 1;
         } else {
             table.fill(free, key, mixed, bits, value);
-            self.counts.segments[s].used = used;
+            self.counts.of_mut(s).used = used as u32;
         }
-        self.counts.segments[s].live += 1;
+        self.counts.of_mut(s).live += 1;
         self.counts.live += 1;
         self.publish_len();
         None
@@ -772,7 +948,7 @@ impl SlotWriter<'_> {
     /// Removes `key`; returns its value, if it was present.
     pub fn remove(&mut self, key: u64, guard: &Guard) -> Option<SlotValue> {
         let mixed = mix(self.table.seed, key);
-        let s = segment_of(mixed);
+        let s = self.segment_index(mixed);
         let table = self.current(s, guard)?;
         let (Some(i), _) = table.locate(key, mixed) else {
             return None;
@@ -783,7 +959,7 @@ impl SlotWriter<'_> {
         let next = table.slot(i + 1);
         let next_empty =
             next.value.load(Ordering::Relaxed) == 0 && next.key.load(Ordering::Relaxed) == 0;
-        let counts = &mut self.counts.segments[s];
+        let counts = self.counts.of_mut(s);
         if next_empty {
             slot.key.store(0, Ordering::Release);
             counts.used -= 1;
@@ -816,7 +992,7 @@ impl SlotWriter<'_> {
     /// would rebuild it.
     pub fn is_underfilled(&self, s: usize, guard: &Guard) -> bool {
         self.current(s, guard).is_some_and(|table| {
-            table.len() > MIN_SLOTS && self.counts.segments[s].live * 8 < table.len()
+            table.len() > MIN_SLOTS && (self.counts.of(s).live as usize) * 8 < table.len()
         })
     }
 
@@ -829,7 +1005,7 @@ impl SlotWriter<'_> {
         if !underfilled {
             return false;
         }
-        let live = self.counts.segments[s].live;
+        let live = self.counts.of(s).live as usize;
         self.rebuild(s, live, guard);
         true
     }
@@ -838,8 +1014,7 @@ impl SlotWriter<'_> {
     /// live slots, and retires the old one (if any) through the epoch.
     fn rebuild<'g>(&mut self, s: usize, live: usize, guard: &'g Guard) -> View<'g> {
         let seed = self.table.seed;
-        let len = (live * 2).next_power_of_two().max(MIN_SLOTS);
-        let fresh = Slots::new(len);
+        let fresh = Slots::new(table_len(live));
         let word = fresh.view_word();
         let mut moved = 0;
         {
@@ -858,14 +1033,98 @@ impl SlotWriter<'_> {
                 }
             }
         }
-        self.counts.segments[s].used = moved;
+        self.counts.of_mut(s).used = moved;
+        self.count_rebuild();
+        let old = match self.table.root() {
+            Root::Directory(directory) => {
+                let old = directory.tables[s].swap(Owned::new(fresh), Ordering::Relaxed, guard);
+                // Release: the new table's slots and summary before its view word.
+                directory.views[s].store(word, Ordering::Release);
+                old
+            }
+            Root::Empty | Root::Single(_) => {
+                let old = self
+                    .table
+                    .single
+                    .swap(Owned::new(fresh), Ordering::Relaxed, guard);
+                // Release: the new table's slots and summary before the root names it.
+                self.table.root.store(word, Ordering::Release);
+                old
+            }
+        };
+        self.retire(old, guard);
+        View::of(word).expect("a table's block is never at address 0")
+    }
+
+    /// Adds one to [`SlotTable::rebuilds`] (a plain store: only this lock's holder writes it).
+    fn count_rebuild(&self) {
         self.table.rebuilds.store(
             self.table.rebuilds.load(Ordering::Relaxed) + 1,
             Ordering::Relaxed,
         );
-        let old = self.table.tables[s].swap(Owned::new(fresh), Ordering::Relaxed, guard);
-        // Release: the new table's slots and summary before its view word.
-        self.table.views[s].store(word, Ordering::Release);
+    }
+
+    /// Splits the single table into the directory's segments, each sized for its keys at load
+    /// ≤ 1/2, and publishes the directory; the single table is retired through the epoch. A
+    /// reader still on it reads a consistent older state, as after any rebuild.
+    fn split(&mut self, guard: &Guard) {
+        let seed = self.table.seed;
+        let old = self.current(0, guard);
+        let mut live = [0usize; SEGMENTS];
+        let each_live = |f: &mut dyn FnMut(u64, u64)| {
+            if let Some(old) = old {
+                for i in 0..old.len() {
+                    let slot = old.slot(i);
+                    let value = slot.value.load(Ordering::Relaxed);
+                    if value != 0 {
+                        f(slot.key.load(Ordering::Relaxed), value);
+                    }
+                }
+            }
+        };
+        each_live(&mut |key, _| live[segment_of(mix(seed, key))] += 1);
+        let directory = Box::new(Directory {
+            views: std::array::from_fn(|_| AtomicU64::new(0)),
+            tables: std::array::from_fn(|_| Atomic::null()),
+        });
+        let mut counts = Box::new([SegmentCounts::default(); SEGMENTS]);
+        for (s, &n) in live.iter().enumerate().filter(|&(_, &n)| n > 0) {
+            let fresh = Slots::new(table_len(n));
+            // Relaxed: the directory is not reachable yet; its publication below releases it.
+            directory.views[s].store(fresh.view_word(), Ordering::Relaxed);
+            directory.tables[s].store(Owned::new(fresh), Ordering::Relaxed);
+            counts[s] = SegmentCounts {
+                live: n as u32,
+                used: n as u32,
+            };
+        }
+        each_live(&mut |key, value| {
+            let mixed = mix(seed, key);
+            let into = View::of(directory.views[segment_of(mixed)].load(Ordering::Relaxed))
+                .expect("a segment with a live key got a table above");
+            let (_, free) = into.locate(key, mixed);
+            if let Some(value) = NonZeroU64::new(value) {
+                into.fill(free, key, mixed, summary_bits(seed, key), value);
+            }
+        });
+        self.counts.segments = Some(counts);
+        self.count_rebuild();
+        // Segment 0's bit was the single table's; the new segments are at load ≥ 1/8.
+        self.table.underfilled.store(0, Ordering::Relaxed);
+        let address = Box::into_raw(directory) as u64;
+        debug_assert!(address & 63 == 0, "the directory is 64-byte aligned");
+        let old = self
+            .table
+            .single
+            .swap(Shared::null(), Ordering::Relaxed, guard);
+        // Release: the directory's view words and their tables' slots before the root names
+        // it.
+        self.table.root.store(address, Ordering::Release);
+        self.retire(old, guard);
+    }
+
+    /// Hands a replaced table (if any) to the epoch.
+    fn retire(&self, old: Shared<'_, Slots>, guard: &Guard) {
         if !old.is_null() {
             // SAFETY: `old` was this segment's table until the swap and is freed only through
             // the epoch, after `guard`.
@@ -881,7 +1140,6 @@ impl SlotWriter<'_> {
                 guard.flush();
             }
         }
-        View::of(word).expect("a table's block is never at address 0")
     }
 }
 
@@ -1048,6 +1306,61 @@ mod tests {
         for &k in &keys[..10] {
             assert_eq!(t.find(k, &guard), Some(v(k + 1)));
         }
+    }
+
+    #[test]
+    fn a_small_table_is_one_segment_until_it_passes_64_slots() {
+        let t = SlotTable::with_seed(5);
+        let guard = epoch::pin();
+        assert_eq!(t.memory_bytes(&guard), 0, "nothing before the first insert");
+        let small = std::mem::size_of::<SlotTable>();
+        assert!(small <= 128, "a table without keys is {small} bytes");
+        for k in 0..48u64 {
+            t.lock().insert(k, v(k + 1), &guard);
+            assert!(!t.is_split(), "{} keys", k + 1);
+            // Every key of the single table is segment 0's, whatever its segment bits.
+            let segment_lens: Vec<usize> = (0..SlotTable::segments())
+                .map(|s| t.segment_capacity(s, &guard))
+                .collect();
+            assert_eq!(segment_lens[0], t.capacity(&guard));
+            assert_eq!(segment_lens[1..].iter().sum::<usize>(), 0);
+        }
+        assert_eq!(t.capacity(&guard), SINGLE_MAX_SLOTS);
+        let mut seen = Vec::new();
+        t.for_each_value_in(0, 0, SINGLE_MAX_SLOTS, &guard, |v| seen.push(v));
+        seen.sort_unstable();
+        assert_eq!(seen, (1..=48).collect::<Vec<u64>>());
+        let single_id = t.segment_id(0, &guard);
+        let before = t.rebuilds();
+        t.lock().insert(48, v(49), &guard);
+        assert!(t.is_split(), "the 49th key would need 128 slots");
+        // The split is one rebuild; the 49th key's insert after it creates its segment's
+        // table (one more) only if none of the 48 keys was of that segment.
+        let segment_of_key = |k: u64| SlotTable::home_of(5, MIN_SLOTS, k) >> 32;
+        let fresh_segment = (0..48).all(|k| segment_of_key(k) != segment_of_key(48));
+        assert_eq!(t.rebuilds(), before + 1 + u64::from(fresh_segment));
+        assert_ne!(t.segment_id(0, &guard), single_id);
+        assert_eq!(t.len(), 49);
+        for k in 0..49u64 {
+            assert_eq!(t.find(k, &guard), Some(v(k + 1)), "key {k}");
+            assert_eq!(t.lock().get(k, &guard), Some(v(k + 1)), "key {k}");
+        }
+        // Each key is now in the segment of its top bits, each segment sized for its keys.
+        let mut per_segment = [0usize; SEGMENTS];
+        for k in 0..49u64 {
+            per_segment[SlotTable::home_of(5, MIN_SLOTS, k) >> 32] += 1;
+        }
+        for (s, &n) in per_segment.iter().enumerate() {
+            let want = if n == 0 { 0 } else { table_len(n) };
+            assert_eq!(t.segment_capacity(s, &guard), want, "segment {s}");
+        }
+        let directory = crate::raw::pages::heap_chunk(std::mem::size_of::<Directory>());
+        assert!(t.memory_bytes(&guard) > directory);
+        for k in 0..49u64 {
+            assert_eq!(t.lock().remove(k, &guard), Some(v(k + 1)));
+        }
+        assert!(t.is_empty() && t.is_split(), "a split is never undone");
+        assert_eq!(t.find(3, &guard), None);
     }
 
     #[test]
