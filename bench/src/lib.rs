@@ -6,6 +6,7 @@
 // The same fixed-policy `Resolvers` as the engine tests and loom models (one copy, see there).
 #[path = "../../engine/tests/fixed_policy/mod.rs"]
 pub mod fixed_policy;
+pub mod fleet;
 pub mod host;
 pub mod loadgen;
 pub mod measure;
