@@ -215,7 +215,11 @@ pub fn sequence(hash_ids: &[u64]) -> Vec<u64> {
     let mut prev = 0u64;
     for (j, id) in hash_ids.iter().enumerate() {
         let local = content_hash(0, *id);
-        prev = if j == 0 { local } else { next_prefix(prev, local) };
+        prev = if j == 0 {
+            local
+        } else {
+            next_prefix(prev, local)
+        };
         out.push(prev);
     }
     out
@@ -237,7 +241,14 @@ pub trait Policy {
         m: &EngineModel,
     ) -> Result<usize, String>;
     /// Told what the chosen engine did (the server policy reports it).
-    fn admitted(&mut self, _engine: usize, _seq: &[u64], _a: &Admission, _engines: &[Engine], _m: &EngineModel) -> Result<(), String> {
+    fn admitted(
+        &mut self,
+        _engine: usize,
+        _seq: &[u64],
+        _a: &Admission,
+        _engines: &[Engine],
+        _m: &EngineModel,
+    ) -> Result<(), String> {
         Ok(())
     }
 }
@@ -248,7 +259,15 @@ impl Policy for Random {
     fn name(&self) -> String {
         "random".into()
     }
-    fn choose(&mut self, r: usize, _: u64, _: &[u64], _: u64, e: &[Engine], _: &EngineModel) -> Result<usize, String> {
+    fn choose(
+        &mut self,
+        r: usize,
+        _: u64,
+        _: &[u64],
+        _: u64,
+        e: &[Engine],
+        _: &EngineModel,
+    ) -> Result<usize, String> {
         Ok((splitmix64(self.0 ^ r as u64) % e.len() as u64) as usize)
     }
 }
@@ -259,7 +278,15 @@ impl Policy for RoundRobin {
     fn name(&self) -> String {
         "round-robin".into()
     }
-    fn choose(&mut self, r: usize, _: u64, _: &[u64], _: u64, e: &[Engine], _: &EngineModel) -> Result<usize, String> {
+    fn choose(
+        &mut self,
+        r: usize,
+        _: u64,
+        _: &[u64],
+        _: u64,
+        e: &[Engine],
+        _: &EngineModel,
+    ) -> Result<usize, String> {
         Ok(r % e.len())
     }
 }
@@ -278,7 +305,15 @@ impl Policy for LeastLoaded {
     fn name(&self) -> String {
         "least-loaded".into()
     }
-    fn choose(&mut self, _: usize, _: u64, _: &[u64], _: u64, e: &[Engine], _: &EngineModel) -> Result<usize, String> {
+    fn choose(
+        &mut self,
+        _: usize,
+        _: u64,
+        _: &[u64],
+        _: u64,
+        e: &[Engine],
+        _: &EngineModel,
+    ) -> Result<usize, String> {
         Ok(least_loaded(e))
     }
 }
@@ -293,7 +328,15 @@ impl Policy for DynamoCost {
     fn name(&self) -> String {
         "dynamo-cost".into()
     }
-    fn choose(&mut self, _: usize, _: u64, seq: &[u64], _: u64, e: &[Engine], _: &EngineModel) -> Result<usize, String> {
+    fn choose(
+        &mut self,
+        _: usize,
+        _: u64,
+        seq: &[u64],
+        _: u64,
+        e: &[Engine],
+        _: &EngineModel,
+    ) -> Result<usize, String> {
         let cost = |i: usize| {
             let prefill = (seq.len() - e[i].cache.prefix_len(seq)) as f64;
             self.overlap_weight * prefill + e[i].active_blocks() as f64
@@ -311,7 +354,15 @@ impl Policy for Oracle {
     fn name(&self) -> String {
         "oracle".into()
     }
-    fn choose(&mut self, _: usize, now: u64, seq: &[u64], input: u64, e: &[Engine], m: &EngineModel) -> Result<usize, String> {
+    fn choose(
+        &mut self,
+        _: usize,
+        now: u64,
+        seq: &[u64],
+        input: u64,
+        e: &[Engine],
+        m: &EngineModel,
+    ) -> Result<usize, String> {
         Ok((0..e.len())
             .min_by_key(|&i| {
                 (
@@ -427,7 +478,11 @@ mod tests {
         let predicted = e.predict_ttft_us(20_000, &b, 1000, &m);
         let third = e.admit(20_000, &b, 1000, 1, &m);
         assert_eq!(predicted as f64 / 1000.0, third.ttft_ms);
-        assert!((third.ttft_ms - (250.0 - 20.0 + 100.0)).abs() < 1e-9, "{}", third.ttft_ms);
+        assert!(
+            (third.ttft_ms - (250.0 - 20.0 + 100.0)).abs() < 1e-9,
+            "{}",
+            third.ttft_ms
+        );
         // Capacity 4: storing 2 new blocks evicts the leaf-most LRU blocks of [1, 2, 3].
         assert_eq!(third.evicted, vec![a[2]]);
         assert!(e.cache.contains(a[0]) && e.cache.contains(a[1]));
@@ -442,7 +497,15 @@ mod tests {
                 timestamp_ms: i * 50,
                 input_length: 4096,
                 output_length: 20,
-                hash_ids: (0..8).map(|j| if j < 6 { (i % 5) * 100 + j } else { 10_000 + i * 8 + j }).collect(),
+                hash_ids: (0..8)
+                    .map(|j| {
+                        if j < 6 {
+                            (i % 5) * 100 + j
+                        } else {
+                            10_000 + i * 8 + j
+                        }
+                    })
+                    .collect(),
             });
         }
         let trace = Trace { requests };

@@ -42,6 +42,9 @@ struct Args {
     plots: PathBuf,
     out: Option<PathBuf>,
     quick: bool,
+    /// Pressure ceilings the simulated sidecars use (`--max-concurrency-ceiling`): one
+    /// InferenceCache row per value; pressure = outstanding requests / ceiling.
+    ceilings: Vec<usize>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -60,6 +63,7 @@ fn parse() -> Result<Args, String> {
         plots: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("results"),
         out: None,
         quick: false,
+        ceilings: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     let mut requests_set = false;
@@ -86,13 +90,25 @@ fn parse() -> Result<Args, String> {
                 sizes_set = true;
             }
             "--default-size" => {
-                a.default_size = value()?.parse().map_err(|e| format!("--default-size: {e}"))?;
+                a.default_size = value()?
+                    .parse()
+                    .map_err(|e| format!("--default-size: {e}"))?;
             }
             "--server" => a.server = value()?.into(),
             "--port" => a.port = value()?.parse().map_err(|e| format!("--port: {e}"))?,
             "--plots" => a.plots = value()?.into(),
             "--out" => a.out = Some(value()?.into()),
             "--quick" => a.quick = true,
+            "--ceilings" => {
+                a.ceilings = value()?
+                    .split(',')
+                    .map(|s| {
+                        s.trim()
+                            .parse::<usize>()
+                            .map_err(|e| format!("--ceilings: {e}"))
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -155,14 +171,17 @@ struct InferenceCache {
     client: InferenceCacheClient<Channel>,
     names: Vec<String>,
     reported_pressure: Vec<f32>,
-    batch: usize,
+    /// The sidecars' concurrency ceiling: pressure = outstanding / ceiling.
+    ceiling: usize,
     rpcs: u64,
+    /// The first (bar) row: the sidecars' ceiling equals the batch size.
+    default_ceiling: bool,
     /// Requests routed by the server's answer (the rest fell back to least-loaded).
     pub routed_by_answer: u64,
 }
 
 impl InferenceCache {
-    fn connect(port: u16, engines: usize, batch: usize) -> Result<Self, String> {
+    fn connect(port: u16, engines: usize, ceiling: usize) -> Result<Self, String> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -182,9 +201,10 @@ impl InferenceCache {
             client,
             names: (0..engines).map(|e| format!("engine-{e}")).collect(),
             reported_pressure: vec![f32::NAN; engines],
-            batch,
+            ceiling: ceiling.max(1),
             rpcs: 0,
             routed_by_answer: 0,
+            default_ceiling: true,
         })
     }
 
@@ -192,7 +212,7 @@ impl InferenceCache {
         ReplicaStats {
             cache_memory_bytes: (e.cache.len() * TRACE_BLOCK_TOKENS as usize) as i64,
             hit_rate,
-            pressure: e.outstanding() as f32 / self.batch as f32,
+            pressure: e.outstanding() as f32 / self.ceiling as f32,
             ..Default::default()
         }
     }
@@ -209,7 +229,10 @@ impl InferenceCache {
             })
             .map_err(|s| format!("ReportCacheState: {s}"))?;
         if !ack.get_ref().accepted {
-            return Err(format!("ReportCacheState refused: {}", ack.get_ref().reason_code));
+            return Err(format!(
+                "ReportCacheState refused: {}",
+                ack.get_ref().reason_code
+            ));
         }
         Ok(())
     }
@@ -227,7 +250,11 @@ impl InferenceCache {
 
 impl Policy for InferenceCache {
     fn name(&self) -> String {
-        "inferencecache".into()
+        if self.default_ceiling {
+            "inferencecache".into()
+        } else {
+            format!("inferencecache (ceiling {})", self.ceiling)
+        }
     }
 
     fn choose(
@@ -241,7 +268,7 @@ impl Policy for InferenceCache {
     ) -> Result<usize, String> {
         // Sidecars report stats when the load changed (the pressure a scrape would show).
         for (i, e) in engines.iter().enumerate() {
-            let p = e.outstanding() as f32 / self.batch as f32;
+            let p = e.outstanding() as f32 / self.ceiling as f32;
             if self.reported_pressure[i] != p {
                 self.reported_pressure[i] = p;
                 let mut u = self.update(i);
@@ -332,7 +359,7 @@ impl Policy for InferenceCache {
             }];
         }
         let e = &engines[engine];
-        self.reported_pressure[engine] = e.outstanding() as f32 / self.batch as f32;
+        self.reported_pressure[engine] = e.outstanding() as f32 / self.ceiling as f32;
         u.stats = Some(self.stats(e, 0.0));
         self.report(u)
     }
@@ -340,16 +367,32 @@ impl Policy for InferenceCache {
 
 // ------------------------------------------------------------------------------------------
 
-fn plots(dir: &std::path::Path, sizes: &[f64], by_size: &[Vec<Outcome>], default: &[Outcome]) -> Result<(), String> {
+fn plots(
+    dir: &std::path::Path,
+    sizes: &[f64],
+    by_size: &[Vec<Outcome>],
+    default: &[Outcome],
+) -> Result<(), String> {
     use plotters::prelude::*;
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
-    let colors = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK, RGBColor(255, 140, 0)];
+    let colors = [
+        RED,
+        BLUE,
+        GREEN,
+        MAGENTA,
+        CYAN,
+        BLACK,
+        RGBColor(255, 140, 0),
+    ];
     {
         let path = dir.join("fleet-hit-rate.svg");
         let root = SVGBackend::new(&path, (800, 500)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
         let mut chart = ChartBuilder::on(&root)
-            .caption("Prefix-cache hit rate vs fleet cache size", ("sans-serif", 20))
+            .caption(
+                "Prefix-cache hit rate vs fleet cache size",
+                ("sans-serif", 20),
+            )
             .margin(10)
             .x_label_area_size(40)
             .y_label_area_size(50)
@@ -387,12 +430,12 @@ fn plots(dir: &std::path::Path, sizes: &[f64], by_size: &[Vec<Outcome>], default
         let path = dir.join("fleet-ttft-cdf.svg");
         let root = SVGBackend::new(&path, (800, 500)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let max = default
-            .iter()
-            .map(|o| o.ttft(0.999))
-            .fold(1.0, f64::max);
+        let max = default.iter().map(|o| o.ttft(0.999)).fold(1.0, f64::max);
         let mut chart = ChartBuilder::on(&root)
-            .caption("TTFT CDF per policy (default cache size, simulated time)", ("sans-serif", 20))
+            .caption(
+                "TTFT CDF per policy (default cache size, simulated time)",
+                ("sans-serif", 20),
+            )
             .margin(10)
             .x_label_area_size(40)
             .y_label_area_size(50)
@@ -458,24 +501,38 @@ fn run(args: &Args) -> Result<(String, String), String> {
     let mut default_outcomes = Vec::new();
     let mut port = args.port;
     for &size in &args.sizes {
-        let capacity = ((size * working as f64) / args.engines as f64).ceil().max(1.0) as usize;
+        let capacity = ((size * working as f64) / args.engines as f64)
+            .ceil()
+            .max(1.0) as usize;
         let mut outcomes = Vec::new();
         let mut policies: Vec<Box<dyn Policy>> = vec![
             Box::new(Random(44)),
             Box::new(RoundRobin),
             Box::new(LeastLoaded),
-            Box::new(DynamoCost { overlap_weight: 1.0 }),
+            Box::new(DynamoCost {
+                overlap_weight: 1.0,
+            }),
         ];
         for p in &mut policies {
-            outcomes.push(simulate(&trace, args.engines, capacity, &model, p.as_mut())?);
+            outcomes.push(simulate(
+                &trace,
+                args.engines,
+                capacity,
+                &model,
+                p.as_mut(),
+            )?);
         }
-        {
-            // A fresh server per size: nothing carries over.
+        let mut ceilings = vec![model.batch];
+        ceilings.extend(args.ceilings.iter().copied().filter(|c| *c != model.batch));
+        for (k, ceiling) in ceilings.into_iter().enumerate() {
+            // A fresh server per run: nothing carries over.
             let _server = start_server(args, port)?;
-            let mut ic = InferenceCache::connect(port, args.engines, model.batch)?;
+            let mut ic = InferenceCache::connect(port, args.engines, ceiling)?;
+            ic.default_ceiling = k == 0;
             let o = simulate(&trace, args.engines, capacity, &model, &mut ic)?;
             eprintln!(
-                "size {size}: inferencecache {} RPCs, {} of {} requests routed by the answer",
+                "size {size}: {} {} RPCs, {} of {} requests routed by the answer",
+                ic.name(),
                 ic.rpcs,
                 ic.routed_by_answer,
                 trace.requests.len()
@@ -483,7 +540,13 @@ fn run(args: &Args) -> Result<(String, String), String> {
             outcomes.push(o);
             port += 3;
         }
-        outcomes.push(simulate(&trace, args.engines, capacity, &model, &mut Oracle)?);
+        outcomes.push(simulate(
+            &trace,
+            args.engines,
+            capacity,
+            &model,
+            &mut Oracle,
+        )?);
         let oracle_saved = outcomes.last().map_or(1, |o| o.saved_tokens.max(1));
         for o in &outcomes {
             report.push_str(&format!(
@@ -509,7 +572,7 @@ fn run(args: &Args) -> Result<(String, String), String> {
     };
     let best = default_outcomes
         .iter()
-        .filter(|o| o.policy != "oracle" && o.policy != "inferencecache")
+        .filter(|o| o.policy != "oracle" && !o.policy.starts_with("inferencecache"))
         .min_by(|a, b| a.ttft(0.99).total_cmp(&b.ttft(0.99)))
         .ok_or("no baseline policy")?;
     let saved = ours.saved_tokens as f64 / oracle.saved_tokens.max(1) as f64;
