@@ -22,7 +22,7 @@ pub trait Subject {
     /// True when a one-thread replay applies every event before the next lookup (so its
     /// answers, hence its checksum, are the truth's).
     fn synchronous(&self) -> bool;
-    /// [`verify`] on a fresh index.
+    /// [`crate::mooncake::verify`] on a fresh index.
     fn verify(&self, sim: &Simulation) -> Result<usize, String>;
     /// One replay on a fresh index; `Err` when the index is not empty afterwards.
     fn run(&self, sim: &Simulation, threads: usize, pace: Pace) -> Result<RunStats, String>;
