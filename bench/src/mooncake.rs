@@ -195,6 +195,11 @@ impl LruCache {
         Some(hash)
     }
 
+    /// Iterates the held hashes, least recently used first.
+    pub fn in_lru_order(&self) -> impl Iterator<Item = u64> + '_ {
+        self.by_stamp.values().copied()
+    }
+
     /// Iterates the held hashes (any order).
     pub fn hashes(&self) -> impl Iterator<Item = u64> + '_ {
         self.stamp_of.keys().copied()
@@ -294,6 +299,8 @@ pub struct Simulation {
     pub requests: u64,
     /// Lookup blocks found in the serving worker's cache (its hit rate numerator).
     pub hit_blocks: u64,
+    /// The workers' caches as the drain found them (kept allocated, see [`Simulation::run`]).
+    pub caches: Vec<LruCache>,
 }
 
 /// Removals per `Remove` op during the drain.
@@ -404,24 +411,23 @@ impl Simulation {
         sim.requests = request_number;
         sim.drain_start = sim.ops.len();
         sim.held_before_drain = held;
-        for (w, cache) in caches.iter_mut().enumerate() {
-            while !cache.is_empty() {
+        // The drain reads the caches in LRU order without freeing them: the caches stay
+        // allocated inside the simulation, so the index under test cannot reuse their memory
+        // and its RSS growth is its own.
+        for (w, cache) in caches.iter().enumerate() {
+            let order: Vec<u64> = cache.in_lru_order().collect();
+            for chunk in order.chunks(DRAIN_BATCH) {
                 let removed_start = sim.removed.len();
-                while sim.removed.len() - removed_start < DRAIN_BATCH {
-                    match cache.pop_lru() {
-                        Some(h) => sim.removed.push(h),
-                        None => break,
-                    }
-                }
-                let len = sim.removed.len() - removed_start;
-                sim.removed_blocks += len as u64;
+                sim.removed.extend_from_slice(chunk);
+                sim.removed_blocks += chunk.len() as u64;
                 sim.ops.push(Op::Remove {
                     worker: w as u32,
                     start: removed_start as u32,
-                    len: len as u32,
+                    len: chunk.len() as u32,
                 });
             }
         }
+        sim.caches = caches;
         sim
     }
 
