@@ -6,9 +6,13 @@
 // The same fixed-policy `Resolvers` as the engine tests and loom models (one copy, see there).
 #[path = "../../engine/tests/fixed_policy/mod.rs"]
 pub mod fixed_policy;
+pub mod fleet;
 pub mod host;
 pub mod loadgen;
 pub mod measure;
+pub mod mooncake;
+pub mod mooncake_bench;
+pub mod mooncake_ours;
 pub mod ours;
 pub mod progress;
 pub mod report;

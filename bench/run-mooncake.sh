@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Issue #44, proof on real traffic: the Mooncake traces through the index (with the peers in the
+# same run) and through the fleet simulator (routing quality, the real server binary).
+#
+#   bench/run-mooncake.sh --quick     # CI smoke test (debug builds, seconds): ours against the
+#                                     # reference model, the fleet at one size; last lines = ratios
+#   bench/run-mooncake.sh             # the full runs: bench/results/mooncake-replay.md,
+#                                     # bench/results/fleet-sim.md (+ plots), RESULTS.md reassembled
+#
+# Env: MOONCAKE_TRACE (default: the conversation trace in ../shared/traces, else the 200-request
+# sample in bench/testdata), PEERS_TARGET_DIR (default ../target-peers), REPLAY_ARGS / FLEET_ARGS
+# (extra arguments for the full runs), SKIP_REPLAY=1 / SKIP_FLEET=1 (run one of the two).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}"
+QUICK=0
+if [ "${1:-}" = "--quick" ]; then QUICK=1; fi
+
+TRACE="${MOONCAKE_TRACE:-}"
+if [ -z "$TRACE" ]; then
+  for t in "$ROOT/../shared/traces/mooncake_conversation_trace.jsonl" \
+    "$ROOT/../../shared/traces/mooncake_conversation_trace.jsonl"; do
+    if [ -f "$t" ]; then TRACE="$t"; break; fi
+  done
+fi
+if [ -z "$TRACE" ]; then
+  # The repository's sample: the first 200 requests of the conversation trace (Apache-2.0).
+  TRACE="$ROOT/bench/testdata/mooncake_sample.jsonl"
+fi
+echo "== trace: $TRACE" >&2
+
+# Debug builds: the fleet simulator runs in simulated time (the server's speed does not enter
+# its figures) and the quick index replay is a correctness smoke test, not a measurement.
+(cd "$ROOT" && cargo build --quiet -p inferencecache-server -p inferencecache-bench \
+  --bin inferencecache-server --bin mooncake-replay --bin fleet-sim)
+DEBUG="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
+
+if [ "$QUICK" = 1 ]; then
+  PLOTS="$(mktemp -d)"
+  trap 'rm -rf "$PLOTS"' EXIT
+  "$DEBUG/mooncake-replay" --quick --trace "$TRACE" | tail -1
+  "$DEBUG/fleet-sim" --quick --sizes 0.5 --trace "$TRACE" --plots "$PLOTS" \
+    --server "$DEBUG/inferencecache-server" | tail -1
+  for f in fleet-hit-rate.svg fleet-ttft-cdf.svg; do
+    [ -s "$PLOTS/$f" ] || { echo "plot $f missing" >&2; exit 1; }
+  done
+  exit 0
+fi
+
+RES="$ROOT/bench/results"
+PEERS_TARGET_DIR="${PEERS_TARGET_DIR:-$ROOT/../target-peers}"
+echo "== build bench/peers (opt 3, thin LTO, 4 CGU)" >&2
+(cd "$ROOT/bench/peers" && CARGO_TARGET_DIR="$PEERS_TARGET_DIR" nice -n 10 cargo build --release --quiet)
+PEERBIN="$PEERS_TARGET_DIR/release/mooncake-replay-peers"
+MODEL="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
+section_header() { # title, command
+  echo "## $1"
+  echo
+  echo "- Date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "- Machine: ${MODEL:-unknown}, $(nproc) cores, kernel $(uname -r)"
+  echo "- Load average at the start: $(cut -d' ' -f1-3 /proc/loadavg) (shared, loaded machine: other builds ran beside it)"
+  echo "- rustc: $(rustc --version)"
+  echo "- Command: \`$2\`"
+}
+
+# Index throughput: memory per held block in a fresh process per index, then the plan.
+# shellcheck disable=SC2086
+if [ "${SKIP_REPLAY:-0}" != 1 ]; then
+{
+  section_header "Mooncake trace replay: index throughput with the peers in one run (issue #44)" \
+    "bench/run-mooncake.sh (mooncake-replay-peers --trace $(basename "$TRACE") ${REPLAY_ARGS:-})"
+  echo "- Profiles: every index in one binary, bench/peers release (opt 3, thin LTO, 4 CGU), system malloc"
+  echo
+  echo "Memory per held block (VmRSS growth to the start of the drain over the blocks held then; one"
+  echo "fresh process per index, one-thread closed-loop replay):"
+  echo
+  echo "| Index | B per held block |"
+  echo "|---|---|"
+  for i in inferencecache kv-index dynamo-crtc dynamo-radix; do
+    "$PEERBIN" --trace "$TRACE" --index "$i" --memory ${REPLAY_ARGS:-} |
+      awk '{ v = $NF; $1 = ""; $NF = ""; sub(/^ /, ""); sub(/ $/, ""); print "| " $0 " | " v " |" }'
+  done
+  echo
+  "$PEERBIN" --trace "$TRACE" ${REPLAY_ARGS:-}
+} >"$RES/mooncake-replay.tmp" && mv "$RES/mooncake-replay.tmp" "$RES/mooncake-replay.md"
+tail -1 "$RES/mooncake-replay.md"
+fi
+
+# shellcheck disable=SC2086
+if [ "${SKIP_FLEET:-0}" != 1 ]; then
+{
+  section_header "Mooncake trace: routing quality in the fleet simulator (issue #44)" \
+    "bench/run-mooncake.sh (fleet-sim --trace $(basename "$TRACE") --sizes 0.1,0.25,0.5,1 --ceilings 8 ${FLEET_ARGS:-})"
+  echo
+  "$DEBUG/fleet-sim" --trace "$TRACE" --sizes 0.1,0.25,0.5,1 --ceilings 8 --plots "$RES" \
+    --server "$DEBUG/inferencecache-server" ${FLEET_ARGS:-}
+} >"$RES/fleet-sim.tmp" && mv "$RES/fleet-sim.tmp" "$RES/fleet-sim.md"
+tail -1 "$RES/fleet-sim.md"
+fi
+"$ROOT/bench/run-all.sh" --assemble
