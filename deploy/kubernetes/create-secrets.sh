@@ -10,7 +10,7 @@
 # NATS demands and the index servers present. Re-running it rotates every token: apply, then
 # restart the pods that mount them.
 set -euo pipefail
-token() { od -An -N32 -tx1 /dev/urandom | tr -d ' \n'; }
+token() { od -An -N 32 -tx1 /dev/urandom | tr -d ' \n'; }
 cat <<YAML
 apiVersion: v1
 kind: Secret
