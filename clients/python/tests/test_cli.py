@@ -16,7 +16,10 @@ def test_report_lookup_state_snapshot(server):
     assert json.loads(out)["reason_code"] == "NO_HINT"
     code, out, err = cli("report", "--target", server.target, "--model", "demo", "--tenant", "demo", "--replica", "r0", "--tokens", "0-255")
     assert code == 0, err
-    assert json.loads(out) == {"accepted": True}
+    ack = json.loads(out)
+    # The Ack names the answering server instance (a new one at every start).
+    assert ack["accepted"] is True and len(ack["server_instance_id"]) == 32, ack
+    assert set(ack) == {"accepted", "server_instance_id"}, ack
     code, out, err = cli("lookup", "--target", server.target, "--model", "demo", "--tenant", "demo", "--tokens", "0-255")
     result = json.loads(out)
     assert result["reason_code"] == "PREFIX_MATCH"

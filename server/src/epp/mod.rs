@@ -247,7 +247,7 @@ impl EppMetrics {
         let mut picks = Family::new(
             "inferencecache_epp_picks_total",
             "counter",
-            "Endpoint-picker decisions by reason (prefix, load, no_endpoint, shed, bad_request).",
+            "endpoint-picker decisions by reason",
         );
         for (reason, count) in PickReason::ALL.iter().zip(&self.picks) {
             picks.push(
@@ -259,7 +259,7 @@ impl EppMetrics {
         let mut list = Family::new(
             "inferencecache_epp_endpoint_list_length",
             "histogram",
-            "Endpoints in each routed answer's list (first = picked, rest = fallbacks).",
+            "endpoints in each routed answer (picked + fallbacks)",
         );
         for (bucket, bound) in self.list_buckets.iter().zip(LIST_BUCKETS) {
             list.push(
@@ -286,8 +286,7 @@ impl EppMetrics {
         let mut served = Family::new(
             "inferencecache_epp_served_total",
             "counter",
-            "Responses whose x-gateway-destination-endpoint-served was the picked endpoint, a \
-             fallback of the list, or another endpoint.",
+            "responses by the endpoint that served them",
         );
         for (outcome, count) in [
             ("picked", &self.served_picked),
@@ -303,8 +302,7 @@ impl EppMetrics {
         let mut failures = Family::new(
             "inferencecache_epp_body_parse_failures_total",
             "counter",
-            "Requests whose body gave no usable prompt, by reason (the pick then goes by load, \
-             or answers 400 for not_json).",
+            "requests whose body gave no usable prompt",
         );
         for (label, count) in BODY_FAILURES.iter().zip(&self.body_failures) {
             failures.push(
@@ -316,8 +314,7 @@ impl EppMetrics {
         let mut latency = Family::new(
             "inferencecache_epp_pick_latency_seconds",
             "histogram",
-            "Time from the complete request body to the picker's answer (parse, tokenize, \
-             lookup, rank).",
+            "time from the complete body to the picker's answer (parse, tokenize, lookup, rank)",
         );
         for (bucket, bound) in self.latency_buckets.iter().zip(LATENCY_BUCKETS_US) {
             latency.push(
