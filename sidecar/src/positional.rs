@@ -212,6 +212,37 @@ impl Default for ReverseMap {
     }
 }
 
+/// The index blocks one engine page completes: the chain's waiting `tail` plus the page's
+/// tokens, cut into `block_size` blocks chained from `boundary_hash`. Returns what the page
+/// owns (each block's prefix hash and the cumulative token count through it) and moves the
+/// boundary past those blocks; the tokens after the last full block become the new `tail`.
+fn complete_blocks(
+    page: &[u32],
+    block_size: usize,
+    boundary_hash: &mut Option<u64>,
+    boundary_tokens: &mut i64,
+    tail: &mut Vec<u32>,
+) -> Vec<(u64, i32)> {
+    let mut tokens = std::mem::take(tail);
+    tokens.extend_from_slice(page);
+    let hashes = prefix_hashes_from(&tokens, block_size, *boundary_hash);
+    let block = i64::try_from(block_size).unwrap_or(i64::MAX);
+    let start = *boundary_tokens;
+    let owned = hashes
+        .iter()
+        .enumerate()
+        .map(|(k, &h)| {
+            let count = start.saturating_add((k as i64 + 1).saturating_mul(block));
+            (h, i32::try_from(count).unwrap_or(i32::MAX))
+        })
+        .collect();
+    let full = hashes.len() * block_size;
+    *tail = tokens[full..].to_vec();
+    *boundary_hash = hashes.last().copied().or(*boundary_hash);
+    *boundary_tokens = start.saturating_add(full as i64);
+    owned
+}
+
 impl ReverseMap {
     /// An empty map keying index blocks of `block_size` tokens (0 is treated as 1).
     pub fn new(block_size: usize) -> Self {
@@ -317,23 +348,13 @@ impl ReverseMap {
                 parent = Some(hash.clone());
                 continue;
             }
-            let mut tokens = std::mem::take(&mut tail);
-            tokens.extend_from_slice(&ev.token_ids[i * page_size..(i + 1) * page_size]);
-            let hashes = prefix_hashes_from(&tokens, self.block_size, boundary_hash);
-            let block = i64::try_from(self.block_size).unwrap_or(i64::MAX);
-            let owned: Vec<(u64, i32)> = hashes
-                .iter()
-                .enumerate()
-                .map(|(k, &h)| {
-                    let count =
-                        boundary_tokens.saturating_add((k as i64 + 1).saturating_mul(block));
-                    (h, i32::try_from(count).unwrap_or(i32::MAX))
-                })
-                .collect();
-            let full = hashes.len() * self.block_size;
-            tail = tokens[full..].to_vec();
-            boundary_hash = hashes.last().copied().or(boundary_hash);
-            boundary_tokens = boundary_tokens.saturating_add(full as i64);
+            let owned = complete_blocks(
+                &ev.token_ids[i * page_size..(i + 1) * page_size],
+                self.block_size,
+                &mut boundary_hash,
+                &mut boundary_tokens,
+                &mut tail,
+            );
             if let Some(p) = parent.as_ref().and_then(|p| self.pages.get_mut(p)) {
                 p.children.push(hash.clone());
             }
@@ -610,23 +631,13 @@ impl ReverseMap {
                 parent = Some(hash.clone());
                 continue;
             }
-            let mut tokens = std::mem::take(&mut tail);
-            tokens.extend_from_slice(&ev.token_ids[i * page_size..(i + 1) * page_size]);
-            let hashes = prefix_hashes_from(&tokens, self.block_size, boundary_hash);
-            let block = i64::try_from(self.block_size).unwrap_or(i64::MAX);
-            let owned: Vec<(u64, i32)> = hashes
-                .iter()
-                .enumerate()
-                .map(|(k, &h)| {
-                    let count =
-                        boundary_tokens.saturating_add((k as i64 + 1).saturating_mul(block));
-                    (h, i32::try_from(count).unwrap_or(i32::MAX))
-                })
-                .collect();
-            let full = hashes.len() * self.block_size;
-            tail = tokens[full..].to_vec();
-            boundary_hash = hashes.last().copied().or(boundary_hash);
-            boundary_tokens = boundary_tokens.saturating_add(full as i64);
+            let owned = complete_blocks(
+                &ev.token_ids[i * page_size..(i + 1) * page_size],
+                self.block_size,
+                &mut boundary_hash,
+                &mut boundary_tokens,
+                &mut tail,
+            );
             if let Some(p) = parent.as_ref().and_then(|p| self.pages.get_mut(p)) {
                 p.children.push(hash.clone());
             }
