@@ -212,6 +212,32 @@ impl Default for ReverseMap {
     }
 }
 
+/// What a `BlockStored` event's pages are, checked before any of them is keyed.
+enum PageSize {
+    /// The event names no page.
+    NoPages,
+    /// A zero page size, or token ids that do not cover every page: nothing is keyed.
+    Mismatched,
+    /// Tokens per engine page.
+    Tokens(usize),
+}
+
+fn page_size(ev: &BlockStored) -> PageSize {
+    let pages = ev.block_hashes.len();
+    let size = usize::try_from(ev.block_size).unwrap_or(0);
+    if pages == 0 {
+        PageSize::NoPages
+    } else if size == 0
+        || size
+            .checked_mul(pages)
+            .is_none_or(|needed| ev.token_ids.len() < needed)
+    {
+        PageSize::Mismatched
+    } else {
+        PageSize::Tokens(size)
+    }
+}
+
 /// The index blocks one engine page completes: the chain's waiting `tail` plus the page's
 /// tokens, cut into `block_size` blocks chained from `boundary_hash`. Returns what the page
 /// owns (each block's prefix hash and the cumulative token count through it) and moves the
@@ -294,19 +320,15 @@ impl ReverseMap {
             return self.store_grouped(ev, adapter);
         }
         let mut out = Stored::default();
+        let page_size = match page_size(ev) {
+            PageSize::NoPages => return out,
+            PageSize::Mismatched => {
+                out.mismatched = true;
+                return out;
+            }
+            PageSize::Tokens(size) => size,
+        };
         let pages = ev.block_hashes.len();
-        let page_size = usize::try_from(ev.block_size).unwrap_or(0);
-        if pages == 0 {
-            return out;
-        }
-        if page_size == 0
-            || page_size
-                .checked_mul(pages)
-                .is_none_or(|needed| ev.token_ids.len() < needed)
-        {
-            out.mismatched = true;
-            return out;
-        }
         let classified = tier::classify_copy(ev.medium.as_deref(), ev.locality.as_deref());
         out.unknown_medium = classified.unknown;
         let tier = classified.tier;
@@ -544,19 +566,15 @@ impl ReverseMap {
         out: &mut Stored,
     ) -> Vec<Vec<u8>> {
         let mut touched = Vec::new();
+        let page_size = match page_size(ev) {
+            PageSize::NoPages => return touched,
+            PageSize::Mismatched => {
+                out.mismatched = true;
+                return touched;
+            }
+            PageSize::Tokens(size) => size,
+        };
         let pages = ev.block_hashes.len();
-        let page_size = usize::try_from(ev.block_size).unwrap_or(0);
-        if pages == 0 {
-            return touched;
-        }
-        if page_size == 0
-            || page_size
-                .checked_mul(pages)
-                .is_none_or(|needed| ev.token_ids.len() < needed)
-        {
-            out.mismatched = true;
-            return touched;
-        }
         let classified = tier::classify_copy(ev.medium.as_deref(), ev.locality.as_deref());
         out.unknown_medium = classified.unknown;
         let tier = classified.tier;
