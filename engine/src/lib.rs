@@ -12,7 +12,6 @@ mod clock;
 mod config;
 mod directory;
 mod index;
-pub mod rank;
 mod raw;
 mod replica_id;
 mod sink;
@@ -49,6 +48,7 @@ pub mod layout {
     };
     pub use crate::raw::slots::{SlotTable, SlotValue, SlotWriter};
 }
+pub use index::ranking::formulas as rank;
 pub use replica_id::ReplicaId;
 pub use sink::{ChangeEvent, ChangeKind, ChangeSink};
 pub use types::*;

@@ -23,7 +23,8 @@
 //! never publishes change notifications and does not count as ingest.
 
 use super::Index;
-use super::ingest::{ChainWrite, Pending};
+use super::counters::Pending;
+use super::ingest::ChainWrite;
 use super::records::Partition;
 use crate::ReplicaId;
 use crate::clock::us_to_ms;

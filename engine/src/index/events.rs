@@ -3,7 +3,7 @@
 //! partition list), REPLICA_UPDATED refreshes a replica's stats clock; PREFIX_ADDED and unknown
 //! types are ignored. Events never run quota or cap enforcement (E7).
 
-use super::ingest::Pending;
+use super::counters::Pending;
 use super::records::{ModelRec, Partition};
 use super::{Index, STATS_RECORD_BYTES};
 use crate::clock::us_to_ms;

@@ -13,15 +13,26 @@
 //! This file holds the [`Index`] itself: its fields, constructor, configuration and change sink.
 //! Each area of its work is one child module with the types it owns, most of them adding an `impl
 //! Index` block: `records` (tenants, models, scopes, partitions), `resolution` (finding and
-//! creating them), `ingest`, `removal` (one entry, and sliced removal walks), `events`, `walk` (the
-//! longest-prefix match) with `lookahead` (writers' prefetch), `route` (lookups, ranking, LFU
-//! crediting), `reports` (aggregates, reads, memory), `sweep` (TTL and lifecycle), `eviction` (cap
-//! and quotas), `dump` (checkpoints) and `replicate` (replicated mode).
+//! creating them), `ingest`, `counters` (the derived counters' pending deltas and their flush),
+//! `removal` (one entry, and sliced removal walks), `events`, `route` (lookups: it resolves the
+//! partition, runs `walk`, the longest-prefix match, then `ranking`: scores, R4, R5, pressure
+//! and the spec's formulas), `crediting` (LFU credits of captured hits), `reports` (aggregates,
+//! reads, memory), `sweep` (TTL and lifecycle), `eviction/` (the cap and quotas: the hand, the
+//! walk, the exact path), `dump` (checkpoints), `replicate` and `decision_log` (replicated mode).
+//!
+//! The files import each other without a cycle (`engine/tests/module_graph.rs`): the `Index`'s
+//! fields name only files below it (`records`, `eviction/hand.rs`, `decision_log`), children
+//! reach the `Index` through `super`, and a lookup's files depend one way, route → walk →
+//! ranking.
 
+mod counters;
+mod crediting;
+mod decision_log;
 mod dump;
 mod events;
 pub(crate) mod eviction;
 mod ingest;
+pub(crate) mod ranking;
 mod records;
 mod removal;
 mod replicate;
@@ -33,12 +44,14 @@ mod sweep;
 mod testing;
 mod walk;
 
+pub use crediting::CapturedHits;
+pub use decision_log::{Decided, DecisionLog};
 pub use dump::{DumpPartition, DumpedEntry, DumpedStats, LoadEntry, LoadOutcome, LoadTarget};
 pub use eviction::EvictionReason;
-pub use replicate::{Decided, DecisionLog, IndexDigest, replica_entry_hash};
+pub use replicate::{IndexDigest, replica_entry_hash};
 pub use reports::{MemoryBreakdown, RecordCounts};
 pub use resolution::PartitionHandle;
-pub use route::{CapturedHits, RouteBuffer, RouteResult};
+pub use route::{RouteBuffer, RouteResult};
 pub use sweep::SweepOutcome;
 pub use walk::{ChainMatch, MatchScratch};
 
@@ -46,7 +59,7 @@ use crate::clock::Clock;
 use crate::config::{IndexConfig, Resolvers};
 use crate::directory::Directory;
 use crate::sink::ChangeSink;
-use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Mutex, Ordering, RwLock};
+use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Condvar, Mutex, Ordering, RwLock};
 #[cfg(loom)]
 use crossbeam_epoch as epoch;
 use eviction::EVICT_SLOTS;
@@ -54,7 +67,6 @@ use records::{GaugeRec, ModelRec, Partition, ScopeRec, StatsRecord, TenantRec};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
-use sweep::Ticker;
 
 pub use crate::raw::run_store::SLICE;
 
@@ -102,10 +114,16 @@ pub struct Index {
     ready: AtomicBool,
     ticker: Mutex<Option<Ticker>>,
     sweep_lock: Mutex<()>,
-    /// Victim-selection state of the global cap (V2; see `eviction.rs`).
-    cap_hand: Mutex<eviction::Hand>,
+    /// Victim-selection state of the global cap (V2; see `eviction/`).
+    cap_hand: Mutex<eviction::Hand<Partition>>,
     /// Lanes per LFU stripe set (see `table::LfuCell`).
     stripe_lanes: usize,
+}
+
+/// The sweep thread of [`Index::start`] and the flag and condition variable that stop it.
+pub(super) struct Ticker {
+    pub(super) stop: Arc<(Mutex<bool>, Condvar)>,
+    pub(super) handle: std::thread::JoinHandle<()>,
 }
 
 const STATS_RECORD_BYTES: i64 = std::mem::size_of::<StatsRecord>() as i64 + 48;

@@ -37,8 +37,8 @@ pub(crate) struct TenantRec {
     pub(crate) models: Mutex<Vec<Weak<ModelRec>>>,
     /// Keys removed by the tenant quota (V5, `tenant_evictions_total{over_entries}`).
     pub(crate) quota_evictions: AtomicU64,
-    /// Victim-selection state of the tenant quota (V5; see `eviction.rs`).
-    pub(crate) quota_hand: Mutex<super::eviction::Hand>,
+    /// Victim-selection state of the tenant quota (V5; see `eviction/`).
+    pub(crate) quota_hand: Mutex<super::eviction::Hand<Partition>>,
 }
 
 /// Per-model gauge (V7): distinct non-reserved keys across tenants.

@@ -7,7 +7,7 @@
 //! (D4).
 
 use super::Index;
-use super::ingest::Pending;
+use super::counters::Pending;
 use super::records::{ModelRec, Partition};
 use crate::raw::holder::Holder;
 use crate::raw::lfu::KeyAccessSum;
@@ -93,8 +93,10 @@ impl Index {
     /// Applies `n` keys' removal to the key counts of `part`.
     pub(super) fn drop_keys(&self, part: &Partition, n: usize, guard: &Guard) {
         if n > 0 {
-            let mut pend = Pending::default();
-            pend.keys = -(n as i64);
+            let mut pend = Pending {
+                keys: -(n as i64),
+                ..Default::default()
+            };
             // No entry deltas: any replica index will do.
             self.flush_derived(part, 0, &mut pend, guard);
         }

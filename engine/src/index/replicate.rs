@@ -30,7 +30,8 @@
 //!   it holds before it loads a checkpoint.
 
 use super::DumpPartition;
-use super::ingest::Pending;
+use super::counters::Pending;
+use super::decision_log::{Decided, DecisionLog};
 use super::records::Partition;
 use super::{CapturedHits, Index};
 use crate::raw::holder::{key_parts, tier_code, tier_wire};
@@ -39,32 +40,6 @@ use std::sync::Arc;
 // The switch is a setting outside the loom seam (see `Index::local_eviction`'s field).
 use std::sync::atomic::Ordering;
 use xxhash_rust::xxh3::xxh3_128;
-
-/// One entry the leader's cap, quota or sweep removed (reported to the decision log).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Decided<'a> {
-    /// Tenant.
-    pub tenant_id: &'a str,
-    /// Model.
-    pub model_id: &'a str,
-    /// Hash scheme of the partition.
-    pub hash_scheme: &'a str,
-    /// Adapter of the partition.
-    pub adapter_id: &'a str,
-    /// Replica that held the entry.
-    pub replica_id: &'a str,
-    /// Key hash.
-    pub key: &'a [u8],
-    /// The entry's `last_seen` when it was removed (ms since the epoch).
-    pub last_seen_ms: i64,
-}
-
-/// Receives the leader's eviction decisions. Called on the evicting thread, after the removal:
-/// it must not block and must not call back into the index.
-pub trait DecisionLog: Send + Sync {
-    /// One removed entry.
-    fn removed(&self, decided: &Decided<'_>);
-}
 
 /// An order-independent summary of the index's entries.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 
 use super::eviction::{EvictionReason, evict_slot};
 use super::records::{ModelRec, Partition, StatsRecord, TenantRec};
-use super::{Index, STATS_RECORD_BYTES};
+use super::{Index, STATS_RECORD_BYTES, Ticker};
 use crate::clock::us_to_ms;
 use crate::config::Algorithm;
 use crate::directory::hash_strs;
@@ -48,11 +48,6 @@ fn collect_garbage(out: &SweepOutcome) {
     for _ in 0..4 + unlinked.div_ceil(64) {
         epoch::pin().flush();
     }
-}
-
-pub(super) struct Ticker {
-    pub(super) stop: Arc<(Mutex<bool>, Condvar)>,
-    pub(super) handle: std::thread::JoinHandle<()>,
 }
 
 impl Index {

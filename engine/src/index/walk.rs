@@ -5,11 +5,11 @@
 //! 0 has a scope-local index below 64, and the general path.
 
 use super::Index;
+use super::ranking::Ranked;
+use super::ranking::formulas::{freshness, is_live};
 use super::records::{Partition, ReplicaView, ScopeReplica};
 use super::resolution::PartitionHandle;
-use super::route::Ranked;
 use crate::clock::us_to_ms;
-use crate::rank::{freshness, is_live};
 use crate::raw::block_run::BlockRun;
 use crate::raw::holder::{digest, tier_wire};
 use crate::raw::run_store::{EightByteKeys, Keys};

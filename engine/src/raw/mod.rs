@@ -13,6 +13,7 @@ pub(crate) mod block_run;
 pub(crate) mod doubling;
 pub(crate) mod holder;
 pub(crate) mod hooks;
+pub(crate) mod key;
 pub(crate) mod lfu;
 #[cfg(loom)]
 pub mod loom_api;
