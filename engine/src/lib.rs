@@ -5,6 +5,8 @@
 //! Rule IDs (K, S, E, L, R, O, V, G, N, C, P) refer to the product spec `index.md`; the design,
 //! memory layout and memory-ordering argument are in `docs/engine.md`.
 
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 pub mod fingerprint;
 

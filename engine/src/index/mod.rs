@@ -71,6 +71,164 @@ use std::sync::atomic::AtomicUsize;
 pub use crate::raw::run_store::SLICE;
 
 /// The cache-aware routing index.
+///
+/// Every method takes `&self`: share the index (`Arc<Index>`) between the threads that ingest,
+/// look up and sweep. Lookups take no lock.
+///
+/// # Ingest and look up
+///
+/// A replica reports the chain of blocks it holds (K14); a lookup walks a request's chain and
+/// ranks the replicas by the tokens they hold of its prefix (R1–R5):
+///
+/// ```
+/// use inferencecache_engine::*;
+/// use std::sync::Arc;
+///
+/// let now_us = 1_700_000_000_000_000;
+/// let index = Index::new(
+///     IndexConfig::default(),
+///     Arc::new(DefaultResolvers),
+///     Arc::new(ManualClock::new(now_us)),
+/// );
+/// let blocks: Vec<[u8; 8]> = vec![[1; 8], [2; 8]];
+/// let tokens = vec![16, 16];
+/// // "r0" holds both blocks, "r1" only the first.
+/// for (replica, held) in [("r0", 2), ("r1", 1)] {
+///     let outcome = index.ingest(CacheStateUpdate {
+///         replica_id: replica,
+///         model_id: "llama",
+///         tenant_id: "acme",
+///         hash_scheme: "vllm-sha256",
+///         timestamp_us: now_us,
+///         adapter_id: "",
+///         stats: None,
+///         prefixes: std::iter::once(PrefixRef {
+///             prefix_hash: b"",
+///             token_count: 0,
+///             block_hashes: &blocks[..held],
+///             block_token_counts: &tokens[..held],
+///             tier: 0,
+///             adapter_id: "",
+///         }),
+///     });
+///     assert_eq!(outcome.entries_added, held as u64);
+/// }
+///
+/// let scores = index.lookup(&LookupRequest {
+///     block_hashes: &blocks,
+///     block_token_counts: &tokens,
+///     ..LookupRequest::new("acme", "llama", "vllm-sha256")
+/// });
+/// // r0 matched 32 tokens, r1 16; each score is scaled by R4's distinguishing power (of the
+/// // two serving replicas, one matched 32 or more: 1 − 1/2; both matched 16 or more: 0).
+/// let ranked: Vec<(&str, f32)> = scores.iter().map(|s| (&*s.replica_id, s.score)).collect();
+/// assert_eq!(ranked, [("r0", 16.0), ("r1", 0.0)]);
+/// ```
+///
+/// # Evict
+///
+/// An engine that drops blocks says so (E3); the index forgets them for that replica only:
+///
+/// ```
+/// # use inferencecache_engine::*;
+/// # use std::sync::Arc;
+/// # let now_us = 1_700_000_000_000_000;
+/// # let index = Index::new(
+/// #     IndexConfig::default(),
+/// #     Arc::new(DefaultResolvers),
+/// #     Arc::new(ManualClock::new(now_us)),
+/// # );
+/// # let blocks: Vec<[u8; 8]> = vec![[1; 8], [2; 8]];
+/// # let tokens = vec![16, 16];
+/// # index.ingest(CacheStateUpdate {
+/// #     replica_id: "r0",
+/// #     model_id: "llama",
+/// #     tenant_id: "acme",
+/// #     hash_scheme: "vllm-sha256",
+/// #     timestamp_us: now_us,
+/// #     adapter_id: "",
+/// #     stats: None,
+/// #     prefixes: std::iter::once(PrefixRef {
+/// #         prefix_hash: b"",
+/// #         token_count: 0,
+/// #         block_hashes: &blocks[..],
+/// #         block_token_counts: &tokens[..],
+/// #         tier: 0,
+/// #         adapter_id: "",
+/// #     }),
+/// # });
+/// // r0 evicts its second block: a lookup of the chain now matches its first block only.
+/// let removed = index.evict_prefixes("acme", "llama", "r0", "", &blocks[1..], now_us);
+/// assert_eq!(removed, 1);
+/// let scores = index.lookup(&LookupRequest {
+///     block_hashes: &blocks,
+///     block_token_counts: &tokens,
+///     ..LookupRequest::new("acme", "llama", "vllm-sha256")
+/// });
+/// assert_eq!(scores.len(), 1);
+/// assert_eq!((&*scores[0].replica_id, scores[0].matched_tokens), ("r0", 16));
+/// ```
+///
+/// # Checkpoint
+///
+/// [`checkpoint::write::write_checkpoint`](crate::checkpoint::write::write_checkpoint) dumps
+/// the index into any writer while it serves;
+/// [`checkpoint::read::restore`](crate::checkpoint::read::restore) checks a checkpoint whole,
+/// then loads it into another index:
+///
+/// ```
+/// use inferencecache_engine::checkpoint::{read::restore, write::{WriteOptions, write_checkpoint}};
+/// use inferencecache_engine::*;
+/// use std::sync::Arc;
+///
+/// let now_us = 1_700_000_000_000_000;
+/// let new_index = || {
+///     Index::new(
+///         IndexConfig::default(),
+///         Arc::new(DefaultResolvers),
+///         Arc::new(ManualClock::new(now_us)),
+///     )
+/// };
+/// let index = new_index();
+/// let blocks: Vec<[u8; 8]> = vec![[1; 8], [2; 8]];
+/// let tokens = vec![16, 16];
+/// index.ingest(CacheStateUpdate {
+///     replica_id: "r0",
+///     model_id: "llama",
+///     tenant_id: "acme",
+///     hash_scheme: "vllm-sha256",
+///     timestamp_us: now_us,
+///     adapter_id: "",
+///     stats: None,
+///     prefixes: std::iter::once(PrefixRef {
+///         prefix_hash: b"",
+///         token_count: 0,
+///         block_hashes: &blocks[..],
+///         block_token_counts: &tokens[..],
+///         tier: 0,
+///         adapter_id: "",
+///     }),
+/// });
+///
+/// let mut file = Vec::new();
+/// let options = WriteOptions {
+///     created_ms: now_us / 1000,
+///     stream_seq: 0,
+///     blobs: Vec::new(),
+/// };
+/// let written = write_checkpoint(&index, &mut file, &options).expect("writing to memory");
+/// assert_eq!(written.entries, 2);
+///
+/// let restored = new_index();
+/// let report = restore(&restored, std::io::Cursor::new(file)).expect("a whole checkpoint");
+/// assert_eq!(report.entries, 2);
+/// let request = LookupRequest {
+///     block_hashes: &blocks,
+///     block_token_counts: &tokens,
+///     ..LookupRequest::new("acme", "llama", "vllm-sha256")
+/// };
+/// assert_eq!(restored.lookup(&request), index.lookup(&request));
+/// ```
 pub struct Index {
     /// This index among the process's (a route buffer's partition memo names its index).
     id: u64,

@@ -165,7 +165,9 @@ struct Hint {
 /// on (see the module docs, "Hints").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HintTarget {
+    /// The slot value of the block that followed the stretch.
     pub value: u64,
+    /// The id of that block's run.
     pub id: u32,
     /// Kept up to [`MAX_LEN`].
     pub span: usize,

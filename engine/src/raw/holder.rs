@@ -56,6 +56,8 @@ pub struct Holder {
 }
 
 impl Holder {
+    /// A holder entry: replica index `rep` (≤ 2^20 − 1), tier code 1..=4, token count,
+    /// `last_seen` (ms, clamped to 43 bits) and generation (27 bits).
     #[inline]
     pub fn new(rep: u32, tier: u8, tokens: i32, last_seen_ms: i64, generation: u32) -> Self {
         debug_assert!(rep <= REP_MASK);
@@ -76,14 +78,17 @@ impl Holder {
     pub fn words(&self) -> (u64, u64) {
         (self.a, self.b)
     }
+    /// The replica's index in its scope.
     #[inline]
     pub fn rep(&self) -> u32 {
         (self.a & REP_MASK as u64) as u32
     }
+    /// When the replica last reported the block (ms since the epoch).
     #[inline]
     pub fn last_seen_ms(&self) -> i64 {
         (self.a as i64) >> REP_BITS
     }
+    /// The block's token count (K8).
     #[inline]
     pub fn tokens(&self) -> i32 {
         self.b as u32 as i32
@@ -96,10 +101,12 @@ impl Holder {
             b: (self.b & !u64::from(u32::MAX)) | u64::from(tokens as u32),
         }
     }
+    /// The tier code (1..=4).
     #[inline]
     pub fn tier(&self) -> u8 {
         ((self.b >> 32) & 3) as u8 + 1
     }
+    /// The entry's generation: a re-created entry of the same key and replica has another.
     #[inline]
     pub fn generation(&self) -> u32 {
         ((self.b >> 34) as u32) & GEN_MASK

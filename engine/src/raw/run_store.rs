@@ -173,9 +173,11 @@ impl std::ops::AddAssign for EvictReport {
 /// The replica state an ingest writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Writing {
+    /// The replica's index in its scope.
     pub rep: u32,
     /// Tier code 1..=4.
     pub tier: u8,
+    /// The write's time (ms since the epoch).
     pub ts_ms: i64,
 }
 
@@ -233,10 +235,12 @@ impl<'a, K: AsRef<[u8]>> Keys<'a, K> {
         })
     }
 
+    /// Keys in the chain.
     pub fn len(&self) -> usize {
         self.digests.len()
     }
 
+    /// No key.
     pub fn is_empty(&self) -> bool {
         self.digests.is_empty()
     }
@@ -677,6 +681,7 @@ impl RunStore {
         self.table.len()
     }
 
+    /// No key present.
     pub fn is_empty(&self) -> bool {
         self.table.is_empty()
     }

@@ -1,5 +1,5 @@
-//! Reading the engine's own source text, for the tests that check its structure
-//! (`module_graph.rs`, `lock_family.rs`).
+//! Reading the workspace's own source text, for the tests that check its structure
+//! (`module_graph.rs`, `file_size.rs`, `lock_family.rs`).
 
 use std::path::{Path, PathBuf};
 
@@ -112,6 +112,167 @@ pub fn code_only(text: &str) -> String {
             // Everything else, lifetimes and labels included.
             out.push(c);
             i += 1;
+        }
+    }
+    out
+}
+
+/// Whether a `#[cfg(…)]` attribute's predicate makes its item test-only.
+pub fn is_test_only(predicate: &str) -> bool {
+    let p: String = predicate.chars().filter(|c| !c.is_whitespace()).collect();
+    p == "test" || p.starts_with("all(test,") || p == "all(test)"
+}
+
+/// The code with every test-only item blanked out (newlines kept). Returns `None` when the
+/// whole file is test-only (`#![cfg(test)]`).
+pub fn without_test_code(code: &str) -> Option<String> {
+    let chars: Vec<char> = code.chars().collect();
+    let keep = test_mask(&chars)?;
+    Some(
+        chars
+            .iter()
+            .zip(&keep)
+            .map(|(&c, &k)| if k || c == '\n' { c } else { ' ' })
+            .collect(),
+    )
+}
+
+/// Per line of `code`: whether the line lies wholly inside a test-only item (its attribute
+/// line through its closing line). Every line when the whole file is test-only.
+pub fn test_only_lines(code: &str) -> Vec<bool> {
+    let chars: Vec<char> = code.chars().collect();
+    let line_count = code.lines().count();
+    let Some(keep) = test_mask(&chars) else {
+        return vec![true; line_count];
+    };
+    let mut out = Vec::with_capacity(line_count);
+    let mut line_is_test = true;
+    let mut line_has_chars = false;
+    for (c, k) in chars.iter().zip(&keep) {
+        if *c == '\n' {
+            // A blank line belongs where its newline does.
+            out.push(if line_has_chars { line_is_test } else { !k });
+            line_is_test = true;
+            line_has_chars = false;
+        } else {
+            line_has_chars = true;
+            line_is_test &= !k;
+        }
+    }
+    if line_has_chars {
+        out.push(line_is_test);
+    }
+    out
+}
+
+/// Per character: `false` inside a test-only item (`#[cfg(test)]`, `#[cfg(all(test, …))]`),
+/// from its attribute through the end of the item. `None` when the whole file is test-only.
+fn test_mask(chars: &[char]) -> Option<Vec<bool>> {
+    let mut keep = vec![true; chars.len()];
+    let mut i = 0;
+    while i < chars.len() {
+        if chars[i] != '#' {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        let mut j = i + 1;
+        let inner = chars.get(j) == Some(&'!');
+        if inner {
+            j += 1;
+        }
+        if chars.get(j) != Some(&'[') {
+            i += 1;
+            continue;
+        }
+        // The attribute's body, up to its matching `]`.
+        let mut depth = 0;
+        let body_start = j + 1;
+        while j < chars.len() {
+            match chars[j] {
+                '[' => depth += 1,
+                ']' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        break;
+                    }
+                }
+                _ => {}
+            }
+            j += 1;
+        }
+        let body: String = chars[body_start..j.min(chars.len())].iter().collect();
+        let body = body.trim();
+        let test_only = body
+            .strip_prefix("cfg")
+            .map(str::trim_start)
+            .and_then(|b| b.strip_prefix('('))
+            .and_then(|b| b.strip_suffix(')'))
+            .is_some_and(is_test_only);
+        if !test_only {
+            i = j + 1;
+            continue;
+        }
+        if inner {
+            return None;
+        }
+        // The item: up to the first `;` or the end of the first `{…}` block at depth 0
+        // (other attributes, a signature's parentheses and generics come before either).
+        let mut k = j + 1;
+        let mut parens = 0i32;
+        while k < chars.len() {
+            match chars[k] {
+                '(' | '[' => parens += 1,
+                ')' | ']' => parens -= 1,
+                ';' if parens == 0 => break,
+                '{' if parens == 0 => {
+                    let mut braces = 0;
+                    while k < chars.len() {
+                        match chars[k] {
+                            '{' => braces += 1,
+                            '}' => {
+                                braces -= 1;
+                                if braces == 0 {
+                                    break;
+                                }
+                            }
+                            _ => {}
+                        }
+                        k += 1;
+                    }
+                    break;
+                }
+                _ => {}
+            }
+            k += 1;
+        }
+        for flag in keep.iter_mut().take((k + 1).min(chars.len())).skip(start) {
+            *flag = false;
+        }
+        i = k + 1;
+    }
+    Some(keep)
+}
+
+/// The names of the child modules a file declares only for tests (`#[cfg(test)] mod name;`):
+/// their files are test code.
+pub fn test_only_children(text: &str) -> Vec<String> {
+    let code = code_only(text);
+    let kept = without_test_code(&code).unwrap_or_default();
+    let mut out = Vec::new();
+    for (line, kept_line) in code.lines().zip(kept.lines()) {
+        let declared = line
+            .trim()
+            .trim_start_matches("pub(crate) ")
+            .trim_start_matches("pub(super) ")
+            .trim_start_matches("pub ")
+            .strip_prefix("mod ")
+            .and_then(|rest| rest.strip_suffix(';'))
+            .map(str::trim);
+        if let Some(name) = declared
+            && kept_line.trim().is_empty()
+        {
+            out.push(name.to_string());
         }
     }
     out
