@@ -11,8 +11,7 @@
 //! counted by every handle: the scope slot and the stats records that name it, and any result
 //! a caller still holds. The last handle's drop frees the text and takes it out of the
 //! interner, so a fleet that renames its pods at every rollout keeps only the ids that some
-//! record or result still names (the records go once they hold nothing, `index/records.rs`); the
-//! interner used to leak every id it had ever seen.
+//! record or result still names (the records go once they hold nothing, `index/records.rs`).
 //!
 //! Invariants: the interner maps a text to its live copy (count ≥ 1) or to a dying one (count
 //! 0, its last handle being dropped); it never hands out a dying copy (a count is only raised
@@ -353,7 +352,7 @@ mod tests {
 
     /// A fleet that renames its pods forever: more than 2^20 distinct ids over time, at most
     /// 64 named at once. Every id goes with its last handle, so the interner holds at most the
-    /// 64 (it used to keep all of them).
+    /// 64.
     #[test]
     fn ids_are_freed_with_their_last_handle() {
         let mut fleet: Vec<ReplicaId> = Vec::new();

@@ -1,9 +1,9 @@
 //! Loom models of the engine's concurrent protocols, run against the real engine code.
 //!
 //! Build: `RUSTFLAGS="--cfg loom --cfg crossbeam_loom"` (see `README.md` / `run.sh`). Under that
-//! build the engine's atomics, its shard writer mutex and crossbeam-epoch are loom's, and every key
-//! node / LFU cell / key sum has a shadow `loom::cell::UnsafeCell` (`engine/src/loom_api.rs`):
-//! creation and free are writes, every engine dereference is a read. A torn publication (node
+//! build the engine's atomics, its locks and crossbeam-epoch are loom's, and every block run,
+//! LFU cell and key sum has a shadow `loom::cell::UnsafeCell` (`engine/src/raw/loom_api.rs`):
+//! creation and free are writes, every engine dereference is a read. A torn publication (an object
 //! visible before its initialisation happens-before the read) or a use-after-free (free not
 //! ordered after a pinned reader's read) is therefore a loom causality failure, and a read of an
 //! already-freed object or a double free panics.
@@ -898,7 +898,7 @@ fn m9_concurrent_partition_creation() {
 }
 
 // ------------------------------------------------------------------------------------------------
-// 10. Chain runs (`engine/src/runs.rs`)
+// 10. Chain runs (`engine/src/raw/block_run.rs`, `engine/src/raw/run_store.rs`)
 
 /// The four blocks of the models' shared chain.
 fn run_chain() -> [[u8; 8]; 4] {
@@ -1086,7 +1086,7 @@ fn m11_reaper_push_vs_free_all() {
 }
 
 // ------------------------------------------------------------------------------------------------
-// 12. Record reclamation (`engine/src/dir.rs`, `Life`; `Index::sweep_now`)
+// 12. Record reclamation (`engine/src/directory.rs`, `Life`; `Index::sweep_now`)
 
 /// Model 12: the sweep reclaims records that hold nothing while an ingest writes into them.
 /// The partition, its scope slot for `A` and the records above it exist and are empty (a key

@@ -274,7 +274,7 @@ pub struct Index {
     sweep_lock: Mutex<()>,
     /// Victim-selection state of the global cap (V2; see `eviction/`).
     cap_hand: Mutex<eviction::Hand<Partition>>,
-    /// Lanes per LFU stripe set (see `table::LfuCell`).
+    /// Lanes per LFU stripe set (see `raw/lfu.rs`, `LfuCell`).
     stripe_lanes: usize,
 }
 

@@ -350,8 +350,8 @@ impl BlockRun {
     /// A new, unregistered run over `keys` (1..=[`MAX_LEN`]) held by `holders` (1..=`capacity`),
     /// with room for `capacity` (≤ [`MAX_HOLDERS`]) holder entries and no hints, dead or gone
     /// bits, and no references. `None` when the arguments are out of range or the allocation's
-    /// address does not fit a slot value (never on today's 64-bit targets, whose user
-    /// addresses have at most 48 bits).
+    /// address does not fit a slot value (never on 64-bit targets whose user addresses have at
+    /// most 48 bits).
     pub fn create(holders: &[Holder], capacity: usize, keys: &[u64]) -> Option<NonNull<BlockRun>> {
         Self::create_keyed::<[u8; 8]>(holders, capacity, keys, None, 0)
     }

@@ -119,8 +119,7 @@ pub(crate) fn destroyed(kind: Kind, addr: usize) {
 }
 
 /// One eager collection step on the calling thread: pushes its deferred-garbage bag to the
-/// global queue and tries to advance the epoch and free expired bags (what the engine's writers
-/// do every 64 retirements, `table::note_retired`). A writer that calls this twice right after
+/// global queue and tries to advance the epoch and free expired bags. A writer that calls this twice right after
 /// unlinking can free what it retired while another model thread is still pinned — exactly the
 /// window in which a broken epoch protocol would let a reader use freed memory.
 pub fn reclaim_step() {
