@@ -1076,7 +1076,30 @@ fn m10d_stretch_state_vs_walk() {
 #[test]
 fn m11_reaper_push_vs_free_all() {
     model(|| {
-        loom_api::reaper_push_vs_free_all();
+        let reaper: Arc<Reaper<BlockRun>> = Arc::new(Reaper::default());
+        let new_run = || {
+            BlockRun::create(&[Holder::new(0, 1, 16, 1_000, 1)], 1, &[1, 2, 3, 4])
+                .expect("run address")
+                .as_ptr() as usize
+        };
+        let (r1, r2, r3) = (new_run(), new_run(), new_run());
+        let pusher = |runs: Vec<usize>| {
+            let reaper = Arc::clone(&reaper);
+            loom::thread::spawn(move || {
+                for r in runs {
+                    // SAFETY: a run of this model's own, pushed once, read by nothing else.
+                    unsafe { reaper.push(r as *mut BlockRun) };
+                }
+            })
+        };
+        let a = pusher(vec![r1, r2]);
+        let b = pusher(vec![r3]);
+        let mut freed = reaper.free_all();
+        a.join().expect("pusher");
+        b.join().expect("pusher");
+        freed += reaper.free_all();
+        assert_eq!(freed, 3, "every run freed once");
+        assert!(reaper.is_empty());
         assert_eq!(
             loom_api::built(Kind::BlockRun),
             loom_api::freed(Kind::BlockRun),

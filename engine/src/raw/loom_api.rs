@@ -16,107 +16,12 @@
 //! object already marked dead, and a double free, panic directly. The ledger also counts
 //! creations and frees so a model can check that nothing leaks once every reader has left.
 //!
-//! The ledger lives in a `std` thread-local: loom runs all threads of one model on the test's OS
+//! The ledger (`raw/hooks.rs`, where the hooks record into it) lives in a `std` thread-local: loom runs all threads of one model on the test's OS
 //! thread, and each `#[test]` has its own OS thread. It is only active between [`arm`] and
 //! [`disarm`] (objects freed when loom tears an execution down, outside the model, are ignored).
 
-use std::cell::RefCell;
-use std::collections::HashMap;
-
 pub use crate::raw::hooks::Kind;
-
-struct Entry {
-    kind: Kind,
-    shadow: loom::cell::UnsafeCell<()>,
-}
-
-#[derive(Default)]
-struct Ledger {
-    armed: bool,
-    live: HashMap<usize, Entry>,
-    built: HashMap<Kind, u64>,
-    freed: HashMap<Kind, u64>,
-}
-
-std::thread_local! {
-    static LEDGER: RefCell<Ledger> = RefCell::new(Ledger::default());
-}
-
-/// Starts tracking (call first thing inside the `loom::model` closure): clears the ledger.
-pub fn arm() {
-    LEDGER.with(|l| {
-        let mut l = l.borrow_mut();
-        *l = Ledger::default();
-        l.armed = true;
-    });
-}
-
-/// Stops tracking (call last thing inside the `loom::model` closure).
-pub fn disarm() {
-    LEDGER.with(|l| *l.borrow_mut() = Ledger::default());
-}
-
-/// Objects of `kind` created since [`arm`].
-pub fn built(kind: Kind) -> u64 {
-    LEDGER.with(|l| l.borrow().built.get(&kind).copied().unwrap_or(0))
-}
-
-/// Objects of `kind` freed since [`arm`].
-pub fn freed(kind: Kind) -> u64 {
-    LEDGER.with(|l| l.borrow().freed.get(&kind).copied().unwrap_or(0))
-}
-
-/// Objects of `kind` created since [`arm`] and not freed yet.
-pub fn live(kind: Kind) -> usize {
-    LEDGER.with(|l| l.borrow().live.values().filter(|e| e.kind == kind).count())
-}
-
-pub(crate) fn created(kind: Kind, addr: usize) {
-    LEDGER.with(|l| {
-        let mut l = l.borrow_mut();
-        if !l.armed {
-            return;
-        }
-        let shadow = loom::cell::UnsafeCell::new(());
-        shadow.with_mut(|_| ());
-        if let Some(old) = l.live.insert(addr, Entry { kind, shadow }) {
-            panic!(
-                "loom ledger: {kind:?} created at the address of a live {:?}",
-                old.kind
-            );
-        }
-        *l.built.entry(kind).or_default() += 1;
-    });
-}
-
-pub(crate) fn read(kind: Kind, addr: usize) {
-    LEDGER.with(|l| {
-        let l = l.borrow();
-        if !l.armed {
-            return;
-        }
-        match l.live.get(&addr) {
-            Some(e) if e.kind == kind => e.shadow.with(|_| ()),
-            _ => panic!("loom ledger: read of a freed or unknown {kind:?} at {addr:#x}"),
-        }
-    });
-}
-
-pub(crate) fn destroyed(kind: Kind, addr: usize) {
-    LEDGER.with(|l| {
-        let mut l = l.borrow_mut();
-        if !l.armed {
-            return;
-        }
-        match l.live.remove(&addr) {
-            Some(e) if e.kind == kind => {
-                e.shadow.with_mut(|_| ());
-                *l.freed.entry(kind).or_default() += 1;
-            }
-            _ => panic!("loom ledger: free of a freed or unknown {kind:?} at {addr:#x}"),
-        }
-    });
-}
+pub use crate::raw::hooks::ledger::{arm, built, disarm, freed, live};
 
 /// One eager collection step on the calling thread: pushes its deferred-garbage bag to the
 /// global queue and tries to advance the epoch and free expired bags. A writer that calls this twice right after
@@ -152,37 +57,3 @@ pub fn collect_garbage(mut done: impl FnMut() -> bool) -> bool {
 /// Upper bound on [`collect_garbage`] rounds: a bag needs two epoch advances, and a collection
 /// step frees at most 8 bags; the models retire far fewer.
 const COLLECT_ROUNDS: usize = 16;
-
-/// Model m11: a run reaper's lock-free stack on its own (see `raw/reaper.rs`): two threads
-/// push retired runs while the calling thread frees the stack; every run is freed exactly once
-/// (the ledger checks it).
-pub fn reaper_push_vs_free_all() {
-    use crate::raw::block_run::BlockRun;
-    use crate::raw::holder::Holder;
-    use crate::raw::reaper::Reaper;
-    use std::sync::Arc;
-    let reaper: Arc<Reaper<BlockRun>> = Arc::new(Reaper::default());
-    let new_run = || {
-        BlockRun::create(&[Holder::new(0, 1, 16, 1_000, 1)], 1, &[1, 2, 3, 4])
-            .expect("run address")
-            .as_ptr() as usize
-    };
-    let (r1, r2, r3) = (new_run(), new_run(), new_run());
-    let pusher = |runs: Vec<usize>| {
-        let reaper = Arc::clone(&reaper);
-        loom::thread::spawn(move || {
-            for r in runs {
-                // SAFETY: a run of this model's own, pushed once, read by nothing else.
-                unsafe { reaper.push(r as *mut BlockRun) };
-            }
-        })
-    };
-    let a = pusher(vec![r1, r2]);
-    let b = pusher(vec![r3]);
-    let mut freed = reaper.free_all();
-    a.join().expect("pusher");
-    b.join().expect("pusher");
-    freed += reaper.free_all();
-    assert_eq!(freed, 3, "every run freed once");
-    assert!(reaper.is_empty());
-}
