@@ -41,13 +41,12 @@ pub use raw::loom_api;
 pub mod layout {
     pub use crate::raw::block_run::{
         BlockRun, FLAG, HINTS, HintTarget, HintedBlock, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds,
-        ScanStep, long_part, pack, unpack,
+        ScanStep, pack, unpack,
     };
-    pub use crate::raw::holder::{Holder, digest};
+    pub use crate::raw::holder::Holder;
+    pub use crate::raw::key::{Keys, digest, long_part};
     pub use crate::raw::reaper::{Reaper, Reclaim};
-    pub use crate::raw::run_store::{
-        EvictReport, IngestReport, Keys, RunStore, StoreOptions, Writing,
-    };
+    pub use crate::raw::run_store::{EvictReport, IngestReport, RunStore, StoreOptions, Writing};
     pub use crate::raw::slots::{SlotTable, SlotValue, SlotWriter};
 }
 pub use index::ranking::formulas as rank;

@@ -5,8 +5,8 @@
 use super::Index;
 use super::records::Partition;
 use crate::ReplicaId;
-use crate::raw::holder::key_parts;
 use crate::raw::key::KeyBytesOwned;
+use crate::raw::key::key_parts;
 use crate::raw::lfu::Credited;
 use crossbeam_epoch::{self as epoch, Guard};
 use std::sync::Arc;

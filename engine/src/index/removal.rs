@@ -10,8 +10,9 @@ use super::Index;
 use super::counters::Pending;
 use super::records::{ModelRec, Partition};
 use crate::raw::holder::Holder;
+use crate::raw::key::KeyBytes;
 use crate::raw::lfu::KeyAccessSum;
-use crate::raw::run_store::{EvictReport, KeyBytes};
+use crate::raw::run_store::EvictReport;
 use crate::sync::Ordering;
 use crossbeam_epoch::{self as epoch, Guard};
 

@@ -34,7 +34,8 @@ use super::counters::Pending;
 use super::decision_log::{Decided, DecisionLog};
 use super::records::Partition;
 use super::{CapturedHits, Index};
-use crate::raw::holder::{key_parts, tier_code, tier_wire};
+use crate::raw::holder::{tier_code, tier_wire};
+use crate::raw::key::key_parts;
 use crossbeam_epoch as epoch;
 use std::sync::Arc;
 // The switch is a setting outside the loom seam (see `Index::local_eviction`'s field).

@@ -9,7 +9,8 @@ use super::records::{GaugeRec, ModelRec, Partition, ScopeRec, StatsRecord, Tenan
 use crate::ReplicaId;
 use crate::config::Algorithm;
 use crate::directory::{DIRECTORY_NODE_BYTES, hash_strs, same_str};
-use crate::raw::holder::{key_parts, tier_wire};
+use crate::raw::holder::tier_wire;
+use crate::raw::key::key_parts;
 use crate::raw::pages::heap_chunk;
 use crate::sync::Ordering;
 use crate::types::*;

@@ -17,7 +17,7 @@ use crate::ReplicaId;
 use crate::clock::us_to_ms;
 use crate::config::Algorithm;
 use crate::directory::hash_strs;
-use crate::raw::holder::key_parts;
+use crate::raw::key::key_parts;
 use crate::raw::key::own_key;
 use crate::sync::Ordering;
 use crate::types::*;
@@ -644,9 +644,8 @@ mod lfu_race_tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::config::IndexConfig;
-    use crate::sync::AtomicBool;
-
     use crate::index::testing::{NOW, Policy, single};
+    use crate::sync::AtomicBool;
 
     /// Credits racing with evictions and re-creations: once everything quiesces, the hot-key
     /// counter equals the number of keys whose live holders' access counts sum to ≥ threshold.

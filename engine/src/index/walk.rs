@@ -11,8 +11,8 @@ use super::records::{Partition, ReplicaView, ScopeReplica};
 use super::resolution::PartitionHandle;
 use crate::clock::us_to_ms;
 use crate::raw::block_run::BlockRun;
-use crate::raw::holder::{digest, tier_wire};
-use crate::raw::run_store::{EightByteKeys, Keys};
+use crate::raw::holder::tier_wire;
+use crate::raw::key::{EightByteKeys, Keys, digest};
 use crossbeam_epoch::{self as epoch, Guard};
 
 /// One run of the core longest-prefix match (L4 steps 1–4).

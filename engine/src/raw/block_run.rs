@@ -121,6 +121,7 @@
 
 use crate::raw::holder::Holder;
 use crate::raw::hooks::{self, Kind};
+use crate::raw::key::long_part;
 use crate::raw::reaper::{Reaper, Reclaim};
 use crate::raw::slots::prefetch;
 use crate::sync::{AtomicPtr, AtomicU64, Ordering};
@@ -321,13 +322,6 @@ fn descriptors_of(run: *const BlockRun, capacity: usize, len: usize) -> *const u
     (run as *const u8).wrapping_add(
         HEADER + len * 8 + (extra_dead_words(len) + extra_gone_words(capacity)) * WORD,
     ) as *const u64
-}
-
-/// The part of a key a run compares besides its digest: the bytes of a key of another length
-/// than 8 (an 8-byte key is its digest's big-endian bytes, so it has none).
-#[inline]
-pub fn long_part(key: &[u8]) -> Option<&[u8]> {
-    (key.len() != 8).then_some(key)
 }
 
 /// The slot value naming offset `o` of `run`.
@@ -1270,7 +1264,7 @@ mod tests {
 
     #[test]
     fn long_runs_keep_their_keys_bytes_and_compare_them() {
-        use crate::raw::holder::digest;
+        use crate::raw::key::digest;
         let long = b"a key of twenty-four bytes".as_slice();
         let keys: [&[u8]; 5] = [b"12345678", b"", long, &[7u8; 8], b"abc"];
         let digests: Vec<u64> = keys.iter().map(|k| digest(k)).collect();

@@ -119,22 +119,6 @@ impl Holder {
     }
 }
 
-/// A key as runs name it: its digest and its long part (its bytes if it is not 8 bytes long;
-/// `raw::block_run`, "Keys of other lengths").
-#[inline]
-pub fn key_parts(key: &[u8]) -> (u64, Option<&[u8]>) {
-    (digest(key), crate::raw::block_run::long_part(key))
-}
-
-/// The 64-bit digest of a key: an 8-byte key's big-endian value, else XXH3-64.
-#[inline]
-pub fn digest(b: &[u8]) -> u64 {
-    match <[u8; 8]>::try_from(b) {
-        Ok(a) => u64::from_be_bytes(a),
-        Err(_) => xxhash_rust::xxh3::xxh3_64(b),
-    }
-}
-
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -170,11 +154,5 @@ mod tests {
     fn tiers_map_as_k6_says() {
         assert_eq!([0, 1, 2, 3, 4, -1].map(tier_code), [1, 1, 2, 3, 4, 4]);
         assert_eq!([1, 2, 3, 4].map(tier_wire), [1, 2, 3, 0]);
-    }
-
-    #[test]
-    fn an_eight_byte_key_is_its_own_digest() {
-        assert_eq!(digest(&7u64.to_be_bytes()), 7);
-        assert_eq!(digest(b"abc"), xxhash_rust::xxh3::xxh3_64(b"abc"));
     }
 }

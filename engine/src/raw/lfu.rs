@@ -12,7 +12,7 @@
 //! for an entry already removed, and a removal finds every cell of its entry. Cells and key
 //! sums are retired through the epoch.
 
-use crate::raw::holder::digest;
+use crate::raw::key::digest;
 use crate::raw::pages::heap_chunk as chunk;
 use crate::sync::{AtomicI64, AtomicPtr, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{Atomic, Guard, Owned};

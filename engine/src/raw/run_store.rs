@@ -96,10 +96,10 @@
 //! replicas joining one shared stretch one by one copy `O(n²)` holder entries in all.
 
 use crate::raw::block_run::{
-    BlockRun, FLAG, HintTarget, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, ScanStep, long_part,
-    pack, unpack,
+    BlockRun, FLAG, HintTarget, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, ScanStep, pack, unpack,
 };
 use crate::raw::holder::{GEN_MASK, Holder};
+use crate::raw::key::{KeyBytes, Keys, Request, one_key};
 use crate::raw::reaper::Reaper;
 use crate::raw::slots::{Probe, SlotTable, SlotValue, SlotWriter, home, random_seed};
 use crate::sync::{AtomicU64, Mutex, Ordering};
@@ -181,213 +181,10 @@ pub struct Writing {
     pub ts_ms: i64,
 }
 
-/// A chain's keys as the store takes them: their digests (what slots hold and walks compare)
-/// and, when some may be of another length than 8 bytes, the keys themselves (`bytes[i]` is the
-/// key whose digest is `digests[i]`: an 8-byte key's big-endian value, else its XXH3-64; see
-/// `block_run`, "Keys of other lengths"). Without bytes every key is 8 bytes long.
-pub struct Keys<'a, K = [u8; 8]> {
-    digests: &'a [u64],
-    bytes: Option<&'a [K]>,
-}
-
-impl<K> Clone for Keys<'_, K> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<K> Copy for Keys<'_, K> {}
-
-impl<'a, K> Keys<'a, K> {
-    /// 8-byte keys, given as their values (their own digests).
-    pub fn eight(digests: &'a [u64]) -> Self {
-        Keys {
-            digests,
-            bytes: None,
-        }
-    }
-}
-
-impl<'a> From<&'a [u64]> for Keys<'a> {
-    fn from(digests: &'a [u64]) -> Self {
-        Keys::eight(digests)
-    }
-}
-
-impl<'a, const N: usize> From<&'a [u64; N]> for Keys<'a> {
-    fn from(digests: &'a [u64; N]) -> Self {
-        Keys::from(&digests[..])
-    }
-}
-
-impl<'a> From<&'a Vec<u64>> for Keys<'a> {
-    fn from(digests: &'a Vec<u64>) -> Self {
-        Keys::from(&digests[..])
-    }
-}
-
-impl<'a, K: AsRef<[u8]>> Keys<'a, K> {
-    /// Keys of any length with their digests; `None` when the two differ in length.
-    pub fn with_bytes(digests: &'a [u64], bytes: &'a [K]) -> Option<Self> {
-        (digests.len() == bytes.len()).then_some(Keys {
-            digests,
-            bytes: Some(bytes),
-        })
-    }
-
-    /// Keys in the chain.
-    pub fn len(&self) -> usize {
-        self.digests.len()
-    }
-
-    /// No key.
-    pub fn is_empty(&self) -> bool {
-        self.digests.is_empty()
-    }
-
-    #[inline]
-    fn digest(&self, i: usize) -> u64 {
-        self.digests[i]
-    }
-
-    /// Key `i`'s long part ([`long_part`]): its bytes if it is not 8 bytes long.
-    #[inline]
-    fn long(&self, i: usize) -> Option<&'a [u8]> {
-        self.bytes.and_then(|b| long_part(b[i].as_ref()))
-    }
-
-    /// Keys `range` of these.
-    fn range(&self, range: std::ops::Range<usize>) -> Self {
-        Keys {
-            digests: &self.digests[range.clone()],
-            bytes: self.bytes.map(|b| &b[range]),
-        }
-    }
-
-    /// Whether key `i` is key `o` of `run` (digest and long part).
-    #[inline]
-    fn is_at(&self, i: usize, run: &BlockRun, o: usize) -> bool {
-        run.is_key(o, self.digest(i), self.long(i))
-    }
-}
-
-/// The keys a walk follows ([`RunStore::walk_from`]): their digests and, for keys of other
-/// lengths than 8 bytes, their bytes.
-pub trait Request {
-    /// Number of keys.
-    fn len(&self) -> usize;
-    /// Key `i`'s digest.
-    fn digest(&self, i: usize) -> u64;
-    /// Key `i`'s long part ([`long_part`]): its bytes if it is not 8 bytes long.
-    fn long(&self, i: usize) -> Option<&[u8]>;
-    /// Whether some key may be of another length than 8 bytes (its bytes must be compared).
-    fn any_long(&self) -> bool;
-    /// Whether key `i` is key `o` of `run` (digest and long part).
-    #[inline]
-    fn is_at(&self, i: usize, run: &BlockRun, o: usize) -> bool {
-        run.is_key(o, self.digest(i), self.long(i))
-    }
-    /// How many of `run_keys` equal the digests of keys `from..`, in order, before the first
-    /// that differs (the caller keeps `from + run_keys.len() ≤ len`).
-    #[inline]
-    fn leading_digests(&self, from: usize, run_keys: &[u64]) -> usize {
-        count_leading(run_keys, |j| self.digest(from + j))
-    }
-}
-
-/// How many of `run_keys` equal `digest(0..)`, in order, before the first that differs. Four
-/// at a time with one branch per four: a walk usually compares a stretch to its end.
-#[inline(always)]
-fn count_leading(run_keys: &[u64], digest: impl Fn(usize) -> u64) -> usize {
-    let mut m = 0;
-    while let Some(four) = run_keys.get(m..m + 4) {
-        let differ = (digest(m) ^ four[0])
-            | (digest(m + 1) ^ four[1])
-            | (digest(m + 2) ^ four[2])
-            | (digest(m + 3) ^ four[3]);
-        if differ != 0 {
-            break;
-        }
-        m += 4;
-    }
-    while m < run_keys.len() && digest(m) == run_keys[m] {
-        m += 1;
-    }
-    m
-}
-
-impl<K: AsRef<[u8]>> Request for Keys<'_, K> {
-    #[inline]
-    fn len(&self) -> usize {
-        self.digests.len()
-    }
-    #[inline]
-    fn digest(&self, i: usize) -> u64 {
-        self.digests[i]
-    }
-    #[inline]
-    fn long(&self, i: usize) -> Option<&[u8]> {
-        Keys::long(self, i)
-    }
-    #[inline]
-    fn any_long(&self) -> bool {
-        self.bytes.is_some()
-    }
-}
-
-/// 8-byte keys read in place: a key's digest is its big-endian value, so a walk computes the
-/// digests it compares as it goes, and a request that stops early never computes the rest.
-/// Every key must be 8 bytes long ([`EightByteKeys::new`] checks).
-#[derive(Clone, Copy)]
-pub struct EightByteKeys<'a, K>(&'a [K]);
-
-impl<'a, K: AsRef<[u8]>> EightByteKeys<'a, K> {
-    /// `keys` read in place, if every one is 8 bytes long.
-    #[inline]
-    pub fn new(keys: &'a [K]) -> Option<Self> {
-        keys.iter()
-            .all(|k| k.as_ref().len() == 8)
-            .then_some(EightByteKeys(keys))
-    }
-}
-
-impl<K: AsRef<[u8]>> Request for EightByteKeys<'_, K> {
-    #[inline]
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    #[inline]
-    fn digest(&self, i: usize) -> u64 {
-        crate::raw::holder::digest(self.0[i].as_ref())
-    }
-    #[inline]
-    fn long(&self, _: usize) -> Option<&[u8]> {
-        None
-    }
-    #[inline]
-    fn any_long(&self) -> bool {
-        false
-    }
-    #[inline]
-    fn leading_digests(&self, from: usize, run_keys: &[u64]) -> usize {
-        // One slice of the request's keys, as long as `run_keys`: no bounds check per key.
-        match self.0.get(from..from + run_keys.len()) {
-            Some(request) => count_leading(run_keys, |j| {
-                crate::raw::holder::digest(request[j].as_ref())
-            }),
-            None => 0,
-        }
-    }
-}
-
-/// Calls `f` with the one key of digest `digest` and long part `long` as [`Keys`].
-fn one_key<R>(digest: u64, long: Option<&[u8]>, f: impl FnOnce(Keys<'_, &[u8]>) -> R) -> R {
-    let digests = [digest];
-    let bytes = long.map(|l| [l]);
-    f(Keys {
-        digests: &digests,
-        bytes: bytes.as_ref().map(|b| &b[..]),
-    })
+/// Whether key `i` of `keys` is key `o` of `run` (digest and long part).
+#[inline]
+fn key_is_at(keys: &impl Request, i: usize, run: &BlockRun, o: usize) -> bool {
+    run.is_key(o, keys.digest(i), keys.long(i))
 }
 
 /// The other live keys of the run an entry is in (its *run mates*: entries of the same holder
@@ -404,33 +201,6 @@ impl RunMates<'_> {
         let run = self.run;
         for p in (0..run.len()).filter(|&p| p != self.offset && !run.is_dead(p)) {
             f(KeyBytes::new(run.key(p), run.long_key(p)));
-        }
-    }
-}
-
-/// A key's bytes as a run names it: an 8-byte key rebuilt from its digest, or the bytes of a
-/// key of another length (a key copied out of a run to build another, a key a removal reports).
-pub enum KeyBytes<'g> {
-    Eight([u8; 8]),
-    Long(&'g [u8]),
-}
-
-impl<'g> KeyBytes<'g> {
-    /// The key with `digest` and long part `long` ([`long_part`]).
-    #[inline]
-    pub fn new(digest: u64, long: Option<&'g [u8]>) -> Self {
-        match long {
-            Some(bytes) => KeyBytes::Long(bytes),
-            None => KeyBytes::Eight(digest.to_be_bytes()),
-        }
-    }
-}
-
-impl AsRef<[u8]> for KeyBytes<'_> {
-    fn as_ref(&self) -> &[u8] {
-        match self {
-            KeyBytes::Eight(bytes) => bytes,
-            KeyBytes::Long(bytes) => bytes,
         }
     }
 }
@@ -895,7 +665,7 @@ impl RunStore {
             let mut m = keys.leading_digests(pos + 1, run_keys);
             if run.is_long() || keys.any_long() {
                 m = (0..m)
-                    .take_while(|&j| keys.is_at(pos + 1 + j, run, o + 1 + j))
+                    .take_while(|&j| key_is_at(&keys, pos + 1 + j, run, o + 1 + j))
                     .count();
             }
             let to = pos + 1 + m;
@@ -978,7 +748,7 @@ impl RunStore {
             let (run, o) = unpack(v);
             let r = run_ref(run);
             let from = i;
-            if !chain.is_at(i, r, o) {
+            if !key_is_at(&chain, i, r, o) {
                 values.push(None);
                 stretches.push(Stretch::Taken);
                 i += 1;
@@ -991,7 +761,7 @@ impl RunStore {
             // Digests first; long parts only where a key has one.
             let compare_bytes = chain.bytes.is_some() || r.is_long();
             let same = |i: usize, p: usize| {
-                run_keys[p] == keys[i] && (!compare_bytes || chain.is_at(i, r, p))
+                run_keys[p] == keys[i] && (!compare_bytes || key_is_at(&chain, i, r, p))
             };
             let step = r.step();
             let descending = counts.is_none()

@@ -8,7 +8,7 @@ use super::context::{Cx, eff_count, key_age};
 use super::hand::{MAX_MATES, Mode, Rank, RecentEntry, Victim};
 use super::*;
 use crate::config::Algorithm;
-use crate::raw::holder::key_parts;
+use crate::raw::key::key_parts;
 use crate::raw::key::own_key;
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::Ordering;

@@ -8,9 +8,8 @@ use super::hand::{Hand, Mode, RANK_MAX, Rank, Victim};
 use super::*;
 use crate::config::Algorithm;
 use crate::raw::block_run::ScanStep;
-use crate::raw::holder::key_parts;
 use crate::raw::key::own_key;
-use crate::raw::run_store::KeyBytes;
+use crate::raw::key::{KeyBytes, key_parts};
 use crate::sync::Ordering;
 use crossbeam_epoch::{self as epoch};
 

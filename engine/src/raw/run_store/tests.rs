@@ -3,6 +3,7 @@
 //! counts and timestamps), then every key's holders and walks from every key compared.
 
 use super::*;
+use crate::raw::key::{EightByteKeys, long_part};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -199,14 +200,14 @@ impl Naming {
         (1..=UNIVERSE)
             .find(|&id| {
                 let b = self.bytes(id);
-                crate::raw::holder::digest(&b) == digest && long_part(&b) == long
+                crate::raw::key::digest(&b) == digest && long_part(&b) == long
             })
             .unwrap_or_else(|| panic!("no key id has digest {digest:#x} and part {long:?}"))
     }
 }
 
 fn digest(bytes: &[u8]) -> u64 {
-    crate::raw::holder::digest(bytes)
+    crate::raw::key::digest(bytes)
 }
 
 fn state(holders: &[Holder]) -> BTreeMap<u32, (u8, i32, i64)> {
