@@ -587,7 +587,7 @@ impl Index {
         let mut hand_slot = tr.quota_hand.lock();
         // The hand is made at the tenant's first enforcement: most tenants never reach their
         // quota, and an unused hand was ~250 bytes of every tenant record (issue 42).
-        let mut hand = hand_slot.get_or_insert_with(|| {
+        let hand: &mut Hand = hand_slot.get_or_insert_with(|| {
             Box::new(Hand::new(seed_of(
                 self.cfg.eviction_seed,
                 crate::directory::hash_strs(&[t]),
@@ -626,12 +626,12 @@ impl Index {
                     break;
                 }
                 if keys <= EXACT_MAX {
-                    if self.exact_quota(&mut hand, &cx, keys - budget) == 0 {
+                    if self.exact_quota(hand, &cx, keys - budget) == 0 {
                         stall += 1;
                     }
                     continue;
                 }
-                if self.approx_step(&mut hand, &mut cx, Some(&tr)) {
+                if self.approx_step(hand, &mut cx, Some(&tr)) {
                     stall = 0;
                 } else {
                     stall += 1;

@@ -972,7 +972,7 @@ impl Reclaim for BlockRun {
 /// registered (invariant 4), so a hint can check the run it names is still live. Chunks of
 /// doubling size (4, 8, … entries) that never move, read lock-free: a small first chunk, since
 /// most partitions (a churned tenant's) hold a run or two, and 30 chunks, so that ids still
-/// reach 2^32 − 4. The pointers of the first [`INLINE_CHUNKS`] chunks (ids up to 11) are in
+/// reach 2^32 − 4. The pointers of the first two chunks (ids up to 11) are in
 /// the registry; those of the others are in an array allocated with the first chunk past
 /// them (`rest`, never replaced or freed before the registry), so a partition of a few runs
 /// does not carry 30 chunk pointers (240 bytes) but 3 (issue 42). A reader of an id past the

@@ -5,7 +5,11 @@
 //!
 //! # Writes
 //!
-//! A write takes the store's writer lock once, for the whole chain. It cuts the chain into
+//! A write takes the store's writer lock once, for the whole chain. What the store keeps
+//! between writes behind that lock is small (`StoreState`: the run-id allocator, the entry
+//! generation, a seed); the write's scratch vectors belong to the writing thread (a
+//! thread-local `StoreWriter` the state is moved into for the write, `WriterGuard`), so a
+//! partition carries no scratch buffers of its own. It cuts the chain into
 //! *stretches*, probing only each stretch's first key: a stretch is a maximal run of absent
 //! keys, or of keys naming consecutive offsets of one run (forwards, or for a removal either
 //! direction), and an ingest's stretch keeps its run's token counts affine (`block_run`,
