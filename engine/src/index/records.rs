@@ -37,8 +37,9 @@ pub(crate) struct TenantRec {
     pub(crate) models: Mutex<Vec<Weak<ModelRec>>>,
     /// Keys removed by the tenant quota (V5, `tenant_evictions_total{over_entries}`).
     pub(crate) quota_evictions: AtomicU64,
-    /// Victim-selection state of the tenant quota (V5; see `eviction/`).
-    pub(crate) quota_hand: Mutex<super::eviction::Hand<Partition>>,
+    /// Victim-selection state of the tenant quota (V5; see `eviction/`), made at the
+    /// tenant's first quota enforcement (boxed: most tenants never have one).
+    pub(crate) quota_hand: Mutex<Option<Box<super::eviction::Hand<Partition>>>>,
 }
 
 /// Per-model gauge (V7): distinct non-reserved keys across tenants.
@@ -151,6 +152,13 @@ pub(crate) fn label_between(lo: Option<u64>, hi: Option<u64>) -> u64 {
 const SLOT_BASE: usize = 4;
 /// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^19 − 1) ≥ 2^20`.
 const SLOT_CHUNKS: usize = 19;
+/// Chunks whose pointers [`ReplicaSlots`] holds inline (slots 0..28).
+const INLINE_SLOT_CHUNKS: usize = 3;
+/// Chunks whose pointers are in [`ReplicaSlots`]'s `rest` array.
+const REST_SLOT_CHUNKS: usize = SLOT_CHUNKS - INLINE_SLOT_CHUNKS;
+
+/// A slot chunk's pointer.
+type ChunkPointer = crate::sync::AtomicPtr<crate::sync::AtomicPtr<ScopeReplica>>;
 
 /// Chunk and offset of slot `i` (`raw::doubling`).
 #[inline]
@@ -160,7 +168,12 @@ fn slot_place(i: usize) -> (usize, usize) {
 
 /// A scope's replicas by scope-local index: chunks of doubling length, allocated when the first
 /// index in them is handed out, so appending a replica is O(1) (no copy of the earlier ones)
-/// and an empty scope costs one small array of chunk pointers.
+/// and an empty scope costs one small array of chunk pointers: the first
+/// [`INLINE_SLOT_CHUNKS`] (28 slots) inline, the others' in an array allocated with the first
+/// chunk past them (`rest`, never replaced or freed before the slots), so a scope of a few
+/// replicas carries 4 pointers, not 19 (issue 42's churned tenants and models). A reader of a
+/// slot past the inline chunks loads `rest` (Acquire) before the chunk pointer; the writer
+/// stores `rest` (Release) once its null pointers are written.
 ///
 /// Invariants: a slot is written by the interning writer (scope name lock held), with a
 /// Release store of a fully built record, before any holder naming the index is published;
@@ -172,7 +185,11 @@ fn slot_place(i: usize) -> (usize, usize) {
 /// names the index and no reader pinned before the reclamation is still pinned, so no reader
 /// can reach the record (see [`ScopeRec::reclaim_slots`]).
 pub(crate) struct ReplicaSlots {
-    chunks: [crate::sync::AtomicPtr<crate::sync::AtomicPtr<ScopeReplica>>; SLOT_CHUNKS],
+    /// Chunks `0..INLINE_SLOT_CHUNKS`.
+    inline: [ChunkPointer; INLINE_SLOT_CHUNKS],
+    /// Chunks `INLINE_SLOT_CHUNKS..SLOT_CHUNKS`: a boxed `[ChunkPointer; REST_SLOT_CHUNKS]`,
+    /// null until the writer first needs one of them.
+    rest: crate::sync::AtomicPtr<ChunkPointer>,
     /// Slots handed out so far (indices `0..len` are set or being set).
     len: crate::sync::AtomicU64,
 }
@@ -180,9 +197,27 @@ pub(crate) struct ReplicaSlots {
 impl ReplicaSlots {
     fn new() -> Self {
         Self {
-            chunks: std::array::from_fn(|_| crate::sync::AtomicPtr::new(std::ptr::null_mut())),
+            inline: std::array::from_fn(|_| crate::sync::AtomicPtr::new(std::ptr::null_mut())),
+            rest: crate::sync::AtomicPtr::new(std::ptr::null_mut()),
             len: crate::sync::AtomicU64::new(0),
         }
+    }
+
+    /// The pointer of chunk `k < SLOT_CHUNKS`, if its place exists (`None` past the inline
+    /// chunks before `rest` is allocated: as a null chunk).
+    #[inline]
+    fn chunk(&self, k: usize) -> Option<&ChunkPointer> {
+        if k < INLINE_SLOT_CHUNKS {
+            return Some(&self.inline[k]);
+        }
+        // Acquire: the array's null pointers before their use.
+        let rest = self.rest.load(Ordering::Acquire);
+        if rest.is_null() || k >= SLOT_CHUNKS {
+            return None;
+        }
+        // SAFETY: a non-null `rest` is a boxed array of `REST_SLOT_CHUNKS` initialised
+        // pointers, freed only with the slots; `k - INLINE_SLOT_CHUNKS < REST_SLOT_CHUNKS`.
+        Some(unsafe { &*rest.add(k - INLINE_SLOT_CHUNKS) })
     }
 
     /// The reader's view under `guard`.
@@ -194,13 +229,26 @@ impl ReplicaSlots {
     /// Stores `rec` at index `i` (writer, name lock held; `i` is the next index).
     fn set(&self, i: usize, rec: Arc<ScopeReplica>) {
         let (k, off) = slot_place(i);
-        let mut chunk = self.chunks[k].load(Ordering::Acquire);
+        if k >= INLINE_SLOT_CHUNKS && self.rest.load(Ordering::Relaxed).is_null() {
+            let pointers: Box<[ChunkPointer]> = (0..REST_SLOT_CHUNKS)
+                .map(|_| crate::sync::AtomicPtr::new(std::ptr::null_mut()))
+                .collect();
+            // Release: the null pointers before the array's address.
+            self.rest.store(
+                Box::into_raw(pointers) as *mut ChunkPointer,
+                Ordering::Release,
+            );
+        }
+        let place = self
+            .chunk(k)
+            .expect("a chunk below SLOT_CHUNKS has a place once rest is allocated");
+        let mut chunk = place.load(Ordering::Acquire);
         if chunk.is_null() {
             let slots: Box<[crate::sync::AtomicPtr<ScopeReplica>]> = (0..SLOT_BASE << k)
                 .map(|_| crate::sync::AtomicPtr::new(std::ptr::null_mut()))
                 .collect();
             chunk = Box::into_raw(slots) as *mut crate::sync::AtomicPtr<ScopeReplica>;
-            self.chunks[k].store(chunk, Ordering::Release);
+            place.store(chunk, Ordering::Release);
         }
         // SAFETY: `off < SLOT_BASE << k`, the chunk's length; chunks live as long as `self`.
         let slot = unsafe { &*chunk.add(off) };
@@ -215,7 +263,10 @@ impl ReplicaSlots {
     /// (see the type's invariants).
     fn clear(&self, i: usize) {
         let (k, off) = slot_place(i);
-        let chunk = self.chunks[k].load(Ordering::Acquire);
+        let Some(place) = self.chunk(k) else {
+            return;
+        };
+        let chunk = place.load(Ordering::Acquire);
         if chunk.is_null() {
             return;
         }
@@ -235,7 +286,7 @@ impl ReplicaSlots {
             return None;
         }
         let (k, off) = slot_place(i);
-        let chunk = self.chunks[k].load(Ordering::Acquire);
+        let chunk = self.chunk(k)?.load(Ordering::Acquire);
         if chunk.is_null() {
             return None;
         }
@@ -252,8 +303,11 @@ impl ReplicaSlots {
 
 impl Drop for ReplicaSlots {
     fn drop(&mut self) {
-        for (k, c) in self.chunks.iter().enumerate() {
-            let chunk = c.load(Ordering::Relaxed);
+        for k in 0..SLOT_CHUNKS {
+            let Some(place) = self.chunk(k) else {
+                break; // no `rest`: no chunk past the inline ones
+            };
+            let chunk = place.load(Ordering::Relaxed);
             if chunk.is_null() {
                 continue;
             }
@@ -269,6 +323,14 @@ impl Drop for ReplicaSlots {
                     }
                 }
             }
+        }
+        let rest = self.rest.load(Ordering::Relaxed);
+        if !rest.is_null() {
+            // SAFETY: built by `set` from a boxed slice of `REST_SLOT_CHUNKS` pointers, freed
+            // once, here; the chunks it named were freed above.
+            drop(unsafe {
+                Box::from_raw(std::ptr::slice_from_raw_parts_mut(rest, REST_SLOT_CHUNKS))
+            });
         }
     }
 }

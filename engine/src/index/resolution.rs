@@ -84,9 +84,7 @@ impl Index {
                         quota_evictions: AtomicU64::new(
                             self.retired_quota_evictions.lock().remove(t).unwrap_or(0),
                         ),
-                        quota_hand: Mutex::new(super::eviction::Hand::new(
-                            super::eviction::seed_of(self.cfg.eviction_seed, hash_strs(&[t])),
-                        )),
+                        quota_hand: Mutex::new(None),
                     })
                 },
             )

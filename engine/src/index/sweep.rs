@@ -198,7 +198,9 @@ impl Index {
         tenants.sort_unstable_by_key(|t| Arc::as_ptr(t));
         tenants.dedup_by_key(|t| Arc::as_ptr(t));
         for t in tenants {
-            t.quota_hand.lock().forget_parts(|p| p.life.is_dead());
+            if let Some(hand) = t.quota_hand.lock().as_mut() {
+                hand.forget_parts(|p| p.life.is_dead());
+            }
         }
         out.records_reclaimed += gone_parts.len() as u64;
         drop(gone_parts);

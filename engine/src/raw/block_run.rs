@@ -968,7 +968,13 @@ impl Reclaim for BlockRun {
 /// registered (invariant 4), so a hint can check the run it names is still live. Chunks of
 /// doubling size (4, 8, … entries) that never move, read lock-free: a small first chunk, since
 /// most partitions (a churned tenant's) hold a run or two, and 30 chunks, so that ids still
-/// reach 2^32 − 4.
+/// reach 2^32 − 4. The pointers of the first two chunks (ids up to 11) are in
+/// the registry; those of the others are in an array allocated with the first chunk past
+/// them (`rest`, never replaced or freed before the registry), so a partition of a few runs
+/// does not carry 30 chunk pointers (240 bytes) but 3 (issue 42). A reader of an id past the
+/// inline chunks loads `rest` (Acquire) before the chunk pointer: one dependent load more,
+/// on a line every such read shares. The writer stores `rest` (Release) once its null
+/// pointers are written, and a chunk pointer (Release) once the chunk's zeroed words are.
 ///
 /// Each entry also keeps its run's *age*: a lower bound of the `last_seen` of the run's
 /// holders (the oldest at registration, lowered by a join; a holder leaving leaves it low).
@@ -979,7 +985,11 @@ impl Reclaim for BlockRun {
 /// registration's value; a join's lowering is Relaxed, and a scan that misses it passes a run
 /// whose newest holder it would have taken — an approximate walk's miss, never a wrong answer.
 pub struct RunIds {
-    chunks: [AtomicPtr<AtomicU64>; CHUNKS],
+    /// Chunks `0..INLINE_CHUNKS`.
+    inline: [AtomicPtr<AtomicU64>; INLINE_CHUNKS],
+    /// Chunks `INLINE_CHUNKS..CHUNKS`: a boxed `[AtomicPtr<AtomicU64>; REST_CHUNKS]`, null
+    /// until the writer first needs one of them.
+    rest: AtomicPtr<AtomicPtr<AtomicU64>>,
 }
 
 /// The writer side of a [`RunIds`]: free ids and the next fresh one. Kept with the partition's
@@ -992,6 +1002,10 @@ pub struct IdAllocator {
 
 const FIRST_CHUNK: usize = 4;
 const CHUNKS: usize = 30;
+/// Chunks whose pointers [`RunIds`] holds inline (ids 1..=11).
+const INLINE_CHUNKS: usize = 2;
+/// Chunks whose pointers are in [`RunIds`]'s `rest` array.
+const REST_CHUNKS: usize = CHUNKS - INLINE_CHUNKS;
 /// Words per entry: the run pointer, then its age.
 const ENTRY_WORDS: usize = 2;
 
@@ -1023,8 +1037,45 @@ impl RunIds {
     /// An empty registry (no chunk allocated).
     pub fn new() -> Self {
         Self {
-            chunks: std::array::from_fn(|_| AtomicPtr::new(std::ptr::null_mut())),
+            inline: std::array::from_fn(|_| AtomicPtr::new(std::ptr::null_mut())),
+            rest: AtomicPtr::new(std::ptr::null_mut()),
         }
+    }
+
+    /// The pointer of chunk `c`, if `c < CHUNKS` and its place exists (reader side: `None`
+    /// for a chunk past the inline ones before `rest` is allocated, like a null chunk).
+    #[inline]
+    fn chunk(&self, c: usize) -> Option<&AtomicPtr<AtomicU64>> {
+        if c < INLINE_CHUNKS {
+            return Some(&self.inline[c]);
+        }
+        if c >= CHUNKS {
+            return None;
+        }
+        // Acquire: the array's null pointers before their use.
+        let rest = self.rest.load(Ordering::Acquire);
+        if rest.is_null() {
+            return None;
+        }
+        // SAFETY: a non-null `rest` is a boxed array of `REST_CHUNKS` initialised pointers,
+        // freed only with the registry; `c - INLINE_CHUNKS < REST_CHUNKS`.
+        Some(unsafe { &*rest.add(c - INLINE_CHUNKS) })
+    }
+
+    /// The pointer of chunk `c < CHUNKS`, allocating `rest` if needed (writer side).
+    fn chunk_or_make(&self, c: usize) -> &AtomicPtr<AtomicU64> {
+        if c >= INLINE_CHUNKS && self.rest.load(Ordering::Relaxed).is_null() {
+            let pointers: Box<[AtomicPtr<AtomicU64>]> = (0..REST_CHUNKS)
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect();
+            // Release: the null pointers before the array's address.
+            self.rest.store(
+                Box::into_raw(pointers) as *mut AtomicPtr<AtomicU64>,
+                Ordering::Release,
+            );
+        }
+        self.chunk(c)
+            .expect("a chunk below CHUNKS has a place once rest is allocated")
     }
 
     /// The run id `id` names, if any.
@@ -1032,7 +1083,7 @@ impl RunIds {
     pub fn get(&self, id: u64, _guard: &Guard) -> Option<NonNull<BlockRun>> {
         let id = usize::try_from(id).ok().filter(|&i| i > 0)?;
         let (c, i) = locate(id);
-        let chunk = self.chunks.get(c)?.load(Ordering::Acquire);
+        let chunk = self.chunk(c)?.load(Ordering::Acquire);
         if chunk.is_null() {
             return None;
         }
@@ -1046,7 +1097,10 @@ impl RunIds {
     /// position included, never registered).
     pub fn scan_len(&self) -> usize {
         (0..CHUNKS)
-            .take_while(|&c| !self.chunks[c].load(Ordering::Acquire).is_null())
+            .take_while(|&c| {
+                self.chunk(c)
+                    .is_some_and(|p| !p.load(Ordering::Acquire).is_null())
+            })
             .map(chunk_len)
             .sum()
     }
@@ -1068,7 +1122,7 @@ impl RunIds {
         let mut at = first;
         while at < end {
             let (c, i) = locate(at);
-            let Some(chunk) = self.chunks.get(c) else {
+            let Some(chunk) = self.chunk(c) else {
                 return end;
             };
             let chunk = chunk.load(Ordering::Acquire);
@@ -1126,7 +1180,7 @@ impl RunIds {
     pub fn prefetch(&self, id: u64) {
         #[cfg(not(loom))]
         if let Some((c, i)) = usize::try_from(id).ok().filter(|&i| i > 0).map(locate)
-            && let Some(chunk) = self.chunks.get(c)
+            && let Some(chunk) = self.chunk(c)
         {
             // Relaxed: the address is only prefetched, never read through.
             let chunk = chunk.load(Ordering::Relaxed);
@@ -1148,12 +1202,13 @@ impl RunIds {
                 if c >= CHUNKS {
                     return None;
                 }
-                if self.chunks[c].load(Ordering::Relaxed).is_null() {
+                let chunk = self.chunk_or_make(c);
+                if chunk.load(Ordering::Relaxed).is_null() {
                     let words: Box<[AtomicU64]> = (0..ENTRY_WORDS * chunk_len(c))
                         .map(|_| AtomicU64::new(0))
                         .collect();
                     // Release: the zeroed words before the chunk pointer.
-                    self.chunks[c].store(Box::into_raw(words) as *mut AtomicU64, Ordering::Release);
+                    chunk.store(Box::into_raw(words) as *mut AtomicU64, Ordering::Release);
                 }
                 alloc.next = id;
                 id
@@ -1186,7 +1241,9 @@ impl RunIds {
     /// The entry of a registered or just-allocated id (its chunk exists).
     fn entry(&self, id: u32) -> &AtomicU64 {
         let (c, i) = locate(id as usize);
-        let chunk = self.chunks[c].load(Ordering::Acquire);
+        let chunk = self
+            .chunk(c)
+            .map_or(std::ptr::null_mut(), |p| p.load(Ordering::Acquire));
         debug_assert!(!chunk.is_null());
         // SAFETY: the chunk of an id handed out exists (allocated before the id) and holds
         // `chunk_len(c) > i` entries.
@@ -1196,7 +1253,9 @@ impl RunIds {
     /// The age word of a registered or just-allocated id.
     fn age(&self, id: u32) -> &AtomicU64 {
         let (c, i) = locate(id as usize);
-        let chunk = self.chunks[c].load(Ordering::Acquire);
+        let chunk = self
+            .chunk(c)
+            .map_or(std::ptr::null_mut(), |p| p.load(Ordering::Acquire));
         debug_assert!(!chunk.is_null());
         // SAFETY: as in `entry`; the age is the entry's second word.
         unsafe { &*chunk.add(ENTRY_WORDS * i + 1) }
@@ -1204,16 +1263,28 @@ impl RunIds {
 
     /// Bytes the registry's chunks hold.
     pub fn bytes(&self) -> usize {
+        let rest = if self.rest.load(Ordering::Relaxed).is_null() {
+            0
+        } else {
+            crate::raw::pages::heap_chunk(REST_CHUNKS * std::mem::size_of::<AtomicPtr<AtomicU64>>())
+        };
         (0..CHUNKS)
-            .filter(|&c| !self.chunks[c].load(Ordering::Relaxed).is_null())
+            .filter(|&c| {
+                self.chunk(c)
+                    .is_some_and(|p| !p.load(Ordering::Relaxed).is_null())
+            })
             .map(|c| crate::raw::pages::heap_chunk(ENTRY_WORDS * chunk_len(c) * WORD))
-            .sum()
+            .sum::<usize>()
+            + rest
     }
 }
 
 impl Drop for RunIds {
     fn drop(&mut self) {
-        for (c, chunk) in self.chunks.iter().enumerate() {
+        for c in 0..CHUNKS {
+            let Some(chunk) = self.chunk(c) else {
+                break; // no `rest`: no chunk past the inline ones
+            };
             let p = chunk.load(Ordering::Relaxed);
             if !p.is_null() {
                 let words = std::ptr::slice_from_raw_parts_mut(p, ENTRY_WORDS * chunk_len(c));
@@ -1221,6 +1292,12 @@ impl Drop for RunIds {
                 // words, and the registry is being dropped, so no reader holds it.
                 drop(unsafe { Box::from_raw(words) });
             }
+        }
+        let rest = self.rest.load(Ordering::Relaxed);
+        if !rest.is_null() {
+            // SAFETY: built by `chunk_or_make` from a boxed slice of `REST_CHUNKS` pointers,
+            // freed once, here; the chunks it named were freed above.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(rest, REST_CHUNKS)) });
         }
     }
 }

@@ -5,7 +5,11 @@
 //!
 //! # Writes
 //!
-//! A write takes the store's writer lock once, for the whole chain. It cuts the chain into
+//! A write takes the store's writer lock once, for the whole chain. What the store keeps
+//! between writes behind that lock is small (`StoreState`: the run-id allocator, the entry
+//! generation, a seed); the write's scratch vectors belong to the writing thread (a
+//! thread-local `StoreWriter` the state is moved into for the write, `WriterGuard`), so a
+//! partition carries no scratch buffers of its own. It cuts the chain into
 //! *stretches*, probing only each stretch's first key: a stretch is a maximal run of absent
 //! keys, or of keys naming consecutive offsets of one run (forwards, or for a removal either
 //! direction), and an ingest's stretch keeps its run's token counts affine (`block_run`,
@@ -229,7 +233,7 @@ pub struct RunStore {
     table: SlotTable,
     roots: SlotTable,
     ids: RunIds,
-    writer: Mutex<StoreWriter>,
+    writer: Mutex<StoreState>,
     /// Bytes of the live runs (written by the writer-lock holder).
     run_bytes: AtomicU64,
     /// Retired runs past their grace period; the writers free them (`raw/reaper.rs`).
@@ -237,7 +241,28 @@ pub struct RunStore {
     options: StoreOptions,
 }
 
-/// The writer's own state, behind the store's writer lock.
+/// What a store keeps between its writes, behind its writer lock: the run-id allocator, the
+/// entry generation, the placement seed of [`has_repeats`], and the runs a write left sparse
+/// (empty between writes: a write trims them before it ends).
+#[derive(Default)]
+struct StoreState {
+    alloc: IdAllocator,
+    generation: u32,
+    seed: u64,
+    sparse: Vec<NonNull<BlockRun>>,
+}
+
+// SAFETY: `sparse` is empty between writes, and while a write runs it names runs of this store
+// only for the writer-lock holder; the runs are `Sync` (`BlockRun`'s shared words are atomic).
+unsafe impl Send for StoreState {}
+
+/// One write's state: the store's [`StoreState`], moved in when the writer lock is taken and
+/// back when it is released ([`WriterGuard`]), and the write's scratch vectors. The scratch
+/// belongs to the writing thread (this struct lives in a thread-local between writes, its
+/// vectors emptied with their capacity kept), not to the store: a partition costs no scratch
+/// buffers and no vector headers of its own. Kept per store, they were ~550 bytes of every
+/// partition of one 2-block chain (issue 42's churned tenants). Every user clears a scratch
+/// vector before it fills it.
 #[derive(Default)]
 struct StoreWriter {
     alloc: IdAllocator,
@@ -263,9 +288,72 @@ struct StoreWriter {
     sparse: Vec<NonNull<BlockRun>>,
 }
 
-// SAFETY: the run pointers a `StoreWriter` keeps are scratch of the write in progress, used only
-// by the writer-lock holder; the runs they name are `Sync` (`BlockRun`'s shared words are atomic).
-unsafe impl Send for StoreWriter {}
+impl StoreWriter {
+    /// Empties the scratch vectors (keeping their capacity): no run pointer of one store's
+    /// write stays in a buffer another store's write gets.
+    fn clear_scratch(&mut self) {
+        self.values.clear();
+        self.stretches.clear();
+        self.owners.clear();
+        self.ordered.clear();
+        self.ordered_values.clear();
+        self.seen.clear();
+        self.holders.clear();
+        self.cumulative.clear();
+    }
+}
+
+std::thread_local! {
+    /// The thread's [`StoreWriter`] while it holds no writer lock (its scratch buffers; the
+    /// store's fields are moved out). `Cell::take` leaves a fresh one, so a thread holding two
+    /// writer locks at once (none does) gives the second write empty buffers of its own.
+    static WRITER: std::cell::Cell<StoreWriter> = std::cell::Cell::new(StoreWriter::default());
+}
+
+/// A held writer lock: the store's [`StoreState`] moved into the thread's [`StoreWriter`];
+/// dropping it (also while unwinding) moves the state back and the scratch, emptied, to the
+/// thread.
+struct WriterGuard<'a> {
+    state: crate::sync::MutexGuard<'a, StoreState>,
+    writer: StoreWriter,
+}
+
+impl<'a> WriterGuard<'a> {
+    fn new(mut state: crate::sync::MutexGuard<'a, StoreState>) -> Self {
+        // `try_with`: a thread whose locals are being destroyed writes with fresh buffers.
+        let mut writer = WRITER.try_with(std::cell::Cell::take).unwrap_or_default();
+        writer.alloc = std::mem::take(&mut state.alloc);
+        writer.generation = state.generation;
+        writer.seed = state.seed;
+        writer.sparse = std::mem::take(&mut state.sparse);
+        Self { state, writer }
+    }
+}
+
+impl Drop for WriterGuard<'_> {
+    fn drop(&mut self) {
+        let mut writer = std::mem::take(&mut self.writer);
+        self.state.alloc = std::mem::take(&mut writer.alloc);
+        self.state.generation = writer.generation;
+        self.state.sparse = std::mem::take(&mut writer.sparse);
+        writer.clear_scratch();
+        // A thread whose locals are gone drops the buffers here instead.
+        let _ = WRITER.try_with(|cell| cell.set(writer));
+    }
+}
+
+impl std::ops::Deref for WriterGuard<'_> {
+    type Target = StoreWriter;
+    fn deref(&self) -> &StoreWriter {
+        &self.writer
+    }
+}
+
+impl std::ops::DerefMut for WriterGuard<'_> {
+    fn deref_mut(&mut self) -> &mut StoreWriter {
+        &mut self.writer
+    }
+}
 
 impl StoreWriter {
     /// Whether `keys` holds a key twice (see [`has_repeats`]).
@@ -436,9 +524,9 @@ impl RunStore {
             table,
             roots,
             ids: RunIds::new(),
-            writer: Mutex::new(StoreWriter {
+            writer: Mutex::new(StoreState {
                 seed,
-                ..StoreWriter::default()
+                ..StoreState::default()
             }),
             run_bytes: AtomicU64::new(0),
             reaper: Arc::new(Reaper::default()),
@@ -812,8 +900,8 @@ impl RunStore {
     }
 
     /// Takes the writer lock and frees the retired runs waiting on the reaper.
-    fn lock_writer(&self) -> crate::sync::MutexGuard<'_, StoreWriter> {
-        let w = self.writer.lock();
+    fn lock_writer(&self) -> WriterGuard<'_> {
+        let w = WriterGuard::new(self.writer.lock());
         self.reaper.free_all();
         w
     }

@@ -5,7 +5,7 @@ use super::super::Index;
 use super::super::counters::{HeldBackDeltas, Pending};
 use super::super::records::{Partition, TenantRec};
 use super::context::{Cx, eff_count, key_age};
-use super::hand::{MAX_MATES, Mode, Rank, RecentEntry, Victim};
+use super::hand::{Hand, MAX_MATES, Mode, Rank, RecentEntry, Victim, seed_of};
 use super::*;
 use crate::config::Algorithm;
 use crate::raw::key::key_parts;
@@ -120,7 +120,15 @@ impl Index {
         if let Some(c) = carry.take() {
             c.apply(self);
         }
-        let mut hand = tr.quota_hand.lock();
+        let mut hand_slot = tr.quota_hand.lock();
+        // The hand is made at the tenant's first enforcement: most tenants never reach their
+        // quota, and an unused hand was ~250 bytes of every tenant record (issue 42).
+        let hand: &mut Hand<Partition> = hand_slot.get_or_insert_with(|| {
+            Box::new(Hand::new(seed_of(
+                self.cfg.eviction_seed,
+                crate::directory::hash_strs(&[t]),
+            )))
+        });
         let before = hand.resting.len();
         hand.resting.clear();
         hand.parts.clear();
@@ -154,12 +162,12 @@ impl Index {
                     break;
                 }
                 if keys <= EXACT_MAX {
-                    if self.exact_quota(&mut hand, &cx, keys - budget) == 0 {
+                    if self.exact_quota(hand, &cx, keys - budget) == 0 {
                         stall += 1;
                     }
                     continue;
                 }
-                if self.approx_step(&mut hand, &mut cx, Some(&tr)) {
+                if self.approx_step(hand, &mut cx, Some(&tr)) {
                     stall = 0;
                 } else {
                     stall += 1;
