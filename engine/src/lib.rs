@@ -40,12 +40,13 @@ pub use raw::loom_api;
 #[doc(hidden)]
 pub mod layout {
     pub use crate::raw::block_run::{
-        BlockRun, FLAG, HINTS, HintTarget, HintedBlock, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds,
-        ScanStep, pack, unpack,
+        BlockRun, FLAG, HINTS, HintTarget, HintedBlock, MAX_HOLDERS, MAX_LEN, RunIds, ScanStep,
+        pack, unpack,
     };
     pub use crate::raw::holder::Holder;
     pub use crate::raw::key::{Keys, digest, long_part};
     pub use crate::raw::reaper::{Reaper, Reclaim};
+    pub use crate::raw::run_ids::{IdAllocator, Registered};
     pub use crate::raw::run_store::{EvictReport, IngestReport, RunStore, StoreOptions, Writing};
     pub use crate::raw::slots::{SlotTable, SlotValue, SlotWriter};
 }

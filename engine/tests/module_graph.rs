@@ -13,7 +13,8 @@
 //! and globs) of the modules it passes, to the file that declares the item it names. A `use`
 //! declaration is an edge only when the file itself uses a name it brings in (a parent's
 //! `pub use child::Name` that only re-exports is not an edge; a glob that is not `pub` always
-//! is); `mod name;` declarations are not edges. So a parent that both re-exports its children
+//! is, to the module it names: the names it brings in are not followed further); `mod name;`
+//! declarations are not edges. So a parent that both re-exports its children
 //! and is named by them (`super::Index`) is in a cycle only if it also uses a child's items.
 //!
 //! Comments, string and character literals are ignored, and so is test-only code: any item,

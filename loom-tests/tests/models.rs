@@ -898,7 +898,7 @@ fn m9_concurrent_partition_creation() {
 }
 
 // ------------------------------------------------------------------------------------------------
-// 10. Chain runs (`engine/src/raw/block_run.rs`, `engine/src/raw/run_store.rs`)
+// 10. Chain runs (`engine/src/raw/block_run.rs`, `engine/src/raw/run_store/`)
 
 /// The four blocks of the models' shared chain.
 fn run_chain() -> [[u8; 8]; 4] {
@@ -1196,7 +1196,7 @@ fn m12c_slot_reuse_vs_reader() {
 }
 
 // ------------------------------------------------------------------------------------------------
-// 13. Key-inline slots (the run layout's key table, `engine/src/raw/slots.rs`, reached through
+// 13. Key-inline slots (the run layout's key table, `engine/src/raw/slots/`, reached through
 // `inferencecache_engine::layout`: the index does not use it yet)
 
 /// Keys sharing key 1's home in an 8-slot table of seed 0.
@@ -1909,7 +1909,7 @@ fn m14f_run_id_past_inline_chunks_vs_reader() {
 }
 
 // ------------------------------------------------------------------------------------------------
-// 15. One partition's storage on the run layout (`engine/src/raw/run_store.rs`, `RunStore`):
+// 15. One partition's storage on the run layout (`engine/src/raw/run_store/`, `RunStore`):
 // its writes vs its walk
 
 /// The holders of each block a `RunStore` walk of `request` visits.

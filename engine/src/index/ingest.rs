@@ -1,7 +1,7 @@
 //! Ingest (K1–K16, S1–S4): one `CacheStateUpdate` upserted chain by chain under the partitions'
 //! writers, its stats stored, then the ingesting tenant's quota (V5) and the global cap (V2).
 //!
-//! Each chain is one write of the partition's run store (`raw/run_store.rs`: one writer lock
+//! Each chain is one write of the partition's run store (`raw/run_store/`: one writer lock
 //! per chain, its stretches matched against the runs they name), which calls back per entry
 //! it adds (the change events, N1, in chain order). Derived counters (keys, entries, serving
 //! counts) are not touched per block: their deltas collect in a `Pending` per (partition,

@@ -3,7 +3,7 @@
 //!
 //! Concurrency summary (details in the `raw/` module docs and `docs/engine.md`): readers pin an
 //! epoch guard, resolve the partition through a wait-free directory and walk its run store
-//! (`raw/run_store.rs`): a key-table probe names a block run, whose keys the walk compares with
+//! (`raw/run_store/`): a key-table probe names a block run, whose keys the walk compares with
 //! the request's, stretch by stretch; they take no lock and never retry. Writers take their
 //! partition's writer lock once per chain, write new runs or change runs in place where readers
 //! can tell (joins, gone and dead bits), and publish with Release stores. Derived counters are

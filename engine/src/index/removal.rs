@@ -2,7 +2,7 @@
 //! predicate selects; shared by events, the sweep and eviction.
 //!
 //! The run store calls back per removed entry before readers can see it gone
-//! (`raw/run_store.rs`), so the index-wide entry count drops before the unlink (loom m8a), and
+//! (`raw/run_store/`), so the index-wide entry count drops before the unlink (loom m8a), and
 //! an entry's LFU cell goes with it (V3), taking its share out of the key's hot-access sum
 //! (D4).
 

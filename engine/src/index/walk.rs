@@ -1,5 +1,5 @@
 //! The core longest-prefix match (L4 steps 1–4): a walk of a request's block hashes over one
-//! partition's run store (`raw/run_store.rs`), which hands over the request in stretches, each
+//! partition's run store (`raw/run_store/`), which hands over the request in stretches, each
 //! held by exactly its run's live holders with one state per holder. So the replicas' runs are
 //! merged once per stretch, not once per block: a bitset path when every replica fresh at block
 //! 0 has a scope-local index below 64, and the general path.

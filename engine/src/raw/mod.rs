@@ -23,5 +23,6 @@ pub(crate) mod lfu;
 pub mod loom_api;
 pub(crate) mod pages;
 pub(crate) mod reaper;
+pub(crate) mod run_ids;
 pub(crate) mod run_store;
 pub(crate) mod slots;

@@ -36,7 +36,7 @@
 //!    count, is often new, and a new run takes the registry id its victim freed, just behind
 //!    the cursor; in key order such entries are spread evenly over a lap). Each registry entry
 //!    keeps its run's *age*, a lower bound of its holders'
-//!    `last_seen` (`raw/block_run.rs`, [`RunIds`](crate::raw::block_run::RunIds)), so with a
+//!    `last_seen` (`raw/run_ids.rs`, `RunIds`), so with a
 //!    threshold count of 0 a run younger than the threshold is passed on its entry alone and
 //!    only old runs are read. An old run's live blocks (under LRU its first one: step 4 brings
 //!    the rest) give their holders whose rank is ≤ the threshold as candidates, into a small

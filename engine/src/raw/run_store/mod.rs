@@ -100,11 +100,12 @@
 //! replicas joining one shared stretch one by one copy `O(n²)` holder entries in all.
 
 use crate::raw::block_run::{
-    BlockRun, FLAG, HintTarget, IdAllocator, MAX_HOLDERS, MAX_LEN, RunIds, ScanStep, pack, unpack,
+    BlockRun, FLAG, HintTarget, MAX_HOLDERS, MAX_LEN, RunIds, ScanStep, pack, unpack,
 };
 use crate::raw::holder::{GEN_MASK, Holder};
 use crate::raw::key::{KeyBytes, Keys, Request, one_key};
 use crate::raw::reaper::Reaper;
+use crate::raw::run_ids::IdAllocator;
 use crate::raw::slots::{Probe, SlotTable, SlotValue, SlotWriter, home, random_seed};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::Guard;
@@ -597,7 +598,7 @@ impl RunStore {
     /// Rebuilds smaller the key-table segments (of the key table and of the roots) whose live
     /// keys have fallen below 1/8 of their slots, one segment per hold of the writer lock, and
     /// frees the retired runs waiting on the reaper. Removals leave shrinking to this
-    /// (`raw/slots.rs`, "Structure"); the index's sweep calls it for every partition, so a
+    /// (`raw/slots/`, "Structure"); the index's sweep calls it for every partition, so a
     /// store with no segment flagged underfilled and no run waiting takes no lock. Returns the
     /// segments rebuilt.
     pub fn shrink(&self, guard: &Guard) -> usize {

@@ -1,11 +1,11 @@
 //! Key-inline slots: the key table of the run layout (`docs/perf-log.md`, "The run layout").
 //!
-//! The index today keys its entries through 4-byte lanes that carry a fingerprint and a node
-//! index, so every fingerprint match reads the node (and, for a run node, the run's key line)
-//! before it knows whether the key is the one probed for, and every move of a growth rebuild
-//! reads both. A [`SlotTable`] keeps the key in the slot: a probe is settled in its slot line,
-//! and a rebuild reads only the old slots. The run layout names `(run, offset)` in the slot's
-//! value; this table does not interpret values beyond "non-zero".
+//! A partition's run store (`run_store/`) keys its entries through two of these tables: the key
+//! table, whose value for a key names the `(run, offset)` that holds it (`block_run::pack`), and
+//! the small table of root slots (the keys chains begin with). A [`SlotTable`] keeps the key
+//! itself (its 64-bit digest, `key.rs`) in the slot beside the value: a probe is settled in its
+//! slot line, and a rebuild reads only the old slots. This table does not interpret values
+//! beyond "non-zero". The writer side ([`SlotTable::lock`], [`SlotWriter`]) is `writer.rs`.
 //!
 //! # Structure
 //!
