@@ -21,26 +21,26 @@ pub trait Registered {
 /// Bytes of one registry word.
 const WORD: usize = std::mem::size_of::<AtomicU64>();
 
-/// Ids of the runs of one partition: an id names its run's pointer while the run is
-/// registered (invariant 4), so a hint can check the run it names is still live. Chunks of
-/// doubling size (4, 8, … entries) that never move, read lock-free: a small first chunk, since
-/// most partitions (a churned tenant's) hold a run or two, and 30 chunks, so that ids still
-/// reach 2^32 − 4. The pointers of the first two chunks (ids up to 11) are in
-/// the registry; those of the others are in an array allocated with the first chunk past
-/// them (`rest`, never replaced or freed before the registry), so a partition of a few runs
-/// does not carry 30 chunk pointers (240 bytes) but 3 (issue 42). A reader of an id past the
-/// inline chunks loads `rest` (Acquire) before the chunk pointer: one dependent load more,
-/// on a line every such read shares. The writer stores `rest` (Release) once its null
-/// pointers are written, and a chunk pointer (Release) once the chunk's zeroed words are.
+/// Ids of the runs of one partition: an id names its run's pointer while the run is registered
+/// (`block_run.rs`, invariant 4), so a hint can check the run it names is still live. Chunks of
+/// doubling size (4, 8, … entries) that never move, read lock-free: a small first chunk, since most
+/// partitions (a churned tenant's) hold a run or two, and 30 chunks, so that ids still reach
+/// 2^32 − 4. The pointers of the first two chunks (ids up to 11) are in the registry; those of the
+/// others are in an array allocated with the first chunk past them (`rest`, never replaced or freed
+/// before the registry), so a partition of a few runs does not carry 30 chunk pointers (240
+/// bytes) but 3 (issue 42). A reader of an id past the inline chunks loads `rest` (Acquire) before the chunk
+/// pointer: one dependent load more, on a line every such read shares. The writer stores `rest`
+/// (Release) once its null pointers are written, and a chunk pointer (Release) once the chunk's
+/// zeroed words are.
 ///
-/// Each entry also keeps its run's *age*: a lower bound of the `last_seen` of the run's
-/// holders (the oldest at registration, lowered by a join; a holder leaving leaves it low).
-/// Holder entries are never rewritten (invariant 3), so a run never gets older than its age
-/// says, and a scan for old runs ([`RunIds::scan`]) can pass over every younger run reading
-/// only this array, never the runs. The age is written before the entry's pointer (Release),
-/// so a reader that loads the pointer with Acquire and then the age sees at least the
-/// registration's value; a join's lowering is Relaxed, and a scan that misses it passes a run
-/// whose newest holder it would have taken — an approximate walk's miss, never a wrong answer.
+/// Each entry also keeps its run's *age*: a lower bound of the `last_seen` of the run's holders
+/// (the oldest at registration, lowered by a join; a holder leaving leaves it low). Holder entries
+/// are never rewritten (`block_run.rs`, invariant 3), so a run never gets older than its age says,
+/// and a scan for old runs ([`RunIds::scan`]) can pass over every younger run reading only this
+/// array, never the runs. The age is written before the entry's pointer (Release), so a reader that
+/// loads the pointer with Acquire and then the age sees at least the registration's value; a join's
+/// lowering is Relaxed, and a scan that misses it passes a run whose newest holder it would have
+/// taken — an approximate walk's miss, never a wrong answer.
 pub struct RunIds<T> {
     /// Chunks `0..INLINE_CHUNKS`.
     inline: [AtomicPtr<AtomicU64>; INLINE_CHUNKS],

@@ -1,5 +1,5 @@
-//! The exact path: a population of at most [`EXACT_MAX`](super::EXACT_MAX) entries (cap) or keys (quota) is
-//! enumerated and its victims taken exactly in the ideal order.
+//! The exact path: a population of at most [`EXACT_MAX`](super::EXACT_MAX) entries (cap) or keys
+//! (quota) is enumerated and its victims taken exactly in the ideal order.
 
 use super::super::Index;
 use super::super::records::Partition;

@@ -50,11 +50,11 @@
 //!    (still present, same generation, rank still ≤ the threshold, index still over the cap: a
 //!    re-ingest or credit since the walk saves it) and remove it.
 //! 4. *Run mates* (cap, LRU): a victim queues the other live blocks of its run (up to
-//!    [`MAX_MATES`](hand::MAX_MATES)) as the next candidates. They carry the same holder entry — the victim's
-//!    replica with the same `last_seen` and generation, so tied with it in the ideal order —
-//!    and are taken while the index is still over the cap, each re-validated like any
-//!    candidate (present, same generation, rank ≤ threshold). A chain thus leaves whole, and
-//!    its run with it, instead of block by block over a lap of the walk (test
+//!    [`MAX_MATES`](hand::MAX_MATES)) as the next candidates. They carry the same holder entry —
+//!    the victim's replica with the same `last_seen` and generation, so tied with it in the ideal
+//!    order — and are taken while the index is still over the cap, each re-validated like any
+//!    candidate (present, same generation, rank ≤ threshold). A chain thus leaves whole, and its
+//!    run with it, instead of block by block over a lap of the walk (test
 //!    `cap_evicts_chains_whole_with_their_run_mates`).
 //! 5. *Re-sample* after a lap of the cursor, after about half of the estimated population below
 //!    the threshold was evicted (the threshold goes stale as its entries disappear), or when a
@@ -73,12 +73,12 @@
 //! counts (a threshold count above 0) read every run the walk passes. Quotas, which have no
 //! cost bar, take the 4th of 64 (≈ 6%).
 //!
-//! **Counters.** The cap runs holding the calling ingest's key and entry deltas ([`HeldBackDeltas`](super::counters::HeldBackDeltas)): a
-//! victim of the same partition folds its own deltas into them (and of the same replica, its
-//! entry and serving deltas too), and the sum is applied once at the end, so an insert and its
-//! victim in one namespace touch no shared counter but the entry count, which removals lower at
-//! once, before the unlink (loom m8a). The partition weights of the sampling count the held
-//! entries; eviction counts are summed per enforcement.
+//! **Counters.** The cap runs holding the calling ingest's key and entry deltas
+//! ([`HeldBackDeltas`](super::counters::HeldBackDeltas)): a victim of the same partition folds its
+//! own deltas into them (and of the same replica, its entry and serving deltas too), and the sum is
+//! applied once at the end, so an insert and its victim in one namespace touch no shared counter
+//! but the entry count, which removals lower at once, before the unlink (loom m8a). The partition
+//! weights of the sampling count the held entries; eviction counts are summed per enforcement.
 
 mod context;
 mod enforce;
