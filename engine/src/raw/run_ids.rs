@@ -27,11 +27,11 @@ const WORD: usize = std::mem::size_of::<AtomicU64>();
 /// partitions (a churned tenant's) hold a run or two, and 30 chunks, so that ids still reach
 /// 2^32 − 4. The pointers of the first two chunks (ids up to 11) are in the registry; those of the
 /// others are in an array allocated with the first chunk past them (`rest`, never replaced or freed
-/// before the registry), so a partition of a few runs does not carry 30 chunk pointers (240
-/// bytes) but 3 (issue 42). A reader of an id past the inline chunks loads `rest` (Acquire) before the chunk
-/// pointer: one dependent load more, on a line every such read shares. The writer stores `rest`
-/// (Release) once its null pointers are written, and a chunk pointer (Release) once the chunk's
-/// zeroed words are.
+/// before the registry), so a partition of a few runs does not carry 30 chunk pointers (240 bytes)
+/// but 3 (issue 42). A reader of an id past the inline chunks loads `rest` (Acquire) before the
+/// chunk pointer: one dependent load more, on a line every such read shares. The writer stores
+/// `rest` (Release) once its null pointers are written, and a chunk pointer (Release) once the
+/// chunk's zeroed words are.
 ///
 /// Each entry also keeps its run's *age*: a lower bound of the `last_seen` of the run's holders
 /// (the oldest at registration, lowered by a join; a holder leaving leaves it low). Holder entries
