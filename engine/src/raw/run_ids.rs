@@ -3,7 +3,6 @@
 //! registers ([`Registered`]: `BlockRun`), so the runs name the registry and the registry does
 //! not name the runs.
 
-use crate::raw::slots::prefetch;
 use crate::sync::{AtomicPtr, AtomicU64, Ordering};
 use crossbeam_epoch::Guard;
 use std::marker::PhantomData;
@@ -253,7 +252,7 @@ impl<T> RunIds<T> {
             // Relaxed: the address is only prefetched, never read through.
             let chunk = chunk.load(Ordering::Relaxed);
             if !chunk.is_null() {
-                prefetch(chunk.wrapping_add(ENTRY_WORDS * i));
+                crate::raw::slots::prefetch(chunk.wrapping_add(ENTRY_WORDS * i));
             }
         }
         #[cfg(loom)]
