@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::source_text::{code_only, rust_files};
+use common::source_text::{Token, code_only, rust_files, tokens};
 use std::path::Path;
 
 /// Lock types a file must take from `crate::sync`.
@@ -20,44 +20,6 @@ const LOCK_TYPES: &[&str] = &[
     "RwLockWriteGuard",
     "Condvar",
 ];
-
-/// A token of the code: an identifier, `::`, or one punctuation character.
-#[derive(Debug, Clone, PartialEq)]
-enum Token {
-    Ident(String),
-    PathSep,
-    Punct(char),
-}
-
-/// The tokens of `code` with the line each starts on.
-fn tokens(code: &str) -> Vec<(Token, usize)> {
-    let chars: Vec<char> = code.chars().collect();
-    let mut out = Vec::new();
-    let mut line = 1;
-    let mut i = 0;
-    while i < chars.len() {
-        let c = chars[i];
-        if c == '\n' {
-            line += 1;
-            i += 1;
-        } else if c.is_whitespace() {
-            i += 1;
-        } else if c.is_alphanumeric() || c == '_' {
-            let start = i;
-            while i < chars.len() && (chars[i].is_alphanumeric() || chars[i] == '_') {
-                i += 1;
-            }
-            out.push((Token::Ident(chars[start..i].iter().collect()), line));
-        } else if c == ':' && chars.get(i + 1) == Some(&':') {
-            out.push((Token::PathSep, line));
-            i += 2;
-        } else {
-            out.push((Token::Punct(c), line));
-            i += 1;
-        }
-    }
-    out
-}
 
 /// Every full path the path (or use tree) starting at token `at` spells: `a::b::{c, d::{e}}`
 /// gives `a::b::c` and `a::b::d::e`. A path that stops at a `::` or a `{` it cannot close

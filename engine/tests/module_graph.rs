@@ -31,7 +31,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 mod common;
 
-use common::source_text::{code_only, rust_files, test_only_children, without_test_code};
+use common::source_text::{
+    Token, code_only, rust_files, test_only_children, tokens, without_test_code,
+};
 use std::path::Path;
 
 /// The source trees checked, relative to the workspace root (library crates' `src/`). To check
@@ -57,14 +59,6 @@ struct Edge {
 
 /// A graph: node → the nodes it references (first sighting each).
 type Graph = BTreeMap<String, BTreeMap<String, Edge>>;
-
-/// One token of code: an identifier, a `::`, or any other character (spaces dropped).
-#[derive(Debug, Clone, PartialEq)]
-enum Token {
-    Ident(String),
-    PathSep,
-    Punct(char),
-}
 
 /// One name a `use` declaration brings in.
 #[derive(Debug, Clone)]
@@ -109,38 +103,6 @@ fn module_path_of(relative: &Path) -> Vec<String> {
         parts.push(stem.to_string());
     }
     parts
-}
-
-fn tokenize(code: &str) -> Vec<(Token, usize)> {
-    let chars: Vec<char> = code.chars().collect();
-    let mut out = Vec::new();
-    let mut line = 1;
-    let mut i = 0;
-    while i < chars.len() {
-        let c = chars[i];
-        if c == '\n' {
-            line += 1;
-            i += 1;
-        } else if c.is_whitespace() {
-            i += 1;
-        } else if c.is_alphabetic() || c == '_' {
-            let start = i;
-            while i < chars.len() && (chars[i].is_alphanumeric() || chars[i] == '_') {
-                i += 1;
-            }
-            let word: String = chars[start..i].iter().collect();
-            // `r#name` raw identifiers.
-            out.push((Token::Ident(word), line));
-        } else if c == ':' && chars.get(i + 1) == Some(&':') {
-            out.push((Token::PathSep, line));
-            i += 2;
-        } else {
-            // Lifetimes and labels (`'a`) are a quote then an identifier: harmless.
-            out.push((Token::Punct(c), line));
-            i += 1;
-        }
-    }
-    out
 }
 
 fn ident(tokens: &[(Token, usize)], i: usize) -> Option<&str> {
@@ -268,7 +230,7 @@ fn from_file(mut path: Vec<String>, inline: usize) -> Vec<String> {
 
 fn parse(module: Vec<String>, file: String, text: String) -> Source {
     let code = without_test_code(&code_only(&text)).unwrap_or_default();
-    let tokens = tokenize(&code);
+    let tokens = tokens(&code);
     let depths = inline_depths(&tokens);
     let mut use_spans = Vec::new();
     let mut uses = Vec::new();

@@ -1,5 +1,6 @@
 //! Reading the workspace's own source text, for the tests that check its structure
-//! (`module_graph.rs`, `file_size.rs`, `lock_family.rs`).
+//! (`module_graph.rs`, `file_size.rs`, `lock_family.rs`): the files, the code without comments,
+//! literals or test items, and its tokens.
 
 use std::path::{Path, PathBuf};
 
@@ -273,6 +274,44 @@ pub fn test_only_children(text: &str) -> Vec<String> {
             && kept_line.trim().is_empty()
         {
             out.push(name.to_string());
+        }
+    }
+    out
+}
+
+/// A token of the code: an identifier (or a number), `::`, or one punctuation character.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Token {
+    Ident(String),
+    PathSep,
+    Punct(char),
+}
+
+/// The tokens of `code` with the line each starts on.
+pub fn tokens(code: &str) -> Vec<(Token, usize)> {
+    let chars: Vec<char> = code.chars().collect();
+    let mut out = Vec::new();
+    let mut line = 1;
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '\n' {
+            line += 1;
+            i += 1;
+        } else if c.is_whitespace() {
+            i += 1;
+        } else if c.is_alphanumeric() || c == '_' {
+            let start = i;
+            while i < chars.len() && (chars[i].is_alphanumeric() || chars[i] == '_') {
+                i += 1;
+            }
+            out.push((Token::Ident(chars[start..i].iter().collect()), line));
+        } else if c == ':' && chars.get(i + 1) == Some(&':') {
+            out.push((Token::PathSep, line));
+            i += 2;
+        } else {
+            out.push((Token::Punct(c), line));
+            i += 1;
         }
     }
     out
