@@ -4,11 +4,14 @@
 # index (round robin), and writes medians, spread and pass bars to bench/results/w1m.md.
 #
 #   bench/run-w1m.sh [--quick] [-n N] [--chains N] [--queries N] [--mimalloc] [--no-peers]
+#                    [--ours-bin FILE] [--out FILE]
 #
 #   --quick      one process per index (default N = 5)
 #   --chains N   16384 (W1M, default) or 12000 (fan-out variant), 1024 for a smoke look
 #   --mimalloc   mimalloc as the global allocator of every binary (default: system malloc)
 #   --no-peers   InferenceCache only (skips the heavy Dynamo build)
+#   --ours-bin FILE  run this prebuilt `w1m` instead of building ours (A/B of two commits:
+#                build each commit's `w1m` once, then alternate runs of the two binaries)
 #   --out FILE   write the markdown there instead of bench/results/w1m.md (a section of
 #                bench/RESULTS.md, which bench/run-all.sh assembles)
 #
@@ -24,6 +27,7 @@ QUERIES=""
 ALLOC=system
 PEERS=1
 RESULTS="$ROOT/bench/results/w1m.md"
+OURS_BIN=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) N=1 ;;
@@ -33,7 +37,8 @@ while [ $# -gt 0 ]; do
     --mimalloc) ALLOC=mimalloc ;;
     --no-peers) PEERS=0 ;;
     --out) RESULTS="$2"; shift ;;
-    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
+    --ours-bin) OURS_BIN="$2"; shift ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -44,10 +49,14 @@ PEERS_TARGET_DIR="${PEERS_TARGET_DIR:-$ROOT/../target-peers}"
 FEATURES=()
 if [ "$ALLOC" = mimalloc ]; then FEATURES=(--features mimalloc); fi
 
-echo "== build inferencecache-bench (product release profile)" >&2
-(cd "$ROOT" && CARGO_TARGET_DIR="$BENCH_TARGET_DIR" nice -n 10 \
-  cargo build --release --quiet -p inferencecache-bench --bin w1m "${FEATURES[@]}")
-OURS="$BENCH_TARGET_DIR/release/w1m"
+if [ -n "$OURS_BIN" ]; then
+  OURS="$OURS_BIN"
+else
+  echo "== build inferencecache-bench (product release profile)" >&2
+  (cd "$ROOT" && CARGO_TARGET_DIR="$BENCH_TARGET_DIR" nice -n 10 \
+    cargo build --release --quiet -p inferencecache-bench --bin w1m "${FEATURES[@]}")
+  OURS="$BENCH_TARGET_DIR/release/w1m"
+fi
 if [ "$PEERS" = 1 ]; then
   echo "== build bench/peers (opt 3, thin LTO, 4 CGU)" >&2
   (cd "$ROOT/bench/peers" && CARGO_TARGET_DIR="$PEERS_TARGET_DIR" nice -n 10 \
@@ -102,6 +111,7 @@ MODEL="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
   echo "- Workload: $CHAINS chains ($((CHAINS * 64)) entries), ${QUERIES:-100000} queries per set;" \
     "$N fresh process(es) per index; medians across processes"
   echo "- Command: \`$CMD\`"
+  if [ -n "$OURS_BIN" ]; then echo "- Ours: prebuilt \`$OURS_BIN\` (sha256 $(sha256sum "$OURS_BIN" | cut -c1-12))"; fi
   if [ "$FAIL" = 1 ]; then
     echo
     echo "**A check failed in at least one process (see the run's stderr): the run is a failure.**"
