@@ -54,6 +54,9 @@ pub const ENDPOINTS_FILE_PERIOD: Duration = Duration::from_secs(2);
 /// Prompts up to this many bytes of text are tokenized on the request's own task; longer ones
 /// go to the blocking pool (bounded like `LookupRoute`'s, with [`TOKENIZE_TIMEOUT`]).
 pub const INLINE_TOKENIZE_BYTES: usize = 4 * 1024;
+/// What one chat message adds to the rendered prompt besides its role and content, for
+/// [`INLINE_TOKENIZE_BYTES`] (ChatML's `<|im_start|>…<|im_end|>\n` is 24 bytes).
+const MESSAGE_FRAMING_BYTES: usize = 32;
 /// How long tokenizing one request may take before the pick goes by load.
 pub const TOKENIZE_TIMEOUT: Duration = Duration::from_millis(500);
 
@@ -512,8 +515,13 @@ impl Picker {
         let Some(tokenizer) = self.state.tokenizer().cloned() else {
             return Vec::new();
         };
+        // What the template renders: each message's text plus its framing (a body of many
+        // empty messages is long work too, so each counts at least MESSAGE_FRAMING_BYTES).
         let prompt_bytes = match &request.prompt {
-            body::Prompt::Messages(messages) => messages.iter().map(|m| m.content.len()).sum(),
+            body::Prompt::Messages(messages) => messages
+                .iter()
+                .map(|m| m.content.len() + m.role.len() + MESSAGE_FRAMING_BYTES)
+                .sum(),
             body::Prompt::Text(text) => text.len(),
         };
         let deadline = Instant::now() + TOKENIZE_TIMEOUT;
