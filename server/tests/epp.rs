@@ -424,3 +424,134 @@ async fn shedding_answers_429_while_every_endpoint_is_at_the_limit() {
     }
     drop(held_second);
 }
+
+/// Writes `text` to `path` the way a deployment should (a new file renamed over the old one,
+/// as a Kubernetes ConfigMap mount does), so the reloader never reads half a file.
+fn replace_file(path: &std::path::Path, text: &str) {
+    let staged = path.with_extension("staged");
+    std::fs::write(&staged, text).unwrap();
+    std::fs::rename(&staged, path).unwrap();
+}
+
+/// Asks for a chat pick until `accept` holds for its endpoint list (or 10 s pass: the file is
+/// checked every 2 s).
+async fn pick_until(
+    addr: SocketAddr,
+    body: &str,
+    accept: impl Fn(&[String]) -> bool,
+) -> Vec<String> {
+    let started = Instant::now();
+    loop {
+        let answer =
+            ext_proc_request(addr, "/v1/chat/completions", &[], body.as_bytes(), 4096).await;
+        let endpoints = answer.endpoints();
+        if accept(&endpoints) {
+            return endpoints;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the picker still answers {endpoints:?} ({answer:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_endpoints_file_reloads_without_a_restart_and_a_bad_one_keeps_the_last_good() {
+    let dir = temp_dir("epp-endpoints-file");
+    let models = models_dir(&dir);
+    let file = dir.join("endpoints.json");
+    replace_file(
+        &file,
+        &format!(r#"[{{"replica_id":"fa","endpoint":"{ENDPOINT_A}","models":["{MODEL}"]}}]"#),
+    );
+    let port = free_port();
+    let bind = format!("127.0.0.1:{port}");
+    let server = ServerProcess::start(
+        &dir,
+        &[
+            "--tokenizer-models-dir",
+            models.to_str().unwrap(),
+            "--epp-bind-address",
+            &bind,
+            "--epp-tenant",
+            "t",
+            "--epp-endpoints-file",
+            file.to_str().unwrap(),
+        ],
+    );
+    server.wait_ready().await;
+    let addr: SocketAddr = bind.parse().unwrap();
+    let started = Instant::now();
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "picker not listening"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let picker = Picker { server, addr };
+    let body = chat_body(&[("user", "w1 w2 w3")], false);
+    // No sidecar reported anything: the file alone names the candidates.
+    let first = pick_until(addr, &body, |_| true).await;
+    assert_eq!(first, [ENDPOINT_A]);
+
+    // The replica moves to a new address and a second one joins for MODEL; a third serves
+    // another model only. The next picks use the new map, without a restart.
+    replace_file(
+        &file,
+        &format!(
+            r#"[{{"replica_id":"fa","endpoint":"{ENDPOINT_B}","models":["{MODEL}"]}},
+                {{"replica_id":"fc","endpoint":"{ENDPOINT_OTHER}"}},
+                {{"replica_id":"fx","endpoint":"10.0.0.9:8000","models":["other/model"]}}]"#
+        ),
+    );
+    let mut reloaded = pick_until(addr, &body, |e| e.len() == 2).await;
+    reloaded.sort();
+    assert_eq!(reloaded, [ENDPOINT_B, ENDPOINT_OTHER]);
+    let loaded = "inferencecache_epp_endpoints_file_reloads_total{outcome=\"loaded\"}";
+    let failed = "inferencecache_epp_endpoints_file_reloads_total{outcome=\"failed\"}";
+    assert_eq!(metric(&picker, loaded).await, 1.0);
+    assert_eq!(metric(&picker, failed).await, 0.0);
+    // The file's replica is a real candidate: its cached prefix wins the pick.
+    let system = words(200, 120);
+    let turn = [("system", system.as_str()), ("user", "w9")];
+    cache(&picker, "fc", &chat_tokens(&turn)).await;
+    let cached = chat_body(&turn, false);
+    let answer = ext_proc_request(addr, "/v1/chat/completions", &[], cached.as_bytes(), 4096).await;
+    assert_eq!(answer.endpoints(), [ENDPOINT_OTHER, ENDPOINT_B]);
+
+    // A malformed file (and then one with an entry that is not ip:port) is refused, counted
+    // and logged; the last good map stays in use.
+    for bad in [
+        "[{\"replica_id\":\"fa\",".to_owned(),
+        format!(r#"[{{"replica_id":"fa","endpoint":"engine-0:8000","models":["{MODEL}"]}}]"#),
+    ] {
+        let before = metric(&picker, failed).await;
+        replace_file(&file, &bad);
+        let started = Instant::now();
+        while metric(&picker, failed).await < before + 1.0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the bad file was not counted"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let mut kept = pick_until(addr, &body, |_| true).await;
+        kept.sort();
+        assert_eq!(kept, [ENDPOINT_B, ENDPOINT_OTHER], "after {bad:?}");
+    }
+    assert_eq!(metric(&picker, failed).await, 2.0);
+    assert_eq!(metric(&picker, loaded).await, 1.0);
+    assert!(
+        picker.server.logs().contains("epp_endpoints_reload_failed"),
+        "the refusal is logged"
+    );
+    // Fixed again: picked up like any change.
+    replace_file(
+        &file,
+        &format!(r#"[{{"replica_id":"fa","endpoint":"{ENDPOINT_A}"}}]"#),
+    );
+    pick_until(addr, &body, |e| e == [ENDPOINT_A]).await;
+    assert_eq!(metric(&picker, loaded).await, 2.0);
+}

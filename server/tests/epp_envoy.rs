@@ -926,22 +926,33 @@ async fn open_loop(
     )
 }
 
-/// The picker's added latency (bench/epp-latency.sh; recorded in bench/RESULTS.md): Envoy
-/// with the picker against Envoy round-robin to the same three fake engines, open loop at
-/// `EPP_BENCH_RATE` req/s (1,000) for `EPP_BENCH_SECONDS` (20) each, chat requests of about
-/// 200 tokens over 50 system prompts cached across the engines.
+/// The picker's added latency (bench/epp-latency.sh; recorded in bench/results/epp-latency.md):
+/// Envoy with the picker against Envoy round-robin to the same three fake engines, open loop at
+/// `EPP_BENCH_RATE` req/s (1,000) for `EPP_BENCH_SECONDS` (10) per run, the configurations
+/// alternated over `EPP_BENCH_ROUNDS` (3) rounds so that a load change on a shared host hits
+/// them alike; chat requests of about 190 tokens over 50 system prompts cached across the
+/// engines. Prints every run, the medians over the rounds, the latency the picker adds
+/// (median minus the round-robin median), and the picker's own time per pick from its
+/// histogram, per configuration.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "benchmark: bench/epp-latency.sh"]
 async fn epp_latency_benchmark() {
     let Some(envoy) = envoy_bin() else { return };
-    let rate: u64 = std::env::var("EPP_BENCH_RATE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000);
-    let seconds: u64 = std::env::var("EPP_BENCH_SECONDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20);
+    let setting = |name: &str, default: u64| -> u64 {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let rate = setting("EPP_BENCH_RATE", 1000);
+    let seconds = setting("EPP_BENCH_SECONDS", 10);
+    let rounds = setting("EPP_BENCH_ROUNDS", 3).max(1);
+    let load_average = || {
+        std::fs::read_to_string("/proc/loadavg")
+            .map(|l| l.split(' ').take(3).collect::<Vec<_>>().join(" "))
+            .unwrap_or_default()
+    };
+    println!("# load average at the start: {}", load_average());
     let dir = temp_dir("epp-bench");
     let models = models_dir(&dir);
     let engines = [
@@ -973,39 +984,242 @@ async fn epp_latency_benchmark() {
             ));
         }
     }
-    let mut rows = Vec::new();
-    for (name, mode) in [
+    let configurations = [
         ("round robin, no picker", "OFF"),
         ("picker, BUFFERED request body", "BUFFERED/NONE"),
         (
             "picker, FULL_DUPLEX_STREAMED both ways",
             "FULL_DUPLEX_STREAMED/FULL_DUPLEX_STREAMED",
         ),
-    ] {
+    ];
+    let mut proxies = Vec::new();
+    for (_, mode) in configurations {
         let proxy = start_envoy(&envoy, &dir, picker, &addrs, mode).await;
         // Warm-up: connections, the picker's tokenizer.
         open_loop(proxy.addr, rate.min(200), 1, &bodies).await;
-        let (p50, p99, max, errors) = open_loop(proxy.addr, rate, seconds, &bodies).await;
-        rows.push(format!(
-            "| {name} | {rate} | {seconds} s | {:.2} | {:.2} | {:.2} | {errors} |",
-            p50 as f64 / 1000.0,
-            p99 as f64 / 1000.0,
-            max as f64 / 1000.0
-        ));
-        drop(proxy);
+        proxies.push(proxy);
     }
-    // The picker's own time per pick (parse, tokenize, lookup, rank), over every run.
     let http = SocketAddr::from(([127, 0, 0, 1], server.http));
-    let (_, _, metrics) = common::http_request(http, "GET", "/metrics", "").await;
-    for line in metrics
-        .lines()
-        .filter(|l| l.starts_with("inferencecache_epp_pick_latency_seconds"))
-    {
-        println!("| pick latency | {line} |");
+    let histogram = || async {
+        let (_, _, metrics) = common::http_request(http, "GET", "/metrics", "").await;
+        pick_histogram(&metrics)
+    };
+    // Per configuration: (p50, p99, max, errors) of every round, and the pick histogram's
+    // growth over its runs.
+    let mut runs: Vec<Vec<(u64, u64, u64, u64)>> = vec![Vec::new(); configurations.len()];
+    let mut picks: Vec<PickHistogram> = vec![PickHistogram::default(); configurations.len()];
+    println!("| Round | Gateway | req/s | duration | p50 ms | p99 ms | max ms | errors |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for round in 1..=rounds {
+        for (c, ((name, _), proxy)) in configurations.iter().zip(&proxies).enumerate() {
+            let before = histogram().await;
+            let run = open_loop(proxy.addr, rate, seconds, &bodies).await;
+            picks[c].add_growth(&before, &histogram().await);
+            println!(
+                "| {round} | {name} | {rate} | {seconds} s | {:.2} | {:.2} | {:.2} | {} |",
+                run.0 as f64 / 1000.0,
+                run.1 as f64 / 1000.0,
+                run.2 as f64 / 1000.0,
+                run.3
+            );
+            runs[c].push(run);
+        }
     }
-    println!("| Gateway | req/s | duration | p50 ms | p99 ms | max ms | errors |");
-    println!("|---|---|---|---|---|---|---|");
-    for row in rows {
-        println!("{row}");
+    let median = |values: Vec<u64>| -> f64 {
+        let mut values = values;
+        values.sort_unstable();
+        values[values.len() / 2] as f64 / 1000.0
+    };
+    let medians: Vec<(f64, f64)> = runs
+        .iter()
+        .map(|r| {
+            (
+                median(r.iter().map(|x| x.0).collect()),
+                median(r.iter().map(|x| x.1).collect()),
+            )
+        })
+        .collect();
+    println!("# load average at the end: {}", load_average());
+    println!();
+    println!(
+        "| Gateway (median of {rounds} rounds) | p50 ms | p99 ms | added p50 ms | added p99 ms | picks | pick mean µs | pick p99 µs (bucket bound) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for (c, (name, _)) in configurations.iter().enumerate() {
+        let (p50, p99) = medians[c];
+        let (added50, added99) = if c == 0 {
+            ("—".to_owned(), "—".to_owned())
+        } else {
+            (
+                format!("{:+.2}", p50 - medians[0].0),
+                format!("{:+.2}", p99 - medians[0].1),
+            )
+        };
+        let (count, mean, p99_bound) = picks[c].summary();
+        println!(
+            "| {name} | {p50:.2} | {p99:.2} | {added50} | {added99} | {count} | {mean} | {p99_bound} |"
+        );
+    }
+}
+
+/// The picker's `inferencecache_epp_pick_latency_seconds` histogram: (bound in seconds,
+/// cumulative count) per bucket, the sum and the count.
+#[derive(Debug, Clone, Default)]
+struct PickHistogram {
+    buckets: Vec<(f64, f64)>,
+    sum: f64,
+    count: f64,
+}
+
+impl PickHistogram {
+    /// Adds what grew between two scrapes.
+    fn add_growth(&mut self, before: &PickHistogram, after: &PickHistogram) {
+        if self.buckets.is_empty() {
+            self.buckets = after.buckets.iter().map(|(b, _)| (*b, 0.0)).collect();
+        }
+        for ((mine, earlier), later) in self
+            .buckets
+            .iter_mut()
+            .zip(&before.buckets)
+            .zip(&after.buckets)
+        {
+            mine.1 += later.1 - earlier.1;
+        }
+        self.sum += after.sum - before.sum;
+        self.count += after.count - before.count;
+    }
+
+    /// (picks, mean µs, the bucket bound holding the 99th percentile).
+    fn summary(&self) -> (String, String, String) {
+        if self.count == 0.0 {
+            return ("0".into(), "—".into(), "—".into());
+        }
+        let target = self.count * 0.99;
+        let bound = self
+            .buckets
+            .iter()
+            .find(|(_, cumulative)| *cumulative >= target)
+            .map_or("> largest bucket".to_owned(), |(b, _)| {
+                format!("≤ {:.0}", b * 1e6)
+            });
+        (
+            format!("{:.0}", self.count),
+            format!("{:.0}", self.sum / self.count * 1e6),
+            bound,
+        )
+    }
+}
+
+fn pick_histogram(metrics: &str) -> PickHistogram {
+    let mut histogram = PickHistogram::default();
+    for line in metrics.lines() {
+        let Some((name, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(value) = value.parse::<f64>() else {
+            continue;
+        };
+        if let Some(bound) = name
+            .strip_prefix("inferencecache_epp_pick_latency_seconds_bucket{le=\"")
+            .and_then(|b| b.strip_suffix("\"}"))
+            .and_then(|b| b.parse::<f64>().ok())
+        {
+            histogram.buckets.push((bound, value));
+        } else if name == "inferencecache_epp_pick_latency_seconds_sum" {
+            histogram.sum = value;
+        } else if name == "inferencecache_epp_pick_latency_seconds_count" {
+            histogram.count = value;
+        }
+    }
+    histogram
+}
+
+/// The Envoy configuration docs/epp.md's setup uses (`deploy/epp-demo/envoy.yaml`), as a user
+/// runs it: Envoy validates the file as committed, then serves with it (only its loopback
+/// ports moved to free ones) and routes a cached prefix to the engine holding it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_envoy_config_validates_and_routes() {
+    let Some(envoy) = envoy_bin() else { return };
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/epp-demo/envoy.yaml");
+    let validated = Command::new(&envoy)
+        .args(["--mode", "validate", "-c"])
+        .arg(&config)
+        .output()
+        .expect("run envoy --mode validate");
+    assert!(
+        validated.status.success(),
+        "envoy rejects {}: {}",
+        config.display(),
+        String::from_utf8_lossy(&validated.stderr)
+    );
+    let dir = temp_dir("epp-envoy-documented");
+    let models = models_dir(&dir);
+    let engines = [FakeEngine::start("e0").await, FakeEngine::start("e1").await];
+    let (server, picker) = picker_server(&dir, &models, &[]);
+    server.wait_ready().await;
+    wait_listening(picker).await;
+    announce(&server, "r0", &engines[0].endpoint()).await;
+    announce(&server, "r1", &engines[1].endpoint()).await;
+    let (listen, admin) = (free_port(), free_port());
+    let text = std::fs::read_to_string(&config).unwrap();
+    let mut moved = text.clone();
+    for (documented, actual) in [
+        (10000, listen),
+        (9901, admin),
+        (8000, engines[0].addr.port()),
+        (8001, engines[1].addr.port()),
+        (9002, picker.port()),
+    ] {
+        let from = format!("port_value: {documented}}}");
+        assert_eq!(
+            text.matches(&from).count(),
+            1,
+            "{from} in {}",
+            config.display()
+        );
+        moved = moved.replace(&from, &format!("port_value: {actual}}}"));
+    }
+    let moved_path = dir.join("envoy.yaml");
+    std::fs::write(&moved_path, moved).unwrap();
+    let log = dir.join("envoy.log");
+    let _envoy = Killed(
+        Command::new(&envoy)
+            .args(["--disable-hot-restart", "--log-level", "warn", "-c"])
+            .arg(&moved_path)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start envoy"),
+    );
+    let admin_addr = SocketAddr::from(([127, 0, 0, 1], admin));
+    let started = Instant::now();
+    while !matches!(
+        common::try_http_request(admin_addr, "GET", "/ready", "").await,
+        Ok((200, _, _))
+    ) {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "envoy not ready: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let gateway = SocketAddr::from(([127, 0, 0, 1], listen));
+    // Whichever engine holds the conversation's prefix gets it, every time.
+    for holder in [1usize, 0] {
+        let system = words(500 + 300 * holder as u32, 150);
+        let turn = [("system", system.as_str()), ("user", "w3")];
+        cache(&server, &format!("r{holder}"), &chat_tokens(&turn)).await;
+        for _ in 0..3 {
+            let reply = send(
+                gateway,
+                "/v1/chat/completions",
+                &[],
+                &chat_body(&turn, false),
+            )
+            .await;
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            assert_eq!(reply.engine, engines[holder].name);
+        }
     }
 }

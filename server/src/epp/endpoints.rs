@@ -198,8 +198,14 @@ impl Drop for InFlight {
 }
 
 /// Re-reads the endpoints file every `period` when its modification time or length changes;
-/// a file that fails to parse keeps the previous entries (logged).
-pub fn spawn_file_reloader(path: PathBuf, registry: Arc<Registry>, period: Duration) {
+/// a file that fails to read or parse keeps the previous entries (logged). `outcome` hears of
+/// every re-read (`true`: the entries were replaced).
+pub fn spawn_file_reloader(
+    path: PathBuf,
+    registry: Arc<Registry>,
+    period: Duration,
+    outcome: impl Fn(bool) + Send + 'static,
+) {
     tokio::spawn(async move {
         let mut last: Option<(SystemTime, u64)> = stamp(&path);
         loop {
@@ -213,12 +219,17 @@ pub fn spawn_file_reloader(path: PathBuf, registry: Arc<Registry>, period: Durat
                 Ok(entries) => {
                     tracing::info!(path = %path.display(), entries = entries.len(), "epp_endpoints_reloaded");
                     registry.replace_file(entries);
+                    outcome(true);
                 }
-                Err(err) => tracing::error!(
-                    path = %path.display(),
-                    err = %format!("{err:#}"),
-                    "epp_endpoints_reload_failed"
-                ),
+                Err(err) => {
+                    tracing::error!(
+                        path = %path.display(),
+                        err = %format!("{err:#}"),
+                        effect = "the last good entries stay",
+                        "epp_endpoints_reload_failed"
+                    );
+                    outcome(false);
+                }
             }
         }
     });

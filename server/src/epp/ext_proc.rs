@@ -13,7 +13,8 @@
 //! Response side: `x-gateway-destination-endpoint-served` is read from the response headers;
 //! a `FULL_DUPLEX_STREAMED` response body is passed back chunk by chunk as it comes, other
 //! modes are answered with "continue". Invariant: every message Envoy expects an answer to
-//! gets exactly one, in order, and the task ends when either side closes.
+//! gets exactly one, in order, and the exchange ends when either side closes; whatever ends it
+//! (including the gateway's reset, which drops it) releases its in-flight unit.
 
 use super::{
     ADAPTER_HEADER, DESTINATION_HEADER, Decision, LB_NAMESPACE, Picker, RequestContext,
@@ -32,14 +33,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
-use tokio::sync::mpsc;
 use tokio_stream::Stream;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
-
-type Outbound = mpsc::Sender<Result<ProcessingResponse, Status>>;
 
 /// The gRPC service.
 pub struct Processor {
@@ -54,10 +52,16 @@ impl ExternalProcessor for Processor {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(16);
-        tokio::spawn(run_stream(self.picker.clone(), inbound, tx));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        // The exchange runs inside the response stream, polled by the task that already
+        // serves this HTTP/2 stream: no task and no channel of our own per request, so a
+        // message's answer is written without one more cross-task wake-up (a scheduling delay
+        // on a loaded host). Dropping the stream (the gateway's reset) drops the exchange.
+        let exchange = Exchange::new(self.picker.clone(), request.into_inner());
+        let responses = futures_util::stream::unfold(exchange, |mut exchange| async move {
+            let response = exchange.next_response().await?;
+            Some((Ok(response), exchange))
+        });
+        Ok(Response::new(Box::pin(responses)))
     }
 }
 
@@ -93,7 +97,12 @@ pub async fn serve(picker: Arc<Picker>, listener: tokio::net::TcpListener) -> an
     tonic::transport::Server::builder()
         .add_service(health)
         .add_service(ExternalProcessorServer::new(Processor { picker }))
-        .serve_with_incoming(TcpListenerStream::new(listener))
+        // TCP_NODELAY: each answer is a small HTTP/2 frame written as soon as it is ready;
+        // with Nagle's algorithm a write behind an unacknowledged one waits for the gateway's
+        // delayed ACK (up to 40 ms on Linux).
+        .serve_with_incoming(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        )
         .await?;
     Ok(())
 }
@@ -101,7 +110,13 @@ pub async fn serve(picker: Arc<Picker>, listener: tokio::net::TcpListener) -> an
 /// One HTTP request's processing.
 struct Exchange {
     picker: Arc<Picker>,
-    out: Outbound,
+    inbound: Streaming<ProcessingRequest>,
+    /// Answers not yet handed to the gateway, in order (a message can need two: the held
+    /// headers' answer, then the body's).
+    outbox: VecDeque<ProcessingResponse>,
+    /// No more messages are read: the gateway closed its side, or an immediate response
+    /// ended the request.
+    closed: bool,
     context: RequestContext,
     request_mode: BodySendMode,
     response_mode: BodySendMode,
@@ -120,38 +135,59 @@ enum Stop {
     Closed,
 }
 
-async fn run_stream(picker: Arc<Picker>, mut inbound: Streaming<ProcessingRequest>, out: Outbound) {
-    let mut exchange = Exchange {
-        picker,
-        out,
-        context: RequestContext::default(),
-        request_mode: BodySendMode::None,
-        response_mode: BodySendMode::None,
-        body: Vec::new(),
-        headers_answered: false,
-        picked: None,
-        in_flight: None,
-    };
-    loop {
-        let message = match inbound.message().await {
-            Ok(Some(message)) => message,
-            Ok(None) => break,
-            Err(status) => {
-                tracing::debug!(code = ?status.code(), "epp_stream_closed");
-                break;
-            }
-        };
-        if exchange.handle(message).await.is_err() {
-            break;
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        if self.picked.is_none() && !self.body.is_empty() {
+            // The gateway closed (or reset) the stream before the body ended: nothing was
+            // decided.
+            self.picker.metrics().body_failure("stream_closed");
         }
-    }
-    if exchange.picked.is_none() && !exchange.body.is_empty() {
-        // The gateway closed the stream before the body ended: nothing was decided.
-        exchange.picker.metrics().body_failure("stream_closed");
     }
 }
 
 impl Exchange {
+    fn new(picker: Arc<Picker>, inbound: Streaming<ProcessingRequest>) -> Self {
+        Self {
+            picker,
+            inbound,
+            outbox: VecDeque::with_capacity(2),
+            closed: false,
+            context: RequestContext::default(),
+            request_mode: BodySendMode::None,
+            response_mode: BodySendMode::None,
+            body: Vec::new(),
+            headers_answered: false,
+            picked: None,
+            in_flight: None,
+        }
+    }
+
+    /// The next answer for the gateway, reading and handling its messages until there is one;
+    /// `None` once the exchange is over (everything answered and the gateway's side closed,
+    /// or an immediate response sent).
+    async fn next_response(&mut self) -> Option<ProcessingResponse> {
+        loop {
+            if let Some(response) = self.outbox.pop_front() {
+                return Some(response);
+            }
+            if self.closed {
+                return None;
+            }
+            match self.inbound.message().await {
+                Ok(Some(message)) => {
+                    if self.handle(message).await.is_err() {
+                        self.closed = true;
+                    }
+                }
+                Ok(None) => self.closed = true,
+                Err(status) => {
+                    tracing::debug!(code = ?status.code(), "epp_stream_closed");
+                    self.closed = true;
+                }
+            }
+        }
+    }
+
     async fn handle(&mut self, message: ProcessingRequest) -> Result<(), Stop> {
         if let Some(config) = &message.protocol_config {
             self.request_mode =
@@ -367,21 +403,21 @@ impl Exchange {
         Err(Stop::Closed)
     }
 
-    async fn send(&self, response: processing_response::Response) -> Result<(), Stop> {
+    async fn send(&mut self, response: processing_response::Response) -> Result<(), Stop> {
         self.send_with_metadata(response, None).await
     }
 
     async fn send_with_metadata(
-        &self,
+        &mut self,
         response: processing_response::Response,
         metadata: Option<Struct>,
     ) -> Result<(), Stop> {
-        let message = ProcessingResponse {
+        self.outbox.push_back(ProcessingResponse {
             response: Some(response),
             dynamic_metadata: metadata,
             ..Default::default()
-        };
-        self.out.send(Ok(message)).await.map_err(|_| Stop::Closed)
+        });
+        Ok(())
     }
 }
 

@@ -49,6 +49,14 @@ pub const ADAPTER_HEADER: &str = "x-inferencecache-adapter";
 
 /// Default body limit of `--epp-max-body-bytes`.
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 4 << 20;
+/// How often the endpoints file's modification time and size are checked.
+pub const ENDPOINTS_FILE_PERIOD: Duration = Duration::from_secs(2);
+/// Prompts up to this many bytes of text are tokenized on the request's own task; longer ones
+/// go to the blocking pool (bounded like `LookupRoute`'s, with [`TOKENIZE_TIMEOUT`]).
+pub const INLINE_TOKENIZE_BYTES: usize = 4 * 1024;
+/// What one chat message adds to the rendered prompt besides its role and content, for
+/// [`INLINE_TOKENIZE_BYTES`] (ChatML's `<|im_start|>…<|im_end|>\n` is 24 bytes).
+const MESSAGE_FRAMING_BYTES: usize = 32;
 /// How long tokenizing one request may take before the pick goes by load.
 pub const TOKENIZE_TIMEOUT: Duration = Duration::from_millis(500);
 
@@ -171,7 +179,9 @@ pub struct RequestContext {
 }
 
 const LIST_BUCKETS: [u64; 5] = [1, 2, 3, 4, 8];
-const LATENCY_BUCKETS_US: [u64; 9] = [50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 50_000];
+const LATENCY_BUCKETS_US: [u64; 11] = [
+    10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 50_000,
+];
 const BODY_FAILURES: [&str; 6] = [
     "too_large",
     "not_json",
@@ -195,6 +205,8 @@ pub struct EppMetrics {
     latency_buckets: [AtomicU64; LATENCY_BUCKETS_US.len()],
     latency_sum_us: AtomicU64,
     latency_count: AtomicU64,
+    /// `--epp-endpoints-file` re-reads: [loaded, failed].
+    endpoints_reloads: [AtomicU64; 2],
 }
 
 impl EppMetrics {
@@ -229,6 +241,12 @@ impl EppMetrics {
         if let Some(i) = BODY_FAILURES.iter().position(|l| *l == label) {
             self.body_failures[i].fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Counts one re-read of `--epp-endpoints-file` (`loaded`: its entries replaced the
+    /// previous ones; else it failed and the last good entries stay).
+    pub fn endpoints_reload(&self, loaded: bool) {
+        self.endpoints_reloads[usize::from(!loaded)].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Records the gateway's `x-gateway-destination-endpoint-served` against the pick.
@@ -338,7 +356,19 @@ impl EppMetrics {
             Vec::new(),
             load(&self.latency_count),
         );
-        vec![picks, list, served, failures, latency]
+        let mut reloads = Family::new(
+            "inferencecache_epp_endpoints_file_reloads_total",
+            "counter",
+            "re-reads of the endpoints file after it changed, by outcome",
+        );
+        for (outcome, count) in ["loaded", "failed"].iter().zip(&self.endpoints_reloads) {
+            reloads.push(
+                "inferencecache_epp_endpoints_file_reloads_total",
+                vec![("outcome".into(), (*outcome).into())],
+                load(count),
+            );
+        }
+        vec![picks, list, served, failures, latency, reloads]
     }
 }
 
@@ -485,24 +515,43 @@ impl Picker {
         let Some(tokenizer) = self.state.tokenizer().cloned() else {
             return Vec::new();
         };
-        let Ok(permit) = self.state.tokenizer_slots().clone().try_acquire_owned() else {
-            self.metrics().body_failure("tokenizer");
-            return Vec::new();
+        // What the template renders: each message's text plus its framing (a body of many
+        // empty messages is long work too, so each counts at least MESSAGE_FRAMING_BYTES).
+        let prompt_bytes = match &request.prompt {
+            body::Prompt::Messages(messages) => messages
+                .iter()
+                .map(|m| m.content.len() + m.role.len() + MESSAGE_FRAMING_BYTES)
+                .sum(),
+            body::Prompt::Text(text) => text.len(),
         };
-        let (model, prompt) = (request.model.clone(), request.prompt.clone());
         let deadline = Instant::now() + TOKENIZE_TIMEOUT;
-        let work = tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            match &prompt {
-                body::Prompt::Messages(messages) => {
-                    tokenizer.encode_messages_until(&model, messages, deadline)
-                }
-                body::Prompt::Text(text) if text.is_empty() => Ok(Vec::new()),
-                body::Prompt::Text(text) => tokenizer.encode_text_until(&model, text, deadline),
+        let tokens = if prompt_bytes <= INLINE_TOKENIZE_BYTES {
+            // A short prompt (about a thousand tokens at most) renders and encodes in well
+            // under a millisecond, not much more than handing it to the blocking pool and back
+            // (two thread wake-ups, each a scheduling delay on a busy host): it runs here.
+            encode(
+                tokenizer.as_ref(),
+                &request.model,
+                &request.prompt,
+                deadline,
+            )
+        } else {
+            let Ok(permit) = self.state.tokenizer_slots().clone().try_acquire_owned() else {
+                self.metrics().body_failure("tokenizer");
+                return Vec::new();
+            };
+            let (model, prompt) = (request.model.clone(), request.prompt.clone());
+            let work = tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                encode(tokenizer.as_ref(), &model, &prompt, deadline)
+            });
+            match tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), work).await {
+                Ok(Ok(result)) => result,
+                _ => Err(inferencecache_tokenize::TokenizeError::DeadlineExceeded),
             }
-        });
-        match tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), work).await {
-            Ok(Ok(Ok(tokens))) if tokens.len() <= crate::lookup::MAX_LOOKUP_TOKENS => tokens,
+        };
+        match tokens {
+            Ok(tokens) if tokens.len() <= crate::lookup::MAX_LOOKUP_TOKENS => tokens,
             _ => {
                 self.metrics().body_failure("tokenizer");
                 Vec::new()
@@ -573,6 +622,22 @@ impl Picker {
     }
 }
 
+/// Renders and encodes a prompt (messages through the model's chat template).
+fn encode(
+    tokenizer: &dyn inferencecache_tokenize::PromptTokenizer,
+    model: &str,
+    prompt: &body::Prompt,
+    deadline: Instant,
+) -> Result<Vec<u32>, inferencecache_tokenize::TokenizeError> {
+    match prompt {
+        body::Prompt::Messages(messages) => {
+            tokenizer.encode_messages_until(model, messages, deadline)
+        }
+        body::Prompt::Text(text) if text.is_empty() => Ok(Vec::new()),
+        body::Prompt::Text(text) => tokenizer.encode_text_until(model, text, deadline),
+    }
+}
+
 /// The `model` of a body that is JSON but gave no prompt.
 fn model_only(bytes: &[u8]) -> Option<String> {
     let value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
@@ -596,10 +661,12 @@ pub async fn spawn(
     if let Some(path) = &settings.endpoints_file {
         let entries = endpoints::load_file(path)?;
         state.endpoints().replace_file(entries);
+        let counted = state.clone();
         endpoints::spawn_file_reloader(
             path.clone(),
             state.endpoints().clone(),
-            Duration::from_secs(2),
+            ENDPOINTS_FILE_PERIOD,
+            move |loaded| counted.epp_metrics().endpoints_reload(loaded),
         );
     }
     let listener = tokio::net::TcpListener::bind(settings.bind)
