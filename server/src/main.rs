@@ -35,7 +35,31 @@ fn start_allocator_collector() {
     }
 }
 
+/// Turns transparent huge pages off for this process (Linux), unless the operator chose
+/// mimalloc's own setting (`MIMALLOC_ALLOW_THP` set). mimalloc asks for huge pages on its
+/// arenas (`madvise`), so a few records on a fresh 2 MiB range made the whole range resident:
+/// with them, a churned tenant cost 3.0-4.0 KiB of peak RSS and the pre-churn baseline was
+/// 29-34 MiB; without them, 2.7-2.9 KiB and ~23 MiB (issue 42, bench/results/churn-waves.md).
+/// The index's own key tables do not ask for huge pages (`engine/src/raw/pages.rs`). Called
+/// first in `main`, before the runtime's threads allocate: pages already huge stay so, later
+/// faults map small pages.
+fn disable_transparent_huge_pages() {
+    #[cfg(target_os = "linux")]
+    if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
+        // SAFETY: PR_SET_THP_DISABLE takes integer arguments only and sets a flag of this
+        // process; it touches no memory of ours.
+        let status = unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) };
+        if status != 0 {
+            eprintln!(
+                "inferencecache-server: cannot turn transparent huge pages off: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    disable_transparent_huge_pages();
     let args = inferencecache_server::config::normalize_args(std::env::args_os());
     // Flags, then the optional --config file beneath them (exit 2 on any error).
     let cli = match parse_command_line(args) {
