@@ -509,6 +509,17 @@ fn consult<H: ChainHash>(
             None => index.credit_hits(&result.hits),
         }
     }
+    // Opt-in: the load-aware ranking replaces the reference order (docs/configuration.md).
+    if let Some(ranking) = state.load_aware()
+        && result.strategy == Strategy::PrefixMatch
+    {
+        let stats = index.cache_state(&req.tenant_id, &req.model_id).replicas;
+        return Answer {
+            reason: result.strategy.reason_code(),
+            scores: ranking.rank(effective, &result.scores, &stats),
+            consulted: true,
+        };
+    }
     let scores = result
         .scores
         .iter()
