@@ -7,8 +7,10 @@
 //! which on production traffic (the Mooncake trace in `bench/src/bin/fleet-sim.rs`) gives the
 //! lowest median time to first token but not the lowest tail.
 //!
-//! When enabled, a `PREFIX_MATCH` answer (after every policy floor of the reference pipeline)
-//! is re-ranked by the cost NVIDIA Dynamo's KV router documents, in tokens:
+//! When enabled, a `PREFIX_MATCH` answer (after the policy's gates and the matched-tokens floor
+//! H10; the routing floor H11 judges the reference score, which this ranking replaces, so it is
+//! skipped: a prefix every serving replica holds has distinguishing power 0, a reference score
+//! of 0, and would otherwise never reach the ranking) is re-ranked by the cost NVIDIA Dynamo's KV router documents, in tokens:
 //!
 //! `cost = overlap_weight × (request tokens − matched tokens) + active KV tokens`
 //!
@@ -81,8 +83,8 @@ struct Candidate {
 }
 
 impl LoadAwareRanking {
-    /// Re-ranks a `PREFIX_MATCH` answer: `scored` is the index's answer after the policy
-    /// floors, `stats` every stats record of the (tenant, model), `request_tokens` the tokens
+    /// Re-ranks a `PREFIX_MATCH` answer: `scored` is the index's answer after the policy's
+    /// gates and H10, `stats` every stats record of the (tenant, model), `request_tokens` the tokens
     /// the lookup covers (the chain's summed counts or the exact key's count).
     pub fn rank(
         &self,

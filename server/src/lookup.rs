@@ -470,8 +470,10 @@ fn consult<H: ChainHash>(
             result.strategy = Strategy::None;
         }
     }
-    // H11: the routing floor is all-or-nothing on the top score.
+    // H11: the routing floor is all-or-nothing on the top score (the reference score, which
+    // the opt-in load-aware ranking does not use: R10 skips it).
     if result.strategy == Strategy::PrefixMatch
+        && state.load_aware().is_none()
         && policy.routing_floor_score > 0.0
         && result
             .scores

@@ -145,3 +145,47 @@ fn a_weight_without_bytes_per_token_refuses_to_start() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--load-aware-kv-bytes-per-token"), "{err}");
 }
+
+/// Both replicas hold the whole prompt: distinguishing power 0 makes every reference score 0,
+/// so the reference's routing floor drops the match (an affinity hint remains); the load-aware
+/// ranking skips that floor and puts the less loaded holder first.
+#[tokio::test]
+async fn a_prefix_every_replica_holds_goes_to_the_less_loaded_holder() {
+    for load_aware in [false, true] {
+        let dir = temp_dir(&format!("load-aware-shared-{load_aware}"));
+        let flags: &[&str] = if load_aware {
+            &[
+                "--load-aware-overlap-weight",
+                "4",
+                "--load-aware-kv-bytes-per-token",
+                "2",
+            ]
+        } else {
+            &[]
+        };
+        let server = ServerProcess::start(&dir, flags);
+        server.wait_ready().await;
+        let mut client = server.client().await;
+        report(
+            &mut client,
+            vec![
+                update("a", chain("prompt", 4), 20_000),
+                update("b", chain("prompt", 4), 2_000),
+            ],
+        )
+        .await;
+        let answer = lookup(&mut client, prompt_lookup()).await;
+        if load_aware {
+            assert_eq!(answer.reason_code, "PREFIX_MATCH");
+            // Nothing uncached: a costs 10,000 active tokens, b 1,000.
+            assert_eq!(picks(&answer), vec![("b", 2048), ("a", 2048)]);
+            assert_eq!(
+                answer.replica_scores[0].score,
+                (2048.0 / (2048.0 + 1_000.0)) as f32
+            );
+        } else {
+            assert_eq!(answer.reason_code, "AFFINITY_HINT");
+            assert_eq!(answer.replica_scores.len(), 1);
+        }
+    }
+}
