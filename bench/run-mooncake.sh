@@ -7,8 +7,9 @@
 #   bench/run-mooncake.sh             # the full runs: a new dated section at the top of
 #                                     # bench/results/mooncake-replay.md and fleet-sim.md (earlier
 #                                     # sections kept below it), plots, RESULTS.md reassembled.
-#                                     # About 15 min (replay) + 15 min (fleet) on a loaded 2-core
-#                                     # host; each section ends with its own wall time.
+#                                     # Measured at load 15-20 on 2 cores (2026-12-06): 11 min
+#                                     # for the replay section (4 memory runs + 525 s replay),
+#                                     # 7 min for the fleet; each section ends with its wall time.
 #
 # Env: MOONCAKE_TRACE (default: the conversation trace in ../shared/traces, else the 200-request
 # sample in bench/testdata), PEERS_TARGET_DIR (default ../target-peers), REPLAY_ARGS / FLEET_ARGS
