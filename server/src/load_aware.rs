@@ -27,6 +27,7 @@
 
 use inferencecache_engine::{ReplicaStatsOut, ScoredReplica};
 use inferencecache_proto::v1alpha1 as pb;
+use std::collections::{HashMap, HashSet};
 
 /// The command-line flags (flattened into the server's [`crate::config::Cli`]).
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -93,13 +94,15 @@ impl LoadAwareRanking {
         stats: &[ReplicaStatsOut],
     ) -> Vec<pb::ReplicaScore> {
         let request = request_tokens.max(0) as f64;
+        // By name, once: a fleet of n replicas costs O(n) per lookup, not O(n²).
+        let reported: HashMap<&str, i64> = stats
+            .iter()
+            .map(|s| (&*s.replica_id, s.cache_memory_bytes))
+            .collect();
         let active_tokens = |replica: &str| -> f64 {
-            stats
-                .iter()
-                .find(|s| &*s.replica_id == replica)
-                .map_or(0.0, |s| {
-                    s.cache_memory_bytes.max(0) as f64 / self.kv_bytes_per_token as f64
-                })
+            reported.get(replica).map_or(0.0, |bytes| {
+                (*bytes).max(0) as f64 / self.kv_bytes_per_token as f64
+            })
         };
         let cost = |matched: i32, replica: &str| {
             let uncached = (request - f64::from(matched.max(0))).max(0.0);
@@ -115,8 +118,10 @@ impl LoadAwareRanking {
                 tier: s.tier,
             })
             .collect();
+        // Each replica once: the scored ones, then the others with stats.
+        let mut listed: HashSet<&str> = scored.iter().map(|s| &*s.replica_id).collect();
         for s in stats {
-            if candidates.iter().any(|c| *c.replica_id == *s.replica_id) {
+            if !listed.insert(&*s.replica_id) {
                 continue;
             }
             candidates.push(Candidate {
@@ -246,6 +251,16 @@ mod tests {
                 ("nostats", (512.0 / 768.0) as f32, 256),
                 ("neg", (512.0 / 1024.0) as f32, 0)
             ]
+        );
+        // A replica listed twice (scored and with stats, or two records) is ranked once.
+        let ranked = ranking(1.0).rank(
+            512,
+            &[scored("x", 512, 1.0)],
+            &[stats("x", 0), stats("y", 0), stats("y", 0)],
+        );
+        assert_eq!(
+            order(&ranked),
+            vec![("x", 1.0, 512), ("y", (512.0 / 1024.0) as f32, 0)]
         );
         // Matched beyond the request (a longer stored prefix): nothing uncached, score 1.
         let ranked = ranking(1.0).rank(100, &[scored("x", 512, 1.0)], &[]);
