@@ -4,8 +4,12 @@
 #
 #   bench/run-mooncake.sh --quick     # CI smoke test (debug builds, seconds): ours against the
 #                                     # reference model, the fleet at one size; last lines = ratios
-#   bench/run-mooncake.sh             # the full runs: bench/results/mooncake-replay.md,
-#                                     # bench/results/fleet-sim.md (+ plots), RESULTS.md reassembled
+#   bench/run-mooncake.sh             # the full runs: a new dated section at the top of
+#                                     # bench/results/mooncake-replay.md and fleet-sim.md (earlier
+#                                     # sections kept below it), plots, RESULTS.md reassembled.
+#                                     # Measured at load 15-20 on 2 cores (2026-12-06): 11 min
+#                                     # for the replay section (4 memory runs + 525 s replay),
+#                                     # 7 min for the fleet; each section ends with its wall time.
 #
 # Env: MOONCAKE_TRACE (default: the conversation trace in ../shared/traces, else the 200-request
 # sample in bench/testdata), PEERS_TARGET_DIR (default ../target-peers), REPLAY_ARGS / FLEET_ARGS
@@ -53,6 +57,17 @@ echo "== build bench/peers (opt 3, thin LTO, 4 CGU)" >&2
 (cd "$ROOT/bench/peers" && CARGO_TARGET_DIR="$PEERS_TARGET_DIR" nice -n 10 cargo build --release --quiet)
 PEERBIN="$PEERS_TARGET_DIR/release/mooncake-replay-peers"
 MODEL="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
+# Puts the new section ($1.tmp) above the earlier ones of $1.md (history stays) and prints the
+# new section's last line (its ratios).
+keep_history() {
+  local new="$1.tmp" file="$1.md"
+  tail -1 "$new"
+  if [ -s "$file" ]; then
+    { cat "$new"; echo; cat "$file"; } >"$1.merged" && mv "$1.merged" "$file" && rm -f "$new"
+  else
+    mv "$new" "$file"
+  fi
+}
 section_header() { # title, command
   echo "## $1"
   echo
@@ -81,9 +96,16 @@ if [ "${SKIP_REPLAY:-0}" != 1 ]; then
       awk '{ v = $NF; $1 = ""; $NF = ""; sub(/^ /, ""); sub(/ $/, ""); print "| " $0 " | " v " |" }'
   done
   echo
-  "$PEERBIN" --trace "$TRACE" ${REPLAY_ARGS:-}
-} >"$RES/mooncake-replay.tmp" && mv "$RES/mooncake-replay.tmp" "$RES/mooncake-replay.md"
-tail -1 "$RES/mooncake-replay.md"
+  echo "- Load average before the replay: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo
+  start=$SECONDS
+  "$PEERBIN" --trace "$TRACE" ${REPLAY_ARGS:-} | tee "$RES/mooncake-replay.last"
+  echo
+  echo "- Wall time: $((SECONDS - start)) s (the replay); load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo
+  tail -1 "$RES/mooncake-replay.last"
+  rm -f "$RES/mooncake-replay.last"
+} >"$RES/mooncake-replay.tmp" && keep_history "$RES/mooncake-replay"
 fi
 
 # shellcheck disable=SC2086
@@ -92,9 +114,15 @@ if [ "${SKIP_FLEET:-0}" != 1 ]; then
   section_header "Mooncake trace: routing quality in the fleet simulator (issue #44)" \
     "bench/run-mooncake.sh (fleet-sim --trace $(basename "$TRACE") --sizes 0.1,0.25,0.5,1 --ceilings 8 ${FLEET_ARGS:-})"
   echo
+  start=$SECONDS
   "$DEBUG/fleet-sim" --trace "$TRACE" --sizes 0.1,0.25,0.5,1 --ceilings 8 --plots "$RES" \
-    --server "$DEBUG/inferencecache-server" ${FLEET_ARGS:-}
-} >"$RES/fleet-sim.tmp" && mv "$RES/fleet-sim.tmp" "$RES/fleet-sim.md"
-tail -1 "$RES/fleet-sim.md"
+    --server "$DEBUG/inferencecache-server" ${FLEET_ARGS:-} >"$RES/fleet-sim.last"
+  cat "$RES/fleet-sim.last"
+  echo
+  echo "- Wall time: $((SECONDS - start)) s"
+  echo
+  tail -1 "$RES/fleet-sim.last"
+  rm -f "$RES/fleet-sim.last"
+} >"$RES/fleet-sim.tmp" && keep_history "$RES/fleet-sim"
 fi
 "$ROOT/bench/run-all.sh" --assemble

@@ -326,7 +326,11 @@ pub struct DynamoCost {
 }
 impl Policy for DynamoCost {
     fn name(&self) -> String {
-        "dynamo-cost".into()
+        if self.overlap_weight == 1.0 {
+            "dynamo-cost".into()
+        } else {
+            format!("dynamo-cost (weight {})", self.overlap_weight)
+        }
     }
     fn choose(
         &mut self,

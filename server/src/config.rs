@@ -119,6 +119,9 @@ pub struct Cli {
     /// At SIGTERM, how long gRPC health answers NOT_SERVING and /readyz 503 before the drain.
     #[arg(long, default_value = "2s")]
     pub drain_notice: String,
+    /// The opt-in load-aware ranking (off by default: the reference ranking).
+    #[command(flatten)]
+    pub load_aware: crate::load_aware::LoadAwareFlags,
     /// NATS server of replicated mode (`nats://HOST:PORT`; off when unset: docs/scale-out.md).
     #[arg(long)]
     pub nats_url: Option<String>,
@@ -225,6 +228,8 @@ pub struct Settings {
     pub drain_notice: Duration,
     /// Replicated mode (`--nats-url`), if configured.
     pub replication: Option<crate::replication::Settings>,
+    /// The opt-in load-aware ranking (`None`: the reference ranking).
+    pub load_aware: Option<crate::load_aware::LoadAwareRanking>,
 }
 
 impl Settings {
@@ -339,6 +344,7 @@ impl Settings {
             max_metric_models: usize::try_from(cli.max_metric_models).unwrap_or(usize::MAX),
             drain_notice: drain_notice.unwrap_or(Duration::ZERO),
             replication,
+            load_aware: cli.load_aware.settings()?,
         })
     }
 }

@@ -13,6 +13,7 @@ pub mod control;
 pub mod epp;
 pub mod http;
 pub mod limits;
+pub mod load_aware;
 pub mod lookup;
 pub mod metrics;
 pub mod policy;
@@ -145,6 +146,9 @@ pub async fn run(cli: config::Cli) -> ExitCode {
     let auth = std::sync::Arc::new(auth::Auth::new(token_stores, state.metrics().clone()));
     // D3: producer RPCs check the producer token when one is configured.
     state.set_auth(auth.clone());
+    if let Some(ranking) = settings.load_aware {
+        state.set_load_aware(ranking);
+    }
     // Warm restart: the state is *restoring* before any listener serves; the restore runs
     // while they do (lookups fail open, producers wait), then periodic checkpoints start.
     let checkpointer = settings

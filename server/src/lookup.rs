@@ -470,8 +470,10 @@ fn consult<H: ChainHash>(
             result.strategy = Strategy::None;
         }
     }
-    // H11: the routing floor is all-or-nothing on the top score.
+    // H11: the routing floor is all-or-nothing on the top score (the reference score, which
+    // the opt-in load-aware ranking does not use: R10 skips it).
     if result.strategy == Strategy::PrefixMatch
+        && state.load_aware().is_none()
         && policy.routing_floor_score > 0.0
         && result
             .scores
@@ -508,6 +510,17 @@ fn consult<H: ChainHash>(
             Some(replication) => replication.credit(&result.hits),
             None => index.credit_hits(&result.hits),
         }
+    }
+    // Opt-in: the load-aware ranking replaces the reference order (docs/configuration.md).
+    if let Some(ranking) = state.load_aware()
+        && result.strategy == Strategy::PrefixMatch
+    {
+        let stats = index.cache_state(&req.tenant_id, &req.model_id).replicas;
+        return Answer {
+            reason: result.strategy.reason_code(),
+            scores: ranking.rank(effective, &result.scores, &stats),
+            consulted: true,
+        };
     }
     let scores = result
         .scores

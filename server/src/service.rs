@@ -113,6 +113,8 @@ struct Shared {
     checkpoint_status: Arc<crate::checkpoint::Status>,
     /// Replicated mode (`--nats-url`): set once at startup.
     replication: std::sync::OnceLock<Arc<crate::replication::Replication>>,
+    /// The opt-in load-aware ranking (`--load-aware-overlap-weight`): set once at startup.
+    load_aware: std::sync::OnceLock<crate::load_aware::LoadAwareRanking>,
     drain_notice: std::time::Duration,
     limits: Limits,
     producer_limiter: ProducerLimiter,
@@ -196,6 +198,7 @@ impl AppState {
                 pushed_policy: parking_lot::Mutex::new(None),
                 checkpoint_status: Arc::default(),
                 replication: std::sync::OnceLock::new(),
+                load_aware: std::sync::OnceLock::new(),
                 drain_notice: options.drain_notice,
                 limits: options.limits,
                 producer_limiter: ProducerLimiter::new(options.limits.producer_max_blocks_per_sec),
@@ -274,6 +277,16 @@ impl AppState {
     /// Turns on replicated mode (once, before the listeners serve).
     pub fn set_replication(&self, replication: Arc<crate::replication::Replication>) {
         let _ = self.inner.replication.set(replication);
+    }
+
+    /// Turns on the opt-in load-aware ranking (once, before the listeners serve).
+    pub fn set_load_aware(&self, ranking: crate::load_aware::LoadAwareRanking) {
+        let _ = self.inner.load_aware.set(ranking);
+    }
+
+    /// The load-aware ranking, when enabled (`None`: the reference ranking).
+    pub fn load_aware(&self) -> Option<&crate::load_aware::LoadAwareRanking> {
+        self.inner.load_aware.get()
     }
 
     /// Replicated mode, when configured.

@@ -8,6 +8,7 @@
 //! ```text
 //! fleet-sim [--trace FILE] [--requests N] [--engines 8] [--sizes 0.1,0.25,0.5,0.75,1]
 //!           [--default-size 0.5] [--server PATH] [--port 19390] [--plots DIR] [--out FILE] [--quick]
+//!           [--ceilings 8,16] [--load-aware 5]   (overlap weights of the opt-in ranking's rows)
 //! ```
 
 use std::path::PathBuf;
@@ -30,6 +31,11 @@ use tonic::transport::Channel;
 const TENANT: &str = "fleet";
 const MODEL: &str = "kimi";
 const SCHEME: &str = "vllm";
+/// KV-cache bytes per token the simulated sidecars report usage in (Kimi K2's MLA cache:
+/// 61 layers × 576 values × 2 bytes); the server's `--load-aware-kv-bytes-per-token`.
+const KV_BYTES_PER_TOKEN: u64 = 70_272;
+/// The load-aware row's overlap weight unless `--load-aware` says otherwise.
+const DEFAULT_LOAD_AWARE_WEIGHT: f64 = 5.0;
 
 struct Args {
     trace: PathBuf,
@@ -45,6 +51,9 @@ struct Args {
     /// Pressure ceilings the simulated sidecars use (`--max-concurrency-ceiling`): one
     /// InferenceCache row per value; pressure = outstanding requests / ceiling.
     ceilings: Vec<usize>,
+    /// Overlap weights of the server's opt-in load-aware ranking (`--load-aware-overlap-weight`):
+    /// one InferenceCache row per value, beside the default ranking's.
+    load_aware: Vec<f64>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -64,6 +73,7 @@ fn parse() -> Result<Args, String> {
         out: None,
         quick: false,
         ceilings: Vec::new(),
+        load_aware: vec![DEFAULT_LOAD_AWARE_WEIGHT],
     };
     let mut it = std::env::args().skip(1);
     let mut requests_set = false;
@@ -109,6 +119,22 @@ fn parse() -> Result<Args, String> {
                     })
                     .collect::<Result<_, _>>()?;
             }
+            "--load-aware" => {
+                let list = value()?;
+                a.load_aware = if list.trim().is_empty() {
+                    Vec::new()
+                } else {
+                    list.split(',')
+                        .map(|s| {
+                            s.trim()
+                                .parse::<f64>()
+                                .ok()
+                                .filter(|w| w.is_finite() && *w > 0.0)
+                                .ok_or(format!("--load-aware: {s:?} is not a weight > 0"))
+                        })
+                        .collect::<Result<_, _>>()?
+                };
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -139,8 +165,18 @@ impl Drop for Server {
     }
 }
 
-fn start_server(args: &Args, port: u16) -> Result<Server, String> {
+fn start_server(args: &Args, port: u16, load_aware: Option<f64>) -> Result<Server, String> {
+    let ranking = match load_aware {
+        Some(weight) => vec![
+            "--load-aware-overlap-weight".to_string(),
+            weight.to_string(),
+            "--load-aware-kv-bytes-per-token".into(),
+            KV_BYTES_PER_TOKEN.to_string(),
+        ],
+        None => Vec::new(),
+    };
     let child = Command::new(&args.server)
+        .args(ranking)
         .args([
             "--grpc-bind-address",
             &format!("127.0.0.1:{port}"),
@@ -170,7 +206,8 @@ struct InferenceCache {
     runtime: tokio::runtime::Runtime,
     client: InferenceCacheClient<Channel>,
     names: Vec<String>,
-    reported_pressure: Vec<f32>,
+    /// The last stats each engine reported (pressure, active blocks).
+    reported: Vec<(f32, u64)>,
     /// The sidecars' concurrency ceiling: pressure = outstanding / ceiling.
     ceiling: usize,
     rpcs: u64,
@@ -178,6 +215,9 @@ struct InferenceCache {
     default_ceiling: bool,
     /// Requests routed by the server's answer (the rest fell back to least-loaded).
     pub routed_by_answer: u64,
+    /// The server runs the opt-in load-aware ranking with this overlap weight: the router takes
+    /// the top entry of a PREFIX_MATCH answer whether or not it matched tokens.
+    load_aware: Option<f64>,
 }
 
 impl InferenceCache {
@@ -200,17 +240,23 @@ impl InferenceCache {
             runtime,
             client,
             names: (0..engines).map(|e| format!("engine-{e}")).collect(),
-            reported_pressure: vec![f32::NAN; engines],
+            reported: vec![(f32::NAN, u64::MAX); engines],
             ceiling: ceiling.max(1),
             rpcs: 0,
             routed_by_answer: 0,
             default_ceiling: true,
+            load_aware: None,
         })
     }
 
+    /// What a sidecar reports: pressure = outstanding / ceiling, and `cache_memory_bytes` =
+    /// KV usage × `--engine-cache-size-bytes`, where usage counts the blocks running requests
+    /// hold (vLLM's `kv_cache_usage_perc`; cached blocks no request holds are free).
     fn stats(&self, e: &Engine, hit_rate: f32) -> ReplicaStats {
+        let active_tokens = e.active_blocks() * TRACE_BLOCK_TOKENS as u64;
         ReplicaStats {
-            cache_memory_bytes: (e.cache.len() * TRACE_BLOCK_TOKENS as usize) as i64,
+            cache_memory_bytes: i64::try_from(active_tokens.saturating_mul(KV_BYTES_PER_TOKEN))
+                .unwrap_or(i64::MAX),
             hit_rate,
             pressure: e.outstanding() as f32 / self.ceiling as f32,
             ..Default::default()
@@ -250,7 +296,9 @@ impl InferenceCache {
 
 impl Policy for InferenceCache {
     fn name(&self) -> String {
-        if self.default_ceiling {
+        if let Some(weight) = self.load_aware {
+            format!("inferencecache (load-aware, weight {weight})")
+        } else if self.default_ceiling {
             "inferencecache".into()
         } else {
             format!("inferencecache (ceiling {})", self.ceiling)
@@ -268,9 +316,12 @@ impl Policy for InferenceCache {
     ) -> Result<usize, String> {
         // Sidecars report stats when the load changed (the pressure a scrape would show).
         for (i, e) in engines.iter().enumerate() {
-            let p = e.outstanding() as f32 / self.ceiling as f32;
-            if self.reported_pressure[i] != p {
-                self.reported_pressure[i] = p;
+            let now = (
+                e.outstanding() as f32 / self.ceiling as f32,
+                e.active_blocks(),
+            );
+            if self.reported[i] != now {
+                self.reported[i] = now;
                 let mut u = self.update(i);
                 u.stats = Some(self.stats(e, 0.0));
                 self.report(u)?;
@@ -291,11 +342,19 @@ impl Policy for InferenceCache {
             .block_on(async move { client.lookup_route(request).await })
             .map_err(|s| format!("LookupRoute: {s}"))?
             .into_inner();
-        let top = answer
-            .replica_scores
-            .iter()
-            .find(|s| s.matched_tokens > 0 && s.score > 0.0)
-            .and_then(|s| self.names.iter().position(|n| *n == s.replica_id));
+        let top = if self.load_aware.is_some() {
+            // The ranking already weighed every replica with stats: take its first.
+            answer
+                .replica_scores
+                .first()
+                .filter(|_| answer.reason_code == "PREFIX_MATCH")
+        } else {
+            answer
+                .replica_scores
+                .iter()
+                .find(|s| s.matched_tokens > 0 && s.score > 0.0)
+        }
+        .and_then(|s| self.names.iter().position(|n| *n == s.replica_id));
         Ok(match top {
             Some(e) => {
                 self.routed_by_answer += 1;
@@ -359,7 +418,10 @@ impl Policy for InferenceCache {
             }];
         }
         let e = &engines[engine];
-        self.reported_pressure[engine] = e.outstanding() as f32 / self.ceiling as f32;
+        self.reported[engine] = (
+            e.outstanding() as f32 / self.ceiling as f32,
+            e.active_blocks(),
+        );
         u.stats = Some(self.stats(e, 0.0));
         self.report(u)
     }
@@ -383,6 +445,9 @@ fn plots(
         CYAN,
         BLACK,
         RGBColor(255, 140, 0),
+        RGBColor(128, 0, 128),
+        RGBColor(0, 128, 128),
+        RGBColor(128, 128, 0),
     ];
     {
         let path = dir.join("fleet-hit-rate.svg");
@@ -484,7 +549,7 @@ fn run(args: &Args) -> Result<(String, String), String> {
     let working = trace.working_set_blocks();
     let model = EngineModel::default();
     let mut report = format!(
-        "- Command: `{}`\n- Trace: `{}` ({} requests, working set {} blocks of {} tokens)\n- Fleet: {} engines, batch {}, prefill {} ms per uncached token, decode {} ms per output token; LRU prefix caches, fleet capacity = size × working set, split evenly\n- InferenceCache: `{}` (default ranking), engines report like sidecars (ReportCacheState with stored blocks and stats, PublishEvent PREFIX_EVICTED); top-ranked replica with matched tokens, else least-loaded\n\n",
+        "- Command: `{}`\n- Trace: `{}` ({} requests, working set {} blocks of {} tokens)\n- Fleet: {} engines, batch {}, prefill {} ms per uncached token, decode {} ms per output token; LRU prefix caches, fleet capacity = size × working set, split evenly\n- InferenceCache: `{}`, engines report like sidecars (ReportCacheState with stored blocks and stats: pressure = outstanding / ceiling, cache_memory_bytes = the running requests' KV at {} bytes per token; PublishEvent PREFIX_EVICTED). Default ranking: the top-ranked replica with matched tokens, else least-loaded. `load-aware, weight W`: the server run with `--load-aware-overlap-weight W --load-aware-kv-bytes-per-token {}` (R10), the top entry of a PREFIX_MATCH answer, else least-loaded\n\n",
         std::env::args().collect::<Vec<_>>().join(" "),
         args.trace.display(),
         trace.requests.len(),
@@ -494,7 +559,9 @@ fn run(args: &Args) -> Result<(String, String), String> {
         model.batch,
         model.prefill_ms_per_token,
         model.decode_ms_per_token,
-        args.server.display()
+        args.server.display(),
+        KV_BYTES_PER_TOKEN,
+        KV_BYTES_PER_TOKEN
     );
     report.push_str("| size | policy | prefill tokens saved | % of oracle | hit rate | TTFT p50 ms | TTFT p99 ms | imbalance (max/mean busy) |\n|---|---|---|---|---|---|---|---|\n");
     let mut by_size = Vec::new();
@@ -513,6 +580,13 @@ fn run(args: &Args) -> Result<(String, String), String> {
                 overlap_weight: 1.0,
             }),
         ];
+        // Dynamo's cost at each load-aware row's weight too: the same formula on exact state,
+        // so the opt-in ranking is judged against its own weight, not only Dynamo's default.
+        for w in &args.load_aware {
+            if *w != 1.0 {
+                policies.push(Box::new(DynamoCost { overlap_weight: *w }));
+            }
+        }
         for p in &mut policies {
             outcomes.push(simulate(
                 &trace,
@@ -522,13 +596,22 @@ fn run(args: &Args) -> Result<(String, String), String> {
                 p.as_mut(),
             )?);
         }
-        let mut ceilings = vec![model.batch];
-        ceilings.extend(args.ceilings.iter().copied().filter(|c| *c != model.batch));
-        for (k, ceiling) in ceilings.into_iter().enumerate() {
+        // The default ranking (sidecar ceiling = batch), the extra ceilings, then the opt-in
+        // load-aware ranking per weight (ceiling = batch).
+        let mut rows: Vec<(usize, Option<f64>)> = vec![(model.batch, None)];
+        rows.extend(
+            args.ceilings
+                .iter()
+                .filter(|c| **c != model.batch)
+                .map(|c| (*c, None)),
+        );
+        rows.extend(args.load_aware.iter().map(|w| (model.batch, Some(*w))));
+        for (k, (ceiling, load_aware)) in rows.into_iter().enumerate() {
             // A fresh server per run: nothing carries over.
-            let _server = start_server(args, port)?;
+            let _server = start_server(args, port, load_aware)?;
             let mut ic = InferenceCache::connect(port, args.engines, ceiling)?;
             ic.default_ceiling = k == 0;
+            ic.load_aware = load_aware;
             let o = simulate(&trace, args.engines, capacity, &model, &mut ic)?;
             eprintln!(
                 "size {size}: {} {} RPCs, {} of {} requests routed by the answer",
@@ -575,27 +658,48 @@ fn run(args: &Args) -> Result<(String, String), String> {
         .filter(|o| o.policy != "oracle" && !o.policy.starts_with("inferencecache"))
         .min_by(|a, b| a.ttft(0.99).total_cmp(&b.ttft(0.99)))
         .ok_or("no baseline policy")?;
-    let saved = ours.saved_tokens as f64 / oracle.saved_tokens.max(1) as f64;
-    let p99 = ours.ttft(0.99) / best.ttft(0.99).max(1e-9);
+    // The bars for the default ranking and for each opt-in load-aware row.
+    let mut rated = vec![ours];
+    rated.extend(
+        default_outcomes
+            .iter()
+            .filter(|o| o.policy.starts_with("inferencecache (load-aware")),
+    );
     report.push_str(&format!(
-        "\n| Bar (size {}) | value | bar | result |\n|---|---|---|---|\n| prefill tokens saved, % of oracle | {:.1}% | ≥ 90% | {} |\n| TTFT p99 vs best non-oracle ({}: {:.1} ms) | {:.3}× ({:.1} ms) | ≤ 1× | {} |\n",
-        args.default_size,
-        100.0 * saved,
-        if saved >= 0.9 { "PASS" } else { "FAIL" },
-        best.policy,
-        best.ttft(0.99),
-        p99,
-        ours.ttft(0.99),
-        if p99 <= 1.0 { "PASS" } else { "FAIL" }
+        "\n| Bar (size {}) | ranking | value | bar | result |\n|---|---|---|---|---|\n",
+        args.default_size
     ));
+    let mut ratios = Vec::new();
+    for o in &rated {
+        let saved = o.saved_tokens as f64 / oracle.saved_tokens.max(1) as f64;
+        let p99 = o.ttft(0.99) / best.ttft(0.99).max(1e-9);
+        report.push_str(&format!(
+            "| prefill tokens saved, % of oracle | {} | {:.1}% | ≥ 90% | {} |\n| TTFT p99 vs best non-oracle ({}: {:.1} ms) | {} | {:.3}× ({:.1} ms) | ≤ 1× | {} |\n",
+            o.policy,
+            100.0 * saved,
+            if saved >= 0.9 { "PASS" } else { "FAIL" },
+            best.policy,
+            best.ttft(0.99),
+            o.policy,
+            p99,
+            o.ttft(0.99),
+            if p99 <= 1.0 { "PASS" } else { "FAIL" }
+        ));
+        ratios.push(format!(
+            "{}: saved {saved:.3}x of oracle, TTFT p99 {p99:.3}x",
+            o.policy
+        ));
+    }
     report.push_str(&format!(
         "\nPlots: `{}` and `{}`.\n",
         args.plots.join("fleet-hit-rate.svg").display(),
         args.plots.join("fleet-ttft-cdf.svg").display()
     ));
     let line = format!(
-        "fleet-sim ratios (size {}): saved {:.3}x of oracle, TTFT p99 {:.3}x of best non-oracle ({})",
-        args.default_size, saved, p99, best.policy
+        "fleet-sim ratios (size {}, TTFT p99 against the best non-oracle, {}): {}",
+        args.default_size,
+        best.policy,
+        ratios.join("; ")
     );
     Ok((report, line))
 }
