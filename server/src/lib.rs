@@ -9,16 +9,14 @@ pub mod checkpoint;
 pub mod config;
 pub mod config_file;
 pub mod connections;
-pub mod control;
 pub mod epp;
+pub mod grpc;
 pub mod http;
 pub mod limits;
 pub mod lookup;
 pub mod metrics;
 pub mod policy;
-pub mod process_metrics;
 pub mod replication;
-pub mod service;
 pub mod streams;
 pub mod tls;
 
@@ -93,7 +91,7 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         Ok(l) => l,
         Err(err) => return serve_error("snapshot", settings.snapshot_addr, err),
     };
-    let state = service::AppState::new(service::ServerOptions {
+    let state = grpc::service::AppState::new(grpc::service::ServerOptions {
         block_size: settings.block_size,
         index: inferencecache_engine::IndexConfig {
             global_ttl_ms: i64::try_from(settings.ttl.as_millis()).unwrap_or(i64::MAX),
@@ -192,8 +190,10 @@ pub async fn run(cli: config::Cli) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let mut control =
-        control::ControlServer::spawn(control::ControlState::new(state.clone(), auth), snapshot);
+    let mut control = http::control::ControlServer::spawn(
+        http::control::ControlState::new(state.clone(), auth),
+        snapshot,
+    );
     let control_failed = control.failure();
     let signal = shutdown_signal();
     let shutdown = async move {
@@ -268,7 +268,7 @@ fn forgive_abort(
 
 /// Serves gRPC and HTTP on already-bound listeners until `shutdown` resolves.
 pub async fn serve(
-    state: service::AppState,
+    state: grpc::service::AppState,
     grpc: TcpListener,
     http: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -293,7 +293,7 @@ pub async fn serve(
     let grpc_task = {
         let state = state.clone();
         tokio::spawn(async move {
-            let served = service::serve_grpc(state, grpc, grpc_stop).await;
+            let served = grpc::service::serve_grpc(state, grpc, grpc_stop).await;
             let _ = grpc_done_tx.send(true);
             served
         })

@@ -2,8 +2,8 @@
 //!
 //! No request content ever produces a gRPC error, and the handler logs nothing.
 
+use crate::grpc::service::{AppState, reason};
 use crate::policy::Policy;
-use crate::service::{AppState, reason};
 use inferencecache_engine::fingerprint;
 use inferencecache_engine::{Index, LookupRequest, PROBE_TENANT, RouteResult, Strategy};
 use inferencecache_proto::v1alpha1 as pb;

@@ -5,7 +5,7 @@
 use inferencecache_engine::replica_entry_hash;
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_server::InferenceCache;
-use inferencecache_server::service::{AppState, CacheService, ServerOptions, ingest};
+use inferencecache_server::grpc::service::{AppState, CacheService, ServerOptions, ingest};
 use tonic::Request;
 
 fn update(replica: &str, entries: &[(&[u8; 8], i32, i32, &str)]) -> pb::CacheStateUpdate {

@@ -3,8 +3,8 @@
 
 use inferencecache_engine::{ManualClock, fingerprint};
 use inferencecache_proto::v1alpha1 as pb;
+use inferencecache_server::grpc::service::{self, AppState, CacheService, ServerOptions};
 use inferencecache_server::policy::decode_push;
-use inferencecache_server::service::{self, AppState, CacheService, ServerOptions};
 use std::sync::{Arc, OnceLock};
 
 /// The fixed "now" of every fixture (µs since the epoch). The clock never moves, so a lookup

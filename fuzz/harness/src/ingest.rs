@@ -5,7 +5,7 @@ use crate::fixture::{self, T0_US};
 use inferencecache_engine::{Index, LookupRequest, PROBE_TENANT, event_type};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_server::InferenceCache;
-use inferencecache_server::service::{self, CacheService};
+use inferencecache_server::grpc::service::{self, CacheService};
 use prost::Message;
 use std::collections::{BTreeMap, BTreeSet};
 

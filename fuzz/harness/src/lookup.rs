@@ -4,7 +4,7 @@ use crate::fixture;
 use inferencecache_engine::PROBE_TENANT;
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_server::InferenceCache;
-use inferencecache_server::service::reason;
+use inferencecache_server::grpc::service::reason;
 use prost::Message;
 
 /// Every reason code `LookupRoute` may emit (contract §4.1).

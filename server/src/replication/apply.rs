@@ -14,7 +14,7 @@ use super::Counters;
 use super::leader::Decisions;
 use super::leader::Stores;
 use super::record::{Batch, Body, Record};
-use crate::service::AppState;
+use crate::grpc::service::AppState;
 use futures_util::StreamExt;
 use inferencecache_engine::IndexDigest;
 use inferencecache_engine::checkpoint::{read, write};
@@ -216,9 +216,9 @@ fn apply_record(state: &AppState, record: &Record) {
     match &record.body {
         Some(Body::Update(update)) => {
             state.observe_endpoint(update);
-            crate::service::ingest(index, update)
+            crate::grpc::service::ingest(index, update)
         }
-        Some(Body::Event(event)) => crate::service::apply_event(index, event),
+        Some(Body::Event(event)) => crate::grpc::service::apply_event(index, event),
         Some(Body::Policy(body)) => match crate::policy::decode_push(body) {
             Ok(layer) => state.push_policy(body, layer),
             Err(err) => warn!(err = %err, "replication_policy_refused"),

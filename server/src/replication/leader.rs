@@ -18,7 +18,7 @@ use super::apply::Handle;
 use super::outbox::Outbox;
 use super::record::{Body, Evictions, Holder, Record};
 use super::{Counters, Settings};
-use crate::service::AppState;
+use crate::grpc::service::AppState;
 use anyhow::Context as _;
 use async_nats::jetstream::{self, kv, object_store, stream};
 use inferencecache_engine::{Decided, DecisionLog};

@@ -27,8 +27,8 @@ pub mod leader;
 pub mod outbox;
 pub mod record;
 
+use crate::grpc::service::AppState;
 use crate::metrics::Family;
-use crate::service::AppState;
 use anyhow::Context as _;
 use inferencecache_engine::CapturedHits;
 use inferencecache_proto::v1alpha1 as pb;

@@ -5,9 +5,9 @@
 //! the method, then reads the body.
 
 use crate::auth::Auth;
+use crate::grpc::service::AppState;
 use crate::metrics::AuthRoute;
 use crate::policy::{MAX_PUSH_BYTES, decode_push};
-use crate::service::AppState;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};

@@ -1,6 +1,8 @@
 //! Public HTTP listener (`:8080`): `/healthz`, `/readyz`, `/metrics` (spec `server.md` §12.1–§12.2).
 
-use crate::service::AppState;
+pub mod control;
+
+use crate::grpc::service::AppState;
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -55,5 +57,5 @@ pub async fn serve_public(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     // Same hyper stack as the control plane: a 5 s read-header timeout (§4).
-    crate::control::serve_http(public_router(state), listener, stop).await
+    control::serve_http(public_router(state), listener, stop).await
 }

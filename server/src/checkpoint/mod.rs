@@ -16,8 +16,8 @@
 //!    checkpoint is written before the restore has finished, so a slow or failed restore
 //!    never replaces a good checkpoint with a partial index.
 
+use crate::grpc::service::AppState;
 use crate::metrics::Family;
-use crate::service::AppState;
 use inferencecache_engine::checkpoint::{files, write::WriteOptions};
 use parking_lot::Mutex;
 use serde::Serialize;

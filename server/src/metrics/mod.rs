@@ -16,6 +16,8 @@
 //! common Rust Prometheus crates either lack the summary type or cannot hand samples back as
 //! data, which is why the text rendering here is our own (it is a dozen lines).
 
+pub mod process;
+
 use hdrhistogram::Histogram;
 use inferencecache_engine::{Algorithm, EvictionReason, Index};
 use parking_lot::Mutex;
@@ -570,8 +572,8 @@ impl Metrics {
             }
             out.push(fam);
         }
-        out.push(crate::process_metrics::build_info());
-        out.extend(crate::process_metrics::process_families());
+        out.push(crate::metrics::process::build_info());
+        out.extend(crate::metrics::process::process_families());
         out
     }
 

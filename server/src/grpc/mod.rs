@@ -1,0 +1,3 @@
+//! The gRPC room: the `InferenceCache` service.
+
+pub mod service;
