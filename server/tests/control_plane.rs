@@ -9,8 +9,8 @@ use inferencecache_engine::{
     ReplicaStatsInput,
 };
 use inferencecache_server::auth::{Auth, AuthConfig, TokenStores};
-use inferencecache_server::grpc::service::{AppState, ServerOptions};
 use inferencecache_server::http::control::{ControlServer, ControlState, T2Prober};
+use inferencecache_server::state::{AppState, ServerOptions};
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -21,8 +21,8 @@ pub mod endpoints;
 pub mod ext_proc;
 pub mod pick;
 
-use crate::grpc::service::AppState;
 use crate::metrics::Family;
+use crate::state::AppState;
 use anyhow::{Context, bail};
 use endpoints::{InFlight, Registry};
 use inferencecache_proto::v1alpha1 as pb;

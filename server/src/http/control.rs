@@ -5,9 +5,9 @@
 //! the method, then reads the body.
 
 use crate::auth::Auth;
-use crate::grpc::service::AppState;
 use crate::metrics::AuthRoute;
 use crate::policy::{MAX_PUSH_BYTES, decode_push};
+use crate::state::AppState;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -251,7 +251,7 @@ async fn checkpoint(State(s): State<ControlState>, req: Request) -> Response {
     if req.method() != Method::GET {
         return method_not_allowed("GET");
     }
-    json(s.app.checkpoint_status().to_json())
+    json(s.app.core().checkpoint_status().to_json())
 }
 
 /// `GET /digest`: the stream sequence applied, the entry count and the order-independent
@@ -336,8 +336,8 @@ async fn policy(State(s): State<ControlState>, req: Request) -> Response {
         }
         Ok(layer) => {
             // A push during a warm restart wins over the checkpoint's layer.
-            s.app.wait_restored().await;
-            s.app.push_policy(&body, layer);
+            s.app.core().wait_restored().await;
+            s.app.core().push_policy(&body, layer);
             StatusCode::NO_CONTENT.into_response()
         }
         Err(e) => text_owned(StatusCode::BAD_REQUEST, format!("{e}\n")),

@@ -2,7 +2,7 @@
 
 pub mod control;
 
-use crate::grpc::service::AppState;
+use crate::state::AppState;
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -23,7 +23,7 @@ async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
-    if state.ready() {
+    if state.core().ready() {
         (StatusCode::OK, "ok\n")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
@@ -32,7 +32,7 @@ async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
 
 async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
     let mut families = state.metrics().gather(state.index());
-    families.extend(state.checkpoint_status().families());
+    families.extend(state.core().checkpoint_status().families());
     families.extend(state.epp_metrics().families());
     match state.replication() {
         Some(replication) => families.extend(replication.families()),

@@ -18,6 +18,7 @@
 
 pub mod process;
 
+use crate::translate::Reason;
 use hdrhistogram::Histogram;
 use inferencecache_engine::{Algorithm, EvictionReason, Index};
 use parking_lot::Mutex;
@@ -32,20 +33,6 @@ use std::time::{Duration, Instant};
 pub const LATENCY_BUCKETS: [f64; 16] = [
     0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005, // microsecond resolution
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, // the reference's
-];
-
-/// Reason codes with a dedicated counter slot; anything else is counted under `NO_HINT`'s
-/// neighbour slot "OTHER" (never emitted today).
-pub const REASONS: [&str; 9] = [
-    "PREFIX_MATCH",
-    "TENANT_HOT",
-    "AFFINITY_HINT",
-    "NO_HINT",
-    "POLICY_REQUIRES_CHAIN",
-    "TIMEOUT",
-    "UNKNOWN_TENANT",
-    "UNKNOWN_MODEL",
-    "UNKNOWN_HASH_SCHEME",
 ];
 
 /// Event type names for `events_total{type}` (index = wire value; unknown → 0).
@@ -68,7 +55,7 @@ pub const AUTH_RESULTS: [&str; 4] = ["ok", "unauth", "forbidden", "error"];
 
 #[derive(Default)]
 struct ModelLookups {
-    calls: [[AtomicU64; 2]; REASONS.len()],
+    calls: [[AtomicU64; 2]; Reason::ALL.len()],
     buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     count: AtomicU64,
     sum_ns: AtomicU64,
@@ -168,7 +155,7 @@ impl Metrics {
         &self,
         index: &Index,
         model: &str,
-        reason: &str,
+        reason: Reason,
         hint_used: bool,
         elapsed: Duration,
     ) {
@@ -180,8 +167,7 @@ impl Metrics {
             None if index.holds_model(model) => self.admit(model, &guard).unwrap_or(&self.other.1),
             None => &self.other.1,
         };
-        let slot = REASONS.iter().position(|r| *r == reason).unwrap_or(3);
-        series.calls[slot][usize::from(hint_used)].fetch_add(1, Ordering::Relaxed);
+        series.calls[reason.slot()][usize::from(hint_used)].fetch_add(1, Ordering::Relaxed);
         let secs = elapsed.as_secs_f64();
         for (i, le) in LATENCY_BUCKETS.iter().enumerate() {
             if secs <= *le {
@@ -360,15 +346,15 @@ impl Metrics {
             models.push((&self.other.0, &self.other.1));
         }
         for (model, s) in models {
-            for (ri, reason) in REASONS.iter().enumerate() {
+            for reason in Reason::ALL {
                 for hint in [false, true] {
-                    let v = s.calls[ri][usize::from(hint)].load(Ordering::Relaxed);
+                    let v = s.calls[reason.slot()][usize::from(hint)].load(Ordering::Relaxed);
                     if v > 0 {
                         calls.push(
                             "inferencecache_lookup_route_calls_total",
                             vec![
                                 ("model".into(), model.to_string()),
-                                ("reason_code".into(), reason.to_string()),
+                                ("reason_code".into(), reason.code().to_string()),
                                 ("hint_used".into(), hint.to_string()),
                             ],
                             v as f64,
@@ -782,7 +768,13 @@ mod tests {
     fn latency_lands_in_the_right_bucket() {
         let m = Metrics::new();
         let index = index_holding(&["m"]);
-        m.observe_lookup(&index, "m", "NO_HINT", false, Duration::from_micros(300));
+        m.observe_lookup(
+            &index,
+            "m",
+            Reason::NoHint,
+            false,
+            Duration::from_micros(300),
+        );
         let guard = m.lookups.guard();
         let s = m.lookups.get("m", &guard).unwrap();
         let slot = LATENCY_BUCKETS.iter().position(|le| *le == 0.0005).unwrap();
@@ -815,7 +807,7 @@ mod tests {
             (Duration::from_micros(50), 0.00005),
             (Duration::from_micros(90), 0.0001),
         ] {
-            m.observe_lookup(&index, &format!("m{le}"), "NO_HINT", false, elapsed);
+            m.observe_lookup(&index, &format!("m{le}"), Reason::NoHint, false, elapsed);
             let guard = m.lookups.guard();
             let s = m.lookups.get(format!("m{le}").as_str(), &guard).unwrap();
             let slot = LATENCY_BUCKETS.iter().position(|b| *b == le).unwrap();
@@ -841,7 +833,13 @@ mod tests {
         let m = Metrics::with_model_cap(2);
         let index = index_holding(&["a", "b", "c", OTHER_MODEL]);
         for model in ["zz", "a", "b", "c", OTHER_MODEL, "yy", "a"] {
-            m.observe_lookup(&index, model, "NO_HINT", false, Duration::from_micros(1));
+            m.observe_lookup(
+                &index,
+                model,
+                Reason::NoHint,
+                false,
+                Duration::from_micros(1),
+            );
         }
         let guard = m.lookups.guard();
         let mut admitted: Vec<&str> = m.lookups.keys(&guard).map(|k| &**k).collect();

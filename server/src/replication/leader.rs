@@ -18,7 +18,7 @@ use super::apply::Handle;
 use super::outbox::Outbox;
 use super::record::{Body, Evictions, Holder, Record};
 use super::{Counters, Settings};
-use crate::grpc::service::AppState;
+use crate::core::Core;
 use anyhow::Context as _;
 use async_nats::jetstream::{self, kv, object_store, stream};
 use inferencecache_engine::{Decided, DecisionLog};
@@ -302,7 +302,7 @@ impl DecisionLog for Decisions {
 
 /// Followers never evict: the index starts with local eviction off and the log installed
 /// (it only receives what local eviction removes, i.e. nothing until this server leads).
-pub fn install_decisions(state: &AppState, decisions: Arc<Decisions>) {
+pub fn install_decisions(state: &Core, decisions: Arc<Decisions>) {
     state.index().set_local_eviction(false);
     state.index().set_decision_log(Some(decisions));
 }
@@ -312,7 +312,7 @@ pub struct Duties {
     pub stores: Stores,
     pub handle: Handle,
     pub counters: Arc<Counters>,
-    pub state: AppState,
+    pub state: Core,
     pub settings: Settings,
 }
 

@@ -27,7 +27,7 @@ pub mod leader;
 pub mod outbox;
 pub mod record;
 
-use crate::grpc::service::AppState;
+use crate::core::Core;
 use crate::metrics::Family;
 use anyhow::Context as _;
 use inferencecache_engine::CapturedHits;
@@ -281,7 +281,7 @@ impl Replication {
 
     /// Connects, bootstraps and runs every replication task. Returns once the apply thread
     /// runs; the state stays *restoring* until the backlog is applied.
-    pub async fn start(self: &Arc<Self>, state: AppState) -> anyhow::Result<()> {
+    pub async fn start(self: &Arc<Self>, state: Core) -> anyhow::Result<()> {
         state.begin_restore();
         let client = connect(&self.settings, self.counters.clone()).await?;
         self.counters.connected.store(true, Ordering::Relaxed);
