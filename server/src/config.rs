@@ -4,8 +4,9 @@
 //! single-dash forms `-name value` / `-name=value` used by manifests written for the reference
 //! are accepted: [`normalize_args`] rewrites them before parsing.
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, bail};
 use clap::{CommandFactory, FromArgMatches, Parser, parser::ValueSource};
+use inferencecache_cli_flags::parse_duration;
 use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -248,12 +249,17 @@ impl Settings {
         }
         let log_format = parse_log_format(&cli.log_format)?;
         let log_level = parse_log_level(&cli.log_level)?;
-        let ttl = parse_duration(&cli.ttl).context("invalid --ttl")?;
-        let sweep_interval =
-            parse_duration(&cli.sweep_interval).context("invalid --sweep-interval")?;
+        let ttl = parse_duration(&cli.ttl)
+            .context("invalid --ttl")?
+            .positive();
+        let sweep_interval = parse_duration(&cli.sweep_interval)
+            .context("invalid --sweep-interval")?
+            .positive();
         let auth = validate_auth(cli)?;
         let checkpoint_interval = positive_or(
-            parse_duration(&cli.checkpoint_interval).context("invalid --checkpoint-interval")?,
+            parse_duration(&cli.checkpoint_interval)
+                .context("invalid --checkpoint-interval")?
+                .positive(),
             Duration::from_secs(60),
         );
         let state = match cli.state_dir.as_deref() {
@@ -264,7 +270,9 @@ impl Settings {
             }),
             None => None,
         };
-        let drain_notice = parse_duration(&cli.drain_notice).context("invalid --drain-notice")?;
+        let drain_notice = parse_duration(&cli.drain_notice)
+            .context("invalid --drain-notice")?
+            .positive();
         let replication = crate::replication::Settings::from_cli(cli, checkpoint_interval)?;
         if replication.is_some() && state.is_some() {
             bail!(
@@ -594,38 +602,6 @@ pub fn parse_bind(addr: &str, empty_host_is_loopback: bool) -> anyhow::Result<So
     Ok(SocketAddr::new(ip, port))
 }
 
-/// Parses a Go-style duration (`500ms`, `90s`, `1h30m`; units ns, us, µs, ms, s, m, h). A
-/// leading `-` gives `None` (a non-positive duration); `0` alone is accepted.
-pub fn parse_duration(s: &str) -> anyhow::Result<Option<Duration>> {
-    use inferencecache_cli_flags::DurationError;
-    let s = s.trim();
-    if s == "0" {
-        return Ok(None);
-    }
-    let (negative, rest) = inferencecache_cli_flags::split_duration_sign(s);
-    if rest.is_empty() {
-        bail!("empty duration");
-    }
-    let terms = inferencecache_cli_flags::duration_terms_ns(rest).map_err(|e| match e {
-        DurationError::MissingNumber => anyhow!("invalid duration {s:?}"),
-        DurationError::BadNumber(e) => {
-            anyhow::Error::new(e).context(format!("invalid duration {s:?}"))
-        }
-        DurationError::MissingUnit => anyhow!("missing unit in duration {s:?}"),
-        DurationError::UnknownUnit(unit) => anyhow!("unknown unit {unit:?} in duration {s:?}"),
-    })?;
-    // Each term is cut to whole nanoseconds before the (saturating) sum.
-    let total_ns = terms
-        .iter()
-        .fold(0u128, |total, &term| total.saturating_add(term as u128));
-    if negative || total_ns == 0 {
-        return Ok(None);
-    }
-    Ok(Some(Duration::from_nanos(
-        u64::try_from(total_ns).unwrap_or(u64::MAX),
-    )))
-}
-
 fn parse_log_format(s: &str) -> anyhow::Result<LogFormat> {
     inferencecache_logging::parse_format(s).map_err(anyhow::Error::msg)
 }
@@ -643,31 +619,6 @@ pub fn init_logging(settings: &Settings) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations_follow_go_syntax() {
-        assert_eq!(
-            parse_duration("30m").unwrap(),
-            Some(Duration::from_secs(1800))
-        );
-        assert_eq!(
-            parse_duration("1h30m").unwrap(),
-            Some(Duration::from_secs(5400))
-        );
-        assert_eq!(
-            parse_duration("500ms").unwrap(),
-            Some(Duration::from_millis(500))
-        );
-        assert_eq!(
-            parse_duration("1.5s").unwrap(),
-            Some(Duration::from_millis(1500))
-        );
-        assert_eq!(parse_duration("-5s").unwrap(), None);
-        assert_eq!(parse_duration("0").unwrap(), None);
-        assert!(parse_duration("5").is_err());
-        assert!(parse_duration("5d").is_err());
-        assert!(parse_duration("").is_err());
-    }
 
     #[test]
     fn bind_addresses() {

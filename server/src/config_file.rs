@@ -6,9 +6,9 @@
 //! Unknown keys, type errors and invalid values are errors (exit 2 at startup; ignored with an
 //! ERROR log on reload).
 
-use crate::config::parse_duration;
 use crate::policy::{Layer, Policy, PolicyEntry, PolicyStore, StrategyEntry, resolve_entry};
 use anyhow::{Context, bail};
+use inferencecache_cli_flags::parse_duration;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -188,6 +188,7 @@ impl PolicyToml {
             Some(DurationValue::Text(s)) => Some(
                 parse_duration(s)
                     .with_context(|| format!("invalid eviction_ttl {s:?}"))?
+                    .positive()
                     .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)),
             ),
         };

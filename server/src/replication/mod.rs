@@ -91,8 +91,9 @@ impl Settings {
                 cli.nats_stream
             );
         }
-        let max_age = crate::config::parse_duration(&cli.nats_max_age)
+        let max_age = inferencecache_cli_flags::parse_duration(&cli.nats_max_age)
             .context("invalid --nats-max-age")?
+            .positive()
             .unwrap_or(Duration::from_secs(15 * 60));
         if max_age < checkpoint_interval * 2 {
             anyhow::bail!(
