@@ -11,9 +11,9 @@
 //! server re-bootstraps from the newest checkpoint that the stream still continues.
 
 use super::Counters;
-use super::leader::Decisions;
-use super::leader::Stores;
+use super::decisions::{Decisions, install_decisions};
 use super::record::{Batch, Body, Record};
+use super::stores::Stores;
 use crate::core::Core;
 use futures_util::StreamExt;
 use inferencecache_engine::IndexDigest;
@@ -116,7 +116,7 @@ pub fn spawn(
     decisions: Arc<Decisions>,
 ) -> anyhow::Result<Handle> {
     let (tx, mut rx) = mpsc::channel::<Command>(QUEUE);
-    super::leader::install_decisions(&state, decisions.clone());
+    install_decisions(&state, decisions.clone());
     std::thread::Builder::new()
         .name("replication-apply".into())
         .spawn(move || {

@@ -23,9 +23,11 @@
 //! applied, gRPC health is NOT_SERVING, `/readyz` 503 and lookups answer NO_HINT.
 
 pub mod apply;
+pub mod decisions;
 pub mod leader;
 pub mod outbox;
 pub mod record;
+pub mod stores;
 
 use crate::core::Core;
 use crate::metrics::Family;
@@ -287,8 +289,8 @@ impl Replication {
         let client = connect(&self.settings, self.counters.clone()).await?;
         self.counters.connected.store(true, Ordering::Relaxed);
         let js = async_nats::jetstream::new(client);
-        let stores = leader::Stores::open(&js, &self.settings).await?;
-        let decisions = Arc::new(leader::Decisions::new(self.outbox.clone()));
+        let stores = stores::Stores::open(&js, &self.settings).await?;
+        let decisions = Arc::new(decisions::Decisions::new(self.outbox.clone()));
         let handle = apply::spawn(state.clone(), self.counters.clone(), decisions.clone())?;
         // The sweep thread's removals are published within DECISION_FLUSH (the apply thread
         // publishes its own after each message).
