@@ -164,7 +164,7 @@ pub struct Cli {
     #[arg(long, default_value = "")]
     pub epp_tenant: String,
     /// Request body bytes the picker reads; past it the pick goes by load.
-    #[arg(long, default_value_t = crate::epp::DEFAULT_MAX_BODY_BYTES)]
+    #[arg(long, default_value_t = DEFAULT_EPP_MAX_BODY_BYTES)]
     pub epp_max_body_bytes: u64,
     /// Weight of load against the cached fraction of the prompt in the pick.
     #[arg(long, default_value_t = 1.0)]
@@ -181,6 +181,9 @@ pub struct Cli {
 }
 
 /// Long flags of this command line that take no value.
+/// Default `--epp-max-body-bytes`: the endpoint picker's request body limit.
+pub const DEFAULT_EPP_MAX_BODY_BYTES: u64 = 4 << 20;
+
 const BOOL_FLAGS: &[&str] = &["insecure-disable-auth", "help", "version"];
 
 /// Rewrites single-dash long flags (`-grpc-bind-address`) into double-dash form. Short flags
@@ -273,7 +276,7 @@ impl Settings {
         let drain_notice = parse_duration(&cli.drain_notice)
             .context("invalid --drain-notice")?
             .positive();
-        let replication = crate::replication::Settings::from_cli(cli, checkpoint_interval)?;
+        let replication = replication_settings(cli, checkpoint_interval)?;
         if replication.is_some() && state.is_some() {
             bail!(
                 "--state-dir and --nats-url are exclusive: a replicated server restarts from the \
@@ -600,6 +603,58 @@ pub fn parse_bind(addr: &str, empty_host_is_loopback: bool) -> anyhow::Result<So
             .with_context(|| format!("{addr:?} has an invalid host"))?
     };
     Ok(SocketAddr::new(ip, port))
+}
+
+/// Replicated mode's settings, or `None` without `--nats-url`.
+fn replication_settings(
+    cli: &Cli,
+    checkpoint_interval: Duration,
+) -> anyhow::Result<Option<crate::replication::Settings>> {
+    let Some(url) = cli.nats_url.as_deref() else {
+        return Ok(None);
+    };
+    if url.is_empty() {
+        anyhow::bail!("--nats-url must not be empty");
+    }
+    let stream = cli.nats_stream.trim();
+    if stream.is_empty()
+        || !stream
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        anyhow::bail!(
+            "--nats-stream {:?}: use letters, digits, '-' and '_' (it names the stream and its buckets)",
+            cli.nats_stream
+        );
+    }
+    let max_age = inferencecache_cli_flags::parse_duration(&cli.nats_max_age)
+        .context("invalid --nats-max-age")?
+        .positive()
+        .unwrap_or(Duration::from_secs(15 * 60));
+    if max_age < checkpoint_interval * 2 {
+        anyhow::bail!(
+            "--nats-max-age {:?} must be at least twice --checkpoint-interval, or a server \
+             could find neither a checkpoint nor the records after it",
+            cli.nats_max_age
+        );
+    }
+    let server_id = match cli.nats_server_id.as_deref() {
+        Some("") => anyhow::bail!("--nats-server-id must not be empty"),
+        Some(id) => id.to_owned(),
+        None => format!("ic-{:016x}", crate::replication::random_u64()),
+    };
+    Ok(Some(crate::replication::Settings {
+        url: url.to_owned(),
+        stream: stream.to_owned(),
+        creds_file: cli.nats_creds_file.as_ref().map(Into::into),
+        token_file: cli.nats_token_file.as_ref().map(Into::into),
+        tls_ca_file: cli.nats_tls_ca_file.as_ref().map(Into::into),
+        buffer: usize::try_from(cli.nats_buffer.max(1)).unwrap_or(usize::MAX),
+        max_age,
+        max_bytes: cli.nats_max_bytes,
+        server_id,
+        checkpoint_interval,
+    }))
 }
 
 fn parse_log_format(s: &str) -> anyhow::Result<LogFormat> {

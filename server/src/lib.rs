@@ -18,6 +18,7 @@ pub mod lookup;
 pub mod metrics;
 pub mod policy;
 pub mod replication;
+pub mod route_index;
 pub mod state;
 pub mod streams;
 pub mod tls;

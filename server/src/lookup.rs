@@ -3,10 +3,11 @@
 //! No request content ever produces a gRPC error, and the handler logs nothing.
 
 use crate::policy::Policy;
+use crate::route_index::RouteQuery;
 use crate::state::AppState;
 use crate::translate::Reason;
 use inferencecache_engine::fingerprint;
-use inferencecache_engine::{Index, LookupRequest, PROBE_TENANT, RouteResult, Strategy};
+use inferencecache_engine::{LookupRequest, PROBE_TENANT, Strategy};
 use inferencecache_proto::v1alpha1 as pb;
 use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
@@ -18,8 +19,6 @@ pub const MAX_LOOKUP_TOKENS: usize = 1 << 20;
 pub const MAX_PROMPT_TEXT_BYTES: usize = 1 << 20;
 /// Deadline applied when the server will tokenize and the caller set none.
 pub const DEFAULT_TOKENIZE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Concurrent tokenizations; over the limit a lookup fails open instead of waiting.
-pub const MAX_CONCURRENT_TOKENIZE: usize = 64;
 
 /// What H4 resolved the request's inputs to.
 enum Inputs<'r> {
@@ -525,41 +524,6 @@ fn consult<H: ChainHash>(
         reason: Reason::from_strategy(result.strategy),
         scores,
         consulted: true,
-    }
-}
-
-/// The one index call `LookupRoute` makes (step 13, H7). The production [`Index`] is wait-free
-/// and answers inline; an implementation that may block (a test double) must give up at
-/// `deadline` and return `None`, which the handler answers with `TIMEOUT`.
-pub trait RouteIndex: Send + Sync {
-    /// Answers `query`, or `None` when `deadline` fired first (the work is abandoned).
-    fn route(&self, query: RouteQuery<'_, '_>, deadline: Option<Instant>) -> Option<RouteResult>;
-}
-
-/// A lookup as the handler resolved it: the wire chain, or fingerprints derived from tokens.
-/// Two concrete forms keep [`RouteIndex`] object-safe without copying the chain.
-#[derive(Clone, Copy)]
-pub enum RouteQuery<'q, 'r> {
-    /// Chain and exact key as sent (also the empty request).
-    Wire(&'q LookupRequest<'r, Vec<u8>>),
-    /// Chain or exact key fingerprinted from `token_ids` / `prompt_text`.
-    Fingerprint(&'q LookupRequest<'r, [u8; 8]>),
-}
-
-impl RouteQuery<'_, '_> {
-    /// Runs the query on the engine index.
-    pub fn route_on(self, index: &Index) -> RouteResult {
-        match self {
-            Self::Wire(req) => index.lookup_route(req),
-            Self::Fingerprint(req) => index.lookup_route(req),
-        }
-    }
-}
-
-impl RouteIndex for Index {
-    /// Wait-free, so the deadline never interrupts it (the handler checks it afterwards).
-    fn route(&self, query: RouteQuery<'_, '_>, _deadline: Option<Instant>) -> Option<RouteResult> {
-        Some(query.route_on(self))
     }
 }
 

@@ -6,9 +6,9 @@
 
 use crate::core::Core;
 use crate::limits::{Limits, ProducerLimiter};
-use crate::lookup;
 use crate::metrics::Metrics;
 use crate::policy::PolicyStore;
+use crate::route_index::RouteIndex;
 use crate::streams::Broadcaster;
 use inferencecache_engine::{Clock, Index, IndexConfig, PROBE_TENANT, SystemClock};
 use inferencecache_proto::v1alpha1 as pb;
@@ -16,6 +16,9 @@ use inferencecache_tokenize::PromptTokenizer;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+
+/// Concurrent tokenizations; over the limit a lookup fails open instead of waiting.
+pub const MAX_CONCURRENT_TOKENIZE: usize = 64;
 
 /// Server-wide knobs the handlers read.
 #[derive(Clone)]
@@ -77,7 +80,7 @@ struct Shared {
     tokenizer: Option<Arc<dyn PromptTokenizer>>,
     tokenizer_slots: Arc<tokio::sync::Semaphore>,
     /// What LookupRoute calls: `index` itself, unless built by [`AppState::with_route_index`].
-    route_index: Arc<dyn lookup::RouteIndex>,
+    route_index: Arc<dyn RouteIndex>,
     auth: std::sync::OnceLock<Arc<crate::auth::Auth>>,
     block_size: usize,
     /// Replicated mode (`--nats-url`): set once at startup.
@@ -128,7 +131,7 @@ impl AppState {
     pub fn with_route_index(
         options: ServerOptions,
         clock: Arc<dyn Clock>,
-        route_index: impl FnOnce(Arc<Index>) -> Arc<dyn lookup::RouteIndex>,
+        route_index: impl FnOnce(Arc<Index>) -> Arc<dyn RouteIndex>,
     ) -> Self {
         let config = options.index.normalized();
         let policies = Arc::new(PolicyStore::new(
@@ -152,9 +155,7 @@ impl AppState {
                 tls: options.tls.clone(),
                 tokenizer: options.tokenizer.clone(),
                 auth: std::sync::OnceLock::new(),
-                tokenizer_slots: Arc::new(tokio::sync::Semaphore::new(
-                    lookup::MAX_CONCURRENT_TOKENIZE,
-                )),
+                tokenizer_slots: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_TOKENIZE)),
                 block_size: options.block_size.max(1),
                 replication: std::sync::OnceLock::new(),
                 drain_notice: options.drain_notice,
@@ -243,7 +244,7 @@ impl AppState {
     }
 
     /// The index LookupRoute calls (borrowed: no reference count per call).
-    pub fn route_index(&self) -> &dyn lookup::RouteIndex {
+    pub fn route_index(&self) -> &dyn RouteIndex {
         &*self.inner.route_index
     }
 

@@ -47,8 +47,9 @@ pub const TENANT_HEADER: &str = "x-inferencecache-tenant";
 /// Request header naming the LoRA adapter (else none).
 pub const ADAPTER_HEADER: &str = "x-inferencecache-adapter";
 
-/// Default body limit of `--epp-max-body-bytes`.
-pub const DEFAULT_MAX_BODY_BYTES: u64 = 4 << 20;
+/// Default body limit of `--epp-max-body-bytes` (defined with the flag, so the
+/// configuration does not import the picker).
+pub use crate::config::DEFAULT_EPP_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES;
 /// How long tokenizing one request may take before the pick goes by load.
 pub const TOKENIZE_TIMEOUT: Duration = Duration::from_millis(500);
 

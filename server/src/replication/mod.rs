@@ -71,58 +71,6 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// Replicated mode's settings, or `None` without `--nats-url`.
-    pub fn from_cli(
-        cli: &crate::config::Cli,
-        checkpoint_interval: Duration,
-    ) -> anyhow::Result<Option<Self>> {
-        let Some(url) = cli.nats_url.as_deref() else {
-            return Ok(None);
-        };
-        if url.is_empty() {
-            anyhow::bail!("--nats-url must not be empty");
-        }
-        let stream = cli.nats_stream.trim();
-        if stream.is_empty()
-            || !stream
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-        {
-            anyhow::bail!(
-                "--nats-stream {:?}: use letters, digits, '-' and '_' (it names the stream and its buckets)",
-                cli.nats_stream
-            );
-        }
-        let max_age = inferencecache_cli_flags::parse_duration(&cli.nats_max_age)
-            .context("invalid --nats-max-age")?
-            .positive()
-            .unwrap_or(Duration::from_secs(15 * 60));
-        if max_age < checkpoint_interval * 2 {
-            anyhow::bail!(
-                "--nats-max-age {:?} must be at least twice --checkpoint-interval, or a server \
-                 could find neither a checkpoint nor the records after it",
-                cli.nats_max_age
-            );
-        }
-        let server_id = match cli.nats_server_id.as_deref() {
-            Some("") => anyhow::bail!("--nats-server-id must not be empty"),
-            Some(id) => id.to_owned(),
-            None => format!("ic-{:016x}", random_u64()),
-        };
-        Ok(Some(Self {
-            url: url.to_owned(),
-            stream: stream.to_owned(),
-            creds_file: cli.nats_creds_file.as_ref().map(Into::into),
-            token_file: cli.nats_token_file.as_ref().map(Into::into),
-            tls_ca_file: cli.nats_tls_ca_file.as_ref().map(Into::into),
-            buffer: usize::try_from(cli.nats_buffer.max(1)).unwrap_or(usize::MAX),
-            max_age,
-            max_bytes: cli.nats_max_bytes,
-            server_id,
-            checkpoint_interval,
-        }))
-    }
-
     fn subject(&self) -> String {
         format!("{}.records", self.stream)
     }
