@@ -13,16 +13,17 @@
 //!
 //! Exposition is produced from one structured snapshot ([`Metrics::gather`]) so that `/metrics`
 //! (Prometheus text format 0.0.4) and `StreamMetrics` report exactly the same samples. The
-//! common Rust Prometheus crates either lack the summary type or cannot hand samples back as
-//! data, which is why the text rendering here is our own (it is a dozen lines).
+//! families and their text rendering come from the workspace's `inferencecache-exposition`
+//! crate, which the sidecar's `/metrics` shares.
 
 pub mod process;
+
+pub use inferencecache_exposition::{Family, Sample, format_float, render_text};
 
 use crate::translate::Reason;
 use hdrhistogram::Histogram;
 use inferencecache_engine::{Algorithm, EvictionReason, Index};
 use parking_lot::Mutex;
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -616,107 +617,6 @@ fn rotate(h: &mut ThreadHistogram, window: u64) {
     }
     h.current.reset();
     h.window = window;
-}
-
-/// One metric family: its samples share a name stem, a type and a help text.
-#[derive(Debug, Clone)]
-pub struct Family {
-    pub name: String,
-    pub kind: &'static str,
-    pub help: &'static str,
-    pub samples: Vec<Sample>,
-}
-
-/// One exposition sample.
-#[derive(Debug, Clone)]
-pub struct Sample {
-    pub name: String,
-    pub labels: Vec<(String, String)>,
-    pub value: f64,
-}
-
-impl Family {
-    pub(crate) fn new(name: &str, kind: &'static str, help: &'static str) -> Self {
-        Self {
-            name: name.to_string(),
-            kind,
-            help,
-            samples: Vec::new(),
-        }
-    }
-
-    pub(crate) fn gauge(name: &str, help: &'static str, value: f64) -> Self {
-        let mut f = Self::new(name, "gauge", help);
-        f.push(name, Vec::new(), value);
-        f
-    }
-
-    /// A counter family with one unlabelled sample (`name` ends in `_total`).
-    pub(crate) fn counter(name: &str, help: &'static str, value: f64) -> Self {
-        let mut f = Self::new(name, "counter", help);
-        f.push(name, Vec::new(), value);
-        f
-    }
-
-    pub(crate) fn push(&mut self, name: &str, labels: Vec<(String, String)>, value: f64) {
-        self.samples.push(Sample {
-            name: name.to_string(),
-            labels,
-            value,
-        });
-    }
-
-    /// The family name as Prometheus declares it (`…_total` stripped for counters).
-    pub fn declared_name(&self) -> &str {
-        self.name
-            .strip_suffix("_total")
-            .filter(|_| self.kind == "counter")
-            .unwrap_or(&self.name)
-    }
-}
-
-/// Renders families in the Prometheus text exposition format (0.0.4).
-pub fn render_text(families: &[Family]) -> String {
-    let mut out = String::with_capacity(4096);
-    for f in families {
-        let _ = writeln!(out, "# HELP {} {}", f.name, f.help);
-        let _ = writeln!(out, "# TYPE {} {}", f.name, f.kind);
-        for s in &f.samples {
-            out.push_str(&s.name);
-            if !s.labels.is_empty() {
-                out.push('{');
-                for (i, (k, v)) in s.labels.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    let _ = write!(out, "{k}=\"{}\"", escape_label(v));
-                }
-                out.push('}');
-            }
-            let _ = writeln!(out, " {}", format_float(s.value));
-        }
-    }
-    out
-}
-
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-fn format_float(v: f64) -> String {
-    if v.is_nan() {
-        "NaN".into()
-    } else if v.is_infinite() {
-        if v > 0.0 {
-            "+Inf".into()
-        } else {
-            "-Inf".into()
-        }
-    } else {
-        format!("{v}")
-    }
 }
 
 #[cfg(test)]
