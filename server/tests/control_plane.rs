@@ -9,7 +9,8 @@ use inferencecache_engine::{
     ReplicaStatsInput,
 };
 use inferencecache_server::auth::{Auth, AuthConfig, TokenStores};
-use inferencecache_server::http::control::{ControlServer, ControlState, T2Prober};
+use inferencecache_server::http::control::{ControlServer, ControlState};
+use inferencecache_server::http::probe::T2Prober;
 use inferencecache_server::state::{AppState, ServerOptions};
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -842,7 +843,7 @@ async fn policy_push_changes_resolution() {
 
 fn no_probe_state(state: &AppState, model: &str, backend: &str) {
     assert_eq!(state.index().reserved_storage_entries(), 0);
-    let hash = inferencecache_server::http::control::probe_hash("vllm", model, backend);
+    let hash = inferencecache_server::http::probe::probe_hash("vllm", model, backend);
     let hashes = [hash];
     let counts = [16];
     let req = LookupRequest {
@@ -972,7 +973,7 @@ async fn sv61_concurrent_probes_pass() {
 /// partition concurrently) without the handler's per-model lock, and nothing may be left.
 #[test]
 fn unserialized_probe_runs_of_one_model_race_on_partition_creation() {
-    use inferencecache_server::http::control::{decode_probe, run_probe};
+    use inferencecache_server::http::probe::{decode_probe, run_probe};
     const THREADS: usize = 4;
     const ROUNDS: usize = 1_500;
     let (state, _) = manual_state(IndexConfig::default());
@@ -1004,7 +1005,7 @@ fn unserialized_probe_runs_of_one_model_race_on_partition_creation() {
 /// several models in flight) leaves nothing, under any interleaving the scheduler produces.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn serialized_probe_runs_never_leave_reserved_entries() {
-    use inferencecache_server::http::control::{ProbeLocks, decode_probe};
+    use inferencecache_server::http::probe::{ProbeLocks, decode_probe};
     let (state, _) = manual_state(IndexConfig::default());
     let locks = Arc::new(ProbeLocks::default());
     for round in 0..400 {
@@ -1112,7 +1113,7 @@ async fn sv62_t2_prober_outcomes() {
         "{\"backend\":\"b1\",\"ingest\":\"ok\",\"routing\":\"ok\",\"t2\":\"ok\"}\n"
     );
     let stored = memory.0.lock().unwrap()[0].clone();
-    let hash = inferencecache_server::http::control::probe_hash("vllm", "m", "b1");
+    let hash = inferencecache_server::http::probe::probe_hash("vllm", "m", "b1");
     let mut payload = b"probe-payload-v1\n".to_vec();
     payload.extend_from_slice(&hash);
     assert_eq!(stored, (hash.to_vec(), payload));

@@ -464,7 +464,7 @@ async fn wall_clock_jumps_clamp_freshness_and_never_panic() {
             .await
             .unwrap();
             index.sweep_now();
-            let _ = inferencecache_server::http::control::snapshot_json(&index.snapshot());
+            let _ = inferencecache_server::http::json::snapshot_json(&index.snapshot());
         }
     }
     server.shutdown().await;

@@ -2,7 +2,7 @@
 //! itself (server.md §12.4) against the seeded index.
 
 use crate::fixture;
-use inferencecache_server::http::control::{
+use inferencecache_server::http::probe::{
     MAX_PROBE_BYTES, ProbeReport, StageResult, decode_probe, run_probe,
 };
 use inferencecache_server::state::AppState;

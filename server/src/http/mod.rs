@@ -1,61 +1,16 @@
-//! Public HTTP listener (`:8080`): `/healthz`, `/readyz`, `/metrics` (spec `server.md` §12.1–§12.2).
+//! The HTTP room: both listeners and what they serve.
+//!
+//! - [`public`]: `:8080` (`/healthz`, `/readyz`, `/metrics`);
+//! - [`control`]: `:8081`, the control-plane routes (`/snapshot`, `/policy`, `/checkpoint`,
+//!   `/digest`, `/probe`), each authenticating first;
+//! - [`probe`]: the synthetic probe behind `/probe`;
+//! - [`json`]: the Go-compatible JSON writer of `/snapshot`;
+//! - [`serve`]: HTTP/1.1 serving with the read-header timeout and the bounded graceful stop.
 
 pub mod control;
+pub mod json;
+pub mod probe;
+pub mod public;
+pub mod serve;
 
-use crate::state::AppState;
-use axum::Router;
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::routing::any;
-use tokio::net::TcpListener;
-
-/// Router of the public listener. Exact paths; anything else is 404.
-pub fn public_router(state: AppState) -> Router {
-    Router::new()
-        .route("/healthz", any(healthz))
-        .route("/readyz", any(readyz))
-        .route("/metrics", any(metrics))
-        .with_state(state)
-}
-
-async fn healthz() -> &'static str {
-    "ok\n"
-}
-
-async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
-    if state.core().ready() {
-        (StatusCode::OK, "ok\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
-    }
-}
-
-async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
-    let mut families = state.metrics().gather(state.index());
-    families.extend(state.core().checkpoint_status().families());
-    families.extend(state.epp_metrics().families());
-    match state.replication() {
-        Some(replication) => families.extend(replication.families()),
-        None => families.extend(crate::replication::families(
-            &crate::replication::Counters::default(),
-            false,
-        )),
-    }
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        crate::metrics::render_text(&families),
-    )
-}
-
-/// Serves the public router until `stop` resolves.
-pub async fn serve_public(
-    state: AppState,
-    listener: TcpListener,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
-    // Same hyper stack as the control plane: a 5 s read-header timeout (§4).
-    control::serve_http(public_router(state), listener, stop).await
-}
+pub use public::{public_router, serve_public};
