@@ -280,12 +280,7 @@ impl ConfigFile {
                 .insert(ns.namespace.clone(), Arc::new(resolve_entry(&entry, &base)));
         }
         for t in &self.tenants {
-            if t.tenant_id.is_empty() {
-                continue;
-            }
-            layer
-                .quotas
-                .insert(t.tenant_id.clone(), t.max_index_entries.unwrap_or(0).max(0));
+            layer.insert_quota(&t.tenant_id, t.max_index_entries);
         }
         Ok(layer)
     }

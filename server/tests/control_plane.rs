@@ -961,13 +961,12 @@ async fn sv61_concurrent_probes_pass() {
     ctl.stop().await;
 }
 
-/// The race behind a one-time `sv61_concurrent_probes_pass` failure (2 reserved entries left).
-/// Probes of different backends for one model share the reserved tenant's partition. The first
-/// ingest into a new partition used to publish it in the index's directory before adding it to
-/// the model's partition list, which is what a probe's cleanup (ALL_CLEARED) walks: a second
-/// probe that found the partition in that window, ingested and cleaned up saw no partition to
-/// clear, and its entry stayed (4 threads × 3,000 rounds left 9 entries). The engine now lists
-/// a partition before linking it (`Index::enter_part`; the deterministic reproducer is the
+/// Probes of different backends for one model share the reserved tenant's partition, and a
+/// probe's cleanup (ALL_CLEARED) walks the model's partition list. An index that published a new
+/// partition in its directory before adding it to that list would let a second probe find the
+/// partition in that window, ingest, clean up, see no partition to clear and leave its entry
+/// (the race behind a one-time `sv61_concurrent_probes_pass` failure; 4 threads × 3,000 rounds
+/// left 9 entries). The engine lists a partition before linking it (`Index::enter_part`; the deterministic reproducer is the
 /// engine test `a_partition_is_listed_before_other_writers_can_reach_it`). Here threads run
 /// `run_probe` for distinct backends of a fresh model each round (so every round creates the
 /// partition concurrently) without the handler's per-model lock, and nothing may be left.
