@@ -17,9 +17,7 @@
 //!    never replaces a good checkpoint with a partial index.
 
 use crate::core::Core;
-pub mod status;
-
-pub use status::{RefusedFile, RestoreStatus, Status, WriteStatus};
+pub use crate::core::checkpoint_status::{RefusedFile, RestoreStatus, Status, WriteStatus};
 
 use inferencecache_engine::checkpoint::{files, write::WriteOptions};
 use std::path::PathBuf;

@@ -10,7 +10,7 @@
 //! message whose sequence is not the next one means the records in between are gone: the
 //! server re-bootstraps from the newest checkpoint that the stream still continues.
 
-use super::Counters;
+use super::counters::Counters;
 use super::decisions::{Decisions, install_decisions};
 use super::record::{Batch, Body, Record};
 use super::stores::Stores;

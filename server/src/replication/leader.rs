@@ -15,8 +15,9 @@
 //! torn upload is never read; the two newest objects are kept.
 
 use super::apply::Handle;
+use super::counters::Counters;
+use super::settings::Settings;
 use super::stores::{LEASE_TTL, Stores};
-use super::{Counters, Settings};
 use crate::core::Core;
 use async_nats::jetstream::kv;
 use std::sync::Arc;

@@ -23,11 +23,16 @@
 //! applied, gRPC health is NOT_SERVING, `/readyz` 503 and lookups answer NO_HINT.
 
 pub mod apply;
+pub mod counters;
 pub mod decisions;
 pub mod leader;
 pub mod outbox;
 pub mod record;
+pub mod settings;
 pub mod stores;
+
+pub use counters::Counters;
+pub use settings::Settings;
 
 use crate::core::Core;
 use crate::metrics::Family;
@@ -37,7 +42,7 @@ use inferencecache_proto::v1alpha1 as pb;
 use record::{Body, Record};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tracing::{error, info, warn};
 
@@ -54,28 +59,6 @@ const DECISION_FLUSH: Duration = Duration::from_millis(100);
 /// How often aggregated credits are published.
 const CREDIT_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Replicated mode's settings (`--nats-*`, `[replication]`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Settings {
-    pub url: String,
-    pub stream: String,
-    pub creds_file: Option<std::path::PathBuf>,
-    pub token_file: Option<std::path::PathBuf>,
-    pub tls_ca_file: Option<std::path::PathBuf>,
-    pub buffer: usize,
-    pub max_age: Duration,
-    pub max_bytes: u64,
-    pub server_id: String,
-    /// Leader checkpoint uploads (`--checkpoint-interval`).
-    pub checkpoint_interval: Duration,
-}
-
-impl Settings {
-    fn subject(&self) -> String {
-        format!("{}.records", self.stream)
-    }
-}
-
 /// A random 64-bit value (process epochs, default server ids): the std hasher's random keys.
 pub fn random_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -87,28 +70,6 @@ pub fn random_u64() -> u64 {
             .map_or(0, |d| d.as_nanos()),
     );
     h.finish()
-}
-
-/// Replication counters and gauges (`inferencecache_replication_*`).
-#[derive(Default)]
-pub struct Counters {
-    pub applied_seq: AtomicU64,
-    pub stream_last_seq: AtomicU64,
-    pub lag_seconds_micros: AtomicU64,
-    pub published: AtomicU64,
-    pub publish_errors: AtomicU64,
-    pub dropped: AtomicU64,
-    pub buffered: AtomicU64,
-    /// Records published and not yet acked.
-    pub in_flight: AtomicU64,
-    pub bootstraps: AtomicU64,
-    pub gaps: AtomicU64,
-    pub undecodable: AtomicU64,
-    pub checkpoint_uploads: AtomicU64,
-    pub checkpoint_upload_failures: AtomicU64,
-    pub credits_dropped: AtomicU64,
-    pub leader: AtomicBool,
-    pub connected: AtomicBool,
 }
 
 /// The running replication of one server.

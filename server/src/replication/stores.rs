@@ -1,7 +1,7 @@
 //! The stream and the buckets of one replicated deployment: the record stream, the lease and
 //! meta KV buckets and the checkpoint object store, opened (or created) once at startup.
 
-use super::Settings;
+use super::settings::Settings;
 use anyhow::Context as _;
 use async_nats::jetstream::{self, kv, object_store, stream};
 use std::sync::Arc;

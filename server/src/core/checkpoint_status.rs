@@ -1,7 +1,7 @@
 //! What the checkpoints did: the last write, the startup restore, the failures. The
-//! [`Status`] lives in the server's core handle (`crate::core::Core`) so `/checkpoint` and the
-//! metrics can read it whether or not a [`super::Checkpointer`] runs; only the checkpointer
-//! writes it.
+//! [`Status`] lives in the core handle ([`super::Core`]) so `/checkpoint` and the metrics can
+//! read it whether or not a checkpointer (`crate::checkpoint::Checkpointer`) runs; only the
+//! checkpointer writes it.
 
 use crate::metrics::Family;
 use parking_lot::Mutex;
@@ -65,23 +65,23 @@ pub struct RestoreStatus {
 /// What `/checkpoint` and the metrics report.
 #[derive(Debug, Default)]
 pub struct Status {
-    pub(super) inner: Mutex<StatusInner>,
+    pub(crate) inner: Mutex<StatusInner>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
-pub(super) struct StatusInner {
-    pub(super) enabled: bool,
+pub(crate) struct StatusInner {
+    pub(crate) enabled: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub(super) state_dir: Option<String>,
-    pub(super) interval_seconds: f64,
-    pub(super) restoring: bool,
+    pub(crate) state_dir: Option<String>,
+    pub(crate) interval_seconds: f64,
+    pub(crate) restoring: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub(super) last_checkpoint: Option<WriteStatus>,
+    pub(crate) last_checkpoint: Option<WriteStatus>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub(super) last_success_unix_ms: Option<i64>,
-    pub(super) failures: u64,
+    pub(crate) last_success_unix_ms: Option<i64>,
+    pub(crate) failures: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub(super) restore: Option<RestoreStatus>,
+    pub(crate) restore: Option<RestoreStatus>,
 }
 
 impl Status {

@@ -12,9 +12,11 @@
 //! - While *restoring*, producers and `/policy` pushes wait ([`Core::wait_restored`]), so an
 //!   older checkpoint never overwrites what a producer sent after it.
 
-use crate::checkpoint::status::Status;
+pub mod checkpoint_status;
+
 use crate::epp::endpoints::Registry;
 use crate::policy::{Layer, PolicyStore, decode_push};
+use checkpoint_status::Status;
 use inferencecache_engine::Index;
 use inferencecache_proto::v1alpha1 as pb;
 use std::sync::Arc;
