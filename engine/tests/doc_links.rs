@@ -150,14 +150,13 @@ fn references(text: &str) -> Vec<Reference> {
         let trimmed = prose.trim_start();
         if trimmed.starts_with('[')
             && let Some(close) = trimmed.find("]:")
+            && let Some(destination) = trimmed[close + 2..].split_whitespace().next()
         {
-            if let Some(destination) = trimmed[close + 2..].split_whitespace().next() {
-                out.push(Reference {
-                    destination: destination.trim_matches(['<', '>']).to_string(),
-                    line: line_number,
-                    code_span: false,
-                });
-            }
+            out.push(Reference {
+                destination: destination.trim_matches(['<', '>']).to_string(),
+                line: line_number,
+                code_span: false,
+            });
         }
         // Inline links and images: `](destination)` or `](destination "title")`.
         for (at, _) in prose.match_indices("](") {
