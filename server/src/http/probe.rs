@@ -3,6 +3,7 @@
 //! itself (auth, method, body) is in `control.rs`.
 
 use super::json::write_json_str;
+use crate::translate::Reason;
 use inferencecache_engine::{
     CacheEventInput, CacheStateUpdate, Index, LookupRequest, PROBE_TENANT, PrefixRef,
     ReplicaStatsInput, Strategy, event_type,
@@ -276,8 +277,9 @@ pub fn run_probe(index: &Index, req: &ProbeRequest, t2: Option<&dyn T2Prober>) -
             report.errors.push((
                 "routing",
                 format!(
-                    "LookupRoute returned {}, expected PREFIX_MATCH",
-                    route.strategy.reason_code()
+                    "LookupRoute returned {}, expected {}",
+                    Reason::from_strategy(route.strategy).code(),
+                    Reason::PrefixMatch.code()
                 ),
             ));
         } else if !route.scores.iter().any(|s| *s.replica_id == *replica) {
