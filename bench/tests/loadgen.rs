@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use inferencecache_bench::loadgen::{self, Args};
-use inferencecache_server::service::{AppState, ServerOptions};
+use inferencecache_server::state::{AppState, ServerOptions};
 use tokio::net::TcpListener;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

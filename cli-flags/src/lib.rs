@@ -1,11 +1,11 @@
 //! Go-style command lines for the server and the sidecar: the reference implementation's `flag`
 //! package accepts `-long-flag` as well as `--long-flag`, clap only the latter. Both binaries
 //! rewrite their arguments with [`normalize_args`] before parsing, so the rule lives here once.
-//! Likewise the grammar of Go duration values ([`duration_terms_ns`]).
+//! Likewise Go duration values ([`parse_duration`]), for both binaries' duration flags.
 
 mod duration;
 
-pub use duration::{DurationError, duration_terms_ns, split_duration_sign};
+pub use duration::{GoDuration, ParseDurationError, parse_duration};
 
 use std::ffi::OsString;
 

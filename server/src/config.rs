@@ -4,8 +4,9 @@
 //! single-dash forms `-name value` / `-name=value` used by manifests written for the reference
 //! are accepted: [`normalize_args`] rewrites them before parsing.
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, bail};
 use clap::{CommandFactory, FromArgMatches, Parser, parser::ValueSource};
+use inferencecache_cli_flags::parse_duration;
 use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -166,7 +167,7 @@ pub struct Cli {
     #[arg(long, default_value = "")]
     pub epp_tenant: String,
     /// Request body bytes the picker reads; past it the pick goes by load.
-    #[arg(long, default_value_t = crate::epp::DEFAULT_MAX_BODY_BYTES)]
+    #[arg(long, default_value_t = DEFAULT_EPP_MAX_BODY_BYTES)]
     pub epp_max_body_bytes: u64,
     /// Weight of load against the cached fraction of the prompt in the pick.
     #[arg(long, default_value_t = 1.0)]
@@ -183,6 +184,9 @@ pub struct Cli {
 }
 
 /// Long flags of this command line that take no value.
+/// Default `--epp-max-body-bytes`: the endpoint picker's request body limit.
+pub const DEFAULT_EPP_MAX_BODY_BYTES: u64 = 4 << 20;
+
 const BOOL_FLAGS: &[&str] = &["insecure-disable-auth", "help", "version"];
 
 /// Rewrites single-dash long flags (`-grpc-bind-address`) into double-dash form. Short flags
@@ -253,12 +257,17 @@ impl Settings {
         }
         let log_format = parse_log_format(&cli.log_format)?;
         let log_level = parse_log_level(&cli.log_level)?;
-        let ttl = parse_duration(&cli.ttl).context("invalid --ttl")?;
-        let sweep_interval =
-            parse_duration(&cli.sweep_interval).context("invalid --sweep-interval")?;
+        let ttl = parse_duration(&cli.ttl)
+            .context("invalid --ttl")?
+            .positive();
+        let sweep_interval = parse_duration(&cli.sweep_interval)
+            .context("invalid --sweep-interval")?
+            .positive();
         let auth = validate_auth(cli)?;
         let checkpoint_interval = positive_or(
-            parse_duration(&cli.checkpoint_interval).context("invalid --checkpoint-interval")?,
+            parse_duration(&cli.checkpoint_interval)
+                .context("invalid --checkpoint-interval")?
+                .positive(),
             Duration::from_secs(60),
         );
         let state = match cli.state_dir.as_deref() {
@@ -269,8 +278,10 @@ impl Settings {
             }),
             None => None,
         };
-        let drain_notice = parse_duration(&cli.drain_notice).context("invalid --drain-notice")?;
-        let replication = crate::replication::Settings::from_cli(cli, checkpoint_interval)?;
+        let drain_notice = parse_duration(&cli.drain_notice)
+            .context("invalid --drain-notice")?
+            .positive();
+        let replication = replication_settings(cli, checkpoint_interval)?;
         if replication.is_some() && state.is_some() {
             bail!(
                 "--state-dir and --nats-url are exclusive: a replicated server restarts from the \
@@ -600,36 +611,56 @@ pub fn parse_bind(addr: &str, empty_host_is_loopback: bool) -> anyhow::Result<So
     Ok(SocketAddr::new(ip, port))
 }
 
-/// Parses a Go-style duration (`500ms`, `90s`, `1h30m`; units ns, us, µs, ms, s, m, h). A
-/// leading `-` gives `None` (a non-positive duration); `0` alone is accepted.
-pub fn parse_duration(s: &str) -> anyhow::Result<Option<Duration>> {
-    use inferencecache_cli_flags::DurationError;
-    let s = s.trim();
-    if s == "0" {
+/// Replicated mode's settings, or `None` without `--nats-url`.
+fn replication_settings(
+    cli: &Cli,
+    checkpoint_interval: Duration,
+) -> anyhow::Result<Option<crate::replication::Settings>> {
+    let Some(url) = cli.nats_url.as_deref() else {
         return Ok(None);
+    };
+    if url.is_empty() {
+        anyhow::bail!("--nats-url must not be empty");
     }
-    let (negative, rest) = inferencecache_cli_flags::split_duration_sign(s);
-    if rest.is_empty() {
-        bail!("empty duration");
+    let stream = cli.nats_stream.trim();
+    if stream.is_empty()
+        || !stream
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        anyhow::bail!(
+            "--nats-stream {:?}: use letters, digits, '-' and '_' (it names the stream and its buckets)",
+            cli.nats_stream
+        );
     }
-    let terms = inferencecache_cli_flags::duration_terms_ns(rest).map_err(|e| match e {
-        DurationError::MissingNumber => anyhow!("invalid duration {s:?}"),
-        DurationError::BadNumber(e) => {
-            anyhow::Error::new(e).context(format!("invalid duration {s:?}"))
-        }
-        DurationError::MissingUnit => anyhow!("missing unit in duration {s:?}"),
-        DurationError::UnknownUnit(unit) => anyhow!("unknown unit {unit:?} in duration {s:?}"),
-    })?;
-    // Each term is cut to whole nanoseconds before the (saturating) sum.
-    let total_ns = terms
-        .iter()
-        .fold(0u128, |total, &term| total.saturating_add(term as u128));
-    if negative || total_ns == 0 {
-        return Ok(None);
+    let max_age = inferencecache_cli_flags::parse_duration(&cli.nats_max_age)
+        .context("invalid --nats-max-age")?
+        .positive()
+        .unwrap_or(Duration::from_secs(15 * 60));
+    if max_age < checkpoint_interval * 2 {
+        anyhow::bail!(
+            "--nats-max-age {:?} must be at least twice --checkpoint-interval, or a server \
+             could find neither a checkpoint nor the records after it",
+            cli.nats_max_age
+        );
     }
-    Ok(Some(Duration::from_nanos(
-        u64::try_from(total_ns).unwrap_or(u64::MAX),
-    )))
+    let server_id = match cli.nats_server_id.as_deref() {
+        Some("") => anyhow::bail!("--nats-server-id must not be empty"),
+        Some(id) => id.to_owned(),
+        None => format!("ic-{:016x}", crate::replication::random_u64()),
+    };
+    Ok(Some(crate::replication::Settings {
+        url: url.to_owned(),
+        stream: stream.to_owned(),
+        creds_file: cli.nats_creds_file.as_ref().map(Into::into),
+        token_file: cli.nats_token_file.as_ref().map(Into::into),
+        tls_ca_file: cli.nats_tls_ca_file.as_ref().map(Into::into),
+        buffer: usize::try_from(cli.nats_buffer.max(1)).unwrap_or(usize::MAX),
+        max_age,
+        max_bytes: cli.nats_max_bytes,
+        server_id,
+        checkpoint_interval,
+    }))
 }
 
 fn parse_log_format(s: &str) -> anyhow::Result<LogFormat> {
@@ -649,31 +680,6 @@ pub fn init_logging(settings: &Settings) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations_follow_go_syntax() {
-        assert_eq!(
-            parse_duration("30m").unwrap(),
-            Some(Duration::from_secs(1800))
-        );
-        assert_eq!(
-            parse_duration("1h30m").unwrap(),
-            Some(Duration::from_secs(5400))
-        );
-        assert_eq!(
-            parse_duration("500ms").unwrap(),
-            Some(Duration::from_millis(500))
-        );
-        assert_eq!(
-            parse_duration("1.5s").unwrap(),
-            Some(Duration::from_millis(1500))
-        );
-        assert_eq!(parse_duration("-5s").unwrap(), None);
-        assert_eq!(parse_duration("0").unwrap(), None);
-        assert!(parse_duration("5").is_err());
-        assert!(parse_duration("5d").is_err());
-        assert!(parse_duration("").is_err());
-    }
 
     #[test]
     fn bind_addresses() {

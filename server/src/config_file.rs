@@ -6,9 +6,9 @@
 //! Unknown keys, type errors and invalid values are errors (exit 2 at startup; ignored with an
 //! ERROR log on reload).
 
-use crate::config::parse_duration;
 use crate::policy::{Layer, Policy, PolicyEntry, PolicyStore, StrategyEntry, resolve_entry};
 use anyhow::{Context, bail};
+use inferencecache_cli_flags::parse_duration;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -188,6 +188,7 @@ impl PolicyToml {
             Some(DurationValue::Text(s)) => Some(
                 parse_duration(s)
                     .with_context(|| format!("invalid eviction_ttl {s:?}"))?
+                    .positive()
                     .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)),
             ),
         };
@@ -279,12 +280,7 @@ impl ConfigFile {
                 .insert(ns.namespace.clone(), Arc::new(resolve_entry(&entry, &base)));
         }
         for t in &self.tenants {
-            if t.tenant_id.is_empty() {
-                continue;
-            }
-            layer
-                .quotas
-                .insert(t.tenant_id.clone(), t.max_index_entries.unwrap_or(0).max(0));
+            layer.insert_quota(&t.tenant_id, t.max_index_entries);
         }
         Ok(layer)
     }

@@ -9,19 +9,21 @@ pub mod checkpoint;
 pub mod config;
 pub mod config_file;
 pub mod connections;
-pub mod control;
+pub mod core;
 pub mod epp;
+pub mod grpc;
 pub mod http;
 pub mod limits;
 pub mod load_aware;
 pub mod lookup;
 pub mod metrics;
 pub mod policy;
-pub mod process_metrics;
 pub mod replication;
-pub mod service;
+pub mod route_index;
+pub mod state;
 pub mod streams;
 pub mod tls;
+pub mod translate;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -94,7 +96,7 @@ pub async fn run(cli: config::Cli) -> ExitCode {
         Ok(l) => l,
         Err(err) => return serve_error("snapshot", settings.snapshot_addr, err),
     };
-    let state = service::AppState::new(service::ServerOptions {
+    let state = state::AppState::new(state::ServerOptions {
         block_size: settings.block_size,
         index: inferencecache_engine::IndexConfig {
             global_ttl_ms: i64::try_from(settings.ttl.as_millis()).unwrap_or(i64::MAX),
@@ -154,9 +156,9 @@ pub async fn run(cli: config::Cli) -> ExitCode {
     let checkpointer = settings
         .state
         .clone()
-        .map(|s| checkpoint::Checkpointer::new(s, state.clone()));
+        .map(|s| checkpoint::Checkpointer::new(s, state.core().clone()));
     if let Some(c) = &checkpointer {
-        state.begin_restore();
+        state.core().begin_restore();
         let c = c.clone();
         tokio::spawn(async move {
             c.restore().await;
@@ -168,11 +170,11 @@ pub async fn run(cli: config::Cli) -> ExitCode {
     if let Some(settings) = settings.replication.clone() {
         let replication = replication::Replication::new(settings);
         state.set_replication(replication.clone());
-        let state = state.clone();
-        state.begin_restore();
+        let core = state.core().clone();
+        core.begin_restore();
         tokio::spawn(async move {
             // NATS may come up after the server: keep trying (not ready meanwhile).
-            while let Err(err) = replication.start(state.clone()).await {
+            while let Err(err) = replication.start(core.clone()).await {
                 replication::start_failed(&err);
                 tokio::time::sleep(std::time::Duration::from_secs(2)).await;
             }
@@ -196,8 +198,10 @@ pub async fn run(cli: config::Cli) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let mut control =
-        control::ControlServer::spawn(control::ControlState::new(state.clone(), auth), snapshot);
+    let mut control = http::control::ControlServer::spawn(
+        http::control::ControlState::new(state.clone(), auth),
+        snapshot,
+    );
     let control_failed = control.failure();
     let signal = shutdown_signal();
     let shutdown = async move {
@@ -272,7 +276,7 @@ fn forgive_abort(
 
 /// Serves gRPC and HTTP on already-bound listeners until `shutdown` resolves.
 pub async fn serve(
-    state: service::AppState,
+    state: state::AppState,
     grpc: TcpListener,
     http: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -297,7 +301,7 @@ pub async fn serve(
     let grpc_task = {
         let state = state.clone();
         tokio::spawn(async move {
-            let served = service::serve_grpc(state, grpc, grpc_stop).await;
+            let served = grpc::serve_grpc(state, grpc, grpc_stop).await;
             let _ = grpc_done_tx.send(true);
             served
         })

@@ -14,8 +14,9 @@
 //! limit is left out, counted in `inferencecache_limit_exceeded_total{limit}`, and everything
 //! already stored stays. A lookup over a limit fails open (`NO_HINT`), never a gRPC error.
 
+use crate::translate;
 use governor::{Quota, RateLimiter};
-use inferencecache_engine::{CacheStateUpdate, PrefixRef, ReplicaStatsInput};
+use inferencecache_engine::{CacheStateUpdate, PrefixRef};
 use inferencecache_proto::v1alpha1 as pb;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -237,34 +238,9 @@ pub fn admit<'u>(
         } else {
             (&p.block_hashes[..], &p.block_token_counts[..])
         };
-        Some(PrefixRef {
-            prefix_hash: &p.prefix_hash,
-            token_count: p.token_count,
-            block_hashes: hashes,
-            block_token_counts: counts,
-            tier: p.tier,
-            adapter_id: &p.adapter_id,
-        })
+        Some(translate::prefix_ref(p, hashes, counts))
     });
-    Some((
-        CacheStateUpdate {
-            replica_id: &update.replica_id,
-            model_id: &update.model_id,
-            tenant_id: &update.tenant_id,
-            hash_scheme: &update.hash_scheme,
-            timestamp_us: update.timestamp_us,
-            adapter_id: &update.adapter_id,
-            prefixes,
-            stats: update.stats.as_ref().map(|s| ReplicaStatsInput {
-                cache_memory_bytes: s.cache_memory_bytes,
-                hit_rate: s.hit_rate,
-                pressure: s.pressure,
-                t2_hit_tokens: s.t2_hit_tokens,
-                t2_query_tokens: s.t2_query_tokens,
-            }),
-        },
-        cost,
-    ))
+    Some((translate::update_with(update, prefixes), cost))
 }
 
 type Keyed = governor::DefaultKeyedRateLimiter<Option<SocketAddr>>;

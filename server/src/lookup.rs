@@ -3,9 +3,11 @@
 //! No request content ever produces a gRPC error, and the handler logs nothing.
 
 use crate::policy::Policy;
-use crate::service::{AppState, reason};
+use crate::route_index::RouteQuery;
+use crate::state::AppState;
+use crate::translate::Reason;
 use inferencecache_engine::fingerprint;
-use inferencecache_engine::{Index, LookupRequest, PROBE_TENANT, RouteResult, Strategy};
+use inferencecache_engine::{LookupRequest, PROBE_TENANT, Strategy};
 use inferencecache_proto::v1alpha1 as pb;
 use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
@@ -17,8 +19,6 @@ pub const MAX_LOOKUP_TOKENS: usize = 1 << 20;
 pub const MAX_PROMPT_TEXT_BYTES: usize = 1 << 20;
 /// Deadline applied when the server will tokenize and the caller set none.
 pub const DEFAULT_TOKENIZE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Concurrent tokenizations; over the limit a lookup fails open instead of waiting.
-pub const MAX_CONCURRENT_TOKENIZE: usize = 64;
 
 /// What H4 resolved the request's inputs to.
 enum Inputs<'r> {
@@ -45,14 +45,14 @@ enum Inputs<'r> {
 
 /// A fail-open or final answer under construction.
 struct Answer {
-    reason: &'static str,
+    reason: Reason,
     scores: Vec<pb::ReplicaScore>,
     /// Whether the answer was built after the index was consulted (echo `adapter_id`).
     consulted: bool,
 }
 
 impl Answer {
-    fn envelope(reason: &'static str) -> Self {
+    fn envelope(reason: Reason) -> Self {
         Self {
             reason,
             scores: Vec::new(),
@@ -85,9 +85,9 @@ pub async fn handle(
 ) -> pb::LookupRouteResponse {
     // Step 1: every response reports the time since `start`.
     let start = Instant::now();
-    let (answer, echo) = if state.restoring() {
+    let (answer, echo) = if state.core().restoring() {
         // A warm restart is loading its checkpoint: fail open until the index is whole.
-        (Answer::envelope(reason::NO_HINT), Vec::new())
+        (Answer::envelope(Reason::NoHint), Vec::new())
     } else if might_tokenize(req) && req.tenant_id != PROBE_TENANT {
         route_tokenizing(state, metadata, req, start).await
     } else {
@@ -105,7 +105,7 @@ pub async fn handle(
     );
     pb::LookupRouteResponse {
         replica_scores: answer.scores,
-        reason_code: answer.reason.to_string(),
+        reason_code: answer.reason.code().to_string(),
         lookup_latency_us: i64::try_from(elapsed.as_micros()).unwrap_or(i64::MAX),
         token_ids: echo,
         adapter_id: if answer.consulted {
@@ -124,7 +124,7 @@ fn route(
 ) -> Answer {
     // H1: the reserved tenant never touches the index.
     if req.tenant_id == PROBE_TENANT {
-        return Answer::envelope(reason::NO_HINT);
+        return Answer::envelope(Reason::NoHint);
     }
     state.policies().with_policy(&req.tenant_id, |policy| {
         route_with_policy(state, metadata, req, policy, start, None)
@@ -180,11 +180,11 @@ async fn route_tokenizing(
     let deadline = deadline_for(metadata, &policy, true, start);
     // Step 6.
     if deadline.is_some_and(|d| Instant::now() >= d) {
-        return (Answer::envelope(reason::TIMEOUT), Vec::new());
+        return (Answer::envelope(Reason::Timeout), Vec::new());
     }
     // H3: prompt_text never counts as a chain.
     if policy.require_chain {
-        return (Answer::envelope(reason::POLICY_REQUIRES_CHAIN), Vec::new());
+        return (Answer::envelope(Reason::PolicyRequiresChain), Vec::new());
     }
     let tokens = match tokenize(state, req, deadline).await {
         Ok(tokens) => tokens,
@@ -202,14 +202,14 @@ async fn tokenize(
 ) -> Result<Vec<u32>, Answer> {
     use inferencecache_tokenize::TokenizeError;
     if req.prompt_text.len() > MAX_PROMPT_TEXT_BYTES {
-        return Err(Answer::envelope(reason::NO_HINT));
+        return Err(Answer::envelope(Reason::NoHint));
     }
     let Some(tokenizer) = state.tokenizer().cloned() else {
-        return Err(Answer::envelope(reason::NO_HINT));
+        return Err(Answer::envelope(Reason::NoHint));
     };
     // Never wait for a slot: saturation fails open.
     let Ok(permit) = state.tokenizer_slots().clone().try_acquire_owned() else {
-        return Err(Answer::envelope(reason::NO_HINT));
+        return Err(Answer::envelope(Reason::NoHint));
     };
     let (model, prompt) = (req.model_id.clone(), req.prompt_text.clone());
     let deadline = deadline.unwrap_or_else(|| Instant::now() + DEFAULT_TOKENIZE_TIMEOUT);
@@ -220,10 +220,10 @@ async fn tokenize(
     });
     match tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), work).await {
         Err(_) | Ok(Ok(Err(TokenizeError::DeadlineExceeded))) => {
-            Err(Answer::envelope(reason::TIMEOUT))
+            Err(Answer::envelope(Reason::Timeout))
         }
         Ok(Ok(Ok(tokens))) if !tokens.is_empty() && tokens.len() <= MAX_LOOKUP_TOKENS => Ok(tokens),
-        Ok(_) => Err(Answer::envelope(reason::NO_HINT)),
+        Ok(_) => Err(Answer::envelope(Reason::NoHint)),
     }
 }
 
@@ -245,23 +245,23 @@ fn route_with_policy(
     let expired = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
     // Step 6.
     if expired(deadline) {
-        return Answer::envelope(reason::TIMEOUT);
+        return Answer::envelope(Reason::Timeout);
     }
     // H3: requireChain needs a well-formed wire chain; token_ids and prompt_text do not count.
     let wire_chain_ok =
         !req.block_hashes.is_empty() && req.block_hashes.len() == req.block_token_counts.len();
     if policy.require_chain && !wire_chain_ok {
-        return Answer::envelope(reason::POLICY_REQUIRES_CHAIN);
+        return Answer::envelope(Reason::PolicyRequiresChain);
     }
     // H4.
     let inputs = resolve_inputs(state, req, chain_on, prompt_tokens);
     // Step 9.
     if expired(deadline) {
-        return Answer::envelope(reason::TIMEOUT);
+        return Answer::envelope(Reason::Timeout);
     }
     match inputs {
         // Step 10.
-        Inputs::FailOpen => Answer::envelope(reason::NO_HINT),
+        Inputs::FailOpen => Answer::envelope(Reason::NoHint),
         Inputs::Explicit {
             chain,
             counts,
@@ -421,7 +421,7 @@ fn consult<H: ChainHash>(
     let gated =
         policy.minimum_prefix_tokens > 0 && effective < i64::from(policy.minimum_prefix_tokens);
     if gated && !policy.affinity_routing {
-        return Answer::envelope(reason::NO_HINT);
+        return Answer::envelope(Reason::NoHint);
     }
     // Steps 12–13 (H6 happened during resolution: a disabled chain is never passed on).
     let index = state.index();
@@ -441,7 +441,7 @@ fn consult<H: ChainHash>(
     // up at the deadline itself (`RouteIndex`).
     let index_start = Instant::now();
     let Some(mut result) = state.route_index().route(H::query(&lookup), deadline) else {
-        return Answer::envelope(reason::TIMEOUT);
+        return Answer::envelope(Reason::Timeout);
     };
     let index_elapsed = index_start.elapsed();
     state.metrics().observe_index_latency(index_elapsed);
@@ -449,7 +449,7 @@ fn consult<H: ChainHash>(
         deadline.is_some_and(|d| Instant::now() >= d) || budget.is_some_and(|b| index_elapsed > b);
     if late {
         // A timed-out result is discarded, never credited.
-        return Answer::envelope(reason::TIMEOUT);
+        return Answer::envelope(Reason::Timeout);
     }
     // H8.
     if result.strategy == Strategy::TenantHot && !policy.enable_tenant_hot {
@@ -489,7 +489,7 @@ fn consult<H: ChainHash>(
         // H12: affinity fallback.
         if let Some(replica) = affinity(state, req, policy, chain, exact) {
             return Answer {
-                reason: reason::AFFINITY_HINT,
+                reason: Reason::AffinityHint,
                 scores: vec![pb::ReplicaScore {
                     replica_id: replica,
                     ..Default::default()
@@ -498,7 +498,7 @@ fn consult<H: ChainHash>(
             };
         }
         return Answer {
-            reason: reason::NO_HINT,
+            reason: Reason::NoHint,
             scores: Vec::new(),
             consulted: true,
         };
@@ -517,7 +517,7 @@ fn consult<H: ChainHash>(
     {
         let stats = index.cache_state(&req.tenant_id, &req.model_id).replicas;
         return Answer {
-            reason: result.strategy.reason_code(),
+            reason: Reason::from_strategy(result.strategy),
             scores: ranking.rank(effective, &result.scores, &stats),
             consulted: true,
         };
@@ -534,44 +534,9 @@ fn consult<H: ChainHash>(
         })
         .collect();
     Answer {
-        reason: result.strategy.reason_code(),
+        reason: Reason::from_strategy(result.strategy),
         scores,
         consulted: true,
-    }
-}
-
-/// The one index call `LookupRoute` makes (step 13, H7). The production [`Index`] is wait-free
-/// and answers inline; an implementation that may block (a test double) must give up at
-/// `deadline` and return `None`, which the handler answers with `TIMEOUT`.
-pub trait RouteIndex: Send + Sync {
-    /// Answers `query`, or `None` when `deadline` fired first (the work is abandoned).
-    fn route(&self, query: RouteQuery<'_, '_>, deadline: Option<Instant>) -> Option<RouteResult>;
-}
-
-/// A lookup as the handler resolved it: the wire chain, or fingerprints derived from tokens.
-/// Two concrete forms keep [`RouteIndex`] object-safe without copying the chain.
-#[derive(Clone, Copy)]
-pub enum RouteQuery<'q, 'r> {
-    /// Chain and exact key as sent (also the empty request).
-    Wire(&'q LookupRequest<'r, Vec<u8>>),
-    /// Chain or exact key fingerprinted from `token_ids` / `prompt_text`.
-    Fingerprint(&'q LookupRequest<'r, [u8; 8]>),
-}
-
-impl RouteQuery<'_, '_> {
-    /// Runs the query on the engine index.
-    pub fn route_on(self, index: &Index) -> RouteResult {
-        match self {
-            Self::Wire(req) => index.lookup_route(req),
-            Self::Fingerprint(req) => index.lookup_route(req),
-        }
-    }
-}
-
-impl RouteIndex for Index {
-    /// Wait-free, so the deadline never interrupts it (the handler checks it afterwards).
-    fn route(&self, query: RouteQuery<'_, '_>, _deadline: Option<Instant>) -> Option<RouteResult> {
-        Some(query.route_on(self))
     }
 }
 

@@ -151,12 +151,7 @@ pub fn decode_push(body: &[u8]) -> Result<Layer, PushError> {
             .insert(entry.namespace.clone(), Arc::new(resolved));
     }
     for t in parsed.tenants.unwrap_or_default() {
-        if t.tenant_id.is_empty() {
-            continue;
-        }
-        layer
-            .quotas
-            .insert(t.tenant_id.clone(), t.max_index_entries.unwrap_or(0).max(0));
+        layer.insert_quota(&t.tenant_id, t.max_index_entries);
     }
     Ok(layer)
 }
@@ -255,6 +250,19 @@ pub struct Layer {
     pub default: Option<Arc<Policy>>,
     /// Tenant → key quota (≥ 0).
     pub quotas: HashMap<String, i64>,
+}
+
+impl Layer {
+    /// Records a tenant's key quota as both sources write it (a `/policy` push's `tenants`, the
+    /// file's `[[tenants]]`): an entry without a tenant id is skipped, an absent or negative
+    /// quota is 0, and a repeated tenant's last entry wins.
+    pub fn insert_quota(&mut self, tenant_id: &str, max_index_entries: Option<i64>) {
+        if tenant_id.is_empty() {
+            return;
+        }
+        self.quotas
+            .insert(tenant_id.to_string(), max_index_entries.unwrap_or(0).max(0));
+    }
 }
 
 #[derive(Debug, Default)]

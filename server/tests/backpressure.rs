@@ -12,7 +12,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use common::manual_state;
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_server::limits::Limits;
-use inferencecache_server::service::{AppState, ServerOptions};
+use inferencecache_server::state::{AppState, ServerOptions};
 use prost::Message as _;
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};

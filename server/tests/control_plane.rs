@@ -9,8 +9,9 @@ use inferencecache_engine::{
     ReplicaStatsInput,
 };
 use inferencecache_server::auth::{Auth, AuthConfig, TokenStores};
-use inferencecache_server::control::{ControlServer, ControlState, T2Prober};
-use inferencecache_server::service::{AppState, ServerOptions};
+use inferencecache_server::http::control::{ControlServer, ControlState};
+use inferencecache_server::http::probe::T2Prober;
+use inferencecache_server::state::{AppState, ServerOptions};
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -842,7 +843,7 @@ async fn policy_push_changes_resolution() {
 
 fn no_probe_state(state: &AppState, model: &str, backend: &str) {
     assert_eq!(state.index().reserved_storage_entries(), 0);
-    let hash = inferencecache_server::control::probe_hash("vllm", model, backend);
+    let hash = inferencecache_server::http::probe::probe_hash("vllm", model, backend);
     let hashes = [hash];
     let counts = [16];
     let req = LookupRequest {
@@ -960,19 +961,18 @@ async fn sv61_concurrent_probes_pass() {
     ctl.stop().await;
 }
 
-/// The race behind a one-time `sv61_concurrent_probes_pass` failure (2 reserved entries left).
-/// Probes of different backends for one model share the reserved tenant's partition. The first
-/// ingest into a new partition used to publish it in the index's directory before adding it to
-/// the model's partition list, which is what a probe's cleanup (ALL_CLEARED) walks: a second
-/// probe that found the partition in that window, ingested and cleaned up saw no partition to
-/// clear, and its entry stayed (4 threads × 3,000 rounds left 9 entries). The engine now lists
-/// a partition before linking it (`Index::enter_part`; the deterministic reproducer is the
+/// Probes of different backends for one model share the reserved tenant's partition, and a
+/// probe's cleanup (ALL_CLEARED) walks the model's partition list. An index that published a new
+/// partition in its directory before adding it to that list would let a second probe find the
+/// partition in that window, ingest, clean up, see no partition to clear and leave its entry
+/// (the race behind a one-time `sv61_concurrent_probes_pass` failure; 4 threads × 3,000 rounds
+/// left 9 entries). The engine lists a partition before linking it (`Index::enter_part`; the deterministic reproducer is the
 /// engine test `a_partition_is_listed_before_other_writers_can_reach_it`). Here threads run
 /// `run_probe` for distinct backends of a fresh model each round (so every round creates the
 /// partition concurrently) without the handler's per-model lock, and nothing may be left.
 #[test]
 fn unserialized_probe_runs_of_one_model_race_on_partition_creation() {
-    use inferencecache_server::control::{decode_probe, run_probe};
+    use inferencecache_server::http::probe::{decode_probe, run_probe};
     const THREADS: usize = 4;
     const ROUNDS: usize = 1_500;
     let (state, _) = manual_state(IndexConfig::default());
@@ -1004,7 +1004,7 @@ fn unserialized_probe_runs_of_one_model_race_on_partition_creation() {
 /// several models in flight) leaves nothing, under any interleaving the scheduler produces.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn serialized_probe_runs_never_leave_reserved_entries() {
-    use inferencecache_server::control::{ProbeLocks, decode_probe};
+    use inferencecache_server::http::probe::{ProbeLocks, decode_probe};
     let (state, _) = manual_state(IndexConfig::default());
     let locks = Arc::new(ProbeLocks::default());
     for round in 0..400 {
@@ -1112,7 +1112,7 @@ async fn sv62_t2_prober_outcomes() {
         "{\"backend\":\"b1\",\"ingest\":\"ok\",\"routing\":\"ok\",\"t2\":\"ok\"}\n"
     );
     let stored = memory.0.lock().unwrap()[0].clone();
-    let hash = inferencecache_server::control::probe_hash("vllm", "m", "b1");
+    let hash = inferencecache_server::http::probe::probe_hash("vllm", "m", "b1");
     let mut payload = b"probe-payload-v1\n".to_vec();
     payload.extend_from_slice(&hash);
     assert_eq!(stored, (hash.to_vec(), payload));

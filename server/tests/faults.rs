@@ -10,7 +10,7 @@ use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_server::limits::{Exceeded, Limits};
 use inferencecache_server::policy::decode_push;
-use inferencecache_server::service::{AppState, ServerOptions};
+use inferencecache_server::state::{AppState, ServerOptions};
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -464,7 +464,7 @@ async fn wall_clock_jumps_clamp_freshness_and_never_panic() {
             .await
             .unwrap();
             index.sweep_now();
-            let _ = inferencecache_server::control::snapshot_json(&index.snapshot());
+            let _ = inferencecache_server::http::json::snapshot_json(&index.snapshot());
         }
     }
     server.shutdown().await;

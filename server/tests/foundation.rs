@@ -93,7 +93,7 @@ async fn sv01_health_endpoints() {
         status, 404,
         "control-plane routes are not served on the public listener"
     );
-    server.state.set_ready(false);
+    server.state.core().set_ready(false);
     let (status, _, body) = http_request(server.http, "GET", "/readyz", "").await;
     assert_eq!((status, body.as_str()), (503, "not ready\n"));
     server.shutdown().await;

@@ -5,7 +5,9 @@
 use inferencecache_engine::replica_entry_hash;
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_server::InferenceCache;
-use inferencecache_server::service::{AppState, CacheService, ServerOptions, ingest};
+use inferencecache_server::grpc::CacheService;
+use inferencecache_server::state::{AppState, ServerOptions};
+use inferencecache_server::translate::ingest;
 use tonic::Request;
 
 fn update(replica: &str, entries: &[(&[u8; 8], i32, i32, &str)]) -> pb::CacheStateUpdate {

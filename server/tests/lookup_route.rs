@@ -7,7 +7,7 @@ use inferencecache_engine::fingerprint;
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inferencecache_server::policy::decode_push;
-use inferencecache_server::service::ServerOptions;
+use inferencecache_server::state::ServerOptions;
 use tonic::transport::Channel;
 
 type Client = InferenceCacheClient<Channel>;

@@ -8,7 +8,7 @@ use common::{T0_US, TestServer, legacy_update};
 use inferencecache_engine::{IndexConfig, ManualClock};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_server::metrics::render_text;
-use inferencecache_server::service::{AppState, ServerOptions};
+use inferencecache_server::state::{AppState, ServerOptions};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,7 +28,7 @@ fn state(max_metric_models: usize) -> (AppState, Arc<ManualClock>) {
 fn ingest(state: &AppState, tenant: &str, model: &str, key: &[u8]) {
     let mut update = legacy_update("r1", tenant, key, 16);
     update.model_id = model.into();
-    inferencecache_server::service::ingest(state.index(), &update);
+    inferencecache_server::translate::ingest(state.index(), &update);
 }
 
 /// The real LookupRoute handler, called in-process (no network: 100,000 calls stay quick).

@@ -5,7 +5,7 @@ mod common;
 
 use common::{TestServer, lookup, manual_state, prompt_lookup, report_token_chain};
 use inferencecache_server::policy::decode_push;
-use inferencecache_server::service::ServerOptions;
+use inferencecache_server::state::ServerOptions;
 use inferencecache_tokenize::{PromptTokenizer, TokenizeError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -4,7 +4,7 @@ mod common;
 
 use common::{TestServer, manual_state};
 use inferencecache_proto::v1alpha1 as pb;
-use inferencecache_server::service::ServerOptions;
+use inferencecache_server::state::ServerOptions;
 use std::time::Duration;
 use tokio::time::timeout;
 

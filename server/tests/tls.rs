@@ -5,7 +5,7 @@ mod common;
 use common::{TestServer, manual_state};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
-use inferencecache_server::service::ServerOptions;
+use inferencecache_server::state::ServerOptions;
 use inferencecache_server::tls::{TlsFiles, server_config};
 use inferencecache_test_ca::Ca;
 use std::path::{Path, PathBuf};

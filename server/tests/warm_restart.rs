@@ -523,7 +523,7 @@ async fn while_restoring_health_is_not_serving_lookups_fail_open_and_producers_w
     };
     assert_eq!(status(&mut health).await, ServingStatus::Serving as i32);
 
-    server.state.begin_restore();
+    server.state.core().begin_restore();
     let deadline = Instant::now() + Duration::from_secs(5);
     while status(&mut health).await != ServingStatus::NotServing as i32 {
         assert!(Instant::now() < deadline, "health never turned NOT_SERVING");
@@ -552,7 +552,7 @@ async fn while_restoring_health_is_not_serving_lookups_fail_open_and_producers_w
             .is_none()
     );
 
-    server.state.end_restore();
+    server.state.core().end_restore();
     waiting.await.unwrap();
     assert!(
         server

@@ -5,6 +5,7 @@ use crate::client::TlsFiles;
 use crate::lora::AdapterMap;
 use crate::metrics::{CacheTierSel, Profile};
 use clap::Parser;
+use inferencecache_cli_flags::parse_duration;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -132,39 +133,19 @@ pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString>
     inferencecache_cli_flags::normalize_args(args, BOOL_FLAGS)
 }
 
-/// Parses a Go-style duration (`100ms`, `1m30s`, `1.5s`, `-2s`, `0`) into signed nanoseconds.
-pub fn parse_go_duration(s: &str) -> Result<i128, String> {
-    let bad = || format!("invalid duration {s:?}");
-    let (neg, body) = inferencecache_cli_flags::split_duration_sign(s.trim());
-    if body == "0" {
-        return Ok(0);
-    }
-    if body.is_empty() {
-        return Err(bad());
-    }
-    let terms = inferencecache_cli_flags::duration_terms_ns(body).map_err(|_| bad())?;
-    // Summed as floats and cut to whole nanoseconds once.
-    let ns = terms.iter().fold(0.0, |total, term| total + term) as i128;
-    Ok(if neg { -ns } else { ns })
-}
-
 /// A duration flag where ≤ 0 means the default.
 pub fn duration_or_default(s: &str, default: Duration) -> Result<Duration, String> {
-    let ns = parse_go_duration(s)?;
-    Ok(if ns <= 0 {
-        default
-    } else {
-        Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
-    })
+    let parsed = parse_duration(s).map_err(|e| e.to_string())?;
+    Ok(parsed.positive().unwrap_or(default))
 }
 
 /// A duration flag where `0` means off; negative is an error.
 pub fn duration_or_off(s: &str) -> Result<Duration, String> {
-    let ns = parse_go_duration(s)?;
-    if ns < 0 {
+    let parsed = parse_duration(s).map_err(|e| e.to_string())?;
+    if parsed.negative && !parsed.magnitude.is_zero() {
         return Err(format!("negative duration {s:?}"));
     }
-    Ok(Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX)))
+    Ok(parsed.magnitude)
 }
 
 /// Validated settings.
@@ -331,17 +312,25 @@ mod tests {
 
     #[test]
     fn durations() {
-        assert_eq!(parse_go_duration("100ms").unwrap(), 100_000_000);
-        assert_eq!(parse_go_duration("1m30s").unwrap(), 90_000_000_000);
-        assert_eq!(parse_go_duration("1.5s").unwrap(), 1_500_000_000);
-        assert_eq!(parse_go_duration("-2s").unwrap(), -2_000_000_000);
-        assert_eq!(parse_go_duration("0").unwrap(), 0);
-        assert!(parse_go_duration("10").is_err());
-        assert!(parse_go_duration("").is_err());
-        assert!(parse_go_duration("5x").is_err());
+        let ten = Duration::from_secs(10);
         assert_eq!(
-            duration_or_default("-1s", Duration::from_secs(10)).unwrap(),
-            Duration::from_secs(10)
+            duration_or_default("100ms", ten),
+            Ok(Duration::from_millis(100))
+        );
+        assert_eq!(
+            duration_or_default("1m30s", ten),
+            Ok(Duration::from_secs(90))
+        );
+        assert_eq!(duration_or_default("-1s", ten), Ok(ten));
+        assert_eq!(duration_or_default("0", ten), Ok(ten));
+        assert!(duration_or_default("10", ten).is_err());
+        assert!(duration_or_default("", ten).is_err());
+        assert!(duration_or_default("5x", ten).is_err());
+        assert_eq!(duration_or_off("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(duration_or_off("0"), Ok(Duration::ZERO));
+        assert_eq!(
+            duration_or_off("-2s"),
+            Err("negative duration \"-2s\"".to_string())
         );
     }
 

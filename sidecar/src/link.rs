@@ -19,9 +19,9 @@
 use crate::positional::Entry;
 use backon::BackoffBuilder;
 use inferencecache_engine::replica_entry_hash;
+use inferencecache_exposition::{Family, Labels, label};
 use inferencecache_proto::v1alpha1::{CacheEvent, CacheStateUpdate, cache_event};
 use std::collections::{HashMap, VecDeque};
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -263,80 +263,61 @@ impl LinkTelemetry {
             .store(outbox.entries() as u64, Ordering::Relaxed);
     }
 
-    /// Appends the Prometheus text of these series.
-    pub fn render(&self, out: &mut String) {
+    /// Appends these series' families.
+    pub fn families(&self, out: &mut Vec<Family>) {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let series =
-            |out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, u64)]| {
-                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-                for (labels, value) in samples {
-                    if labels.is_empty() {
-                        let _ = writeln!(out, "{name} {value}");
-                    } else {
-                        let _ = writeln!(out, "{name}{{{labels}}} {value}");
-                    }
-                }
-            };
-        series(
-            out,
+        out.push(Family::with_counts(
             "inferencecache_sidecar_send_retries_total",
             "counter",
             "Attempts to deliver a message to the server that failed before.",
-            &[(String::new(), load(&self.send_retries))],
-        );
-        series(
-            out,
+            &[(Vec::new(), load(&self.send_retries))],
+        ));
+        out.push(Family::with_counts(
             "inferencecache_sidecar_outbox_messages",
             "gauge",
             "Messages waiting for the server's acknowledgement, in order.",
-            &[(String::new(), load(&self.outbox_messages))],
-        );
-        series(
-            out,
+            &[(Vec::new(), load(&self.outbox_messages))],
+        ));
+        out.push(Family::with_counts(
             "inferencecache_sidecar_outbox_entries",
             "gauge",
             "Index entries in the messages waiting for the server's acknowledgement.",
-            &[(String::new(), load(&self.outbox_entries))],
-        );
-        series(
-            out,
+            &[(Vec::new(), load(&self.outbox_entries))],
+        ));
+        out.push(Family::with_counts(
             "inferencecache_sidecar_outbox_overflows_total",
             "counter",
             "Times the outbox went over its bound (each leads to a reconcile).",
-            &[(String::new(), load(&self.outbox_overflows))],
-        );
-        let reconciles: Vec<(String, u64)> = ReconcileReason::ALL
+            &[(Vec::new(), load(&self.outbox_overflows))],
+        ));
+        let reconciles: Vec<(Labels, u64)> = ReconcileReason::ALL
             .iter()
-            .map(|r| (format!("reason=\"{}\"", r.as_str()), self.reconciles(*r)))
+            .map(|r| (label("reason", r.as_str()), self.reconciles(*r)))
             .collect();
-        series(
-            out,
+        out.push(Family::with_counts(
             "inferencecache_sidecar_reconciles_total",
             "counter",
             "Times the replica was cleared on the server and its full block set sent, by reason.",
             &reconciles,
-        );
-        series(
-            out,
+        ));
+        out.push(Family::with_counts(
             "inferencecache_sidecar_digest_checks_total",
             "counter",
             "Comparisons of the replica's digest with the server's.",
-            &[(String::new(), load(&self.digest_checks))],
-        );
-        series(
-            out,
+            &[(Vec::new(), load(&self.digest_checks))],
+        ));
+        out.push(Family::with_counts(
             "inferencecache_sidecar_digest_mismatches_total",
             "counter",
             "Digest comparisons that differed (each leads to a reconcile).",
-            &[(String::new(), load(&self.digest_mismatches))],
-        );
-        series(
-            out,
+            &[(Vec::new(), load(&self.digest_mismatches))],
+        ));
+        out.push(Family::with_counts(
             "inferencecache_sidecar_server_instance_changes_total",
             "counter",
             "Times the answering server instance changed (a restart or a failover).",
-            &[(String::new(), load(&self.instance_changes))],
-        );
+            &[(Vec::new(), load(&self.instance_changes))],
+        ));
     }
 }
 

@@ -5,7 +5,7 @@
 //! them is promised (a scrape may see a gap counted before its replay).
 
 use crate::groups::Kind;
-use std::fmt::Write as _;
+use inferencecache_exposition::{Family, Labels, label, render_text};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -167,68 +167,70 @@ impl Telemetry {
 
     /// The Prometheus text exposition (version 0.0.4) of every counter.
     pub fn render(&self) -> String {
-        let mut out = String::with_capacity(4096);
+        let mut out = Vec::new();
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         counter(
             &mut out,
             "inferencecache_sidecar_batches_received_total",
             "Event batches received, by source.",
             &[
-                ("source=\"live\"", load(&self.batches_live)),
-                ("source=\"replay\"", load(&self.batches_replayed)),
+                (label("source", "live"), load(&self.batches_live)),
+                (label("source", "replay"), load(&self.batches_replayed)),
             ],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_duplicate_batches_total",
             "Live batches skipped because a replay had already applied their sequence number.",
-            &[("", load(&self.batches_duplicate))],
+            &[(Vec::new(), load(&self.batches_duplicate))],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_events_received_total",
             "Engine events received, by type.",
             &[
-                ("type=\"BlockStored\"", load(&self.events_stored)),
-                ("type=\"BlockRemoved\"", load(&self.events_removed)),
-                ("type=\"AllBlocksCleared\"", load(&self.events_cleared)),
+                (label("type", "BlockStored"), load(&self.events_stored)),
+                (label("type", "BlockRemoved"), load(&self.events_removed)),
+                (
+                    label("type", "AllBlocksCleared"),
+                    load(&self.events_cleared),
+                ),
             ],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_decode_failures_total",
             "Payloads that were not a valid event batch.",
-            &[("", load(&self.decode_failures))],
+            &[(Vec::new(), load(&self.decode_failures))],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_sequence_gaps_total",
             "Sequence gaps seen on the live stream.",
-            &[("", load(&self.gaps))],
+            &[(Vec::new(), load(&self.gaps))],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_sequence_gaps_filled_total",
             "Sequence gaps filled completely from the engine's replay socket.",
-            &[("", load(&self.gaps_filled))],
+            &[(Vec::new(), load(&self.gaps_filled))],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_replayed_batches_total",
             "Batches applied from the engine's replay socket.",
-            &[("", load(&self.batches_replayed))],
+            &[(Vec::new(), load(&self.batches_replayed))],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_replay_failures_total",
             "Replay requests without a complete answer.",
-            &[("", load(&self.replay_failures))],
+            &[(Vec::new(), load(&self.replay_failures))],
         );
-        let resyncs: Vec<(String, u64)> = ResyncReason::ALL
+        let resyncs: Vec<(Labels, u64)> = ResyncReason::ALL
             .iter()
-            .map(|r| (format!("reason=\"{}\"", r.as_str()), self.resyncs(*r)))
+            .map(|r| (label("reason", r.as_str()), self.resyncs(*r)))
             .collect();
-        let resyncs: Vec<(&str, u64)> = resyncs.iter().map(|(l, v)| (l.as_str(), *v)).collect();
         counter(
             &mut out,
             "inferencecache_sidecar_resyncs_total",
@@ -239,15 +241,15 @@ impl Telemetry {
             &mut out,
             "inferencecache_sidecar_updates_sent_total",
             "ReportCacheState updates acknowledged by the server.",
-            &[("", load(&self.updates_sent))],
+            &[(Vec::new(), load(&self.updates_sent))],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_events_sent_total",
             "PublishEvent calls acknowledged by the server, by type.",
             &[
-                ("type=\"PREFIX_EVICTED\"", load(&self.evictions_sent)),
-                ("type=\"ALL_CLEARED\"", load(&self.clears_sent)),
+                (label("type", "PREFIX_EVICTED"), load(&self.evictions_sent)),
+                (label("type", "ALL_CLEARED"), load(&self.clears_sent)),
             ],
         );
         counter(
@@ -255,8 +257,8 @@ impl Telemetry {
             "inferencecache_sidecar_send_errors_total",
             "Failed calls to the server, by RPC.",
             &[
-                ("rpc=\"ReportCacheState\"", load(&self.report_errors)),
-                ("rpc=\"PublishEvent\"", load(&self.publish_errors)),
+                (label("rpc", "ReportCacheState"), load(&self.report_errors)),
+                (label("rpc", "PublishEvent"), load(&self.publish_errors)),
             ],
         );
         counter(
@@ -264,33 +266,33 @@ impl Telemetry {
             "inferencecache_sidecar_skipped_blocks_total",
             "Engine blocks not indexed, by reason.",
             &[
-                ("reason=\"unknown_parent\"", load(&self.orphan_blocks)),
-                ("reason=\"extra_keys\"", load(&self.keyed_blocks)),
+                (label("reason", "unknown_parent"), load(&self.orphan_blocks)),
+                (label("reason", "extra_keys"), load(&self.keyed_blocks)),
             ],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_unknown_medium_total",
             "Block copies whose medium is not in the tier table (reported as T3).",
-            &[("", load(&self.unknown_medium))],
+            &[(Vec::new(), load(&self.unknown_medium))],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_unmapped_lora_total",
             "BlockStored events dropped for a LoRA id without an adapter name.",
-            &[("", load(&self.unmapped_lora))],
+            &[(Vec::new(), load(&self.unmapped_lora))],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_no_index_entries_total",
             "BlockStored events whose token ids did not cover their blocks.",
-            &[("", load(&self.no_index_entries))],
+            &[(Vec::new(), load(&self.no_index_entries))],
         );
         counter(
             &mut out,
             "inferencecache_sidecar_malformed_events_total",
             "Events dropped from a batch because they were malformed (the rest of the batch was applied).",
-            &[("", load(&self.malformed_events))],
+            &[(Vec::new(), load(&self.malformed_events))],
         );
         for (name, help, values) in [
             (
@@ -309,40 +311,26 @@ impl Telemetry {
                 &self.group_kept,
             ),
         ] {
-            let labelled: Vec<(String, u64)> = Kind::ALL
+            let samples: Vec<(Labels, u64)> = Kind::ALL
                 .iter()
-                .map(|k| {
-                    (
-                        format!("kind=\"{}\"", k.as_str()),
-                        load(&values[kind_slot(*k)]),
-                    )
-                })
+                .map(|k| (label("kind", k.as_str()), load(&values[kind_slot(*k)])))
                 .collect();
-            let samples: Vec<(&str, u64)> =
-                labelled.iter().map(|(l, v)| (l.as_str(), *v)).collect();
             counter(&mut out, name, help, &samples);
         }
         if let Some(age) = self.seconds_since_last_event() {
-            let name = "inferencecache_sidecar_seconds_since_last_event";
-            let _ = writeln!(
-                out,
-                "# HELP {name} Seconds since the last event batch arrived.\n# TYPE {name} gauge\n{name} {age}"
-            );
+            out.push(Family::gauge(
+                "inferencecache_sidecar_seconds_since_last_event",
+                "Seconds since the last event batch arrived.",
+                age,
+            ));
         }
-        self.link.render(&mut out);
-        out
+        self.link.families(&mut out);
+        render_text(&out)
     }
 }
 
-fn counter(out: &mut String, name: &str, help: &str, samples: &[(&str, u64)]) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-    for (labels, value) in samples {
-        if labels.is_empty() {
-            let _ = writeln!(out, "{name} {value}");
-        } else {
-            let _ = writeln!(out, "{name}{{{labels}}} {value}");
-        }
-    }
+fn counter(out: &mut Vec<Family>, name: &str, help: &'static str, samples: &[(Labels, u64)]) {
+    out.push(Family::with_counts(name, "counter", help, samples));
 }
 
 #[cfg(test)]

@@ -39,7 +39,8 @@ use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient
 use inferencecache_proto::v1alpha1::inference_cache_server::{
     InferenceCache, InferenceCacheServer,
 };
-use inferencecache_server::service::{AppState, MAX_MESSAGE_BYTES, ServerOptions};
+use inferencecache_server::grpc::MAX_MESSAGE_BYTES;
+use inferencecache_server::state::{AppState, ServerOptions};
 use inferencecache_tokenize::{PromptTokenizer, Tokenizers};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, oneshot};

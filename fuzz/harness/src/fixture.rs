@@ -3,8 +3,10 @@
 
 use inferencecache_engine::{ManualClock, fingerprint};
 use inferencecache_proto::v1alpha1 as pb;
+use inferencecache_server::grpc::CacheService;
 use inferencecache_server::policy::decode_push;
-use inferencecache_server::service::{self, AppState, CacheService, ServerOptions};
+use inferencecache_server::state::{AppState, ServerOptions};
+use inferencecache_server::translate;
 use std::sync::{Arc, OnceLock};
 
 /// The fixed "now" of every fixture (µs since the epoch). The clock never moves, so a lookup
@@ -149,7 +151,7 @@ pub fn new_state() -> AppState {
     let layer = decode_push(POLICY_BODY.as_bytes()).expect("the fixture's policy body is valid");
     state.policies().replace_pushed(layer);
     for update in seed_updates() {
-        service::ingest(state.index(), &update);
+        translate::ingest(state.index(), &update);
     }
     state
 }

@@ -5,7 +5,8 @@ use crate::fixture::{self, T0_US};
 use inferencecache_engine::{Index, LookupRequest, PROBE_TENANT, event_type};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_server::InferenceCache;
-use inferencecache_server::service::{self, CacheService};
+use inferencecache_server::grpc::CacheService;
+use inferencecache_server::translate;
 use prost::Message;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -21,7 +22,7 @@ pub fn cache_state_update(data: &[u8]) {
     let state = fixture::new_state();
     let index = state.index();
     let before = Totals::of(index);
-    service::ingest(index, &update);
+    translate::ingest(index, &update);
     check_counts(index);
     // §8.2 / K15: the reserved tenant's updates are skipped silently.
     if update.tenant_id == PROBE_TENANT {
@@ -102,7 +103,7 @@ pub fn cache_state_update(data: &[u8]) {
     // K12: re-sending an identical update creates no keys and no entries.
     if !bounded {
         let once = Totals::of(index);
-        service::ingest(index, &update);
+        translate::ingest(index, &update);
         assert_eq!(
             Totals::of(index),
             once,

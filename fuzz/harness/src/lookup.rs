@@ -4,21 +4,8 @@ use crate::fixture;
 use inferencecache_engine::PROBE_TENANT;
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_server::InferenceCache;
-use inferencecache_server::service::reason;
+use inferencecache_server::translate::Reason;
 use prost::Message;
-
-/// Every reason code `LookupRoute` may emit (contract §4.1).
-const CODES: [&str; 9] = [
-    reason::PREFIX_MATCH,
-    reason::TENANT_HOT,
-    reason::AFFINITY_HINT,
-    reason::NO_HINT,
-    reason::POLICY_REQUIRES_CHAIN,
-    reason::TIMEOUT,
-    reason::UNKNOWN_TENANT,
-    reason::UNKNOWN_MODEL,
-    reason::UNKNOWN_HASH_SCHEME,
-];
 
 /// Decodes `data` as a `LookupRouteRequest`; if it decodes, calls the service's `LookupRoute`
 /// on the seeded fixture twice and checks the answer against the contract.
@@ -74,14 +61,17 @@ fn comparable(r: &pb::LookupRouteResponse) -> (String, Vec<ScoreRow>, String) {
 
 fn check_contract(req: &pb::LookupRouteRequest, resp: &pb::LookupRouteResponse) {
     let code = resp.reason_code.as_str();
-    assert!(CODES.contains(&code), "unknown reason code {code:?}");
+    // Every reason code `LookupRoute` may emit (contract §4.1).
+    let Some(reason) = Reason::from_code(code) else {
+        panic!("unknown reason code {code:?}");
+    };
     let scores = &resp.replica_scores;
     // Contract §4.1: how many scores each code carries.
-    match code {
-        reason::PREFIX_MATCH | reason::TENANT_HOT => {
+    match reason {
+        Reason::PrefixMatch | Reason::TenantHot => {
             assert!(!scores.is_empty(), "{code} without scores")
         }
-        reason::AFFINITY_HINT => {
+        Reason::AffinityHint => {
             assert_eq!(scores.len(), 1, "AFFINITY_HINT carries exactly one replica");
             let s = &scores[0];
             // §7.5: all numeric fields 0, tier UNSPECIFIED.
@@ -120,11 +110,11 @@ fn check_contract(req: &pb::LookupRouteRequest, resp: &pb::LookupRouteResponse) 
             s.estimated_cache_hit_prob
         );
     }
-    if code == reason::TENANT_HOT {
+    if reason == Reason::TenantHot {
         // R7: matched_tokens 0, tier UNSPECIFIED (§7.4).
         assert!(scores.iter().all(|s| s.matched_tokens == 0 && s.tier == 0));
     }
-    if code == reason::PREFIX_MATCH {
+    if reason == Reason::PrefixMatch {
         // L3/L4: a prefix match is fresh (f > 0).
         assert!(scores.iter().all(|s| s.estimated_cache_hit_prob > 0.0));
     }
@@ -145,16 +135,16 @@ fn check_contract(req: &pb::LookupRouteRequest, resp: &pb::LookupRouteResponse) 
     );
     // §7.4: adapter_id is the request's on answers built after the index was consulted, empty on
     // earlier envelopes.
-    match code {
-        reason::PREFIX_MATCH
-        | reason::TENANT_HOT
-        | reason::AFFINITY_HINT
-        | reason::UNKNOWN_TENANT
-        | reason::UNKNOWN_MODEL
-        | reason::UNKNOWN_HASH_SCHEME => {
+    match reason {
+        Reason::PrefixMatch
+        | Reason::TenantHot
+        | Reason::AffinityHint
+        | Reason::UnknownTenant
+        | Reason::UnknownModel
+        | Reason::UnknownHashScheme => {
             assert_eq!(resp.adapter_id, req.adapter_id, "adapter_id not echoed")
         }
-        reason::TIMEOUT | reason::POLICY_REQUIRES_CHAIN => {
+        Reason::Timeout | Reason::PolicyRequiresChain => {
             assert!(
                 resp.adapter_id.is_empty(),
                 "adapter_id on an early envelope"
@@ -165,15 +155,15 @@ fn check_contract(req: &pb::LookupRouteRequest, resp: &pb::LookupRouteResponse) 
     assert!(resp.lookup_latency_us >= 0);
     // H1: the reserved tenant never touches the index.
     if req.tenant_id == PROBE_TENANT {
-        assert_eq!(code, reason::NO_HINT, "reserved tenant answered {code}");
+        assert_eq!(reason, Reason::NoHint, "reserved tenant answered {code}");
         assert!(resp.adapter_id.is_empty());
     }
     // O1 step 1: an empty tenant, model or scheme cannot match anything.
     if req.tenant_id.is_empty() || req.model_id.is_empty() || req.hash_scheme.is_empty() {
         assert!(
             !matches!(
-                code,
-                reason::PREFIX_MATCH | reason::TENANT_HOT | reason::AFFINITY_HINT
+                reason,
+                Reason::PrefixMatch | Reason::TenantHot | Reason::AffinityHint
             ),
             "{code} for a request without tenant, model or scheme"
         );
@@ -184,26 +174,26 @@ fn check_contract(req: &pb::LookupRouteRequest, resp: &pb::LookupRouteResponse) 
         && req.tenant_id != "req"
         && req.tenant_id != "nochain"
     {
-        assert_eq!(code, reason::NO_HINT, "a malformed chain answered {code}");
+        assert_eq!(reason, Reason::NoHint, "a malformed chain answered {code}");
     }
     // H3 for the fixture's requireChain tenant.
     if req.tenant_id == "req"
         && (req.block_hashes.is_empty() || req.block_hashes.len() != req.block_token_counts.len())
     {
-        assert_eq!(code, reason::POLICY_REQUIRES_CHAIN);
+        assert_eq!(reason, Reason::PolicyRequiresChain);
     }
     // H8 for the fixture's tenant with TENANT_HOT disabled.
     if req.tenant_id == "nohot" {
-        assert_ne!(code, reason::TENANT_HOT);
-        assert_ne!(code, reason::AFFINITY_HINT, "affinity is off for nohot");
+        assert_ne!(reason, Reason::TenantHot);
+        assert_ne!(reason, Reason::AffinityHint, "affinity is off for nohot");
     }
     // H10/H11 for the fixture's floored tenant: every match ≥ 64 tokens, top score ≥ 50.
-    if req.tenant_id == "floor" && code == reason::PREFIX_MATCH {
+    if req.tenant_id == "floor" && reason == Reason::PrefixMatch {
         assert!(scores.iter().all(|s| s.matched_tokens >= 64));
         assert!(scores[0].score >= 50.0);
     }
     // The "no policy" floors (§6.1): matched ≥ 64 and top score ≥ 0.1.
-    if req.tenant_id == "t" && code == reason::PREFIX_MATCH {
+    if req.tenant_id == "t" && reason == Reason::PrefixMatch {
         assert!(scores.iter().all(|s| s.matched_tokens >= 64));
         assert!(scores[0].score >= 0.1);
     }

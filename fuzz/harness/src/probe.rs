@@ -2,10 +2,10 @@
 //! itself (server.md §12.4) against the seeded index.
 
 use crate::fixture;
-use inferencecache_server::control::{
+use inferencecache_server::http::probe::{
     MAX_PROBE_BYTES, ProbeReport, StageResult, decode_probe, run_probe,
 };
-use inferencecache_server::service::AppState;
+use inferencecache_server::state::AppState;
 use std::sync::OnceLock;
 
 /// Decodes `data` as a `/probe` body; an accepted request must pass the probe (ingest ok,

@@ -79,7 +79,7 @@ pub async fn serve(picker: Arc<Picker>, listener: tokio::net::TcpListener) -> an
         .await;
     // `readiness` follows the server's: not while a warm restart or the replication backlog
     // loads, nor while draining (picks meanwhile go by load).
-    let mut readiness = picker.state().readiness();
+    let mut readiness = picker.state().core().readiness();
     tokio::spawn(async move {
         loop {
             let status = if *readiness.borrow_and_update() {

@@ -22,7 +22,7 @@ pub mod ext_proc;
 pub mod pick;
 
 use crate::metrics::Family;
-use crate::service::AppState;
+use crate::state::AppState;
 use anyhow::{Context, bail};
 use endpoints::{InFlight, Registry};
 use inferencecache_proto::v1alpha1 as pb;
@@ -47,8 +47,9 @@ pub const TENANT_HEADER: &str = "x-inferencecache-tenant";
 /// Request header naming the LoRA adapter (else none).
 pub const ADAPTER_HEADER: &str = "x-inferencecache-adapter";
 
-/// Default body limit of `--epp-max-body-bytes`.
-pub const DEFAULT_MAX_BODY_BYTES: u64 = 4 << 20;
+/// Default body limit of `--epp-max-body-bytes` (defined with the flag, so the
+/// configuration does not import the picker).
+pub use crate::config::DEFAULT_EPP_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES;
 /// How often the endpoints file's modification time and size are checked.
 pub const ENDPOINTS_FILE_PERIOD: Duration = Duration::from_secs(2);
 /// Prompts up to this many bytes of text are tokenized on the request's own task; longer ones

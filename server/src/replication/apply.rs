@@ -10,11 +10,11 @@
 //! message whose sequence is not the next one means the records in between are gone: the
 //! server re-bootstraps from the newest checkpoint that the stream still continues.
 
-use super::Counters;
-use super::leader::Decisions;
-use super::leader::Stores;
+use super::counters::Counters;
+use super::decisions::{Decisions, install_decisions};
 use super::record::{Batch, Body, Record};
-use crate::service::AppState;
+use super::stores::Stores;
+use crate::core::Core;
 use futures_util::StreamExt;
 use inferencecache_engine::IndexDigest;
 use inferencecache_engine::checkpoint::{read, write};
@@ -111,12 +111,12 @@ impl Handle {
 
 /// Starts the apply thread of `state`.
 pub fn spawn(
-    state: AppState,
+    state: Core,
     counters: Arc<Counters>,
     decisions: Arc<Decisions>,
 ) -> anyhow::Result<Handle> {
     let (tx, mut rx) = mpsc::channel::<Command>(QUEUE);
-    super::leader::install_decisions(&state, decisions.clone());
+    install_decisions(&state, decisions.clone());
     std::thread::Builder::new()
         .name("replication-apply".into())
         .spawn(move || {
@@ -128,7 +128,7 @@ pub fn spawn(
     Ok(Handle { tx })
 }
 
-fn run_command(state: &AppState, counters: &Counters, command: Command) {
+fn run_command(state: &Core, counters: &Counters, command: Command) {
     match command {
         Command::Apply {
             seq,
@@ -211,14 +211,14 @@ fn run_command(state: &AppState, counters: &Counters, command: Command) {
 }
 
 /// Applies one record (the same code on every server).
-fn apply_record(state: &AppState, record: &Record) {
+fn apply_record(state: &Core, record: &Record) {
     let index = state.index();
     match &record.body {
         Some(Body::Update(update)) => {
             state.observe_endpoint(update);
-            crate::service::ingest(index, update)
+            crate::translate::ingest(index, update)
         }
-        Some(Body::Event(event)) => crate::service::apply_event(index, event),
+        Some(Body::Event(event)) => crate::translate::apply_event(index, event),
         Some(Body::Policy(body)) => match crate::policy::decode_push(body) {
             Ok(layer) => state.push_policy(body, layer),
             Err(err) => warn!(err = %err, "replication_policy_refused"),
@@ -269,7 +269,7 @@ pub struct Consumer {
     pub stores: Stores,
     pub handle: Handle,
     pub counters: Arc<Counters>,
-    pub state: AppState,
+    pub state: Core,
     /// How long a bootstrap waits for a checkpoint the stream continues before it starts
     /// from the stream's head alone.
     pub checkpoint_wait: Duration,

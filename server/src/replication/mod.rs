@@ -23,19 +23,26 @@
 //! applied, gRPC health is NOT_SERVING, `/readyz` 503 and lookups answer NO_HINT.
 
 pub mod apply;
+pub mod counters;
+pub mod decisions;
 pub mod leader;
 pub mod outbox;
 pub mod record;
+pub mod settings;
+pub mod stores;
 
+pub use counters::Counters;
+pub use settings::Settings;
+
+use crate::core::Core;
 use crate::metrics::Family;
-use crate::service::AppState;
 use anyhow::Context as _;
 use inferencecache_engine::CapturedHits;
 use inferencecache_proto::v1alpha1 as pb;
 use record::{Body, Record};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tracing::{error, info, warn};
 
@@ -52,79 +59,6 @@ const DECISION_FLUSH: Duration = Duration::from_millis(100);
 /// How often aggregated credits are published.
 const CREDIT_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Replicated mode's settings (`--nats-*`, `[replication]`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Settings {
-    pub url: String,
-    pub stream: String,
-    pub creds_file: Option<std::path::PathBuf>,
-    pub token_file: Option<std::path::PathBuf>,
-    pub tls_ca_file: Option<std::path::PathBuf>,
-    pub buffer: usize,
-    pub max_age: Duration,
-    pub max_bytes: u64,
-    pub server_id: String,
-    /// Leader checkpoint uploads (`--checkpoint-interval`).
-    pub checkpoint_interval: Duration,
-}
-
-impl Settings {
-    /// Replicated mode's settings, or `None` without `--nats-url`.
-    pub fn from_cli(
-        cli: &crate::config::Cli,
-        checkpoint_interval: Duration,
-    ) -> anyhow::Result<Option<Self>> {
-        let Some(url) = cli.nats_url.as_deref() else {
-            return Ok(None);
-        };
-        if url.is_empty() {
-            anyhow::bail!("--nats-url must not be empty");
-        }
-        let stream = cli.nats_stream.trim();
-        if stream.is_empty()
-            || !stream
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-        {
-            anyhow::bail!(
-                "--nats-stream {:?}: use letters, digits, '-' and '_' (it names the stream and its buckets)",
-                cli.nats_stream
-            );
-        }
-        let max_age = crate::config::parse_duration(&cli.nats_max_age)
-            .context("invalid --nats-max-age")?
-            .unwrap_or(Duration::from_secs(15 * 60));
-        if max_age < checkpoint_interval * 2 {
-            anyhow::bail!(
-                "--nats-max-age {:?} must be at least twice --checkpoint-interval, or a server \
-                 could find neither a checkpoint nor the records after it",
-                cli.nats_max_age
-            );
-        }
-        let server_id = match cli.nats_server_id.as_deref() {
-            Some("") => anyhow::bail!("--nats-server-id must not be empty"),
-            Some(id) => id.to_owned(),
-            None => format!("ic-{:016x}", random_u64()),
-        };
-        Ok(Some(Self {
-            url: url.to_owned(),
-            stream: stream.to_owned(),
-            creds_file: cli.nats_creds_file.as_ref().map(Into::into),
-            token_file: cli.nats_token_file.as_ref().map(Into::into),
-            tls_ca_file: cli.nats_tls_ca_file.as_ref().map(Into::into),
-            buffer: usize::try_from(cli.nats_buffer.max(1)).unwrap_or(usize::MAX),
-            max_age,
-            max_bytes: cli.nats_max_bytes,
-            server_id,
-            checkpoint_interval,
-        }))
-    }
-
-    fn subject(&self) -> String {
-        format!("{}.records", self.stream)
-    }
-}
-
 /// A random 64-bit value (process epochs, default server ids): the std hasher's random keys.
 pub fn random_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -136,28 +70,6 @@ pub fn random_u64() -> u64 {
             .map_or(0, |d| d.as_nanos()),
     );
     h.finish()
-}
-
-/// Replication counters and gauges (`inferencecache_replication_*`).
-#[derive(Default)]
-pub struct Counters {
-    pub applied_seq: AtomicU64,
-    pub stream_last_seq: AtomicU64,
-    pub lag_seconds_micros: AtomicU64,
-    pub published: AtomicU64,
-    pub publish_errors: AtomicU64,
-    pub dropped: AtomicU64,
-    pub buffered: AtomicU64,
-    /// Records published and not yet acked.
-    pub in_flight: AtomicU64,
-    pub bootstraps: AtomicU64,
-    pub gaps: AtomicU64,
-    pub undecodable: AtomicU64,
-    pub checkpoint_uploads: AtomicU64,
-    pub checkpoint_upload_failures: AtomicU64,
-    pub credits_dropped: AtomicU64,
-    pub leader: AtomicBool,
-    pub connected: AtomicBool,
 }
 
 /// The running replication of one server.
@@ -281,13 +193,13 @@ impl Replication {
 
     /// Connects, bootstraps and runs every replication task. Returns once the apply thread
     /// runs; the state stays *restoring* until the backlog is applied.
-    pub async fn start(self: &Arc<Self>, state: AppState) -> anyhow::Result<()> {
+    pub async fn start(self: &Arc<Self>, state: Core) -> anyhow::Result<()> {
         state.begin_restore();
         let client = connect(&self.settings, self.counters.clone()).await?;
         self.counters.connected.store(true, Ordering::Relaxed);
         let js = async_nats::jetstream::new(client);
-        let stores = leader::Stores::open(&js, &self.settings).await?;
-        let decisions = Arc::new(leader::Decisions::new(self.outbox.clone()));
+        let stores = stores::Stores::open(&js, &self.settings).await?;
+        let decisions = Arc::new(decisions::Decisions::new(self.outbox.clone()));
         let handle = apply::spawn(state.clone(), self.counters.clone(), decisions.clone())?;
         // The sweep thread's removals are published within DECISION_FLUSH (the apply thread
         // publishes its own after each message).

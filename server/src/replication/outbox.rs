@@ -10,7 +10,7 @@
 //! `--nats-buffer` are dropped and counted, so producers keep being acked (every server then
 //! lacks those records alike: the stream is still the one history).
 
-use super::Counters;
+use super::counters::Counters;
 use super::record::{Batch, MAX_BATCH_BYTES, Record};
 use async_nats::jetstream;
 use bytes::Bytes;

@@ -5,7 +5,7 @@
 use inferencecache_engine::{ManualClock, fingerprint};
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
-use inferencecache_server::service::{AppState, ServerOptions};
+use inferencecache_server::state::{AppState, ServerOptions};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

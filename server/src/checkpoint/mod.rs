@@ -16,11 +16,10 @@
 //!    checkpoint is written before the restore has finished, so a slow or failed restore
 //!    never replaces a good checkpoint with a partial index.
 
-use crate::metrics::Family;
-use crate::service::AppState;
+use crate::core::Core;
+pub use crate::core::checkpoint_status::{RefusedFile, RestoreStatus, Status, WriteStatus};
+
 use inferencecache_engine::checkpoint::{files, write::WriteOptions};
-use parking_lot::Mutex;
-use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -38,149 +37,6 @@ pub struct StateSettings {
     pub interval: Duration,
 }
 
-/// The last checkpoint written.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct WriteStatus {
-    /// When it started (ms since the epoch).
-    pub unix_ms: i64,
-    /// How long it took (ms).
-    pub duration_ms: f64,
-    /// Entries written.
-    pub entries: u64,
-    /// Stats records written.
-    pub stats: u64,
-    /// File size.
-    pub bytes: u64,
-    /// Why it failed, if it did.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-/// A checkpoint refused at restore.
-#[derive(Debug, Clone, Serialize)]
-pub struct RefusedFile {
-    /// The file.
-    pub file: String,
-    /// Why it was refused.
-    pub reason: String,
-}
-
-/// The restore at startup.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct RestoreStatus {
-    /// When it finished (ms since the epoch).
-    pub unix_ms: i64,
-    /// How long it took (ms).
-    pub duration_ms: f64,
-    /// The file restored (none: started empty).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub file: Option<String>,
-    /// When that checkpoint was written (ms since the epoch).
-    pub checkpoint_unix_ms: i64,
-    /// Entries in the file.
-    pub entries: u64,
-    /// Entries loaded.
-    pub loaded: u64,
-    /// Entries skipped because they expired during the downtime.
-    pub expired: u64,
-    /// Entries skipped (over the cap, or refused by the index).
-    pub dropped: u64,
-    /// Stats records loaded.
-    pub stats: u64,
-    /// File size.
-    pub bytes: u64,
-    /// Files found and refused, in the order tried.
-    pub refused: Vec<RefusedFile>,
-}
-
-/// What `/checkpoint` and the metrics report.
-#[derive(Debug, Default)]
-pub struct Status {
-    inner: Mutex<StatusInner>,
-}
-
-#[derive(Debug, Clone, Default, Serialize)]
-struct StatusInner {
-    enabled: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    state_dir: Option<String>,
-    interval_seconds: f64,
-    restoring: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    last_checkpoint: Option<WriteStatus>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    last_success_unix_ms: Option<i64>,
-    failures: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    restore: Option<RestoreStatus>,
-}
-
-impl Status {
-    /// The `/checkpoint` body.
-    pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(&*self.inner.lock()).unwrap_or_else(|_| "{}".into()) + "\n"
-    }
-
-    /// The `inferencecache_checkpoint_*` families.
-    pub fn families(&self) -> Vec<Family> {
-        let s = self.inner.lock().clone();
-        let last = s.last_checkpoint.clone().unwrap_or_default();
-        let restore = s.restore.clone().unwrap_or_default();
-        vec![
-            Family::gauge(
-                "inferencecache_checkpoint_enabled",
-                "1 when a state directory is configured",
-                f64::from(u8::from(s.enabled)),
-            ),
-            Family::gauge(
-                "inferencecache_checkpoint_duration_seconds",
-                "time the last checkpoint write took",
-                last.duration_ms / 1e3,
-            ),
-            Family::gauge(
-                "inferencecache_checkpoint_bytes",
-                "size of the last checkpoint written",
-                last.bytes as f64,
-            ),
-            Family::gauge(
-                "inferencecache_checkpoint_entries",
-                "entries in the last checkpoint written",
-                last.entries as f64,
-            ),
-            Family::counter(
-                "inferencecache_checkpoint_failures_total",
-                "checkpoint writes that failed",
-                s.failures as f64,
-            ),
-            Family::gauge(
-                "inferencecache_checkpoint_last_success_timestamp_seconds",
-                "when the last successful checkpoint started (0 = none yet)",
-                s.last_success_unix_ms.unwrap_or(0) as f64 / 1e3,
-            ),
-            Family::gauge(
-                "inferencecache_checkpoint_restore_duration_seconds",
-                "time the startup restore took",
-                restore.duration_ms / 1e3,
-            ),
-            Family::gauge(
-                "inferencecache_checkpoint_restore_entries",
-                "entries loaded by the startup restore",
-                restore.loaded as f64,
-            ),
-            Family::gauge(
-                "inferencecache_checkpoint_restore_refused",
-                "checkpoint files refused by the startup restore",
-                restore.refused.len() as f64,
-            ),
-            Family::gauge(
-                "inferencecache_checkpoint_restoring",
-                "1 while the startup restore runs",
-                f64::from(u8::from(s.restoring)),
-            ),
-        ]
-    }
-}
-
 fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -190,7 +46,7 @@ fn now_ms() -> i64 {
 /// Writes and restores the checkpoints of one state directory.
 pub struct Checkpointer {
     settings: StateSettings,
-    state: AppState,
+    core: Core,
     /// One write at a time (a periodic tick and the shutdown write never overlap).
     writing: tokio::sync::Mutex<()>,
     /// Workers of periodic checkpoints: half the cores, so lookups and ingest keep the rest
@@ -199,10 +55,10 @@ pub struct Checkpointer {
 }
 
 impl Checkpointer {
-    /// A checkpointer for `state` (records its settings in the status).
-    pub fn new(settings: StateSettings, state: AppState) -> Arc<Self> {
+    /// A checkpointer over the server's core (records its settings in the status).
+    pub fn new(settings: StateSettings, core: Core) -> Arc<Self> {
         {
-            let mut s = state.checkpoint_status().inner.lock();
+            let mut s = core.checkpoint_status().inner.lock();
             s.enabled = true;
             s.state_dir = Some(settings.dir.display().to_string());
             s.interval_seconds = settings.interval.as_secs_f64();
@@ -217,7 +73,7 @@ impl Checkpointer {
             .map(Arc::new);
         Arc::new(Self {
             settings,
-            state,
+            core,
             writing: tokio::sync::Mutex::new(()),
             background,
         })
@@ -226,8 +82,8 @@ impl Checkpointer {
     /// Restores the newest valid checkpoint (see the module docs), then leaves *restoring*.
     /// The caller entered *restoring* before the listeners started.
     pub async fn restore(&self) {
-        self.state.checkpoint_status().inner.lock().restoring = true;
-        let index = self.state.index().clone();
+        self.core.checkpoint_status().inner.lock().restoring = true;
+        let index = self.core.index().clone();
         let dir = self.settings.dir.clone();
         let started = std::time::Instant::now();
         let result = tokio::task::spawn_blocking(move || files::restore_newest(&index, &dir)).await;
@@ -247,7 +103,7 @@ impl Checkpointer {
                 }
                 if let Some((path, report)) = outcome.restored {
                     if let Some((_, body)) = report.blobs.iter().find(|(n, _)| n == POLICY_BLOB) {
-                        self.state.restore_pushed_policy(body);
+                        self.core.restore_pushed_policy(body);
                     }
                     status.file = Some(path.display().to_string());
                     status.checkpoint_unix_ms = report.header.map_or(0, |h| h.created_ms);
@@ -281,11 +137,11 @@ impl Checkpointer {
         status.duration_ms = started.elapsed().as_secs_f64() * 1e3;
         status.unix_ms = now_ms();
         {
-            let mut s = self.state.checkpoint_status().inner.lock();
+            let mut s = self.core.checkpoint_status().inner.lock();
             s.restore = Some(status);
             s.restoring = false;
         }
-        self.state.end_restore();
+        self.core.end_restore();
     }
 
     /// Writes one checkpoint now on every core (the shutdown write). Never before the restore
@@ -295,13 +151,13 @@ impl Checkpointer {
     }
 
     async fn write(&self, pool: Option<Arc<rayon::ThreadPool>>) -> Option<WriteStatus> {
-        if self.state.restoring() {
+        if self.core.restoring() {
             return None;
         }
         let _one = self.writing.lock().await;
-        let index = self.state.index().clone();
+        let index = self.core.index().clone();
         let dir = self.settings.dir.clone();
-        let policy = self.state.pushed_policy_body();
+        let policy = self.core.pushed_policy_body();
         let created_ms = now_ms();
         let result = tokio::task::spawn_blocking(move || {
             let mut blobs: Vec<(&str, &[u8])> = Vec::new();
@@ -323,7 +179,7 @@ impl Checkpointer {
             unix_ms: created_ms,
             ..Default::default()
         };
-        let mut s = self.state.checkpoint_status().inner.lock();
+        let mut s = self.core.checkpoint_status().inner.lock();
         match result {
             Ok(Ok(report)) => {
                 w.duration_ms = report.duration.as_secs_f64() * 1e3;

@@ -6,7 +6,7 @@
 //! `/proc` (or when a file cannot be read or parsed) the affected family is left out rather
 //! than reported as 0: an absent sample is honest, a zero would be a false value.
 
-use crate::metrics::{Family, Sample};
+use inferencecache_exposition::{Family, Sample};
 
 /// Version and commit labels of `inferencecache_build_info` (value always 1).
 pub fn build_info() -> Family {

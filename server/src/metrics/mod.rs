@@ -13,13 +13,17 @@
 //!
 //! Exposition is produced from one structured snapshot ([`Metrics::gather`]) so that `/metrics`
 //! (Prometheus text format 0.0.4) and `StreamMetrics` report exactly the same samples. The
-//! common Rust Prometheus crates either lack the summary type or cannot hand samples back as
-//! data, which is why the text rendering here is our own (it is a dozen lines).
+//! families and their text rendering come from the workspace's `inferencecache-exposition`
+//! crate, which the sidecar's `/metrics` shares.
 
+pub mod process;
+
+pub use inferencecache_exposition::{Family, Sample, format_float, render_text};
+
+use crate::translate::Reason;
 use hdrhistogram::Histogram;
 use inferencecache_engine::{Algorithm, EvictionReason, Index};
 use parking_lot::Mutex;
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -30,20 +34,6 @@ use std::time::{Duration, Instant};
 pub const LATENCY_BUCKETS: [f64; 16] = [
     0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005, // microsecond resolution
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, // the reference's
-];
-
-/// Reason codes with a dedicated counter slot; anything else is counted under `NO_HINT`'s
-/// neighbour slot "OTHER" (never emitted today).
-pub const REASONS: [&str; 9] = [
-    "PREFIX_MATCH",
-    "TENANT_HOT",
-    "AFFINITY_HINT",
-    "NO_HINT",
-    "POLICY_REQUIRES_CHAIN",
-    "TIMEOUT",
-    "UNKNOWN_TENANT",
-    "UNKNOWN_MODEL",
-    "UNKNOWN_HASH_SCHEME",
 ];
 
 /// Event type names for `events_total{type}` (index = wire value; unknown → 0).
@@ -66,7 +56,7 @@ pub const AUTH_RESULTS: [&str; 4] = ["ok", "unauth", "forbidden", "error"];
 
 #[derive(Default)]
 struct ModelLookups {
-    calls: [[AtomicU64; 2]; REASONS.len()],
+    calls: [[AtomicU64; 2]; Reason::ALL.len()],
     buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     count: AtomicU64,
     sum_ns: AtomicU64,
@@ -166,7 +156,7 @@ impl Metrics {
         &self,
         index: &Index,
         model: &str,
-        reason: &str,
+        reason: Reason,
         hint_used: bool,
         elapsed: Duration,
     ) {
@@ -178,8 +168,7 @@ impl Metrics {
             None if index.holds_model(model) => self.admit(model, &guard).unwrap_or(&self.other.1),
             None => &self.other.1,
         };
-        let slot = REASONS.iter().position(|r| *r == reason).unwrap_or(3);
-        series.calls[slot][usize::from(hint_used)].fetch_add(1, Ordering::Relaxed);
+        series.calls[reason.slot()][usize::from(hint_used)].fetch_add(1, Ordering::Relaxed);
         let secs = elapsed.as_secs_f64();
         for (i, le) in LATENCY_BUCKETS.iter().enumerate() {
             if secs <= *le {
@@ -358,15 +347,15 @@ impl Metrics {
             models.push((&self.other.0, &self.other.1));
         }
         for (model, s) in models {
-            for (ri, reason) in REASONS.iter().enumerate() {
+            for reason in Reason::ALL {
                 for hint in [false, true] {
-                    let v = s.calls[ri][usize::from(hint)].load(Ordering::Relaxed);
+                    let v = s.calls[reason.slot()][usize::from(hint)].load(Ordering::Relaxed);
                     if v > 0 {
                         calls.push(
                             "inferencecache_lookup_route_calls_total",
                             vec![
                                 ("model".into(), model.to_string()),
-                                ("reason_code".into(), reason.to_string()),
+                                ("reason_code".into(), reason.code().to_string()),
                                 ("hint_used".into(), hint.to_string()),
                             ],
                             v as f64,
@@ -570,8 +559,8 @@ impl Metrics {
             }
             out.push(fam);
         }
-        out.push(crate::process_metrics::build_info());
-        out.extend(crate::process_metrics::process_families());
+        out.push(crate::metrics::process::build_info());
+        out.extend(crate::metrics::process::process_families());
         out
     }
 
@@ -630,107 +619,6 @@ fn rotate(h: &mut ThreadHistogram, window: u64) {
     h.window = window;
 }
 
-/// One metric family: its samples share a name stem, a type and a help text.
-#[derive(Debug, Clone)]
-pub struct Family {
-    pub name: String,
-    pub kind: &'static str,
-    pub help: &'static str,
-    pub samples: Vec<Sample>,
-}
-
-/// One exposition sample.
-#[derive(Debug, Clone)]
-pub struct Sample {
-    pub name: String,
-    pub labels: Vec<(String, String)>,
-    pub value: f64,
-}
-
-impl Family {
-    pub(crate) fn new(name: &str, kind: &'static str, help: &'static str) -> Self {
-        Self {
-            name: name.to_string(),
-            kind,
-            help,
-            samples: Vec::new(),
-        }
-    }
-
-    pub(crate) fn gauge(name: &str, help: &'static str, value: f64) -> Self {
-        let mut f = Self::new(name, "gauge", help);
-        f.push(name, Vec::new(), value);
-        f
-    }
-
-    /// A counter family with one unlabelled sample (`name` ends in `_total`).
-    pub(crate) fn counter(name: &str, help: &'static str, value: f64) -> Self {
-        let mut f = Self::new(name, "counter", help);
-        f.push(name, Vec::new(), value);
-        f
-    }
-
-    pub(crate) fn push(&mut self, name: &str, labels: Vec<(String, String)>, value: f64) {
-        self.samples.push(Sample {
-            name: name.to_string(),
-            labels,
-            value,
-        });
-    }
-
-    /// The family name as Prometheus declares it (`…_total` stripped for counters).
-    pub fn declared_name(&self) -> &str {
-        self.name
-            .strip_suffix("_total")
-            .filter(|_| self.kind == "counter")
-            .unwrap_or(&self.name)
-    }
-}
-
-/// Renders families in the Prometheus text exposition format (0.0.4).
-pub fn render_text(families: &[Family]) -> String {
-    let mut out = String::with_capacity(4096);
-    for f in families {
-        let _ = writeln!(out, "# HELP {} {}", f.name, f.help);
-        let _ = writeln!(out, "# TYPE {} {}", f.name, f.kind);
-        for s in &f.samples {
-            out.push_str(&s.name);
-            if !s.labels.is_empty() {
-                out.push('{');
-                for (i, (k, v)) in s.labels.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    let _ = write!(out, "{k}=\"{}\"", escape_label(v));
-                }
-                out.push('}');
-            }
-            let _ = writeln!(out, " {}", format_float(s.value));
-        }
-    }
-    out
-}
-
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-fn format_float(v: f64) -> String {
-    if v.is_nan() {
-        "NaN".into()
-    } else if v.is_infinite() {
-        if v > 0.0 {
-            "+Inf".into()
-        } else {
-            "-Inf".into()
-        }
-    } else {
-        format!("{v}")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -780,7 +668,13 @@ mod tests {
     fn latency_lands_in_the_right_bucket() {
         let m = Metrics::new();
         let index = index_holding(&["m"]);
-        m.observe_lookup(&index, "m", "NO_HINT", false, Duration::from_micros(300));
+        m.observe_lookup(
+            &index,
+            "m",
+            Reason::NoHint,
+            false,
+            Duration::from_micros(300),
+        );
         let guard = m.lookups.guard();
         let s = m.lookups.get("m", &guard).unwrap();
         let slot = LATENCY_BUCKETS.iter().position(|le| *le == 0.0005).unwrap();
@@ -813,7 +707,7 @@ mod tests {
             (Duration::from_micros(50), 0.00005),
             (Duration::from_micros(90), 0.0001),
         ] {
-            m.observe_lookup(&index, &format!("m{le}"), "NO_HINT", false, elapsed);
+            m.observe_lookup(&index, &format!("m{le}"), Reason::NoHint, false, elapsed);
             let guard = m.lookups.guard();
             let s = m.lookups.get(format!("m{le}").as_str(), &guard).unwrap();
             let slot = LATENCY_BUCKETS.iter().position(|b| *b == le).unwrap();
@@ -839,7 +733,13 @@ mod tests {
         let m = Metrics::with_model_cap(2);
         let index = index_holding(&["a", "b", "c", OTHER_MODEL]);
         for model in ["zz", "a", "b", "c", OTHER_MODEL, "yy", "a"] {
-            m.observe_lookup(&index, model, "NO_HINT", false, Duration::from_micros(1));
+            m.observe_lookup(
+                &index,
+                model,
+                Reason::NoHint,
+                false,
+                Duration::from_micros(1),
+            );
         }
         let guard = m.lookups.guard();
         let mut admitted: Vec<&str> = m.lookups.keys(&guard).map(|k| &**k).collect();

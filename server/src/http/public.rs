@@ -1,6 +1,6 @@
 //! Public HTTP listener (`:8080`): `/healthz`, `/readyz`, `/metrics` (spec `server.md` §12.1–§12.2).
 
-use crate::service::AppState;
+use crate::state::AppState;
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -21,7 +21,7 @@ async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
-    if state.ready() {
+    if state.core().ready() {
         (StatusCode::OK, "ok\n")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
@@ -30,7 +30,7 @@ async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
 
 async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
     let mut families = state.metrics().gather(state.index());
-    families.extend(state.checkpoint_status().families());
+    families.extend(state.core().checkpoint_status().families());
     families.extend(state.epp_metrics().families());
     match state.replication() {
         Some(replication) => families.extend(replication.families()),
@@ -55,5 +55,5 @@ pub async fn serve_public(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     // Same hyper stack as the control plane: a 5 s read-header timeout (§4).
-    crate::control::serve_http(public_router(state), listener, stop).await
+    super::serve::serve_http(public_router(state), listener, stop).await
 }
