@@ -38,7 +38,7 @@ use std::path::Path;
 
 /// The source trees checked, relative to the workspace root (library crates' `src/`). To check
 /// another crate, add its `src/` here, e.g. `"server/src"`.
-const CHECKED_TREES: &[&str] = &["engine/src"];
+const CHECKED_TREES: &[&str] = &["engine/src", "server/src"];
 
 /// Top-level module pairs `(from, to)` a tree's files must never reference: the tree, the
 /// module that may not import, the module it may not import.

@@ -10,6 +10,7 @@ pub mod config;
 pub mod config_file;
 pub mod connections;
 pub mod core;
+pub mod endpoints;
 pub mod epp;
 pub mod grpc;
 pub mod http;
@@ -182,7 +183,8 @@ pub async fn run(cli: config::Cli) -> ExitCode {
     }
     // The endpoint picker (docs/epp.md), when --epp-bind-address is given.
     let picker = match epp::Settings::from_cli(&cli) {
-        Ok(Some(picker_settings)) => match epp::spawn(state.clone(), picker_settings).await {
+        Ok(Some(picker_settings)) => match epp::listen::spawn(state.clone(), picker_settings).await
+        {
             Ok((addr, task)) => {
                 info!(epp_addr = %addr, "epp_listening");
                 Some(task)

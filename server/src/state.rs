@@ -93,7 +93,7 @@ struct Shared {
     connections: crate::connections::ConnectionGate,
     /// This process's identity, told to producers in every `Ack` (see [`new_instance_id`]).
     instance_id: String,
-    epp_metrics: Arc<crate::epp::EppMetrics>,
+    epp_metrics: Arc<crate::metrics::epp::EppMetrics>,
 }
 
 /// A fresh server instance identity: random per process (and per [`AppState`]), so every start,
@@ -262,12 +262,12 @@ impl AppState {
     }
 
     /// The endpoint picker's endpoint registry (the core's).
-    pub fn endpoints(&self) -> &Arc<crate::epp::endpoints::Registry> {
+    pub fn endpoints(&self) -> &Arc<crate::endpoints::Registry> {
         self.inner.core.endpoints()
     }
 
     /// The endpoint picker's counters.
-    pub fn epp_metrics(&self) -> &crate::epp::EppMetrics {
+    pub fn epp_metrics(&self) -> &crate::metrics::epp::EppMetrics {
         &self.inner.epp_metrics
     }
 

@@ -14,7 +14,7 @@
 
 pub mod checkpoint_status;
 
-use crate::epp::endpoints::Registry;
+use crate::endpoints::Registry;
 use crate::policy::{Layer, PolicyStore, decode_push};
 use checkpoint_status::Status;
 use inferencecache_engine::Index;

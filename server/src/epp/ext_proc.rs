@@ -126,7 +126,7 @@ struct Exchange {
     /// The endpoint list of the decision, once made.
     picked: Option<Vec<String>>,
     /// The first endpoint's in-flight unit, released when the exchange ends.
-    in_flight: Option<super::endpoints::InFlight>,
+    in_flight: Option<crate::endpoints::InFlight>,
 }
 
 /// Why the exchange stopped early.

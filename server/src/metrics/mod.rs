@@ -16,6 +16,7 @@
 //! families and their text rendering come from the workspace's `inferencecache-exposition`
 //! crate, which the sidecar's `/metrics` shares.
 
+pub mod epp;
 pub mod process;
 
 pub use inferencecache_exposition::{Family, Sample, format_float, render_text};
