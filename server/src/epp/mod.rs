@@ -8,9 +8,11 @@
 //! ([`pick`]), and answers with the ordered endpoint list in the
 //! `x-gateway-destination-endpoint` header and the `envoy.lb` dynamic metadata.
 //!
-//! Rooms: [`body`] (OpenAI parsing), [`pick`] (the formula, pure), [`endpoints`] (replica →
-//! `ip:port`, in-flight counts), [`ext_proc`] (the gRPC stream), this module (settings,
-//! metrics, the decision). Invariants:
+//! Rooms: [`body`] (OpenAI parsing), [`pick`] (the formula, pure), [`ext_proc`] (the gRPC
+//! stream), [`listen`] (the listener and the endpoints file's reloader), this module (settings,
+//! the decision). The replica → `ip:port` registry is [`crate::endpoints`] and the picker's
+//! counters are [`crate::metrics::epp`]: the server's state holds both whether or not the
+//! picker runs. Invariants:
 //! - a pick never fails for lack of a cache hit: no hint means a pick by load;
 //! - a stream always ends (the gateway's close, a decode error or our answer), and whatever
 //!   ends it releases the in-flight unit the pick took;
