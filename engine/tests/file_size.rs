@@ -23,7 +23,7 @@ const LIMIT: usize = 1_000;
 const CHECKED_TREES: &[&str] = &["engine/src", "server/src", "sidecar/src"];
 
 /// Files over the limit whose split is pending (workspace-relative paths).
-const OVER_LIMIT: &[&str] = &["sidecar/src/positional.rs"];
+const OVER_LIMIT: &[&str] = &[];
 
 /// Production lines of a file's text.
 fn production_lines(text: &str) -> usize {
