@@ -70,12 +70,8 @@ pub struct Entry {
 struct Page {
     parent: Option<Vec<u8>>,
     children: Vec<Vec<u8>>,
-    /// Prefix hash at the last index-block boundary at or before the page's end.
-    boundary_hash: Option<u64>,
-    /// Tokens from the chain start to that boundary.
-    boundary_tokens: i64,
-    /// Tokens after the boundary through the page's end (shorter than one block).
-    tail: Vec<u32>,
+    /// The chain's last index-block boundary at or before the page's end.
+    boundary: Boundary,
     /// Index blocks that end inside this page: (prefix hash, cumulative tokens).
     owned: Vec<(u64, i32)>,
     adapter: String,
@@ -105,7 +101,7 @@ impl Page {
 
     /// Tokens from the chain start through the page's end.
     fn end_tokens(&self) -> u64 {
-        u64::try_from(self.boundary_tokens).unwrap_or(0) + self.tail.len() as u64
+        u64::try_from(self.boundary.tokens).unwrap_or(0) + self.boundary.tail.len() as u64
     }
 
     fn holds(&self, group: u32) -> bool {
@@ -243,35 +239,54 @@ fn page_size(ev: &BlockStored) -> PageSize {
     }
 }
 
-/// The index blocks one engine page completes: the chain's waiting `tail` plus the page's
-/// tokens, cut into `block_size` blocks chained from `boundary_hash`. Returns what the page
-/// owns (each block's prefix hash and the cumulative token count through it) and moves the
-/// boundary past those blocks; the tokens after the last full block become the new `tail`.
-fn complete_blocks(
-    page: &[u32],
-    block_size: usize,
-    boundary_hash: &mut Option<u64>,
-    boundary_tokens: &mut i64,
-    tail: &mut Vec<u32>,
-) -> Vec<(u64, i32)> {
-    let mut tokens = std::mem::take(tail);
-    tokens.extend_from_slice(page);
-    let hashes = prefix_hashes_from(&tokens, block_size, *boundary_hash);
-    let block = i64::try_from(block_size).unwrap_or(i64::MAX);
-    let start = *boundary_tokens;
-    let owned = hashes
-        .iter()
-        .enumerate()
-        .map(|(k, &h)| {
-            let count = start.saturating_add((k as i64 + 1).saturating_mul(block));
-            (h, i32::try_from(count).unwrap_or(i32::MAX))
-        })
-        .collect();
-    let full = hashes.len() * block_size;
-    *tail = tokens[full..].to_vec();
-    *boundary_hash = hashes.last().copied().or(*boundary_hash);
-    *boundary_tokens = start.saturating_add(full as i64);
-    owned
+/// Where a chain stands at the end of a page: its last index-block boundary and the tokens
+/// after it, which the next page of the chain completes into blocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Boundary {
+    /// Prefix hash at the boundary (`None` at the chain start).
+    hash: Option<u64>,
+    /// Tokens from the chain start to the boundary.
+    tokens: i64,
+    /// Tokens after the boundary (shorter than one block).
+    tail: Vec<u32>,
+}
+
+impl Boundary {
+    /// The index blocks one engine page completes: the waiting `tail` plus the page's tokens,
+    /// cut into `block_size` blocks chained from `hash`. Returns what the page owns (each
+    /// block's prefix hash and the cumulative token count through it) and moves the boundary
+    /// past those blocks; the tokens after the last full block become the new `tail`.
+    fn complete(&mut self, page: &[u32], block_size: usize) -> Vec<(u64, i32)> {
+        let mut tokens = std::mem::take(&mut self.tail);
+        tokens.extend_from_slice(page);
+        let hashes = prefix_hashes_from(&tokens, block_size, self.hash);
+        let block = i64::try_from(block_size).unwrap_or(i64::MAX);
+        let start = self.tokens;
+        let owned = hashes
+            .iter()
+            .enumerate()
+            .map(|(k, &h)| {
+                let count = start.saturating_add((k as i64 + 1).saturating_mul(block));
+                (h, i32::try_from(count).unwrap_or(i32::MAX))
+            })
+            .collect();
+        let full = hashes.len() * block_size;
+        self.tail = tokens[full..].to_vec();
+        self.hash = hashes.last().copied().or(self.hash);
+        self.tokens = start.saturating_add(full as i64);
+        owned
+    }
+}
+
+impl ReverseMap {
+    /// Where a stored event's chain starts: at the chain start without a parent, at the
+    /// parent page's boundary when the map knows it, `None` (an orphan) when it does not.
+    fn chain_start(&self, parent: Option<&Vec<u8>>) -> Option<Boundary> {
+        match parent {
+            None => Some(Boundary::default()),
+            Some(parent) => self.pages.get(parent).map(|p| p.boundary.clone()),
+        }
+    }
 }
 
 impl ReverseMap {
@@ -343,15 +358,9 @@ impl ReverseMap {
             ev.ownership.as_deref(),
         );
 
-        let (mut boundary_hash, mut boundary_tokens, mut tail) = match &ev.parent_block_hash {
-            None => (None, 0i64, Vec::new()),
-            Some(parent) => match self.pages.get(parent) {
-                Some(p) => (p.boundary_hash, p.boundary_tokens, p.tail.clone()),
-                None => {
-                    out.orphan_pages = pages;
-                    return out;
-                }
-            },
+        let Some(mut boundary) = self.chain_start(ev.parent_block_hash.as_ref()) else {
+            out.orphan_pages = pages;
+            return out;
         };
         // Without groups there is no claim bookkeeping: a block hashed with lookahead tokens is
         // treated like one with extra keys.
@@ -369,18 +378,13 @@ impl ReverseMap {
                 if before.is_none_or(|b| tier < b) {
                     out.entries.extend(known.entries(tier));
                 }
-                boundary_hash = known.boundary_hash;
-                boundary_tokens = known.boundary_tokens;
-                tail = known.tail.clone();
+                boundary = known.boundary.clone();
                 parent = Some(hash.clone());
                 continue;
             }
-            let owned = complete_blocks(
+            let owned = boundary.complete(
                 &ev.token_ids[i * page_size..(i + 1) * page_size],
                 self.block_size,
-                &mut boundary_hash,
-                &mut boundary_tokens,
-                &mut tail,
             );
             if let Some(p) = parent.as_ref().and_then(|p| self.pages.get_mut(p)) {
                 p.children.push(hash.clone());
@@ -388,9 +392,7 @@ impl ReverseMap {
             let page = Page {
                 parent: parent.clone(),
                 children: Vec::new(),
-                boundary_hash,
-                boundary_tokens,
-                tail: tail.clone(),
+                boundary: boundary.clone(),
                 owned,
                 adapter: adapter.to_string(),
                 media: BTreeMap::from([(media_key.clone(), tier)]),

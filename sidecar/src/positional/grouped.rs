@@ -105,18 +105,12 @@ impl ReverseMap {
             self.note_lookahead(ev);
             return touched;
         }
-        let (mut boundary_hash, mut boundary_tokens, mut tail) = match &ev.parent_block_hash {
-            None => (None, 0i64, Vec::new()),
-            Some(parent) => match self.pages.get(parent) {
-                Some(p) => (p.boundary_hash, p.boundary_tokens, p.tail.clone()),
-                None => {
-                    out.orphan_pages = pages;
-                    for hash in &ev.block_hashes {
-                        self.park(hash, &key, tier);
-                    }
-                    return touched;
-                }
-            },
+        let Some(mut boundary) = self.chain_start(ev.parent_block_hash.as_ref()) else {
+            out.orphan_pages = pages;
+            for hash in &ev.block_hashes {
+                self.park(hash, &key, tier);
+            }
+            return touched;
         };
         let keyed_from = first_keyed(ev);
         let mut parent = ev.parent_block_hash.clone();
@@ -131,18 +125,13 @@ impl ReverseMap {
                 if add_copy(known, &key, tier, lookahead_of(i)) {
                     touched.push(hash.clone());
                 }
-                boundary_hash = known.boundary_hash;
-                boundary_tokens = known.boundary_tokens;
-                tail = known.tail.clone();
+                boundary = known.boundary.clone();
                 parent = Some(hash.clone());
                 continue;
             }
-            let owned = complete_blocks(
+            let owned = boundary.complete(
                 &ev.token_ids[i * page_size..(i + 1) * page_size],
                 self.block_size,
-                &mut boundary_hash,
-                &mut boundary_tokens,
-                &mut tail,
             );
             if let Some(p) = parent.as_ref().and_then(|p| self.pages.get_mut(p)) {
                 p.children.push(hash.clone());
@@ -154,9 +143,7 @@ impl ReverseMap {
                 Page {
                     parent: parent.clone(),
                     children: Vec::new(),
-                    boundary_hash,
-                    boundary_tokens,
-                    tail: tail.clone(),
+                    boundary: boundary.clone(),
                     owned,
                     adapter: adapter.to_string(),
                     media: BTreeMap::new(),
