@@ -36,22 +36,6 @@ fn envoy_bin() -> Option<PathBuf> {
     found
 }
 
-fn nats_bin() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    let found = std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
-        .map(|d| d.join("nats-server"))
-        .find(|p| p.is_file());
-    if found.is_none() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "nats-server is not installed (.ci/run installs it)"
-        );
-        eprintln!("skipped: nats-server is not installed (apt-get install nats-server)");
-    }
-    found
-}
-
 /// A child process killed (by its PID) on drop.
 struct Killed(Child);
 
@@ -721,28 +705,13 @@ async fn envoy_with_the_picker_in_front_of_three_engines() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_pickers_over_nats_give_the_same_pick() {
     let Some(envoy) = envoy_bin() else { return };
-    let Some(nats) = nats_bin() else { return };
+    let Some(nats_binary) = inferencecache_test_nats::binary() else {
+        return;
+    };
     let dir = temp_dir("epp-envoy-nats");
     let models = models_dir(&dir);
-    let nats_port = free_port();
-    let nats = Killed(
-        Command::new(nats)
-            .args([
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &nats_port.to_string(),
-                "-sd",
-            ])
-            .arg(dir.join("nats"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nats-server"),
-    );
-    wait_listening(SocketAddr::from(([127, 0, 0, 1], nats_port))).await;
-    let url = format!("nats://127.0.0.1:{nats_port}");
+    let nats = inferencecache_test_nats::NatsServer::start(&nats_binary, &dir);
+    let url = nats.url();
     let engines = [
         FakeEngine::start("e0").await,
         FakeEngine::start("e1").await,

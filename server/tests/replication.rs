@@ -10,8 +10,8 @@ mod common;
 use common::*;
 use inferencecache_proto::v1alpha1 as pb;
 use inferencecache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use inferencecache_test_nats::NatsServer;
+use std::path::Path;
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 
@@ -31,88 +31,7 @@ struct Digest {
     stream_last: u64,
 }
 
-fn nats_server_bin() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    let found = std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
-        .map(|d| d.join("nats-server"))
-        .find(|p| p.is_file());
-    if found.is_none() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "nats-server is not installed (.ci/run installs it)"
-        );
-        eprintln!("skipped: nats-server is not installed (apt-get install nats-server)");
-    }
-    found
-}
-
-/// A `nats-server -js` on loopback, stopped (SIGKILL) by its PID on drop.
-struct Nats {
-    bin: PathBuf,
-    port: u16,
-    dir: PathBuf,
-    child: Option<Child>,
-}
-
-impl Nats {
-    fn start(bin: PathBuf, dir: &Path) -> Self {
-        let mut nats = Self {
-            bin,
-            port: free_port(),
-            dir: dir.join("nats"),
-            child: None,
-        };
-        nats.resume();
-        nats
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    /// (Re)starts the server on the same port and store directory.
-    fn resume(&mut self) {
-        let child = Command::new(&self.bin)
-            .args([
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-sd",
-            ])
-            .arg(&self.dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nats-server");
-        self.child = Some(child);
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "nats-server did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn server(dir: &Path, nats: &Nats, id: &str, extra: &[&str]) -> ServerProcess {
+fn server(dir: &Path, nats: &NatsServer, id: &str, extra: &[&str]) -> ServerProcess {
     let dir = dir.join(id);
     std::fs::create_dir_all(&dir).unwrap();
     let url = nats.url();
@@ -163,7 +82,7 @@ async fn wait_ready(servers: &[&ServerProcess]) {
 
 /// Waits until every server reports the same digest at the same sequence (and no sequence
 /// moves for a moment); returns it.
-async fn converged(nats: &Nats, servers: &[&ServerProcess], within: Duration) -> Digest {
+async fn converged(nats: &NatsServer, servers: &[&ServerProcess], within: Duration) -> Digest {
     let start = Instant::now();
     let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
     let mut last: Vec<Option<Digest>> = Vec::new();
@@ -301,7 +220,7 @@ async fn uploads(servers: &[&ServerProcess]) -> f64 {
 }
 
 /// Waits until the shared checkpoint covers `seq` (read from the meta bucket, as a server does).
-async fn wait_checkpoint(nats: &Nats, seq: u64, servers: &[&ServerProcess]) {
+async fn wait_checkpoint(nats: &NatsServer, seq: u64, servers: &[&ServerProcess]) {
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
     let meta = js.get_key_value("inferencecache-meta").await.unwrap();
@@ -334,9 +253,11 @@ async fn push_policy(s: &ServerProcess, body: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates() {
-    let Some(bin) = nats_server_bin() else { return };
+    let Some(bin) = inferencecache_test_nats::binary() else {
+        return;
+    };
     let dir = temp_dir("replication-mixed");
-    let nats = Nats::start(bin, &dir);
+    let nats = NatsServer::start(&bin, &dir);
     let a = server(&dir, &nats, "a", &[]);
     let b = server(&dir, &nats, "b", &[]);
     let c = server(&dir, &nats, "c", &[]);
@@ -460,9 +381,11 @@ async fn three_servers_converge_under_mixed_ingest_a_policy_push_and_duplicates(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cap_lfu_credits_and_ttl_decide_the_same_entries_everywhere() {
-    let Some(bin) = nats_server_bin() else { return };
+    let Some(bin) = inferencecache_test_nats::binary() else {
+        return;
+    };
     let dir = temp_dir("replication-cap");
-    let nats = Nats::start(bin, &dir);
+    let nats = NatsServer::start(&bin, &dir);
     let flags = ["--max-entries", "200", "--ttl", "4s"];
     let a = server(&dir, &nats, "a", &flags);
     let b = server(&dir, &nats, "b", &flags);
@@ -530,9 +453,11 @@ async fn the_cap_lfu_credits_and_ttl_decide_the_same_entries_everywhere() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill9_restart_a_new_server_and_a_trimmed_stream_bootstrap_from_the_checkpoint() {
-    let Some(bin) = nats_server_bin() else { return };
+    let Some(bin) = inferencecache_test_nats::binary() else {
+        return;
+    };
     let dir = temp_dir("replication-restart");
-    let nats = Nats::start(bin, &dir);
+    let nats = NatsServer::start(&bin, &dir);
     let a = server(&dir, &nats, "a", &[]);
     let b = server(&dir, &nats, "b", &[]);
     let c = server(&dir, &nats, "c", &[]);
@@ -610,9 +535,11 @@ async fn kill9_restart_a_new_server_and_a_trimmed_stream_bootstrap_from_the_chec
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_down_for_ten_seconds_under_load_then_restarted() {
-    let Some(bin) = nats_server_bin() else { return };
+    let Some(bin) = inferencecache_test_nats::binary() else {
+        return;
+    };
     let dir = temp_dir("replication-outage");
-    let mut nats = Nats::start(bin, &dir);
+    let mut nats = NatsServer::start(&bin, &dir);
     let a = server(&dir, &nats, "a", &[]);
     let b = server(&dir, &nats, "b", &[]);
     let c = server(&dir, &nats, "c", &[]);
@@ -670,9 +597,11 @@ async fn nats_down_for_ten_seconds_under_load_then_restarted() {
 async fn a_lagging_server_whose_next_record_was_trimmed_rebootstraps() {
     use inferencecache_server::replication::record::{Batch, Body, Record};
     use prost::Message;
-    let Some(bin) = nats_server_bin() else { return };
+    let Some(bin) = inferencecache_test_nats::binary() else {
+        return;
+    };
     let dir = temp_dir("replication-lagging");
-    let nats = Nats::start(bin, &dir);
+    let nats = NatsServer::start(&bin, &dir);
     let a = server(&dir, &nats, "a", &[]);
     let b = server(&dir, &nats, "b", &[]);
     wait_ready(&[&a, &b]).await;
@@ -726,9 +655,11 @@ async fn a_lagging_server_whose_next_record_was_trimmed_rebootstraps() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_beyond_the_buffer_during_an_outage_are_dropped_counted_and_missing_everywhere() {
-    let Some(bin) = nats_server_bin() else { return };
+    let Some(bin) = inferencecache_test_nats::binary() else {
+        return;
+    };
     let dir = temp_dir("replication-buffer");
-    let mut nats = Nats::start(bin, &dir);
+    let mut nats = NatsServer::start(&bin, &dir);
     let a = server(&dir, &nats, "a", &["--nats-buffer", "5"]);
     let b = server(&dir, &nats, "b", &[]);
     wait_ready(&[&a, &b]).await;
@@ -759,9 +690,11 @@ async fn records_beyond_the_buffer_during_an_outage_are_dropped_counted_and_miss
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_faster_than_the_stream_waits_for_room_and_nothing_is_dropped() {
-    let Some(bin) = nats_server_bin() else { return };
+    let Some(bin) = inferencecache_test_nats::binary() else {
+        return;
+    };
     let dir = temp_dir("replication-backpressure");
-    let nats = Nats::start(bin, &dir);
+    let nats = NatsServer::start(&bin, &dir);
     let a = server(&dir, &nats, "a", &["--nats-buffer", "2"]);
     let b = server(&dir, &nats, "b", &[]);
     wait_ready(&[&a, &b]).await;

@@ -32,7 +32,7 @@ mod common;
 use common::engines::*;
 use common::server_process::{Server, Stop, server_binary, start_server};
 use serde_json::{Value, json};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -330,64 +330,13 @@ async fn unreachable(engine: Engine, bin: &Path, sources: &Path, dir: &Path) {
     server.stop(Stop::Term).await;
 }
 
-fn nats_server_bin() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let found = std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
-        .map(|d| d.join("nats-server"))
-        .find(|p| p.is_file());
-    if found.is_none() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "nats-server is not installed (.ci/run installs it)"
-        );
-        eprintln!("NOTICE: skipping the replicated pair: nats-server is not installed");
-    }
-    found
-}
-
-/// A `nats-server -js` on loopback, killed by its PID on drop.
-struct Nats {
-    child: std::process::Child,
-    port: u16,
-}
-
-impl Nats {
-    fn start(bin: &Path, dir: &Path) -> Nats {
-        let port = common::free_port();
-        let child = std::process::Command::new(bin)
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(dir.join("nats"))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start nats-server");
-        let started = std::time::Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "nats-server did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Nats { child, port }
-    }
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// 5. A replicated pair; the sidecar's server is killed and it fails over to the other.
 async fn replicated_pair(engine: Engine, bin: &Path, sources: &Path, dir: &Path) {
-    let Some(nats_bin) = nats_server_bin() else {
+    let Some(nats_bin) = inferencecache_test_nats::binary() else {
         return;
     };
-    let nats = Nats::start(&nats_bin, dir);
-    let url = format!("nats://127.0.0.1:{}", nats.port);
+    let nats = inferencecache_test_nats::NatsServer::start(&nats_bin, dir);
+    let url = nats.url();
     let replicated = |id: &'static str| {
         let url = url.clone();
         async move {
