@@ -4,7 +4,7 @@
 # index (round robin), and writes medians, spread and pass bars to bench/results/w1m.md.
 #
 #   bench/run-w1m.sh [--quick] [-n N] [--chains N] [--queries N] [--mimalloc] [--no-peers]
-#                    [--ours-bin FILE] [--out FILE]
+#                    [--ours-bin FILE] [--peers-bin FILE] [--out FILE]
 #
 #   --quick      one process per index (default N = 5)
 #   --chains N   16384 (W1M, default) or 12000 (fan-out variant), 1024 for a smoke look
@@ -12,6 +12,11 @@
 #   --no-peers   InferenceCache only (skips the heavy Dynamo build)
 #   --ours-bin FILE  run this prebuilt `w1m` instead of building ours (A/B of two commits:
 #                build each commit's `w1m` once, then alternate runs of the two binaries)
+#   --peers-bin FILE  run this prebuilt `w1m-peers` instead of building the peers (an A/B
+#                keeps one peers binary for every run)
+#   --keep-json DIR  append each index's per-process JSON lines to DIR/<index>.jsonl (pool
+#                several invocations of an A/B: `w1m --report DIR/*.jsonl` takes medians across
+#                every process of the pool)
 #   --out FILE   write the markdown there instead of bench/results/w1m.md (a section of
 #                bench/RESULTS.md, which bench/run-all.sh assembles)
 #
@@ -28,6 +33,8 @@ ALLOC=system
 PEERS=1
 RESULTS="$ROOT/bench/results/w1m.md"
 OURS_BIN=""
+PEERS_BIN=""
+KEEP_JSON=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) N=1 ;;
@@ -38,7 +45,9 @@ while [ $# -gt 0 ]; do
     --no-peers) PEERS=0 ;;
     --out) RESULTS="$2"; shift ;;
     --ours-bin) OURS_BIN="$2"; shift ;;
-    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    --peers-bin) PEERS_BIN="$2"; shift ;;
+    --keep-json) KEEP_JSON="$2"; shift ;;
+    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -57,7 +66,9 @@ else
     cargo build --release --quiet -p inferencecache-bench --bin w1m "${FEATURES[@]}")
   OURS="$BENCH_TARGET_DIR/release/w1m"
 fi
-if [ "$PEERS" = 1 ]; then
+if [ "$PEERS" = 1 ] && [ -n "$PEERS_BIN" ]; then
+  PEERBIN="$PEERS_BIN"
+elif [ "$PEERS" = 1 ]; then
   echo "== build bench/peers (opt 3, thin LTO, 4 CGU)" >&2
   (cd "$ROOT/bench/peers" && CARGO_TARGET_DIR="$PEERS_TARGET_DIR" nice -n 10 \
     cargo build --release --quiet "${FEATURES[@]}")
@@ -95,6 +106,10 @@ for i in $(seq 1 "$N"); do
 done
 
 REPORT="$("$OURS" --report "$OUT"/*.jsonl)"
+if [ -n "$KEEP_JSON" ]; then
+  mkdir -p "$KEEP_JSON"
+  for file in "$OUT"/*.jsonl; do cat "$file" >>"$KEEP_JSON/$(basename "$file")"; done
+fi
 MODEL="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
 {
   echo "## W1M side by side (P1–P6)"
@@ -112,6 +127,7 @@ MODEL="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
     "$N fresh process(es) per index; medians across processes"
   echo "- Command: \`$CMD\`"
   if [ -n "$OURS_BIN" ]; then echo "- Ours: prebuilt \`$OURS_BIN\` (sha256 $(sha256sum "$OURS_BIN" | cut -c1-12))"; fi
+  if [ -n "$PEERS_BIN" ]; then echo "- Peers: prebuilt \`$PEERS_BIN\` (sha256 $(sha256sum "$PEERS_BIN" | cut -c1-12))"; fi
   if [ "$FAIL" = 1 ]; then
     echo
     echo "**A check failed in at least one process (see the run's stderr): the run is a failure.**"
