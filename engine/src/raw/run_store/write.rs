@@ -339,7 +339,9 @@ impl RunStore {
                         if let Some(n) = keys.get(from + o + AHEAD) {
                             self.table.prefetch(*n, guard);
                         }
-                        slots.insert(*k, slot(pack(run, o)), guard);
+                        // The cut found every key of an absent stretch absent, under this
+                        // writer lock, and the chain has no repeats.
+                        slots.insert_absent(*k, slot(pack(run, o)), guard);
                     }
                     drop(slots);
                     report.added += to - from;
