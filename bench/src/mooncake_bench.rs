@@ -262,6 +262,10 @@ pub struct Args {
     pub quick: bool,
     /// Only measure memory per held block of the first selected index (a fresh process each).
     pub memory: bool,
+    /// Only run this many rounds of closed-loop replays (every selected index and thread count
+    /// in turn each round, so that load changes hit them alike) and print each rate and the
+    /// medians: the quick A/B measurement of an engine change (0 = the full plan).
+    pub saturated: usize,
 }
 
 /// The default trace: the conversation trace next to the repository (`../shared/traces`), or
@@ -286,7 +290,7 @@ pub fn default_trace() -> std::path::PathBuf {
 
 /// Usage text.
 pub const USAGE: &str = "usage: mooncake-replay [--trace FILE] [--requests N] [--copies N] [--workers N] \
-[--capacity BLOCKS] [--threads 1,2] [--index a,b] [--out FILE] [--quick] [--memory]";
+[--capacity BLOCKS] [--threads 1,2] [--index a,b] [--out FILE] [--quick] [--memory] [--saturated ROUNDS]";
 
 impl Args {
     /// Parses `std::env::args`.
@@ -302,6 +306,7 @@ impl Args {
             only: Vec::new(),
             quick: false,
             memory: false,
+            saturated: 0,
         };
         let (mut copies_set, mut requests_set, mut capacity_set) = (false, false, false);
         let mut it = std::env::args().skip(1);
@@ -348,6 +353,7 @@ impl Args {
                 "--out" => a.out = Some(it.next().ok_or("--out needs a file")?.into()),
                 "--quick" => a.quick = true,
                 "--memory" => a.memory = true,
+                "--saturated" => a.saturated = num(it.next(), "--saturated")?,
                 "-h" | "--help" => return Err(USAGE.to_string()),
                 other => return Err(format!("unknown argument {other}\n{USAGE}")),
             }
@@ -419,7 +425,53 @@ pub fn memory(sim: &Simulation, subject: &dyn Subject) -> Result<f64, String> {
     Ok(stats.rss_growth as f64 / sim.held_before_drain.max(1) as f64)
 }
 
-/// The whole binary: `--memory` prints `memory <index> <bytes per held block>` for the first
+/// `rounds` rounds of closed-loop replays of every subject at every thread count it supports
+/// (interleaved, so load changes during the run hit every index alike): one line per replay,
+/// then the median per (index, threads). Returns the medians' report.
+pub fn saturated(
+    sim: &Simulation,
+    subjects: &[Box<dyn Subject>],
+    threads: &[usize],
+    rounds: usize,
+) -> Result<String, String> {
+    let mut rates: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); threads.len()]; subjects.len()];
+    for round in 0..rounds {
+        for (t_index, &t) in threads.iter().enumerate() {
+            for (s_index, s) in subjects.iter().enumerate() {
+                if !s.supports(t) {
+                    continue;
+                }
+                let stats = s.run(sim, t, Pace::ClosedLoop)?;
+                let rate = stats.rate() / 1e6;
+                eprintln!("round {round} {} t{t}: {rate:.3} M blk/s", s.name());
+                rates[s_index][t_index].push(rate);
+            }
+        }
+    }
+    let mut report = String::new();
+    for (s_index, s) in subjects.iter().enumerate() {
+        for (t_index, &t) in threads.iter().enumerate() {
+            let r = &mut rates[s_index][t_index];
+            if r.is_empty() {
+                continue;
+            }
+            r.sort_by(f64::total_cmp);
+            let _ = writeln!(
+                report,
+                "saturated {} t{t}: median {:.3} M blk/s (min {:.3}, max {:.3}, {} runs)",
+                s.name(),
+                r[r.len() / 2],
+                r[0],
+                r[r.len() - 1],
+                r.len()
+            );
+        }
+    }
+    Ok(report)
+}
+
+/// The whole binary: `--saturated N` prints the closed-loop rates only ([`saturated`]);
+/// `--memory` prints `memory <index> <bytes per held block>` for the first
 /// subject; otherwise runs the plan, prints the report (and writes `--out`) and the ratio line
 /// last (with `note` appended). Exit 1 when a check fails, 2 on bad input.
 pub fn main_with(
@@ -438,6 +490,18 @@ pub fn main_with(
         return match memory(sim, first.as_ref()) {
             Ok(bytes) => {
                 println!("memory {} {bytes:.1}", first.name());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("MOONCAKE REPLAY CHECK FAILED: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if args.saturated > 0 {
+        return match saturated(sim, subjects, &args.threads, args.saturated) {
+            Ok(report) => {
+                print!("{report}");
                 ExitCode::SUCCESS
             }
             Err(e) => {

@@ -1223,7 +1223,8 @@ fn slot_value(x: u64) -> SlotValue {
 
 /// Model 13a: a reader looks key `k` up while the writer replaces its value (1 → 2), removes it
 /// and inserts key `j` of the same home, which takes `k`'s vacated slot (a live key after them
-/// keeps the slot vacated rather than empty). The reader answers 1, 2 or nothing, never `j`'s
+/// keeps the slot vacated rather than empty), through `insert_absent` (an ingest's absent
+/// stretch: no probe on to an empty slot). The reader answers 1, 2 or nothing, never `j`'s
 /// 3: its second key load sees the reuse. Afterwards `k` is absent and `j` and the third key
 /// answer their values.
 #[test]
@@ -1250,7 +1251,7 @@ fn m13a_slot_reuse_vs_reader() {
             let mut w = table.lock();
             assert_eq!(w.insert(k, slot_value(2), &guard), Some(slot_value(1)));
             assert_eq!(w.remove(k, &guard), Some(slot_value(2)));
-            assert_eq!(w.insert(j, slot_value(3), &guard), None);
+            w.insert_absent(j, slot_value(3), &guard);
         }
         match reader.join().unwrap() {
             None => outcome("reader found nothing"),
@@ -1262,6 +1263,7 @@ fn m13a_slot_reuse_vs_reader() {
         assert_eq!(table.find(k, &guard), None);
         assert_eq!(table.find(j, &guard), Some(slot_value(3)));
         assert_eq!(table.find(after, &guard), Some(slot_value(9)));
+        assert_eq!(table.len(), 2, "j took k's place");
         assert_eq!(table.capacity(&guard), 8, "no rebuild in this model");
     });
 }

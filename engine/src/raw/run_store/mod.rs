@@ -64,7 +64,13 @@
 //! of a key table value ([`FLAG`]) says the key has one, so a write learns it from the value it
 //! replaces and keeps the copy equal, and every root is a key of the key table. A walk looks
 //! block 0 up there once the key table's summary word admits the key (most absent keys stop at
-//! that word), so its first line is usually cached.
+//! that word), so its first line is usually cached. An ingest whose chain visibly continues a
+//! prefix (its first block's token count, which carries the prefix's tokens by K8, is larger
+//! than its second's: an engine storing the blocks after ones it already reported) gives its
+//! first key no root: that key is no request's block 0, and such roots would fill the table
+//! (on the Mooncake replay, every stored event's first block) and cost each such ingest and
+//! each removal of its key a second table's write. Roots only speed walks up, so a root
+//! missing for any other reason changes no answer.
 //!
 //! # Walk
 //!

@@ -521,6 +521,37 @@ fn stretches(store: &RunStore, request: &[u64]) -> (usize, Vec<(usize, usize, us
 }
 
 #[test]
+fn only_a_chain_that_does_not_continue_a_prefix_gets_a_root_slot() {
+    let store = RunStore::default();
+    let guard = crossbeam_epoch::pin();
+    let writing = Writing {
+        rep: 1,
+        tier: 1,
+        ts_ms: 5,
+    };
+    // Blocks 1–4 from the chain's start, then 5–8 after them: block 5 carries 4 blocks' tokens.
+    store.ingest(&[1, 2, 3, 4], &[16; 4], writing, &guard);
+    assert_eq!(store.root_count(), 1);
+    store.ingest(&[5, 6, 7, 8], &[80, 16, 16, 16], writing, &guard);
+    assert_eq!(store.root_count(), 1, "block 5 continues a prefix");
+    // One block alone, or a first block no larger than the next, reads as a chain's start.
+    store.ingest(&[9], &[80], writing, &guard);
+    store.ingest(&[10, 11], &[16, 16], writing, &guard);
+    assert_eq!(store.root_count(), 3);
+    // Every block answers, with its cumulative tokens (K8), root or not.
+    let (matched, _) = stretches(&store, &(1..=8).collect::<Vec<u64>>());
+    assert_eq!(matched, 8);
+    let tokens = |key: u64| store.holders(key, &guard).expect("present")[0].tokens();
+    assert_eq!([1, 4, 5, 8].map(tokens), [16, 64, 80, 128]);
+    // Removing the blocks leaves no root slot behind.
+    for rep_keys in [&[5u64, 6, 7, 8][..], &[1, 2, 3, 4], &[9], &[10, 11]] {
+        store.evict(rep_keys, 1, &guard);
+    }
+    assert!(store.is_empty());
+    assert_eq!(store.root_count(), 0);
+}
+
+#[test]
 fn a_chain_evicted_from_its_tail_keeps_a_bounded_run() {
     let store = RunStore::default();
     let guard = crossbeam_epoch::pin();

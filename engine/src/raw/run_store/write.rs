@@ -339,7 +339,9 @@ impl RunStore {
                         if let Some(n) = keys.get(from + o + AHEAD) {
                             self.table.prefetch(*n, guard);
                         }
-                        slots.insert(*k, slot(pack(run, o)), guard);
+                        // The cut found every key of an absent stretch absent, under this
+                        // writer lock, and the chain has no repeats.
+                        slots.insert_absent(*k, slot(pack(run, o)), guard);
                     }
                     drop(slots);
                     report.added += to - from;
@@ -434,8 +436,10 @@ impl RunStore {
             }
         }
         w.stretches = stretches;
-        // The chain's first key gets a root slot.
+        // The chain's first key gets a root slot, unless the chain visibly continues a
+        // prefix (module docs, "Root slots").
         if self.options.roots
+            && !continues_a_prefix(counts)
             && let Some(v) = self.table.find(keys[0], guard)
             && v.get() & FLAG == 0
         {
@@ -497,4 +501,11 @@ impl RunStore {
         drop(slots);
         self.release(w, old, keys.len() as u64, guard);
     }
+}
+
+/// Whether a chain with the blocks' own token counts `counts` visibly continues a prefix the
+/// ingest does not name: its first block's count, which carries the prefix's tokens (K8), is
+/// larger than its second block's. Only such a chain's first key is no chain's block 0.
+fn continues_a_prefix(counts: &[i32]) -> bool {
+    matches!(counts, [first, second, ..] if first > second)
 }

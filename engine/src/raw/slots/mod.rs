@@ -342,6 +342,21 @@ impl<'g> View<'g> {
         (None, free.unwrap_or(0))
     }
 
+    /// Writer side: the first vacated or empty slot of `mixed`'s probe sequence, for a key the
+    /// writer knows is absent (its probe need not go on to an empty slot to prove it).
+    fn locate_free(self, mixed: u64) -> usize {
+        let mask = self.mask();
+        let mut i = self.home(mixed);
+        for _ in 0..self.len() {
+            if self.slot(i).value.load(Ordering::Relaxed) == 0 {
+                return i;
+            }
+            i = (i + 1) & mask;
+        }
+        // Unreachable while writers keep an empty slot.
+        0
+    }
+
     /// Writer side: stores `key → value` into slot `i`, vacated or empty (summary bits, key,
     /// then the value that publishes it).
     fn fill(self, i: usize, key: u64, mixed: u64, bits: u64, value: SlotValue) {
@@ -977,6 +992,48 @@ mod tests {
         drop(w);
         assert_eq!(t.find(keys[0], &guard), Some(v(9)));
         assert_eq!(t.capacity(&guard), MIN_SLOTS, "no rebuild");
+    }
+
+    #[test]
+    fn insert_absent_takes_the_first_vacated_slot_and_grows_like_insert() {
+        let seed = 3;
+        let keys = same_home(seed, MIN_SLOTS, 4);
+        let t = SlotTable::with_seed(seed);
+        let guard = epoch::pin();
+        let mut w = t.lock();
+        for (i, k) in keys[..3].iter().enumerate() {
+            w.insert_absent(*k, v(i as u64 + 1), &guard);
+        }
+        // The middle key's slot is vacated; the new key of the same home takes it (no slot
+        // newly used) and the key behind it is still found.
+        assert_eq!(w.remove(keys[1], &guard), Some(v(2)));
+        let used = w.counts.of(0).used;
+        w.insert_absent(keys[3], v(4), &guard);
+        assert_eq!(w.counts.of(0).used, used, "the vacated slot was taken");
+        drop(w);
+        assert_eq!(t.find(keys[3], &guard), Some(v(4)));
+        assert_eq!(t.find(keys[2], &guard), Some(v(3)));
+        assert_eq!(t.find(keys[0], &guard), Some(v(1)));
+        assert_eq!(t.find(keys[1], &guard), None);
+        assert_eq!(t.len(), 3);
+        // Past the split and several rebuilds, with removals leaving vacated slots: the same
+        // keys and capacity as `insert` gives.
+        let key = |x: u64| x.wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17);
+        let (a, b) = (SlotTable::with_seed(seed), SlotTable::with_seed(seed));
+        let (mut wa, mut wb) = (a.lock(), b.lock());
+        for k in 0..20_000u64 {
+            wa.insert_absent(key(k), v(k + 1), &guard);
+            assert_eq!(wb.insert(key(k), v(k + 1), &guard), None);
+            if k % 3 == 0 {
+                assert_eq!(wa.remove(key(k / 2), &guard), wb.remove(key(k / 2), &guard));
+            }
+        }
+        drop((wa, wb));
+        assert_eq!(a.len(), b.len());
+        assert_eq!(a.capacity(&guard), b.capacity(&guard));
+        for k in 0..20_000u64 {
+            assert_eq!(a.find(key(k), &guard), b.find(key(k), &guard), "key {k}");
+        }
     }
 
     /// Keys of one segment (the segment of key 1,000), from 1,000 on.

@@ -91,6 +91,42 @@ impl SlotWriter<'_> {
         None
     }
 
+    /// Sets `key → value` for a key the caller knows is absent (it found none under this
+    /// store's writer lock, and nothing inserted it since): as [`SlotWriter::insert`], but the
+    /// key goes into the first vacated or empty slot of its probe sequence without the probe
+    /// going on to an empty slot to prove the key absent. Under churn, vacated slots make that
+    /// proof the longer part of an insert's probe (a new block of a store's chain, the
+    /// Mooncake replay's most common write).
+    pub fn insert_absent(&mut self, key: u64, value: SlotValue, guard: &Guard) {
+        let seed = self.table.seed;
+        let (mixed, bits) = (mix(seed, key), summary_bits(seed, key));
+        let s = self.segment_index(mixed);
+        let table = match self.current(s, guard) {
+            Some(table) => table,
+            None => self.rebuild(s, 0, guard),
+        };
+        debug_assert!(
+            table.locate(key, mixed).0.is_none(),
+            "insert_absent of a present key"
+        );
+        let free = table.locate_free(mixed);
+        let fills_empty = table.slot(free).key.load(Ordering::Relaxed) == 0;
+        let counts = self.counts.of(s);
+        let used = counts.used as usize + usize::from(fills_empty);
+        if used * 4 > table.len() * 3 {
+            // The growth path is `insert`'s (split or rebuild, then the fresh table's slot).
+            let replaced = self.insert(key, value, guard);
+            debug_assert!(replaced.is_none());
+            return;
+        }
+        table.fill(free, key, mixed, bits, value);
+        let counts = self.counts.of_mut(s);
+        counts.used = used as u32;
+        counts.live += 1;
+        self.counts.live += 1;
+        self.publish_len();
+    }
+
     /// Removes `key`; returns its value, if it was present.
     pub fn remove(&mut self, key: u64, guard: &Guard) -> Option<SlotValue> {
         let mixed = mix(self.table.seed, key);
