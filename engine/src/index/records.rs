@@ -862,7 +862,7 @@ mod tests {
             let spread = if step < 2_000 { 24 } else { 80 };
             let name = format!("r-{}", x % spread);
             if want.contains_key(&name) {
-                if x % 3 == 0 {
+                if x.is_multiple_of(3) {
                     map.remove(&name);
                     want.remove(&name);
                 }
