@@ -56,17 +56,33 @@ pub(crate) fn same_str(a: &str, b: &str) -> bool {
     true
 }
 
+/// A value with an empty form that lives for the whole program: what an [`Rcu`] that holds no
+/// allocation reads as.
+pub(crate) trait StaticEmpty: 'static {
+    /// The empty value.
+    const EMPTY: &'static Self;
+}
+
+impl<T: 'static> StaticEmpty for Vec<T> {
+    const EMPTY: &'static Self = &Vec::new();
+}
+
 /// A read-copy-update cell: wait-free reads, writers copy and swap under a mutex.
-pub(crate) struct Rcu<T> {
+///
+/// A cell that was never written holds no allocation (null) and reads as [`StaticEmpty::EMPTY`]:
+/// every (tenant, model) pair has one for its stats records and most pairs never get one
+/// (issue 42's churned tenants: a boxed empty vector each).
+pub(crate) struct Rcu<T: StaticEmpty> {
     cur: Atomic<T>,
     /// Writer lock.
     lock: Mutex<()>,
 }
 
-impl<T> Rcu<T> {
-    pub(crate) fn new(v: T) -> Self {
+impl<T: StaticEmpty> Rcu<T> {
+    /// An empty cell (no allocation until the first write).
+    pub(crate) fn empty() -> Self {
         Self {
-            cur: Atomic::new(v),
+            cur: Atomic::null(),
             lock: Mutex::new(()),
         }
     }
@@ -74,9 +90,10 @@ impl<T> Rcu<T> {
     /// The current value.
     #[inline]
     pub(crate) fn load<'g>(&self, guard: &'g Guard) -> &'g T {
-        // SAFETY: never null (set in `new`, replaced only by non-null values); old values are
-        // retired through the epoch, so they outlive `guard`.
-        unsafe { self.cur.load(Ordering::Acquire, guard).deref() }
+        // SAFETY: null (never written: the static empty value) or a value published with
+        // Release (loaded with Acquire); old values are retired through the epoch, so they
+        // outlive `guard`.
+        unsafe { self.cur.load(Ordering::Acquire, guard).as_ref() }.unwrap_or(T::EMPTY)
     }
 
     /// Runs `f` on the current value under the writer lock; `Some(new)` replaces it.
@@ -84,18 +101,20 @@ impl<T> Rcu<T> {
         let _l = self.lock.lock();
         let guard = epoch::pin();
         let old = self.cur.load(Ordering::Acquire, &guard);
-        // SAFETY: non-null, see `load`; we hold the writer lock so it is the current value.
-        let (new, r) = f(unsafe { old.deref() });
+        // SAFETY: as in `load`; we hold the writer lock so it is the current value.
+        let (new, r) = f(unsafe { old.as_ref() }.unwrap_or(T::EMPTY));
         if let Some(new) = new {
             self.cur.store(Owned::new(new), Ordering::Release);
-            // SAFETY: `old` is unlinked; readers may hold it until their guard drops.
-            unsafe { guard.defer_destroy(old) };
+            if !old.is_null() {
+                // SAFETY: `old` is unlinked; readers may hold it until their guard drops.
+                unsafe { guard.defer_destroy(old) };
+            }
         }
         r
     }
 }
 
-impl<T> Drop for Rcu<T> {
+impl<T: StaticEmpty> Drop for Rcu<T> {
     fn drop(&mut self) {
         // SAFETY: exclusive access; the current value is owned by the cell.
         unsafe {

@@ -87,7 +87,7 @@ impl DumpPartition {
 
     /// Hash scheme.
     pub fn scheme(&self) -> &str {
-        &self.part.scheme
+        &self.part.scope.scheme
     }
 
     /// Adapter.

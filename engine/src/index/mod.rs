@@ -246,8 +246,9 @@ pub struct Index {
     all_parts_len: AtomicUsize,
     all_models: Mutex<Vec<Arc<ModelRec>>>,
     /// Held while records are created or reclaimed,
-    /// so the sweep never retires a record a creator is linking a child to.
-    records: Mutex<()>,
+    /// so the sweep never retires a record a creator is linking a child to; it guards the
+    /// scheme and adapter names new records share.
+    records: Mutex<records::SharedNames>,
     /// `tenant_evictions` of reclaimed tenants (V5's counter must not go back; record lock).
     retired_quota_evictions: Mutex<HashMap<Arc<str>, u64>>,
     /// Distinct keys in the whole index, reserved included (O3 step 1).
@@ -305,7 +306,7 @@ impl Index {
             all_parts: Mutex::new(Vec::new()),
             all_parts_len: AtomicUsize::new(0),
             all_models: Mutex::new(Vec::new()),
-            records: Mutex::new(()),
+            records: Mutex::new(records::SharedNames::default()),
             retired_quota_evictions: Mutex::new(HashMap::new()),
             total_keys: AtomicI64::new(0),
             storage_entries: AtomicI64::new(0),

@@ -391,13 +391,120 @@ impl std::ops::Index<usize> for ReplicaView<'_> {
 /// Most replicas one scope can name: a holder stores the scope-local index in 20 bits.
 pub(crate) const MAX_SCOPE_REPLICAS: usize = crate::raw::holder::REP_MASK as usize + 1;
 
+/// Ids a scope's [`NameMap`] keeps in a sorted vector before it becomes a B-tree.
+const SMALL_NAME_MAP: usize = 32;
+
+/// A scope's id → local index map, in id order (the neighbours' slots give a new id's label):
+/// a sorted vector, grown one entry at a time, while the scope names at most
+/// [`SMALL_NAME_MAP`] ids, a B-tree from then on. Every scope has one, and most name one or a
+/// few replicas: one (id, index) pair costs 16 bytes in the vector, where a B-tree's first
+/// leaf is 144 (issue 42's churned tenants and models). Past the threshold an insertion or
+/// removal stays O(log n) (a producer inventing ids cannot make each new one cost a copy of
+/// the scope's names); a scope that shrank keeps its B-tree.
+enum NameMap {
+    Small(Vec<(ReplicaId, u32)>),
+    Large(std::collections::BTreeMap<ReplicaId, u32>),
+}
+
+impl Default for NameMap {
+    fn default() -> Self {
+        NameMap::Small(Vec::new())
+    }
+}
+
+impl NameMap {
+    /// Where `name` is, or would be inserted, in the sorted vector.
+    fn search(small: &[(ReplicaId, u32)], name: &str) -> Result<usize, usize> {
+        small.binary_search_by(|(id, _)| (**id).cmp(name))
+    }
+
+    fn get(&self, name: &str) -> Option<u32> {
+        match self {
+            NameMap::Small(small) => Self::search(small, name).ok().map(|k| small[k].1),
+            NameMap::Large(large) => large.get(name).copied(),
+        }
+    }
+
+    /// The indices of the ids just below and just above `name` (absent from the map).
+    fn neighbours(&self, name: &str) -> (Option<u32>, Option<u32>) {
+        use std::ops::Bound::{Excluded, Unbounded};
+        match self {
+            NameMap::Small(small) => {
+                let k = Self::search(small, name).unwrap_or_else(|k| k);
+                let below = k.checked_sub(1).map(|j| small[j].1);
+                (below, small.get(k).map(|&(_, i)| i))
+            }
+            NameMap::Large(large) => (
+                large
+                    .range::<str, _>((Unbounded, Excluded(name)))
+                    .next_back()
+                    .map(|(_, &i)| i),
+                large
+                    .range::<str, _>((Excluded(name), Unbounded))
+                    .next()
+                    .map(|(_, &i)| i),
+            ),
+        }
+    }
+
+    /// Maps `id` (absent) to `i`.
+    fn insert(&mut self, id: ReplicaId, i: u32) {
+        match self {
+            NameMap::Small(small) if small.len() < SMALL_NAME_MAP => {
+                let k = Self::search(small, &id).unwrap_or_else(|k| k);
+                // One entry at a time: the vector holds what the scope names, not a doubling's
+                // spare room (at most SMALL_NAME_MAP entries are moved per insertion).
+                small.reserve_exact(1);
+                small.insert(k, (id, i));
+            }
+            NameMap::Small(small) => {
+                let mut large: std::collections::BTreeMap<ReplicaId, u32> =
+                    std::mem::take(small).into_iter().collect();
+                large.insert(id, i);
+                *self = NameMap::Large(large);
+            }
+            NameMap::Large(large) => {
+                large.insert(id, i);
+            }
+        }
+    }
+
+    fn remove(&mut self, name: &str) {
+        match self {
+            NameMap::Small(small) => {
+                if let Ok(k) = Self::search(small, name) {
+                    small.remove(k);
+                    small.shrink_to_fit();
+                }
+            }
+            NameMap::Large(large) => {
+                large.remove(name);
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            NameMap::Small(small) => small.len(),
+            NameMap::Large(large) => large.len(),
+        }
+    }
+
+    /// Calls `f` with every (id, index), in id order.
+    fn for_each(&self, mut f: impl FnMut(&ReplicaId, u32)) {
+        match self {
+            NameMap::Small(small) => small.iter().for_each(|(id, i)| f(id, *i)),
+            NameMap::Large(large) => large.iter().for_each(|(id, i)| f(id, *i)),
+        }
+    }
+}
+
 /// Writer-side state of a scope's replica names.
 #[derive(Default)]
 pub(crate) struct ScopeNames {
-    /// Id → local index, in id order (the neighbours' slots give a new id's label). Labels
-    /// are read from the slots rather than kept here: a map leaf of (id, index) pairs is 240
-    /// bytes, with the labels it was 384, and every scope has one.
-    by_name: std::collections::BTreeMap<ReplicaId, u32>,
+    /// Id → local index, in id order. Labels are read from the slots rather than kept here
+    /// (every scope has a map, and most scopes name one replica).
+    by_name: NameMap,
     /// Indices of emptied slots, ready for new ids.
     free: Vec<u32>,
 }
@@ -448,7 +555,7 @@ impl ScopeRec {
 
     fn intern_within(&self, name: &str, limit: usize) -> Option<u32> {
         let mut names = self.names.lock();
-        if let Some(&i) = names.by_name.get(name) {
+        if let Some(i) = names.by_name.get(name) {
             // Slots are retired under the name lock, together with their name: a named slot
             // is live.
             let entered = self.slot(i).life.enter();
@@ -467,18 +574,11 @@ impl ScopeRec {
                 next
             }
         };
-        use std::ops::Bound::{Excluded, Unbounded};
-        let lo = names
-            .by_name
-            .range::<str, _>((Unbounded, Excluded(name)))
-            .next_back()
-            .map(|(_, &j)| self.slot(j).label);
-        let hi = names
-            .by_name
-            .range::<str, _>((Excluded(name), Unbounded))
-            .next()
-            .map(|(_, &j)| self.slot(j).label);
-        let label = label_between(lo, hi);
+        let (below, above) = names.by_name.neighbours(name);
+        let label = label_between(
+            below.map(|j| self.slot(j).label),
+            above.map(|j| self.slot(j).label),
+        );
         let id = ReplicaId::intern(name);
         let rec = Arc::new(ScopeReplica {
             name: id.clone(),
@@ -511,14 +611,14 @@ impl ScopeRec {
     /// be given to another id until the caller [`exit`](ScopeRec::exit)s).
     pub(crate) fn enter_existing(&self, name: &str) -> Option<u32> {
         let names = self.names.lock();
-        let &i = names.by_name.get(name)?;
+        let i = names.by_name.get(name)?;
         self.slot(i).life.enter().then_some(i)
     }
 
     /// Local index of `name` if known (tests).
     #[cfg(all(test, not(loom)))]
     pub(crate) fn index_of(&self, name: &str) -> Option<u32> {
-        self.names.lock().by_name.get(name).copied()
+        self.names.lock().by_name.get(name)
     }
 
     /// Ids currently named by the scope.
@@ -546,17 +646,17 @@ impl ScopeRec {
         self.empty_released(&mut names);
         let guard = epoch::pin();
         let mut gone = Vec::new();
-        for (id, &i) in names.by_name.iter() {
+        names.by_name.for_each(|id, i| {
             let rec = self.slot(i);
             if rec.serving.load(Ordering::Acquire) != 0 || !rec.life.try_retire() {
-                continue;
+                return;
             }
             if rec.serving.load(Ordering::Acquire) != 0 {
                 rec.life.revive();
-                continue;
+                return;
             }
             gone.push((id.clone(), i));
-        }
+        });
         let reclaimed = gone.len();
         for (id, i) in gone {
             names.by_name.remove(&id);
@@ -604,12 +704,44 @@ impl ScopeRec {
     }
 }
 
+/// Names kept for the index's scopes and partitions to share (hash schemes and adapters: a
+/// fleet uses a handful, and every churned tenant or model would otherwise carry its own copy
+/// of "vllm" and of the empty adapter, 40 bytes with their counts). Behind the record lock.
+#[derive(Default)]
+pub(crate) struct SharedNames {
+    /// The names handed out last, at most [`SharedNames::KEEP`].
+    recent: Vec<Arc<str>>,
+    /// Where the next name not kept goes once `recent` is full.
+    next: usize,
+}
+
+impl SharedNames {
+    /// Names kept: enough for a fleet's schemes and adapters in use at once; a name not kept
+    /// only costs its record a copy of its own.
+    const KEEP: usize = 8;
+
+    /// `name` as a shared string: a kept copy, else a new one, kept in place of the oldest.
+    pub(crate) fn share(&mut self, name: &str) -> Arc<str> {
+        if let Some(kept) = self.recent.iter().find(|kept| ***kept == *name) {
+            return kept.clone();
+        }
+        let fresh: Arc<str> = name.into();
+        if self.recent.len() < Self::KEEP {
+            self.recent.push(fresh.clone());
+        } else {
+            self.recent[self.next] = fresh.clone();
+            self.next = (self.next + 1) % Self::KEEP;
+        }
+        fresh
+    }
+}
+
 /// A partition: scope + adapter, with its storage and its entries' LFU cells.
 pub(crate) struct Partition {
     pub(crate) tenant: Arc<TenantRec>,
     pub(crate) model: Arc<ModelRec>,
+    /// The scope (its `scheme` is the partition's hash scheme: not kept twice).
     pub(crate) scope: Arc<ScopeRec>,
-    pub(crate) scheme: Arc<str>,
     pub(crate) adapter: Arc<str>,
     pub(crate) store: RunStore,
     pub(crate) lfu: LfuCells,
@@ -627,9 +759,9 @@ impl Partition {
     #[inline]
     pub(crate) fn is_named(&self, t: &str, m: &str, s: &str, a: &str) -> bool {
         same_str(&self.adapter, a)
-            && same_str(&self.scheme, s)
             && same_str(&self.model.name, m)
             && same_str(&self.tenant.name, t)
+            && same_str(&self.scope.scheme, s)
     }
 }
 
@@ -712,6 +844,51 @@ mod tests {
         assert_eq!(labels(&up), 100, "ascending ids get distinct labels");
         assert_eq!(labels(&down), 100, "descending ids get distinct labels");
         assert!(labels(&squeeze) < 100, "one gap halved 99 times ties");
+    }
+
+    /// The name map answers as a B-tree would, below, across and above its switch from a
+    /// sorted vector: lookups, neighbours and order after random insertions and removals.
+    #[test]
+    fn name_map_matches_a_btree() {
+        use std::collections::BTreeMap;
+        let mut map = NameMap::default();
+        let mut want: BTreeMap<String, u32> = BTreeMap::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for step in 0..4_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Few distinct ids at first (the vector), then more (past the switch).
+            let spread = if step < 2_000 { 24 } else { 80 };
+            let name = format!("r-{}", x % spread);
+            if want.contains_key(&name) {
+                if x.is_multiple_of(3) {
+                    map.remove(&name);
+                    want.remove(&name);
+                }
+            } else {
+                let below = want
+                    .range::<String, _>(..name.clone())
+                    .next_back()
+                    .map(|(_, &i)| i);
+                let above = want
+                    .range::<String, _>(name.clone()..)
+                    .next()
+                    .map(|(_, &i)| i);
+                assert_eq!(map.neighbours(&name), (below, above), "step {step}");
+                map.insert(ReplicaId::intern(&name), step);
+                want.insert(name.clone(), step);
+            }
+            assert_eq!(map.get(&name), want.get(&name).copied(), "step {step}");
+            assert_eq!(map.len(), want.len());
+        }
+        assert!(
+            matches!(map, NameMap::Large(_)),
+            "80 ids switch to the B-tree"
+        );
+        let mut got = Vec::new();
+        map.for_each(|id, i| got.push((id.to_string(), i)));
+        assert_eq!(got, want.into_iter().collect::<Vec<_>>());
     }
 
     /// Slot chunks double: every index maps to one place, chunk by chunk, up to the limit.

@@ -96,7 +96,7 @@ impl Index {
             log.removed(&Decided {
                 tenant_id: &part.tenant.name,
                 model_id: &part.model.name,
-                hash_scheme: &part.scheme,
+                hash_scheme: &part.scope.scheme,
                 adapter_id: &part.adapter,
                 replica_id,
                 key,
@@ -306,7 +306,7 @@ impl CapturedHits {
             f(
                 &part.tenant.name,
                 &part.model.name,
-                &part.scheme,
+                &part.scope.scheme,
                 &part.adapter,
                 hit.replica.as_str(),
                 hit.key.as_bytes(),

@@ -120,7 +120,7 @@ impl Index {
             keys: AtomicI64::new(0),
             hot: AtomicI64::new(0),
             gauge: gauge.clone(),
-            stats: crate::directory::Rcu::new(Vec::new()),
+            stats: crate::directory::Rcu::empty(),
             parts: Mutex::new(Vec::new()),
             life: crate::directory::Life::new(),
         });
@@ -176,7 +176,7 @@ impl Index {
         {
             return p;
         }
-        let _records = self.records.lock();
+        let mut records = self.records.lock();
         if let Some(p) = self.part_ref(t, m, s, a, guard) {
             let entered = p.life.enter();
             debug_assert!(
@@ -191,12 +191,12 @@ impl Index {
             .get_or_insert(
                 hash_strs(&[t, m, s]),
                 |r| same_str(&r.tenant, t) && same_str(&r.model, m) && same_str(&r.scheme, s),
-                // The names are the pair's (shared, not copied).
+                // The names are the pair's and the index's (shared, not copied).
                 || {
                     Arc::new(ScopeRec::new(
                         model.tenant.name.clone(),
                         model.name.clone(),
-                        s.into(),
+                        records.share(s),
                     ))
                 },
             )
@@ -205,8 +205,7 @@ impl Index {
             tenant: model.tenant.clone(),
             model: model.clone(),
             scope: scope.clone(),
-            scheme: scope.scheme.clone(),
-            adapter: a.into(),
+            adapter: records.share(a),
             store: crate::raw::run_store::RunStore::default(),
             lfu: crate::raw::lfu::LfuCells::new(),
             keys: AtomicI64::new(0),
@@ -229,7 +228,7 @@ impl Index {
             hash_strs(&[t, m, s, a]),
             |p| {
                 same_str(&p.adapter, a)
-                    && same_str(&p.scheme, s)
+                    && same_str(&p.scope.scheme, s)
                     && same_str(&p.model.name, m)
                     && same_str(&p.tenant.name, t)
             },

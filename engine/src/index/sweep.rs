@@ -183,7 +183,7 @@ impl Index {
             }
         }
         for p in &gone_parts {
-            let h = hash_strs(&[&p.tenant.name, &p.model.name, &p.scheme, &p.adapter]);
+            let h = hash_strs(&[&p.tenant.name, &p.model.name, &p.scope.scheme, &p.adapter]);
             self.parts.remove(h, Arc::as_ptr(p));
             p.model
                 .parts

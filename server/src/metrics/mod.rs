@@ -9,7 +9,9 @@
 //! series only while the index holds it ([`Index::holds_model`]) and only for the first
 //! `--max-metric-models` such models; every other lookup and entry is counted under
 //! `model="_other"`. So a lookup never creates a series for an id the index does not hold, and
-//! a model's series go away at the first scrape after the index lets the model go.
+//! a model's series go away at the first scrape after the index lets the model go. A model's
+//! `lookup_route_latency_seconds` histogram (like `_other`'s) appears with its first lookup: a
+//! scrape would otherwise render an empty 19-sample histogram for every held model admitted.
 //!
 //! Exposition is produced from one structured snapshot ([`Metrics::gather`]) so that `/metrics`
 //! (Prometheus text format 0.0.4) and `StreamMetrics` report exactly the same samples. The
@@ -364,6 +366,15 @@ impl Metrics {
                     }
                 }
             }
+            let count = s.count.load(Ordering::Relaxed);
+            if count == 0 {
+                // A model's latency series start with its first lookup, as `_other`'s do: a
+                // scrape renders 19 samples per series, and every held model is admitted at
+                // the scrape up to the cap, looked up or not. Empty histograms for 1,000
+                // models added 12-18 MiB to the peak RSS of a 20,000-model churn wave
+                // (issue 42, bench/results/churn-waves.md).
+                continue;
+            }
             let mut cumulative = 0u64;
             for (i, le) in LATENCY_BUCKETS.iter().enumerate() {
                 cumulative += s.buckets[i].load(Ordering::Relaxed);
@@ -376,7 +387,6 @@ impl Metrics {
                     cumulative as f64,
                 );
             }
-            let count = s.count.load(Ordering::Relaxed);
             latency.push(
                 "inferencecache_lookup_route_latency_seconds_bucket",
                 vec![
@@ -779,6 +789,43 @@ mod tests {
             )
         );
         assert!(!text.contains("zz") && !text.contains("yy"), "{text}");
+    }
+
+    /// A held model admitted at a scrape has its entries gauge at once and its latency
+    /// histogram from its first lookup on (as `_other`): no empty histogram per held model.
+    #[test]
+    fn latency_series_start_with_the_first_lookup() {
+        let m = Metrics::with_model_cap(4);
+        let index = index_holding(&["a", "b"]);
+        let text = render_text(&m.gather(&index));
+        assert!(
+            text.contains("inferencecache_index_entries{model=\"a\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("inferencecache_index_entries{model=\"b\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("inferencecache_lookup_route_latency_seconds_count{"),
+            "{text}"
+        );
+        m.observe_lookup(&index, "b", Reason::NoHint, false, Duration::from_micros(1));
+        let text = render_text(&m.gather(&index));
+        assert!(
+            text.contains("inferencecache_lookup_route_latency_seconds_count{model=\"b\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "inferencecache_lookup_route_latency_seconds_bucket{model=\"b\",le=\"+Inf\"} 1\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            !text.contains("inferencecache_lookup_route_latency_seconds_count{model=\"a\"}"),
+            "{text}"
+        );
     }
 
     #[test]

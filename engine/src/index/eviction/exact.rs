@@ -40,7 +40,7 @@ impl Index {
                             rank,
                             p.tenant.name.clone(),
                             p.model.name.clone(),
-                            p.scheme.clone(),
+                            p.scope.scheme.clone(),
                             p.adapter.clone(),
                             key.as_ref().to_vec(),
                             reps[rep as usize].name.clone(),
@@ -87,7 +87,7 @@ impl Index {
                     let full = (
                         run_age(run),
                         p.model.name.clone(),
-                        p.scheme.clone(),
+                        p.scope.scheme.clone(),
                         p.adapter.clone(),
                         KeyBytes::new(digest, run.long_key(o)).as_ref().to_vec(),
                     );
