@@ -273,23 +273,26 @@ impl Tokenizers {
     /// Adds the segment cache (crate docs), holding about `capacity_bytes` at most; 0 means
     /// none. Models whose tokenizer it cannot serve are logged once (INFO) and encode whole.
     #[must_use]
-    pub fn with_segment_cache(mut self, capacity_bytes: u64) -> Tokenizers {
+    pub fn with_segment_cache(self, capacity_bytes: u64) -> Tokenizers {
         #[cfg(feature = "hf")]
-        {
-            if capacity_bytes == 0 {
-                self.segment_cache = None;
-                return self;
-            }
-            for (id, model) in &self.models {
-                if let Some(reason) = model.uncacheable() {
-                    tracing::info!(model = %id, %reason, "tokenize: segment cache off for this model, prompts encode whole");
+        let out = {
+            let mut out = self;
+            out.segment_cache = (capacity_bytes > 0).then(|| {
+                for (id, model) in &out.models {
+                    if let Some(reason) = model.uncacheable() {
+                        tracing::info!(model = %id, %reason, "tokenize: segment cache off for this model, prompts encode whole");
+                    }
                 }
-            }
-            self.segment_cache = Some(segments::SegmentCache::new(capacity_bytes));
-        }
+                segments::SegmentCache::new(capacity_bytes)
+            });
+            out
+        };
         #[cfg(not(feature = "hf"))]
-        let _ = capacity_bytes;
-        self
+        let out = {
+            let _ = capacity_bytes;
+            self
+        };
+        out
     }
 
     /// The segment cache's counters, when [`with_segment_cache`](Self::with_segment_cache)
