@@ -981,6 +981,8 @@ async fn epp_latency_benchmark() {
             .map(|l| l.split(' ').take(3).collect::<Vec<_>>().join(" "))
             .unwrap_or_default()
     };
+    // On a line of its own: the test harness has written "test … " without a newline.
+    println!();
     println!("# load average at the start: {}", load_average());
     let dir = temp_dir("epp-bench");
     let models = models_dir(&dir);
