@@ -60,6 +60,12 @@
 //! dedicated pool), bound the concurrency, and abandon the result when the deadline fires.
 //! [`Tokenizers`] is `Send + Sync` and meant to be shared behind an `Arc`.
 //!
+//! What a call does not pay for: the tokenizer is never cloned or configured per call (one
+//! instance per model, truncation and padding cleared at load); a single text is encoded on the
+//! calling thread (`encode_fast` of one input, no rayon); the chat template is compiled once at
+//! load (a call only looks it up and renders); and with the segment cache, only the pieces not
+//! seen before are encoded.
+//!
 //! # Features
 //!
 //! `hf` (default): the `tokenizers` (pure-Rust `fancy-regex` backend) and `minijinja`
