@@ -9,12 +9,22 @@
 # Prints Markdown for bench/results/epp-latency.md: every run, then per gateway the medians
 # over the rounds, the latency added (the gateway's median minus round robin's) and the
 # picker's own time per pick (body parse, template, tokenizer, in-process lookup, rank) from
-# its histogram `inferencecache_epp_pick_latency_seconds`: the mean, and the bucket bound
-# holding the 99th percentile. Latency runs from each request's due time (start + i / rate)
-# to the end of its response: a request the client sends late counts against the gateway.
-# The load generator, the three engines (one process, in-process HTTP servers that answer at
-# once), Envoy (2 workers) and the server share the host's cores: the load average printed at
-# the start and the end says how busy the host was.
+# its histogram `inferencecache_epp_pick_latency_seconds`: the mean, and the 99th percentile
+# interpolated within its bucket; then the tokenizer's segment-cache counters.
+#
+# Measured alike on both sides: the same client (in the test process, 64 keep-alive HTTP/1.1
+# connections, 2 runtime threads), the same three engines and the same requests go through
+# each gateway; only Envoy's ext_proc filter differs. Two latencies per request: from its due
+# time (start + i / rate; a request the client sends late counts against the gateway: open
+# loop) and its service time (from the moment the client wrote it, without the client's own
+# lateness, whose p99 is printed too). The engines are cheap: one process, in-process HTTP
+# servers that read the body and answer a fixed completion at once, recording nothing. Each
+# request is a chat conversation of one of 50 system prompts (about 180 tokens, each cached at
+# one engine) and a 10-word question no earlier request asked, so the picker encodes a new
+# piece every time while the system prompt repeats. The client, the engines, Envoy (2 workers)
+# and the server share the host's cores: the load average printed at the start and the end
+# says how busy the host was. EPP_BENCH_SERVER_ARGS adds server flags (an A/B, e.g.
+# `--tokenizer-segment-cache-bytes=0`).
 #
 # The server is built optimized (the release profile without fat LTO, to keep the build short;
 # set EPP_BENCH_PROFILE=dev to measure the debug build instead).

@@ -46,6 +46,10 @@ pub struct Cli {
     /// Tokenizer tree for prompt_text lookups.
     #[arg(long)]
     pub tokenizer_models_dir: Option<String>,
+    /// Bytes of the tokenizer's segment cache (ids of the text between special tokens, shared
+    /// by the models; 0 = off).
+    #[arg(long, default_value_t = DEFAULT_TOKENIZER_SEGMENT_CACHE_BYTES)]
+    pub tokenizer_segment_cache_bytes: u64,
     /// Log format: json or text.
     #[arg(long, default_value = "json")]
     pub log_format: String,
@@ -187,6 +191,10 @@ pub struct Cli {
 /// Default `--epp-max-body-bytes`: the endpoint picker's request body limit.
 pub const DEFAULT_EPP_MAX_BODY_BYTES: u64 = 4 << 20;
 
+/// Default of `--tokenizer-segment-cache-bytes`: 64 MiB, about 100,000 pieces of a few hundred
+/// tokens (a fleet's system prompts and recent conversations' turns).
+pub const DEFAULT_TOKENIZER_SEGMENT_CACHE_BYTES: u64 = 64 << 20;
+
 const BOOL_FLAGS: &[&str] = &["insecure-disable-auth", "help", "version"];
 
 /// Rewrites single-dash long flags (`-grpc-bind-address`) into double-dash form. Short flags
@@ -218,6 +226,8 @@ pub struct Settings {
     pub tls: Option<crate::tls::TlsFiles>,
     /// Tokenizer tree for `prompt_text` lookups.
     pub tokenizer_models_dir: Option<std::path::PathBuf>,
+    /// Bound of the tokenizer's segment cache in bytes (0: none).
+    pub tokenizer_segment_cache_bytes: u64,
     /// The configuration file, when one was given (its policy layer is reloaded).
     pub config_file: Option<(std::path::PathBuf, crate::config_file::ConfigFile)>,
     /// Memory and rate limits (`docs/robustness.md`).
@@ -341,6 +351,7 @@ impl Settings {
             sweep_interval: positive_or(sweep_interval, Duration::from_secs(60)),
             tls,
             tokenizer_models_dir: cli.tokenizer_models_dir.as_ref().map(Into::into),
+            tokenizer_segment_cache_bytes: cli.tokenizer_segment_cache_bytes,
             config_file,
             limits: crate::limits::Limits {
                 max_chain_length: cli.max_chain_length,

@@ -239,7 +239,8 @@ fn load_tokenizers(
 ) -> Option<std::sync::Arc<dyn inferencecache_tokenize::PromptTokenizer>> {
     let dir = settings.tokenizer_models_dir.as_ref()?;
     Some(std::sync::Arc::new(
-        inferencecache_tokenize::Tokenizers::load(dir),
+        inferencecache_tokenize::Tokenizers::load(dir)
+            .with_segment_cache(settings.tokenizer_segment_cache_bytes),
     ))
 }
 

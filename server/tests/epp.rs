@@ -23,23 +23,26 @@ struct Picker {
 }
 
 async fn start(name: &str) -> Picker {
+    start_with(name, &[]).await
+}
+
+async fn start_with(name: &str, extra: &[&str]) -> Picker {
     let dir = temp_dir(name);
     let models = models_dir(&dir);
     let port = free_port();
     let bind = format!("127.0.0.1:{port}");
-    let server = ServerProcess::start(
-        &dir,
-        &[
-            "--tokenizer-models-dir",
-            models.to_str().unwrap(),
-            "--epp-bind-address",
-            &bind,
-            "--epp-tenant",
-            "t",
-            "--epp-max-body-bytes",
-            "65536",
-        ],
-    );
+    let mut args = vec![
+        "--tokenizer-models-dir",
+        models.to_str().unwrap(),
+        "--epp-bind-address",
+        &bind,
+        "--epp-tenant",
+        "t",
+        "--epp-max-body-bytes",
+        "65536",
+    ];
+    args.extend_from_slice(extra);
+    let server = ServerProcess::start(&dir, &args);
     server.wait_ready().await;
     let addr: SocketAddr = bind.parse().unwrap();
     let started = Instant::now();
@@ -176,6 +179,69 @@ async fn cached_prefix_is_picked_and_the_body_comes_back_unchanged() {
     )
     .await;
     assert_eq!(answer.endpoints()[0], ENDPOINT_A);
+}
+
+/// The tokenizer's segment cache (docs/epp.md): a repeated system prompt is encoded once, the
+/// picks are the same with the cache off, and its counters say exactly what it did.
+#[tokio::test]
+async fn a_repeated_system_prompt_is_encoded_once() {
+    let system = words(100, 120);
+    let questions = ["w7 w8 w9", "w10 w11", "w12"];
+    let mut picks = Vec::new();
+    for (name, extra) in [
+        ("epp-segments", &[][..]),
+        (
+            "epp-segments-off",
+            &["--tokenizer-segment-cache-bytes", "0"][..],
+        ),
+    ] {
+        let picker = start_with(name, extra).await;
+        cache(&picker, "rb", &chat_tokens(&[("system", system.as_str())])).await;
+        let mut endpoints = Vec::new();
+        for question in questions {
+            let body = chat_body(&[("system", system.as_str()), ("user", question)], false);
+            let answer = ext_proc_request(
+                picker.addr,
+                "/v1/chat/completions",
+                &[],
+                body.as_bytes(),
+                4096,
+            )
+            .await;
+            endpoints.push(answer.endpoints());
+        }
+        let sample = |name: &str| format!("inferencecache_tokenizer_segment_cache_{name}");
+        let counters = [
+            metric(&picker, &sample("lookups_total{result=\"hit\"}")).await,
+            metric(&picker, &sample("lookups_total{result=\"miss\"}")).await,
+            metric(&picker, &sample("hit_tokens_total")).await,
+            metric(&picker, &sample("capacity_bytes")).await,
+        ];
+        if extra.is_empty() {
+            // ChatML pieces between the markers: "system\n…", "\n", "user\n…", "\n",
+            // "assistant\n". The first request misses all but its second "\n"; the next two
+            // miss only their question. Hit ids: "system" + 120 words + "assistant", twice.
+            assert_eq!(counters, [9.0, 6.0, 244.0, 67_108_864.0], "{name}");
+            let entries = metric(&picker, &sample("entries")).await;
+            assert_eq!(entries, 6.0);
+        } else {
+            assert_eq!(counters, [0.0, 0.0, 0.0, 0.0], "{name}");
+        }
+        assert_eq!(
+            metric(&picker, "inferencecache_epp_picks_total{reason=\"prefix\"}").await,
+            3.0,
+            "{name}"
+        );
+        picks.push(endpoints);
+    }
+    assert_eq!(
+        picks[0], picks[1],
+        "the same picks with and without the cache"
+    );
+    assert!(
+        picks[0].iter().all(|e| e == &[ENDPOINT_B, ENDPOINT_A]),
+        "{picks:?}"
+    );
 }
 
 #[tokio::test]

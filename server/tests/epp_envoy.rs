@@ -827,37 +827,78 @@ async fn exchange(
     Ok(status)
 }
 
+/// The benchmark's requests: chat conversations of one of 50 system prompts (about 180
+/// tokens, each cached at one engine) and a user question of 10 words that no earlier request
+/// asked (its words spell the request's number), so the picker tokenizes a new piece every
+/// time, as with real traffic, while the system prompt repeats.
+#[derive(Clone)]
+struct Requests {
+    systems: std::sync::Arc<Vec<String>>,
+    issued: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Requests {
+    fn new(systems: Vec<String>) -> Self {
+        Self {
+            systems: std::sync::Arc::new(systems),
+            issued: std::sync::Arc::default(),
+        }
+    }
+
+    /// The next request, as HTTP/1.1 bytes.
+    fn next(&self) -> Vec<u8> {
+        let n = self
+            .issued
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let system = &self.systems[usize::try_from(n).unwrap_or(0) % self.systems.len()];
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        let question = format!(
+            "w{} w{} {}",
+            n % WORDS,
+            (n / WORDS) % WORDS,
+            words(7000 + n % 50, 8)
+        );
+        let body = chat_body(&[("system", system), ("user", &question)], false);
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    }
+}
+
+/// One open-loop run's latencies, in microseconds.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    /// From each request's due time to the end of its response (open loop: a late send counts).
+    p50: u64,
+    p99: u64,
+    max: u64,
+    /// From the moment the request was written to the end of its response (what the gateway
+    /// and the engines took, without the client's own lateness in sending).
+    service_p50: u64,
+    service_p99: u64,
+    /// How late the client wrote requests (timer granularity and scheduling), p99.
+    send_late_p99: u64,
+    errors: u64,
+}
+
 /// Open-loop load: request `i` is due at `start + i / rate`; its latency runs from that due
-/// time to the end of its response (a late send counts against the gateway, not hidden).
-/// Returns (p50, p99, max, errors) in microseconds.
-async fn open_loop(
-    gateway: SocketAddr,
-    rate: u64,
-    seconds: u64,
-    bodies: &[String],
-) -> (u64, u64, u64, u64) {
+/// time to the end of its response (a late send counts against the gateway, not hidden), and
+/// its service time from the moment it was written. The client is the same for every gateway,
+/// so both are measured alike on each side.
+async fn open_loop(gateway: SocketAddr, rate: u64, seconds: u64, requests: &Requests) -> Run {
     let total = rate * seconds;
     let interval = Duration::from_nanos(1_000_000_000 / rate);
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let errors = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let requests: std::sync::Arc<Vec<Vec<u8>>> = std::sync::Arc::new(
-        bodies
-            .iter()
-            .map(|b| {
-                format!(
-                    "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
-                    b.len()
-                )
-                .into_bytes()
-            })
-            .collect(),
-    );
     let start = tokio::time::Instant::now() + Duration::from_millis(100);
     let mut tasks = Vec::new();
     for _ in 0..64 {
         let (next, errors, requests) = (next.clone(), errors.clone(), requests.clone());
         tasks.push(tokio::spawn(async move {
-            let mut latencies = Vec::new();
+            // (open-loop latency, service time, send lateness) per request.
+            let mut samples: Vec<(u64, u64, u64)> = Vec::new();
             let mut stream =
                 tokio::io::BufReader::new(tokio::net::TcpStream::connect(gateway).await.unwrap());
             loop {
@@ -866,10 +907,19 @@ async fn open_loop(
                     break;
                 }
                 let due = start + interval * u32::try_from(i).unwrap();
+                // Built before the due time: what the client spends on it is not measured.
+                let request = requests.next();
                 tokio::time::sleep_until(due).await;
-                let request = &requests[usize::try_from(i).unwrap() % requests.len()];
-                match exchange(&mut stream, request).await {
-                    Ok(200) => latencies.push(u64::try_from(due.elapsed().as_micros()).unwrap()),
+                let sent = tokio::time::Instant::now();
+                match exchange(&mut stream, &request).await {
+                    Ok(200) => {
+                        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap();
+                        samples.push((
+                            micros(due.elapsed()),
+                            micros(sent.elapsed()),
+                            micros(sent.saturating_duration_since(due)),
+                        ));
+                    }
                     _ => {
                         errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         stream = tokio::io::BufReader::new(
@@ -878,21 +928,29 @@ async fn open_loop(
                     }
                 }
             }
-            latencies
+            samples
         }));
     }
-    let mut all = Vec::new();
+    let mut samples = Vec::new();
     for task in tasks {
-        all.extend(task.await.unwrap());
+        samples.extend(task.await.unwrap());
     }
-    all.sort_unstable();
-    let at = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len() - 1)];
-    (
-        at(0.50),
-        at(0.99),
-        *all.last().unwrap(),
-        errors.load(std::sync::atomic::Ordering::Relaxed),
-    )
+    let quantile = |mut values: Vec<u64>, q: f64| -> u64 {
+        values.sort_unstable();
+        values[((values.len() as f64 * q) as usize).min(values.len() - 1)]
+    };
+    let open: Vec<u64> = samples.iter().map(|s| s.0).collect();
+    let service: Vec<u64> = samples.iter().map(|s| s.1).collect();
+    let late: Vec<u64> = samples.iter().map(|s| s.2).collect();
+    Run {
+        p50: quantile(open.clone(), 0.50),
+        p99: quantile(open.clone(), 0.99),
+        max: quantile(open, 1.0),
+        service_p50: quantile(service.clone(), 0.50),
+        service_p99: quantile(service, 0.99),
+        send_late_p99: quantile(late, 0.99),
+        errors: errors.load(std::sync::atomic::Ordering::Relaxed),
+    }
 }
 
 /// The picker's added latency (bench/epp-latency.sh; recorded in bench/results/epp-latency.md):
@@ -903,7 +961,9 @@ async fn open_loop(
 /// engines. Prints every run, the medians over the rounds, the latency the picker adds
 /// (median minus the round-robin median), and the picker's own time per pick from its
 /// histogram, per configuration.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+// Two workers for the client and the engines: the host has two cores, shared with Envoy and
+// the picker, and more threads would only add scheduling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: bench/epp-latency.sh"]
 async fn epp_latency_benchmark() {
     let Some(envoy) = envoy_bin() else { return };
@@ -921,22 +981,30 @@ async fn epp_latency_benchmark() {
             .map(|l| l.split(' ').take(3).collect::<Vec<_>>().join(" "))
             .unwrap_or_default()
     };
+    // On a line of its own: the test harness has written "test … " without a newline.
+    println!();
     println!("# load average at the start: {}", load_average());
     let dir = temp_dir("epp-bench");
     let models = models_dir(&dir);
     let engines = [
-        FakeEngine::start("e0").await,
-        FakeEngine::start("e1").await,
-        FakeEngine::start("e2").await,
+        FakeEngine::start_quiet("e0").await,
+        FakeEngine::start_quiet("e1").await,
+        FakeEngine::start_quiet("e2").await,
     ];
     let addrs: Vec<SocketAddr> = engines.iter().map(|e| e.addr).collect();
-    let (server, picker) = picker_server(&dir, &models, &["--log-level", "warn"]);
+    // EPP_BENCH_SERVER_ARGS: more flags for the server (an A/B of a setting, e.g.
+    // `--tokenizer-segment-cache-bytes=0`).
+    let extra = std::env::var("EPP_BENCH_SERVER_ARGS").unwrap_or_default();
+    let mut args = vec!["--log-level", "warn"];
+    args.extend(extra.split_whitespace());
+    println!("# server flags: {}", args.join(" "));
+    let (server, picker) = picker_server(&dir, &models, &args);
     server.wait_ready().await;
     wait_listening(picker).await;
     for (i, engine) in engines.iter().enumerate() {
         announce(&server, &format!("r{i}"), &engine.endpoint()).await;
     }
-    let mut bodies = Vec::new();
+    let mut systems = Vec::new();
     for p in 0..50u32 {
         let system = words(100 + 200 * p, 180);
         cache(
@@ -945,14 +1013,9 @@ async fn epp_latency_benchmark() {
             &chat_tokens(&[("system", system.as_str())])[..176],
         )
         .await;
-        for q in 0..4u32 {
-            let question = words(7000 + 20 * q + p, 10);
-            bodies.push(chat_body(
-                &[("system", system.as_str()), ("user", &question)],
-                false,
-            ));
-        }
+        systems.push(system);
     }
+    let bodies = Requests::new(systems);
     let configurations = [
         ("round robin, no picker", "OFF"),
         ("picker, BUFFERED request body", "BUFFERED/NONE"),
@@ -975,21 +1038,27 @@ async fn epp_latency_benchmark() {
     };
     // Per configuration: (p50, p99, max, errors) of every round, and the pick histogram's
     // growth over its runs.
-    let mut runs: Vec<Vec<(u64, u64, u64, u64)>> = vec![Vec::new(); configurations.len()];
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); configurations.len()];
     let mut picks: Vec<PickHistogram> = vec![PickHistogram::default(); configurations.len()];
-    println!("| Round | Gateway | req/s | duration | p50 ms | p99 ms | max ms | errors |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| Round | Gateway | req/s | duration | p50 ms | p99 ms | max ms | service p50 ms | service p99 ms | send late p99 ms | errors |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for round in 1..=rounds {
         for (c, ((name, _), proxy)) in configurations.iter().zip(&proxies).enumerate() {
             let before = histogram().await;
             let run = open_loop(proxy.addr, rate, seconds, &bodies).await;
             picks[c].add_growth(&before, &histogram().await);
+            let ms = |micros: u64| micros as f64 / 1000.0;
             println!(
-                "| {round} | {name} | {rate} | {seconds} s | {:.2} | {:.2} | {:.2} | {} |",
-                run.0 as f64 / 1000.0,
-                run.1 as f64 / 1000.0,
-                run.2 as f64 / 1000.0,
-                run.3
+                "| {round} | {name} | {rate} | {seconds} s | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
+                ms(run.p50),
+                ms(run.p99),
+                ms(run.max),
+                ms(run.service_p50),
+                ms(run.service_p99),
+                ms(run.send_late_p99),
+                run.errors
             );
             runs[c].push(run);
         }
@@ -999,36 +1068,54 @@ async fn epp_latency_benchmark() {
         values.sort_unstable();
         values[values.len() / 2] as f64 / 1000.0
     };
-    let medians: Vec<(f64, f64)> = runs
+    // Per configuration, the medians over the rounds: (p50, p99, service p50, service p99).
+    let medians: Vec<[f64; 4]> = runs
         .iter()
         .map(|r| {
-            (
-                median(r.iter().map(|x| x.0).collect()),
-                median(r.iter().map(|x| x.1).collect()),
-            )
+            [
+                median(r.iter().map(|x| x.p50).collect()),
+                median(r.iter().map(|x| x.p99).collect()),
+                median(r.iter().map(|x| x.service_p50).collect()),
+                median(r.iter().map(|x| x.service_p99).collect()),
+            ]
         })
         .collect();
     println!("# load average at the end: {}", load_average());
     println!();
     println!(
-        "| Gateway (median of {rounds} rounds) | p50 ms | p99 ms | added p50 ms | added p99 ms | picks | pick mean µs | pick p99 µs (bucket bound) |"
+        "| Gateway (median of {rounds} rounds) | p50 ms | p99 ms | added p50 ms | added p99 ms | added service p50 ms | added service p99 ms | picks | pick mean µs | pick p99 µs |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for (c, (name, _)) in configurations.iter().enumerate() {
-        let (p50, p99) = medians[c];
-        let (added50, added99) = if c == 0 {
-            ("—".to_owned(), "—".to_owned())
-        } else {
-            (
-                format!("{:+.2}", p50 - medians[0].0),
-                format!("{:+.2}", p99 - medians[0].1),
-            )
-        };
-        let (count, mean, p99_bound) = picks[c].summary();
+        let [p50, p99, ..] = medians[c];
+        let added: Vec<String> = (0..4)
+            .map(|k| {
+                if c == 0 {
+                    "—".to_owned()
+                } else {
+                    format!("{:+.2}", medians[c][k] - medians[0][k])
+                }
+            })
+            .collect();
+        let (count, mean, p99_pick) = picks[c].summary();
         println!(
-            "| {name} | {p50:.2} | {p99:.2} | {added50} | {added99} | {count} | {mean} | {p99_bound} |"
+            "| {name} | {p50:.2} | {p99:.2} | {} | {} | {} | {} | {count} | {mean} | {p99_pick} |",
+            added[0], added[1], added[2], added[3]
         );
     }
+    let (_, _, metrics) = common::http_request(http, "GET", "/metrics", "").await;
+    for line in metrics
+        .lines()
+        .filter(|l| l.starts_with("inferencecache_tokenizer_segment_cache_"))
+    {
+        println!("# {line}");
+    }
+    println!();
+    println!(
+        "# p50/p99: from each request's due time (open loop); service: from the moment the client \
+         wrote it; added: the gateway's median minus round robin's. Pick: the picker's own time per \
+         pick (inferencecache_epp_pick_latency_seconds; p99 interpolated within its bucket)."
+    );
 }
 
 /// The picker's `inferencecache_epp_pick_latency_seconds` histogram: (bound in seconds,
@@ -1058,23 +1145,31 @@ impl PickHistogram {
         self.count += after.count - before.count;
     }
 
-    /// (picks, mean µs, the bucket bound holding the 99th percentile).
+    /// (picks, mean µs, the 99th percentile in µs, interpolated linearly within the bucket
+    /// that holds it, as Prometheus' `histogram_quantile` does).
     fn summary(&self) -> (String, String, String) {
         if self.count == 0.0 {
             return ("0".into(), "—".into(), "—".into());
         }
         let target = self.count * 0.99;
-        let bound = self
-            .buckets
-            .iter()
-            .find(|(_, cumulative)| *cumulative >= target)
-            .map_or("> largest bucket".to_owned(), |(b, _)| {
-                format!("≤ {:.0}", b * 1e6)
-            });
+        let mut lower = (0.0, 0.0);
+        let mut p99 = "> largest bucket".to_owned();
+        for &(bound, cumulative) in &self.buckets {
+            if cumulative >= target {
+                let within = if cumulative > lower.1 {
+                    (target - lower.1) / (cumulative - lower.1)
+                } else {
+                    1.0
+                };
+                p99 = format!("{:.0}", (lower.0 + (bound - lower.0) * within) * 1e6);
+                break;
+            }
+            lower = (bound, cumulative);
+        }
         (
             format!("{:.0}", self.count),
             format!("{:.0}", self.sum / self.count * 1e6),
-            bound,
+            p99,
         )
     }
 }

@@ -16,6 +16,11 @@ const TEMPLATE_NAME: &str = "chat_template";
 pub(crate) struct Model {
     tokenizer: Tokenizer,
     chat: Option<ChatTemplate>,
+    /// Why the segment cache cannot serve this tokenizer (`None`: it can), from
+    /// [`crate::segments::cacheable`] at load.
+    uncacheable: Option<String>,
+    /// This model's part of the segment cache's key (its load order).
+    slot: u32,
 }
 
 struct ChatTemplate {
@@ -72,7 +77,23 @@ impl Model {
                 })
             }
         };
-        Ok(Model { tokenizer, chat })
+        let uncacheable = crate::segments::cacheable(&tokenizer).err();
+        Ok(Model {
+            tokenizer,
+            chat,
+            uncacheable,
+            slot: 0,
+        })
+    }
+
+    /// Sets this model's part of the segment cache's key (unique per loaded model).
+    pub(crate) fn set_slot(&mut self, slot: u32) {
+        self.slot = slot;
+    }
+
+    /// Why the segment cache cannot serve this model (`None`: it can).
+    pub(crate) fn uncacheable(&self) -> Option<&str> {
+        self.uncacheable.as_deref()
     }
 
     pub(crate) fn has_chat_template(&self) -> bool {
@@ -121,16 +142,31 @@ impl Model {
     }
 
     /// Encodes text; `add_special_tokens` controls the post-processor (BOS/EOS insertion).
-    /// Special tokens written *in* the text (`<|im_start|>`) are always recognised.
+    /// Special tokens written *in* the text (`<|im_start|>`) are always recognised. Without
+    /// added special tokens and with a `cache`, the pieces between added tokens come from the
+    /// segment cache when this tokenizer allows it (the ids are the same: `segments.rs`).
     pub(crate) fn encode(
         &self,
         text: &str,
         add_special_tokens: bool,
+        cache: Option<&crate::segments::SegmentCache>,
     ) -> Result<Vec<u32>, TokenizeError> {
-        self.tokenizer
-            .encode_fast(text, add_special_tokens)
-            .map(|enc| enc.get_ids().to_vec())
-            .map_err(|e| TokenizeError::Encode(e.to_string()))
+        match cache {
+            Some(cache) if !add_special_tokens && self.uncacheable.is_none() => {
+                cache.encode(&self.tokenizer, self.slot, text)
+            }
+            _ => {
+                if let Some(cache) = cache
+                    && !add_special_tokens
+                {
+                    cache.count_plain_encode();
+                }
+                self.tokenizer
+                    .encode_fast(text, add_special_tokens)
+                    .map(|enc| enc.get_ids().to_vec())
+                    .map_err(|e| TokenizeError::Encode(e.to_string()))
+            }
+        }
     }
 }
 

@@ -35,6 +35,16 @@
 //! [`Tokenizers::encode_raw`] (tests and tools) encodes text directly, **adding** special tokens,
 //! and rejects text containing NUL.
 //!
+//! # Segment cache
+//!
+//! [`Tokenizers::with_segment_cache`] adds a cache, bounded in bytes and shared by every model,
+//! from the text between two added tokens (`<|im_start|>`, `<|im_end|>`, ...) to its ids: a
+//! chat prompt's system prompt and earlier turns are encoded once, and only the new pieces of a
+//! later prompt are. The ids are the same as without it (the tokenizer splits on added tokens
+//! before anything else; the module `segments` says why, and which tokenizers it refuses: those
+//! encode whole). It serves the chat encodes (no added special tokens), not
+//! [`Tokenizers::encode_raw`]. [`PromptTokenizer::segment_cache_stats`] reports its counters.
+//!
 //! # Safety rules
 //!
 //! A request-supplied model id is only ever looked up in the map built at startup: it is never
@@ -50,6 +60,12 @@
 //! dedicated pool), bound the concurrency, and abandon the result when the deadline fires.
 //! [`Tokenizers`] is `Send + Sync` and meant to be shared behind an `Arc`.
 //!
+//! What a call does not pay for: the tokenizer is never cloned or configured per call (one
+//! instance per model, truncation and padding cleared at load); a single text is encoded on the
+//! calling thread (`encode_fast` of one input, no rayon); the chat template is compiled once at
+//! load (a call only looks it up and renders); and with the segment cache, only the pieces not
+//! seen before are encoded.
+//!
 //! # Features
 //!
 //! `hf` (default): the `tokenizers` (pure-Rust `fancy-regex` backend) and `minijinja`
@@ -63,6 +79,8 @@ mod hf;
 #[cfg(feature = "hf")]
 mod json;
 mod safety;
+#[cfg(feature = "hf")]
+mod segments;
 #[cfg(feature = "hf")]
 mod strftime;
 
@@ -126,6 +144,25 @@ pub struct ChatMessage {
     pub content: String,
 }
 
+/// The segment cache's counters ([`Tokenizers::with_segment_cache`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SegmentCacheStats {
+    /// The configured bound, in bytes.
+    pub capacity_bytes: u64,
+    /// Estimated bytes held (text, ids and per-entry overhead).
+    pub bytes: u64,
+    /// Pieces held.
+    pub entries: u64,
+    /// Pieces whose ids came from the cache.
+    pub hits: u64,
+    /// Pieces encoded (and stored unless too large).
+    pub misses: u64,
+    /// Ids that came from the cache.
+    pub hit_tokens: u64,
+    /// Chat encodes of models the cache cannot serve (encoded whole).
+    pub plain_encodes: u64,
+}
+
 /// What the server needs from a tokenizer, so tests can inject a double.
 pub trait PromptTokenizer: Send + Sync {
     /// Token ids of a whole conversation rendered with `model_id`'s chat template (with the
@@ -165,6 +202,11 @@ pub trait PromptTokenizer: Send + Sync {
     /// Token ids of `prompt` sent as one user message to `model_id` (see the crate docs).
     fn encode_chat(&self, model_id: &str, prompt: &str) -> Result<Vec<u32>, TokenizeError>;
 
+    /// The segment cache's counters, when there is one (the default: none).
+    fn segment_cache_stats(&self) -> Option<SegmentCacheStats> {
+        None
+    }
+
     /// As [`encode_chat`](Self::encode_chat), but returns
     /// [`TokenizeError::DeadlineExceeded`] instead of starting the (uncancellable) encoding once
     /// `deadline` has passed. The default checks only before starting; [`Tokenizers`] also
@@ -197,6 +239,8 @@ pub struct LoadStats {
 pub struct Tokenizers {
     models: BTreeMap<String, Model>,
     stats: LoadStats,
+    #[cfg(feature = "hf")]
+    segment_cache: Option<segments::SegmentCache>,
 }
 
 impl Default for Tokenizers {
@@ -227,6 +271,48 @@ impl Tokenizers {
         Tokenizers {
             models: BTreeMap::new(),
             stats: LoadStats::default(),
+            #[cfg(feature = "hf")]
+            segment_cache: None,
+        }
+    }
+
+    /// Adds the segment cache (crate docs), holding about `capacity_bytes` at most; 0 means
+    /// none. Models whose tokenizer it cannot serve are logged once (INFO) and encode whole.
+    #[must_use]
+    pub fn with_segment_cache(self, capacity_bytes: u64) -> Tokenizers {
+        #[cfg(feature = "hf")]
+        let out = {
+            let mut out = self;
+            out.segment_cache = (capacity_bytes > 0).then(|| {
+                for (id, model) in &out.models {
+                    if let Some(reason) = model.uncacheable() {
+                        tracing::info!(model = %id, %reason, "tokenize: segment cache off for this model, prompts encode whole");
+                    }
+                }
+                segments::SegmentCache::new(capacity_bytes)
+            });
+            out
+        };
+        #[cfg(not(feature = "hf"))]
+        let out = {
+            let _ = capacity_bytes;
+            self
+        };
+        out
+    }
+
+    /// The segment cache's counters, when [`with_segment_cache`](Self::with_segment_cache)
+    /// added one.
+    pub fn segment_cache_stats(&self) -> Option<SegmentCacheStats> {
+        #[cfg(feature = "hf")]
+        {
+            self.segment_cache
+                .as_ref()
+                .map(segments::SegmentCache::stats)
+        }
+        #[cfg(not(feature = "hf"))]
+        {
+            None
         }
     }
 
@@ -270,7 +356,11 @@ impl Tokenizers {
                 continue;
             }
             match load_model(&cand.dir) {
-                Ok(model) => {
+                Ok(mut model) => {
+                    set_slot(
+                        &mut model,
+                        u32::try_from(out.models.len()).unwrap_or(u32::MAX),
+                    );
                     tracing::debug!(model = %cand.id, "tokenize: model loaded");
                     out.models.insert(cand.id, model);
                     out.stats.loaded += 1;
@@ -335,7 +425,7 @@ impl Tokenizers {
     pub fn encode_chat(&self, model_id: &str, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
         let model = self.get(model_id)?;
         let text = render(model, prompt)?;
-        encode(model, &text, false)
+        self.encode_with(model, &text, false)
     }
 
     /// Encodes `text` directly, adding the tokenizer's special tokens (BOS/EOS per its
@@ -347,7 +437,25 @@ impl Tokenizers {
                 "text contains a NUL character".to_owned(),
             ));
         }
-        encode(model, text, true)
+        self.encode_with(model, text, true)
+    }
+
+    /// Encodes through the segment cache when there is one.
+    fn encode_with(
+        &self,
+        model: &Model,
+        text: &str,
+        add_special: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        #[cfg(feature = "hf")]
+        {
+            model.encode(text, add_special, self.segment_cache.as_ref())
+        }
+        #[cfg(not(feature = "hf"))]
+        {
+            let _ = (text, add_special);
+            match *model {}
+        }
     }
 
     fn get(&self, model_id: &str) -> Result<&Model, TokenizeError> {
@@ -377,7 +485,11 @@ impl PromptTokenizer for Tokenizers {
         if Instant::now() >= deadline {
             return Err(TokenizeError::DeadlineExceeded);
         }
-        encode(model, &text, false)
+        self.encode_with(model, &text, false)
+    }
+
+    fn segment_cache_stats(&self) -> Option<SegmentCacheStats> {
+        Tokenizers::segment_cache_stats(self)
     }
 
     fn encode_text_until(
@@ -406,7 +518,7 @@ impl PromptTokenizer for Tokenizers {
         if Instant::now() >= deadline {
             return Err(TokenizeError::DeadlineExceeded);
         }
-        encode(model, &text, false)
+        self.encode_with(model, &text, false)
     }
 }
 
@@ -441,12 +553,12 @@ fn render_messages(model: &Model, _messages: &[ChatMessage]) -> Result<String, T
 }
 
 #[cfg(feature = "hf")]
-fn encode(model: &Model, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
-    model.encode(text, add_special)
+fn set_slot(model: &mut Model, slot: u32) {
+    model.set_slot(slot);
 }
 
 #[cfg(not(feature = "hf"))]
-fn encode(model: &Model, _text: &str, _add_special: bool) -> Result<Vec<u32>, TokenizeError> {
+fn set_slot(model: &mut Model, _slot: u32) {
     match *model {}
 }
 

@@ -202,7 +202,7 @@ impl Exchange {
             processing_request::Request::RequestHeaders(headers) => {
                 self.context = context_of(&headers, message.metadata_context.as_ref());
                 if headers.end_of_stream {
-                    return self.decide_and_answer_headers(Some(Vec::new())).await;
+                    return self.decide_and_answer_headers(Some(&[])).await;
                 }
                 match self.request_mode {
                     BodySendMode::FullDuplexStreamed => Ok(()),
@@ -222,7 +222,7 @@ impl Exchange {
             processing_request::Request::RequestTrailers(_) => {
                 if self.request_mode == BodySendMode::FullDuplexStreamed && !self.headers_answered {
                     let body = std::mem::take(&mut self.body);
-                    self.decide_and_answer_headers(Some(body)).await?;
+                    self.decide_and_answer_headers(Some(&body)).await?;
                 }
                 self.send(processing_response::Response::RequestTrailers(
                     TrailersResponse::default(),
@@ -291,8 +291,9 @@ impl Exchange {
                         .await;
                 }
                 if body.end_of_stream {
+                    // Decided on the held body, which then goes back unchanged (no copy).
                     let held = std::mem::take(&mut self.body);
-                    self.decide_and_answer_headers(Some(held.clone())).await?;
+                    self.decide_and_answer_headers(Some(&held)).await?;
                     return self
                         .send(processing_response::Response::RequestBody(streamed(
                             held, true,
@@ -331,8 +332,8 @@ impl Exchange {
 
     /// Decides (`body` `None`: by load, the body being unusable) and answers the request
     /// headers, or ends the request with an immediate response.
-    async fn decide_and_answer_headers(&mut self, body: Option<Vec<u8>>) -> Result<(), Stop> {
-        let decision = self.picker.decide(&self.context, body.as_deref()).await;
+    async fn decide_and_answer_headers(&mut self, body: Option<&[u8]>) -> Result<(), Stop> {
+        let decision = self.picker.decide(&self.context, body).await;
         match self.route(decision) {
             Ok((mutation, metadata)) => {
                 self.headers_answered = true;

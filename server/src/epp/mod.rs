@@ -231,13 +231,14 @@ impl Picker {
             Some(request) => self.tokenize(request).await,
             None => Vec::new(),
         };
+        let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
         let scores = if tokens.is_empty() {
             Vec::new()
         } else {
             let request = pb::LookupRouteRequest {
                 model_id: model.clone(),
                 tenant_id: tenant.clone(),
-                token_ids: tokens.clone(),
+                token_ids: tokens,
                 adapter_id: context.adapter.clone(),
                 hash_scheme: self.settings.hash_scheme.clone(),
                 ..Default::default()
@@ -247,7 +248,6 @@ impl Picker {
                 .await
                 .replica_scores
         };
-        let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
         let candidates = self.candidates(&tenant, &model, &scores, &context.subset);
         if candidates.is_empty() {
             return Decision::Reject {

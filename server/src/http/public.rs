@@ -32,6 +32,11 @@ async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResp
     let mut families = state.metrics().gather(state.index());
     families.extend(state.core().checkpoint_status().families());
     families.extend(state.epp_metrics().families());
+    families.extend(crate::metrics::tokenizer::families(
+        state
+            .tokenizer()
+            .and_then(|tokenizer| tokenizer.segment_cache_stats()),
+    ));
     match state.replication() {
         Some(replication) => families.extend(replication.families()),
         None => families.extend(crate::replication::families(

@@ -20,6 +20,7 @@
 
 pub mod epp;
 pub mod process;
+pub mod tokenizer;
 
 pub use inferencecache_exposition::{Family, Sample, format_float, render_text};
 

@@ -146,6 +146,9 @@ pub struct FakeEngine {
 struct EngineState {
     name: String,
     seen: Arc<Mutex<Vec<Seen>>>,
+    /// The benchmark's engine: records nothing and reads no JSON (a non-streamed answer at
+    /// once), so that it costs the shared CPU as little as an engine can.
+    quiet: bool,
 }
 
 impl FakeEngine {
@@ -155,12 +158,24 @@ impl FakeEngine {
 
     /// Starts on a given address (a restart on the same port).
     pub async fn start_on(name: &str, addr: SocketAddr) -> Self {
+        Self::start_with(name, addr, false).await
+    }
+
+    /// The benchmark's engine (`bench/epp-latency.sh`): answers every request at once with a
+    /// fixed non-streamed completion, records nothing ([`served`](Self::served) stays 0) and
+    /// parses nothing.
+    pub async fn start_quiet(name: &str) -> Self {
+        Self::start_with(name, "127.0.0.1:0".parse().unwrap(), true).await
+    }
+
+    async fn start_with(name: &str, addr: SocketAddr, quiet: bool) -> Self {
         let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let state = EngineState {
             name: name.to_owned(),
             seen: seen.clone(),
+            quiet,
         };
         let app = axum::Router::new()
             .fallback(engine_handler)
@@ -213,6 +228,15 @@ impl Drop for FakeEngine {
 }
 
 async fn engine_handler(State(state): State<EngineState>, request: Request) -> Response {
+    if state.quiet {
+        // Drain the body (as an engine reads the request), answer a fixed completion.
+        let _ = axum::body::to_bytes(request.into_body(), 64 << 20).await;
+        return Response::builder()
+            .header("x-engine", state.name.as_str())
+            .header("content-type", "application/json")
+            .body(Body::from(QUIET_ANSWER))
+            .unwrap();
+    }
     let path = request.uri().path().to_owned();
     let (destination, delay) = {
         let header = |name: &str| {
@@ -279,6 +303,9 @@ async fn engine_handler(State(state): State<EngineState>, request: Request) -> R
         .body(Body::from(answer.to_string()))
         .unwrap()
 }
+
+/// The quiet engine's answer (a chat completion of one word).
+const QUIET_ANSWER: &str = r#"{"object":"chat.completion","model":"org/chat","choices":[{"index":0,"message":{"role":"assistant","content":"ok"}}]}"#;
 
 /// What the picker answered one request with.
 #[derive(Debug, Clone, Default)]
