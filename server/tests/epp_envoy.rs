@@ -751,17 +751,21 @@ async fn two_pickers_over_nats_give_the_same_pick() {
     let turn = [("system", system.as_str()), ("user", "w5")];
     cache(&pickers[0].0, "r2", &chat_tokens(&turn)).await;
     let body = chat_body(&turn, false);
+    // In replicated mode the server a producer reports to acks once the update is queued for
+    // the stream and applies it from the stream like every replica (`replication/mod.rs`), so
+    // neither picker is asked to know it at once: both must pick the holder within the bound.
     let started = Instant::now();
     loop {
         let from_a = send(pickers[0].1.addr, "/v1/chat/completions", &[], &body).await;
         let from_b = send(pickers[1].1.addr, "/v1/chat/completions", &[], &body).await;
-        assert_eq!(from_a.engine, "e2", "picker a picks the holder");
-        if from_b.engine == "e2" {
+        if (from_a.engine.as_str(), from_b.engine.as_str()) == ("e2", "e2") {
             break;
         }
         assert!(
             started.elapsed() < Duration::from_secs(15),
-            "picker b never picked e2"
+            "the pickers never both picked the holder e2: a picked {}, b picked {}",
+            from_a.engine,
+            from_b.engine
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
