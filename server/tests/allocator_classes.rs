@@ -52,7 +52,7 @@ fn cost(layout: Layout, count: usize, keep: &mut Vec<(*mut u8, Layout)>) -> (f64
 
 #[test]
 fn a_64_byte_aligned_slot_block_costs_its_class_only_at_a_power_of_two_size() {
-    const COUNT: usize = 200_000;
+    const COUNT: usize = 50_000;
     let mut measured = Vec::new();
     let mut keep = Vec::with_capacity(5 * COUNT);
     // Fault the list's pages in now, so that they do not count as the blocks' cost.

@@ -211,7 +211,7 @@ struct Slot {
 /// size class only when the class's next free block happens to be aligned, which a
 /// power-of-two class always is; otherwise it over-allocates by the alignment into a larger
 /// class. Measured (`server/tests/allocator_classes.rs`, resident bytes per block): 80 bytes
-/// aligned to 64 cost ~157, 128 bytes cost 128; the 8-slot block (144 bytes) cost ~240.
+/// aligned to 64 cost 157-168, 128 bytes cost 126; the 8-slot block (144 bytes) cost 210-231.
 struct Slots {
     /// In page-granular blocks (`raw/pages.rs`): a table a rebuild replaces goes back to the
     /// system when freed, so RSS follows the tables' sizes under churn; and each 16-byte slot
