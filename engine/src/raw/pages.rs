@@ -193,25 +193,9 @@ impl<T> PageArray<T> {
         }
     }
 
-    /// What an array of `len` elements costs (see [`footprint`]).
-    pub(crate) fn footprint_of(len: usize) -> usize {
-        footprint(Self::bytes_for(len.max(1)))
-    }
-
-    /// Gives up the array without dropping it: its elements and block now belong to whoever
-    /// holds the returned address, until [`PageArray::from_raw`] takes them back.
-    pub(crate) fn into_raw(self) -> NonNull<T> {
-        let this = std::mem::ManuallyDrop::new(self);
-        this.ptr
-    }
-
-    /// The array `into_raw` gave up.
-    ///
-    /// # Safety
-    /// `ptr` came from `into_raw` of an array of `len` elements (the `len` it was made with,
-    /// at least 1), and is taken back once.
-    pub(crate) unsafe fn from_raw(ptr: NonNull<T>, len: usize) -> Self {
-        Self { ptr, len }
+    /// Bytes this array costs (see [`footprint`]).
+    pub(crate) fn footprint(&self) -> usize {
+        footprint(Self::bytes_for(self.len))
     }
 }
 
@@ -284,7 +268,7 @@ mod tests {
             assert!(a.iter().all(|x| x.load(Ordering::Relaxed) == 0));
             a[n - 1].store(7, Ordering::Relaxed);
             assert_eq!(a[n - 1].load(Ordering::Relaxed), 7);
-            assert_eq!(PageArray::<AtomicU64>::footprint_of(n), footprint(n * 8));
+            assert_eq!(a.footprint(), footprint(n * 8));
         }
     }
 }

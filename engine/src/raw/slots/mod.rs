@@ -46,10 +46,10 @@
 //! empty, so a split partition pays only for the segments its keys use.
 //!
 //! The single table is what keeps a small table small: most partitions (a tenant's or model's
-//! few chains) never pass 48 keys, and a directory (64 view words, 512 bytes) for each of
-//! their two tables would outweigh everything else they hold. Before the split the table is
-//! the **root** word (0, or the single table's view word) plus writer counts, about 72 bytes;
-//! the split allocates the directory, and the root then names it for
+//! few chains) never pass 48 keys, and a directory (64 view words and 64 table pointers,
+//! 1 KiB) for each of their two tables would outweigh everything else they hold. Before the
+//! split the table is the **root** word (0, or the single table's view word) plus writer
+//! counts, about 80 bytes; the split allocates the directory, and the root then names it for
 //! the table's life (a split is never undone: a table that once held 49 keys keeps its
 //! directory, and its segments shrink as usual). Positions of a scan and segment numbers are
 //! the directory's; before the split, segment 0 is the single table and the others have none.
@@ -57,12 +57,6 @@
 //! scan spread over calls across a split may visit a key twice or miss one that moved to a
 //! segment it had passed (the callers' scans allow both, `RunStore::remove_holders_with` by
 //! restarting a segment whose table changed).
-//!
-//! A segment's table has no record of its own: the view word that names it (the root for the
-//! single table, a directory word after the split) owns its block, and tells its size (the
-//! log2 in its low bits). A rebuild hands the replaced word to the epoch, which frees the block
-//! it names; dropping the table frees the blocks its current words name. (A boxed record per
-//! table cost a 24-byte allocation for each of a partition's two tables.)
 //!
 //! # Memory ordering
 //!
@@ -105,7 +99,7 @@
 
 use crate::raw::pages::PageArray;
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
-use crossbeam_epoch::Guard;
+use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 use std::marker::PhantomData;
 use std::num::NonZeroU64;
 use std::ptr::NonNull;
@@ -129,9 +123,6 @@ const SINGLE_MAX_SLOTS: usize = 64;
 /// Bytes of a replaced segment table from which its rebuild hands it to the epoch's collector
 /// at once.
 const FLUSH_MIN: usize = 256 * 1024;
-/// Replaced tables a thread retires between two hand-overs to the epoch's collector (one bag
-/// of deferred frees: crossbeam's collector takes a few bags per pass).
-const FLUSH_RETIRED: usize = 64;
 /// Multiplier of the placement (Fibonacci hashing: the top bits of `key · φ⁻¹ · 2⁶⁴`).
 const HOME_MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 /// Multiplier of the summary bits (independent of the placement's bits).
@@ -221,23 +212,18 @@ struct Slots {
 }
 
 impl Slots {
-    /// Slots of the block of a table of `len` slots: the table, the summary's, and for the
-    /// smallest table the padding to a power of two (see the type's docs).
-    fn block_slots(len: usize) -> usize {
+    fn new(len: usize) -> Self {
+        debug_assert!(len.is_power_of_two() && len >= MIN_SLOTS);
         let summary_slots = len.div_ceil(SUMMARY_SLOTS).div_ceil(2);
-        if len == MIN_SLOTS {
-            // 5 slots → 8 (128 bytes).
+        let block_slots = if len == MIN_SLOTS {
+            // 5 slots → 8 (128 bytes, a power of two: see the type's docs).
             (len + summary_slots).next_power_of_two()
         } else {
             len + summary_slots
-        }
-    }
-
-    fn new(len: usize) -> Self {
-        debug_assert!(len.is_power_of_two() && len >= MIN_SLOTS);
+        };
         // SAFETY: a slot is two `AtomicU64`s, and an `AtomicU64` of value 0 is all zero bytes.
         let block = unsafe {
-            PageArray::zeroed(Self::block_slots(len), || Slot {
+            PageArray::zeroed(block_slots, || Slot {
                 key: AtomicU64::new(0),
                 value: AtomicU64::new(0),
             })
@@ -254,35 +240,8 @@ impl Slots {
         self.block.as_ptr() as u64 | u64::from(self.log2)
     }
 
-    /// Hands the table to the view word that names it: from here on the word owns the block
-    /// (a table keeps only its view words, no record per segment), until
-    /// [`Slots::from_view_word`] takes it back.
-    fn into_view_word(self) -> u64 {
-        let word = self.view_word();
-        let _ = self.block.into_raw();
-        word
-    }
-
-    /// The table a word of [`Slots::into_view_word`] owns.
-    ///
-    /// # Safety
-    /// `word` came from `into_view_word` and is taken back once; no reader uses the block
-    /// afterwards (it was unreachable when the epoch ran this, or the table is dropped).
-    unsafe fn from_view_word(word: u64) -> Self {
-        let log2 = (word & 63) as u32;
-        let base = NonNull::new((word & !63) as *mut Slot);
-        let base = base.expect("a view word that owns a table names its block");
-        // SAFETY: (caller) the block `into_view_word` gave up, of `block_slots(2^log2)` slots.
-        let block = unsafe { PageArray::from_raw(base, Self::block_slots(1 << log2)) };
-        Slots { block, log2 }
-    }
-
-    /// Bytes the table a view word names costs (its block: the word is its only record).
-    fn bytes_of(word: u64) -> usize {
-        if word == 0 {
-            return 0;
-        }
-        PageArray::<Slot>::footprint_of(Self::block_slots(1 << (word & 63)))
+    fn bytes(&self) -> usize {
+        crate::raw::pages::heap_chunk(std::mem::size_of::<Slots>()) + self.block.footprint()
     }
 }
 
@@ -530,9 +489,10 @@ impl Counts {
 struct Directory {
     /// Each segment's view word ([`Slots::view_word`]; 0 for a segment without keys yet): all
     /// a reader loads, after the root, to reach a segment's slots and summary.
-    /// Each word owns the table it names ([`Slots::into_view_word`]); a replaced one is retired
-    /// through the epoch.
     views: [AtomicU64; SEGMENTS],
+    /// The tables the views name, owned here and retired through the epoch (null for a
+    /// segment without a table). Writers only.
+    tables: [Atomic<Slots>; SEGMENTS],
 }
 
 /// What a table's root word names (see [`SlotTable`]).
@@ -550,9 +510,10 @@ pub struct SlotTable {
     /// What readers load first: 0 before the first insert; the single table's view word
     /// ([`Slots::view_word`], low 6 bits ≥ 2: its slots' log2) until the split; from then on
     /// the address of the [`Directory`] (low 6 bits 0), never changed again.
-    /// A single table's view word owns it ([`Slots::into_view_word`]); a replaced one is
-    /// retired through the epoch.
     root: AtomicU64,
+    /// The single table the root names, owned here and retired through the epoch (null before
+    /// the first insert and after the split). Writers only.
+    single: Atomic<Slots>,
     writer: Mutex<Counts>,
     /// Live keys, for readers of the size (Relaxed; exact once writers quiesce).
     live: AtomicU64,
@@ -582,6 +543,7 @@ impl SlotTable {
     pub fn with_seed(seed: u64) -> Self {
         SlotTable {
             root: AtomicU64::new(0),
+            single: Atomic::null(),
             writer: Mutex::new(Counts {
                 single: SegmentCounts::default(),
                 segments: None,
@@ -739,16 +701,19 @@ impl SlotTable {
     }
 
     /// Bytes of the current segment tables (slots, summaries, headers) and the directory.
-    pub fn memory_bytes(&self, _guard: &Guard) -> usize {
-        // A view word tells its table's size: nothing behind it is read.
+    pub fn memory_bytes(&self, guard: &Guard) -> usize {
+        let bytes = |table: &Atomic<Slots>| {
+            let table = table.load(Ordering::Acquire, guard);
+            // SAFETY: null or a table stored by a writer, freed only through the epoch, after
+            // `guard`.
+            unsafe { table.as_ref() }.map_or(0, Slots::bytes)
+        };
         match self.root() {
             Root::Empty => 0,
-            Root::Single(word) => Slots::bytes_of(word),
+            Root::Single(_) => bytes(&self.single),
             Root::Directory(directory) => {
                 crate::raw::pages::heap_chunk(std::mem::size_of::<Directory>())
-                    + (directory.views.iter())
-                        .map(|view| Slots::bytes_of(view.load(Ordering::Relaxed)))
-                        .sum::<usize>()
+                    + directory.tables.iter().map(bytes).sum::<usize>()
             }
         }
     }
@@ -908,20 +873,19 @@ impl Drop for SlotTable {
         // SAFETY: `&mut self`: no reader or writer is left, and the current tables are owned
         // here (replaced tables were handed to the epoch when they were replaced).
         unsafe {
-            let word = self.root.load(Ordering::Relaxed);
-            if word & 63 != 0 {
-                // The single table, owned by the root.
-                drop(Slots::from_view_word(word));
-            } else if word != 0 {
-                // The directory a split leaked from its box (`SlotWriter::split`), whose view
-                // words own the segments' tables.
-                let directory = Box::from_raw(word as *mut Directory);
-                for view in &directory.views {
-                    let view = view.load(Ordering::Relaxed);
-                    if view != 0 {
-                        drop(Slots::from_view_word(view));
-                    }
+            let guard = crossbeam_epoch::unprotected();
+            let free = |table: &Atomic<Slots>| {
+                let table = table.swap(Shared::null(), Ordering::Relaxed, guard);
+                if !table.is_null() {
+                    drop(table.into_owned());
                 }
+            };
+            free(&self.single);
+            let word = self.root.load(Ordering::Relaxed);
+            if word != 0 && word & 63 == 0 {
+                // The directory a split leaked from its box (`SlotWriter::split`).
+                let directory = Box::from_raw(word as *mut Directory);
+                directory.tables.iter().for_each(free);
             }
         }
     }

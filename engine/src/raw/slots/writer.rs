@@ -2,7 +2,6 @@
 //! remove, grow, split, shrink; see the room's docs for the protocol each follows).
 
 use super::*;
-use std::cell::Cell;
 
 impl SlotTable {
     /// The writer lock: every change goes through the returned writer.
@@ -197,7 +196,8 @@ impl SlotWriter<'_> {
     /// live slots, and retires the old one (if any) through the epoch.
     pub(super) fn rebuild<'g>(&mut self, s: usize, live: usize, guard: &'g Guard) -> View<'g> {
         let seed = self.table.seed;
-        let word = Slots::new(table_len(live)).into_view_word();
+        let fresh = Slots::new(table_len(live));
+        let word = fresh.view_word();
         let mut moved = 0;
         {
             let into = View::of(word).expect("a table's block is never at address 0");
@@ -217,16 +217,18 @@ impl SlotWriter<'_> {
         }
         self.counts.of_mut(s).used = moved;
         self.count_rebuild();
-        // Relaxed loads of the old word: only this lock's holder writes it.
         let old = match self.table.root() {
             Root::Directory(directory) => {
-                let old = directory.views[s].load(Ordering::Relaxed);
+                let old = directory.tables[s].swap(Owned::new(fresh), Ordering::Relaxed, guard);
                 // Release: the new table's slots and summary before its view word.
                 directory.views[s].store(word, Ordering::Release);
                 old
             }
             Root::Empty | Root::Single(_) => {
-                let old = self.table.root.load(Ordering::Relaxed);
+                let old = self
+                    .table
+                    .single
+                    .swap(Owned::new(fresh), Ordering::Relaxed, guard);
                 // Release: the new table's slots and summary before the root names it.
                 self.table.root.store(word, Ordering::Release);
                 old
@@ -265,12 +267,14 @@ impl SlotWriter<'_> {
         each_live(&mut |key, _| live[segment_of(mix(seed, key))] += 1);
         let directory = Box::new(Directory {
             views: std::array::from_fn(|_| AtomicU64::new(0)),
+            tables: std::array::from_fn(|_| Atomic::null()),
         });
         let mut counts = Box::new([SegmentCounts::default(); SEGMENTS]);
         for (s, &n) in live.iter().enumerate().filter(|&(_, &n)| n > 0) {
-            let fresh = Slots::new(table_len(n)).into_view_word();
+            let fresh = Slots::new(table_len(n));
             // Relaxed: the directory is not reachable yet; its publication below releases it.
-            directory.views[s].store(fresh, Ordering::Relaxed);
+            directory.views[s].store(fresh.view_word(), Ordering::Relaxed);
+            directory.tables[s].store(Owned::new(fresh), Ordering::Relaxed);
             counts[s] = SegmentCounts {
                 live: n as u32,
                 used: n as u32,
@@ -291,59 +295,32 @@ impl SlotWriter<'_> {
         self.table.underfilled.store(0, Ordering::Relaxed);
         let address = Box::into_raw(directory) as u64;
         debug_assert!(address & 63 == 0, "the directory is 64-byte aligned");
-        // The single table's word (only this lock's holder writes the root).
-        let old = self.table.root.load(Ordering::Relaxed);
+        let old = self
+            .table
+            .single
+            .swap(Shared::null(), Ordering::Relaxed, guard);
         // Release: the directory's view words and their tables' slots before the root names
         // it.
         self.table.root.store(address, Ordering::Release);
         self.retire(old, guard);
     }
 
-    /// Hands a replaced table (its view word, 0 for none) to the epoch.
-    pub(super) fn retire(&self, old: u64, guard: &Guard) {
-        if old != 0 {
-            let old_bytes = Slots::bytes_of(old);
-            // SAFETY: the old word owned its table (`Slots::into_view_word`) and no view word
-            // names it any more (readers that loaded it are pinned); no writer touches it
-            // again, and the epoch runs this once, after those readers.
-            unsafe { guard.defer_unchecked(move || drop(Slots::from_view_word(old))) };
+    /// Hands a replaced table (if any) to the epoch.
+    pub(super) fn retire(&self, old: Shared<'_, Slots>, guard: &Guard) {
+        if !old.is_null() {
+            // SAFETY: `old` was this segment's table until the swap and is freed only through
+            // the epoch, after `guard`.
+            let old_bytes = unsafe { old.deref() }.bytes();
+            // SAFETY: the old table is unreachable from the view words (readers that loaded
+            // its word are pinned) and no writer touches it again; the epoch frees it after
+            // them.
+            unsafe { guard.defer_destroy(old) };
             // A large table goes to the collector now rather than when this thread's bag
-            // fills, so memory follows the live tables; small ones wait, and go together once
-            // this thread has retired FLUSH_RETIRED of them since its last flush (a flush per
-            // small rebuild cost a growing table's 64 segments measurable time). Without the
-            // count, small tables retired faster than the collector's few bags per pass took
-            // them (partitions created and grown one after another: `drop_frees.rs`, with the
-            // 4-slot first segment) piled up in the epoch's queue.
-            if count_retired(old_bytes >= FLUSH_MIN) {
+            // fills, so memory follows the live tables; a small one waits (a flush per small
+            // rebuild cost a growing table's 64 segments measurable time).
+            if old_bytes >= FLUSH_MIN {
                 guard.flush();
             }
         }
-    }
-}
-
-/// Counts one table retired by this thread; true when the thread's retired tables are to be
-/// handed to the collector now (`now`, or [`FLUSH_RETIRED`] of them since the last time), and
-/// the count starts over.
-fn count_retired(now: bool) -> bool {
-    let step = |retired: &Cell<usize>| {
-        let count = retired.get() + 1;
-        let due = now || count >= FLUSH_RETIRED;
-        retired.set(if due { 0 } else { count });
-        due
-    };
-    #[cfg(not(loom))]
-    {
-        std::thread_local! {
-            static RETIRED: Cell<usize> = const { Cell::new(0) };
-        }
-        RETIRED.with(step)
-    }
-    #[cfg(loom)]
-    {
-        // Loom's per-execution thread locals (its macro takes no `const` initializer).
-        loom::thread_local! {
-            static RETIRED: Cell<usize> = Cell::new(0);
-        }
-        RETIRED.with(step)
     }
 }
