@@ -526,6 +526,10 @@ pub(crate) struct ScopeRec {
     /// and made by the first release: most scopes never release a slot, and the inline vector
     /// (16 bytes more) put the record with its `Arc` header in mimalloc's 256-byte class rather
     /// than the 224 (`scope_record_fits_the_224_byte_class`).
+    #[expect(
+        clippy::box_collection,
+        reason = "8 bytes inline where a vector takes 24: the record's size class"
+    )]
     released: Mutex<Option<Box<Vec<u32>>>>,
     /// Replicas with serving > 0.
     pub(crate) serving_n: AtomicI64,
