@@ -1395,7 +1395,11 @@ fn m13c_segment_creation_vs_reader() {
             Some(other) => panic!("key 1 read {other}"),
         }
         let guard = crossbeam_epoch::pin();
-        assert_eq!(table.capacity(&guard), 4, "one single table of 4 slots created");
+        assert_eq!(
+            table.capacity(&guard),
+            4,
+            "one single table of 4 slots created"
+        );
     });
 }
 
