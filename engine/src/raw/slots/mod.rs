@@ -107,8 +107,10 @@ use std::ptr::NonNull;
 /// A slot's value: never 0 (0 marks a slot without a key).
 pub type SlotValue = NonZeroU64;
 
-/// Slots of the smallest segment (a power of two).
-const MIN_SLOTS: usize = 8;
+/// Slots of the smallest segment (a power of two). Four: a partition's tables mostly hold one
+/// or two keys (a tenant's or model's chain and its root), and a 4-slot segment's block is
+/// 128 bytes where an 8-slot one's was 144 (see [`Slots::new`]).
+const MIN_SLOTS: usize = 4;
 /// Slots per presence-summary word.
 const SUMMARY_SLOTS: usize = 8;
 /// Bits of the mixed key that pick a segment (its top bits).
@@ -190,8 +192,17 @@ struct Slot {
 }
 
 /// One segment's table, owned: a block of `2^log2` slots followed by the presence summary, one
-/// 64-bit word per [`SUMMARY_SLOTS`] slots, kept two to a trailing [`Slot`] (key, then value
-/// field). One block, so that one word ([`SlotTable`]'s view of the segment) names all of it.
+/// 64-bit word per [`SUMMARY_SLOTS`] slots (at least one), kept two to a trailing [`Slot`] (key,
+/// then value field). One block, so that one word ([`SlotTable`]'s view of the segment) names
+/// all of it.
+///
+/// The smallest table's block (4 slots and one summary slot, 80 bytes) is padded to 128 bytes,
+/// a power of two: the block is 64-byte aligned (the view word keeps the log2 in the address's
+/// low 6 bits), and mimalloc, the server's allocator, serves a 64-byte aligned block from its
+/// size class only when the class's next free block happens to be aligned, which a
+/// power-of-two class always is; otherwise it over-allocates by the alignment into a larger
+/// class. Measured (`server/tests/allocator_classes.rs`, resident bytes per block): 80 bytes
+/// aligned to 64 cost 157-168, 128 bytes cost 126; the 8-slot block (144 bytes) cost 210-231.
 struct Slots {
     /// In page-granular blocks (`raw/pages.rs`): a table a rebuild replaces goes back to the
     /// system when freed, so RSS follows the tables' sizes under churn; and each 16-byte slot
@@ -203,10 +214,16 @@ struct Slots {
 impl Slots {
     fn new(len: usize) -> Self {
         debug_assert!(len.is_power_of_two() && len >= MIN_SLOTS);
-        let summary_slots = (len / SUMMARY_SLOTS).div_ceil(2);
+        let summary_slots = len.div_ceil(SUMMARY_SLOTS).div_ceil(2);
+        let block_slots = if len == MIN_SLOTS {
+            // 5 slots → 8 (128 bytes, a power of two: see the type's docs).
+            (len + summary_slots).next_power_of_two()
+        } else {
+            len + summary_slots
+        };
         // SAFETY: a slot is two `AtomicU64`s, and an `AtomicU64` of value 0 is all zero bytes.
         let block = unsafe {
-            PageArray::zeroed(len + summary_slots, || Slot {
+            PageArray::zeroed(block_slots, || Slot {
                 key: AtomicU64::new(0),
                 value: AtomicU64::new(0),
             })
@@ -277,8 +294,8 @@ impl<'g> View<'g> {
     #[inline(always)]
     fn summary_word(self, home: usize) -> &'g AtomicU64 {
         let word = (home & self.mask()) / SUMMARY_SLOTS;
-        // SAFETY: the block holds `(len / SUMMARY_SLOTS).div_ceil(2)` trailing slots after the
-        // `len` table slots (`Slots::new`), and `word / 2` is below that count.
+        // SAFETY: the block holds at least `len.div_ceil(SUMMARY_SLOTS).div_ceil(2)` trailing
+        // slots after the `len` table slots (`Slots::new`), and `word / 2` is below that count.
         let pair = unsafe { &*self.base.as_ptr().add(self.len() + word / 2) };
         if word.is_multiple_of(2) {
             &pair.key
@@ -491,7 +508,7 @@ enum Root<'t> {
 /// A table of key-inline slots; see the module docs.
 pub struct SlotTable {
     /// What readers load first: 0 before the first insert; the single table's view word
-    /// ([`Slots::view_word`], low 6 bits ≥ 3: its slots' log2) until the split; from then on
+    /// ([`Slots::view_word`], low 6 bits ≥ 2: its slots' log2) until the split; from then on
     /// the address of the [`Directory`] (low 6 bits 0), never changed again.
     root: AtomicU64,
     /// The single table the root names, owned here and retired through the epoch (null before
