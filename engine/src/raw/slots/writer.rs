@@ -51,8 +51,9 @@ impl SlotWriter<'_> {
         at.and_then(|i| NonZeroU64::new(table.slot(i).value.load(Ordering::Relaxed)))
     }
 
-    /// Sets `key → value`; returns the value it replaced, if the key was present.
-    pub fn insert(&mut self, key: u64, value: SlotValue, guard: &Guard) -> Option<SlotValue> {
+    /// Where a write of `key` begins: its mixed hash, its summary bits, its segment, and that
+    /// segment's table (made empty if the segment has none yet).
+    fn write_start<'g>(&mut self, key: u64, guard: &'g Guard) -> (u64, u64, usize, View<'g>) {
         let seed = self.table.seed;
         let (mixed, bits) = (mix(seed, key), summary_bits(seed, key));
         let s = self.segment_index(mixed);
@@ -60,6 +61,12 @@ impl SlotWriter<'_> {
             Some(table) => table,
             None => self.rebuild(s, 0, guard),
         };
+        (mixed, bits, s, table)
+    }
+
+    /// Sets `key → value`; returns the value it replaced, if the key was present.
+    pub fn insert(&mut self, key: u64, value: SlotValue, guard: &Guard) -> Option<SlotValue> {
+        let (mixed, bits, s, table) = self.write_start(key, guard);
         let (at, free) = table.locate(key, mixed);
         if let Some(i) = at {
             // Plain load and store, no locked instruction: only this lock's holder writes.
@@ -98,13 +105,7 @@ impl SlotWriter<'_> {
     /// proof the longer part of an insert's probe (a new block of a store's chain, the
     /// Mooncake replay's most common write).
     pub fn insert_absent(&mut self, key: u64, value: SlotValue, guard: &Guard) {
-        let seed = self.table.seed;
-        let (mixed, bits) = (mix(seed, key), summary_bits(seed, key));
-        let s = self.segment_index(mixed);
-        let table = match self.current(s, guard) {
-            Some(table) => table,
-            None => self.rebuild(s, 0, guard),
-        };
+        let (mixed, bits, s, table) = self.write_start(key, guard);
         debug_assert!(
             table.locate(key, mixed).0.is_none(),
             "insert_absent of a present key"
