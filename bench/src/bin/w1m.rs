@@ -77,7 +77,7 @@ fn main() -> ExitCode {
         let a = Aggregate::from_lines(text.lines());
         println!("### Side by side (medians)\n\n{}", a.table());
         println!(
-            "### Pass bars (same-run ratios of medians)\n\n{}",
+            "### Pass bars (same-run ratios of medians; P6 over our core: the median of per-process ratios)\n\n{}",
             a.pass_bars()
         );
         println!("### Spread across processes\n\n{}", a.spread());
