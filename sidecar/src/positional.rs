@@ -223,6 +223,40 @@ enum PageSize {
     Tokens(usize),
 }
 
+/// A `BlockStored` event whose pages can be keyed: its page size and the copy it reports.
+struct EventCopy {
+    /// Tokens per engine page.
+    page_size: usize,
+    /// The copy's tier.
+    tier: Tier,
+    /// The copy's key among a page's copies (medium, locality, ownership).
+    media_key: String,
+}
+
+/// Checks the event's pages and classifies its copy (recording a mismatch or an unknown
+/// medium in `out`); `None` when none of its pages can be keyed.
+fn event_copy(ev: &BlockStored, out: &mut Stored) -> Option<EventCopy> {
+    let page_size = match page_size(ev) {
+        PageSize::NoPages => return None,
+        PageSize::Mismatched => {
+            out.mismatched = true;
+            return None;
+        }
+        PageSize::Tokens(size) => size,
+    };
+    let classified = tier::classify_copy(ev.medium.as_deref(), ev.locality.as_deref());
+    out.unknown_medium = classified.unknown;
+    Some(EventCopy {
+        page_size,
+        tier: classified.tier,
+        media_key: tier::copy_key(
+            ev.medium.as_deref(),
+            ev.locality.as_deref(),
+            ev.ownership.as_deref(),
+        ),
+    })
+}
+
 fn page_size(ev: &BlockStored) -> PageSize {
     let pages = ev.block_hashes.len();
     let size = usize::try_from(ev.block_size).unwrap_or(0);
@@ -340,23 +374,15 @@ impl ReverseMap {
             return self.store_grouped(ev, adapter);
         }
         let mut out = Stored::default();
-        let page_size = match page_size(ev) {
-            PageSize::NoPages => return out,
-            PageSize::Mismatched => {
-                out.mismatched = true;
-                return out;
-            }
-            PageSize::Tokens(size) => size,
+        let Some(EventCopy {
+            page_size,
+            tier,
+            media_key,
+        }) = event_copy(ev, &mut out)
+        else {
+            return out;
         };
         let pages = ev.block_hashes.len();
-        let classified = tier::classify_copy(ev.medium.as_deref(), ev.locality.as_deref());
-        out.unknown_medium = classified.unknown;
-        let tier = classified.tier;
-        let media_key = tier::copy_key(
-            ev.medium.as_deref(),
-            ev.locality.as_deref(),
-            ev.ownership.as_deref(),
-        );
 
         let Some(mut boundary) = self.chain_start(ev.parent_block_hash.as_ref()) else {
             out.orphan_pages = pages;

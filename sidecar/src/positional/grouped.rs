@@ -54,26 +54,16 @@ impl ReverseMap {
         out: &mut Stored,
     ) -> Vec<Vec<u8>> {
         let mut touched = Vec::new();
-        let page_size = match page_size(ev) {
-            PageSize::NoPages => return touched,
-            PageSize::Mismatched => {
-                out.mismatched = true;
-                return touched;
-            }
-            PageSize::Tokens(size) => size,
+        let Some(EventCopy {
+            page_size,
+            tier,
+            media_key,
+        }) = event_copy(ev, out)
+        else {
+            return touched;
         };
         let pages = ev.block_hashes.len();
-        let classified = tier::classify_copy(ev.medium.as_deref(), ev.locality.as_deref());
-        out.unknown_medium = classified.unknown;
-        let tier = classified.tier;
-        let key = (
-            group,
-            tier::copy_key(
-                ev.medium.as_deref(),
-                ev.locality.as_deref(),
-                ev.ownership.as_deref(),
-            ),
-        );
+        let key = (group, media_key);
         let lookahead_of = |i: usize| -> u64 {
             ev.lookahead_tokens
                 .as_ref()
