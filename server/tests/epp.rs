@@ -8,7 +8,6 @@ mod epp_support;
 
 use common::{ServerProcess, free_port, http_request, temp_dir};
 use epp_support::*;
-use inferencecache_engine::fingerprint;
 use inferencecache_proto::v1alpha1 as pb;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -82,20 +81,7 @@ async fn start_with(name: &str, extra: &[&str]) -> Picker {
 /// Reports `tokens`' block chain for `replica` (tenant `t`, MODEL).
 async fn cache(picker: &Picker, replica: &str, tokens: &[u32]) {
     let mut client = picker.server.client().await;
-    let (wire, counts) = fingerprint::chain(tokens, 16);
-    let update = pb::CacheStateUpdate {
-        replica_id: replica.into(),
-        model_id: MODEL.into(),
-        tenant_id: "t".into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            block_hashes: wire.iter().map(|h| h.to_vec()).collect(),
-            block_token_counts: counts,
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    common::report(&mut client, vec![update]).await;
+    common::report_token_chain(&mut client, replica, MODEL, tokens, 16).await;
 }
 
 async fn metric(picker: &Picker, sample: &str) -> f64 {

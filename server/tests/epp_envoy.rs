@@ -12,7 +12,6 @@ mod epp_support;
 
 use common::{ServerProcess, free_port, temp_dir};
 use epp_support::*;
-use inferencecache_engine::fingerprint;
 use inferencecache_proto::v1alpha1 as pb;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -313,20 +312,7 @@ fn dechunk(mut rest: &str) -> String {
 /// serving them.
 async fn cache(server: &ServerProcess, replica: &str, tokens: &[u32]) {
     let mut client = server.client().await;
-    let (wire, counts) = fingerprint::chain(tokens, 16);
-    let update = pb::CacheStateUpdate {
-        replica_id: replica.into(),
-        model_id: MODEL.into(),
-        tenant_id: "t".into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![pb::PrefixEntry {
-            block_hashes: wire.iter().map(|h| h.to_vec()).collect(),
-            block_token_counts: counts,
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    common::report(&mut client, vec![update]).await;
+    common::report_token_chain(&mut client, replica, MODEL, tokens, 16).await;
 }
 
 /// Reports `replica` live at `endpoint` (stats only).

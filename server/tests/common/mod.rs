@@ -226,10 +226,7 @@ pub async fn report_token_chain(
         }],
         ..Default::default()
     };
-    client
-        .report_cache_state(tokio_stream::iter(vec![update]))
-        .await
-        .unwrap();
+    report(client, vec![update]).await;
 }
 
 /// One ReportCacheState stream of `updates`; the server must accept it. Returns the Ack.
