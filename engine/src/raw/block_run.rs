@@ -149,6 +149,12 @@ const OFFSET_SHIFT: u32 = 48;
 const LEN_MASK: u64 = 0x1_FFFF;
 /// `meta`'s bit 63: the run keeps its keys' bytes (see "Keys of other lengths").
 const LONG: u64 = 1 << 63;
+/// `meta`'s bits 49..=62: an appendable run's key capacity in units of [`KEY_UNIT`] keys (0 for
+/// a run built without room, whose key capacity is its length: see "Appends and truncation").
+const ROOM_SHIFT: u32 = 49;
+const ROOM_MASK: u64 = 0x3FFF;
+/// An appendable run's key capacity is a multiple of this many keys (one cache line).
+pub const KEY_UNIT: usize = 8;
 /// A key descriptor's length marking an 8-byte key (its bytes are its digest's).
 const EIGHT: u64 = u32::MAX as u64;
 const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
@@ -307,22 +313,33 @@ fn long_area(len: usize, long_bytes: Option<usize>) -> usize {
     long_bytes.map_or(0, |b| (len + 1) * WORD + b.next_multiple_of(WORD))
 }
 
-/// `None` when the sizes do not fit an allocation.
-fn layout(capacity: usize, len: usize, long_bytes: Option<usize>) -> Option<Layout> {
+/// The allocation of a run with room for `capacity` holders and `keys` keys (its key
+/// capacity); `None` when the sizes do not fit an allocation.
+fn layout(capacity: usize, keys: usize, long_bytes: Option<usize>) -> Option<Layout> {
     let size = front_bytes(capacity)
         + HEADER
-        + len * 8
-        + (extra_dead_words(len) + extra_gone_words(capacity)) * WORD
-        + long_area(len, long_bytes);
+        + keys * 8
+        + (extra_dead_words(keys) + extra_gone_words(capacity)) * WORD
+        + long_area(keys, long_bytes);
     Layout::from_size_align(size, std::mem::align_of::<BlockRun>().max(8)).ok()
 }
 
 /// Where the key descriptors of the run at `run` with room for `capacity` holders and `len`
-/// keys start (after its gone words; only a long run has them). Plain address arithmetic.
+/// keys start (after its gone words; only a long run has them, and a long run's key capacity
+/// is its length). Plain address arithmetic.
 fn descriptors_of(run: *const BlockRun, capacity: usize, len: usize) -> *const u64 {
     (run as *const u8).wrapping_add(
         HEADER + len * 8 + (extra_dead_words(len) + extra_gone_words(capacity)) * WORD,
     ) as *const u64
+}
+
+/// The key capacity `meta` gives (see [`BlockRun::is_appendable`]).
+#[inline]
+fn key_capacity(meta: u64) -> usize {
+    match (meta >> ROOM_SHIFT & ROOM_MASK) as usize {
+        0 => (meta >> 32 & LEN_MASK) as usize,
+        units => units * KEY_UNIT,
+    }
 }
 
 /// The slot value naming offset `o` of `run`.
@@ -364,6 +381,36 @@ impl BlockRun {
         bytes: Option<&[K]>,
         step: i32,
     ) -> Option<NonNull<BlockRun>> {
+        Self::build(holders, capacity, digests, bytes, step, 0)
+    }
+
+    /// [`BlockRun::create`] of an *appendable* run (see "Appends and truncation"): room for at
+    /// least `room` keys after `keys` (its key capacity rounded up to [`KEY_UNIT`], at most
+    /// [`MAX_LEN`]), 8-byte keys only, token step `step`. `None` as for `create`, or when
+    /// `room` is 0 or no key fits after `keys`.
+    pub fn create_appendable(
+        holders: &[Holder],
+        capacity: usize,
+        keys: &[u64],
+        step: i32,
+        room: usize,
+    ) -> Option<NonNull<BlockRun>> {
+        if room == 0 || keys.len() >= MAX_LEN {
+            return None;
+        }
+        Self::build::<[u8; 8]>(holders, capacity, keys, None, step, room)
+    }
+
+    /// [`BlockRun::create_keyed`] with room for `room` more keys (0: none, the key capacity is
+    /// the length; else 8-byte keys only, see [`BlockRun::create_appendable`]).
+    fn build<K: AsRef<[u8]>>(
+        holders: &[Holder],
+        capacity: usize,
+        digests: &[u64],
+        bytes: Option<&[K]>,
+        step: i32,
+        room: usize,
+    ) -> Option<NonNull<BlockRun>> {
         let len = digests.len();
         if holders.is_empty()
             || holders.len() > capacity
@@ -390,7 +437,21 @@ impl BlockRun {
             }
             None => None,
         };
-        let lay = layout(capacity, len, long_bytes)?;
+        if room > 0 && long_bytes.is_some() {
+            return None;
+        }
+        // An appendable run's key capacity, in whole units; a run without room has its length.
+        let key_capacity = if room == 0 {
+            len
+        } else {
+            (len + room).next_multiple_of(KEY_UNIT).min(MAX_LEN)
+        };
+        let units = if room == 0 {
+            0
+        } else {
+            (key_capacity / KEY_UNIT) as u64
+        };
+        let lay = layout(capacity, key_capacity, long_bytes)?;
         let keys = digests;
         // SAFETY: the layout has a non-zero size (the header).
         let base = unsafe { alloc(lay) };
@@ -410,7 +471,11 @@ impl BlockRun {
             let long_flag = if long_bytes.is_some() { LONG } else { 0 };
             header.write(BlockRun {
                 meta: AtomicU64::new(
-                    holders.len() as u64 | (capacity as u64) << 16 | (len as u64) << 32 | long_flag,
+                    holders.len() as u64
+                        | (capacity as u64) << 16
+                        | (len as u64) << 32
+                        | units << ROOM_SHIFT
+                        | long_flag,
                 ),
                 refs: AtomicU64::new(0),
                 dead: AtomicU64::new(0),
@@ -425,8 +490,10 @@ impl BlockRun {
             }
             let k = (header as *mut u8).add(HEADER) as *mut u64;
             std::ptr::copy_nonoverlapping(keys.as_ptr(), k, len);
-            let extra = k.add(len) as *mut AtomicU64;
-            let words = extra_dead_words(len) + extra_gone_words(capacity);
+            // The room's keys stay unwritten until an append writes them (they are plain
+            // `u64`s that no reader reads at or past `len`).
+            let extra = k.add(key_capacity) as *mut AtomicU64;
+            let words = extra_dead_words(key_capacity) + extra_gone_words(capacity);
             for i in 0..words {
                 extra.add(i).write(AtomicU64::new(0));
             }
@@ -475,10 +542,7 @@ impl BlockRun {
         unsafe {
             // Not through `len()`: the ledger already counts the run as freed.
             let meta = (*p).meta.load(Ordering::Relaxed);
-            let (capacity, len) = (
-                (meta >> 16 & 0xFFFF) as usize,
-                (meta >> 32 & LEN_MASK) as usize,
-            );
+            let (capacity, len) = ((meta >> 16 & 0xFFFF) as usize, key_capacity(meta));
             let long_bytes =
                 (meta & LONG != 0).then(|| *descriptors_of(p, capacity, len).add(len) as usize);
             let base = (p as *mut u8).sub(front_bytes(capacity));
@@ -540,7 +604,22 @@ impl BlockRun {
     #[inline]
     pub fn len(&self) -> usize {
         self.touch();
-        (self.meta.load(Ordering::Relaxed) >> 32 & LEN_MASK) as usize
+        // Acquire: pairs with an append's Release store of the length, after its keys
+        // ("Appends and truncation").
+        (self.meta.load(Ordering::Acquire) >> 32 & LEN_MASK) as usize
+    }
+
+    /// Keys the allocation has room for: the length of a run built without room, else the
+    /// appendable run's capacity (immutable).
+    #[inline]
+    fn key_capacity(&self) -> usize {
+        key_capacity(self.meta.load(Ordering::Relaxed))
+    }
+
+    /// Whether the run was built with room for appends ([`BlockRun::create_appendable`]).
+    #[inline]
+    pub fn is_appendable(&self) -> bool {
+        self.meta.load(Ordering::Relaxed) >> ROOM_SHIFT & ROOM_MASK != 0
     }
 
     /// Whether the run keeps key bytes: it has a key of another length than 8.
@@ -549,7 +628,8 @@ impl BlockRun {
         self.meta.load(Ordering::Relaxed) & LONG != 0
     }
 
-    /// The key descriptors of a long run (`len` of them, then the byte total).
+    /// The key descriptors of a long run (`len` of them, then the byte total; a long run is
+    /// never appendable, so its key capacity is its length).
     #[inline]
     fn descriptors(&self) -> *const u64 {
         descriptors_of(self, self.capacity(), self.len())
@@ -626,13 +706,13 @@ impl BlockRun {
         if w == 0 {
             return &self.gone;
         }
-        let len = self.len();
+        let keys = self.key_capacity();
         debug_assert!(w <= extra_gone_words(self.capacity()));
         // SAFETY: gone word `w − 1` after the dead words, inside the allocation
         // (`w < ⌈capacity / 64⌉`) and initialised by `create`.
         unsafe {
             &*((self as *const BlockRun as *const u8)
-                .add(HEADER + len * 8 + (extra_dead_words(len) + w - 1) * WORD)
+                .add(HEADER + keys * 8 + (extra_dead_words(keys) + w - 1) * WORD)
                 as *const AtomicU64)
         }
     }
@@ -686,11 +766,12 @@ impl BlockRun {
         if w == 0 {
             return &self.dead;
         }
-        debug_assert!(w <= extra_dead_words(self.len()));
-        // SAFETY: word `w − 1` after the keys, inside the allocation (`w < ⌈len / 64⌉`) and
-        // initialised by `create`.
+        let keys = self.key_capacity();
+        debug_assert!(w <= extra_dead_words(keys));
+        // SAFETY: word `w − 1` after the key capacity's keys, inside the allocation
+        // (`w < ⌈key capacity / 64⌉`) and initialised by `create`.
         unsafe {
-            &*((self as *const BlockRun as *const u8).add(HEADER + self.len() * 8 + (w - 1) * WORD)
+            &*((self as *const BlockRun as *const u8).add(HEADER + keys * 8 + (w - 1) * WORD)
                 as *const AtomicU64)
         }
     }
@@ -725,13 +806,23 @@ impl BlockRun {
         }
     }
 
-    /// Offsets whose dead bit is clear.
+    /// Offsets below the length whose dead bit is clear (a truncated run's offsets past its
+    /// length are dead too, and not counted).
     pub fn live_count(&self) -> usize {
-        let words = self.len().div_ceil(64);
-        let dead: u32 = (0..words)
-            .map(|w| self.dead_word(w).load(Ordering::Acquire).count_ones())
+        let len = self.len();
+        let dead: u32 = (0..len.div_ceil(64))
+            .map(|w| {
+                let bits = self.dead_word(w).load(Ordering::Acquire);
+                let below = len - 64 * w;
+                let mask = if below >= 64 {
+                    u64::MAX
+                } else {
+                    (1 << below) - 1
+                };
+                (bits & mask).count_ones()
+            })
             .sum();
-        self.len() - dead as usize
+        len - dead as usize
     }
 
     /// Hint `j`.
@@ -849,6 +940,71 @@ impl BlockRun {
         );
     }
 
+    /// Keys an append may add: the room left after the length of an appendable run that was
+    /// never truncated (a truncation marks the offsets it cut dead, the first of them at the
+    /// new length, so this is 0 from then on); 0 for any other run.
+    pub fn room(&self) -> usize {
+        if !self.is_appendable() {
+            return 0;
+        }
+        let (len, keys) = (self.len(), self.key_capacity());
+        if len >= keys || self.is_dead(len) {
+            return 0;
+        }
+        keys - len
+    }
+
+    /// Appends `keys` (at most [`BlockRun::room`] of them) after the run's last key: writes
+    /// them, then publishes the new length with Release, so a reader that loads the length
+    /// with Acquire and sees it reads the keys written (module docs, "Appends and
+    /// truncation"). `step` becomes the run's token step when the run had one block (whose
+    /// step, 0, no offset used); otherwise it must be the step already. False, having changed
+    /// nothing, when the keys do not fit or the step differs.
+    pub fn append(&self, keys: &[u64], step: i32) -> bool {
+        let len = self.len();
+        if keys.is_empty() || keys.len() > self.room() || (len > 1 && step != self.step()) {
+            return false;
+        }
+        if len == 1 && step != self.step() {
+            // Only offset 0 was readable, whose count the step does not enter; the length's
+            // Release store below publishes the step with the keys.
+            let id = self.id_step.load(Ordering::Relaxed) as u32;
+            self.id_step.store(
+                u64::from(id) | u64::from(step as u32) << 32,
+                Ordering::Relaxed,
+            );
+        }
+        let start = (self as *const BlockRun as *mut u8).wrapping_add(HEADER + len * 8) as *mut u64;
+        // SAFETY: offsets `len .. len + keys.len()` are inside the key capacity (`room`). No
+        // reader reads them: readers read keys below a length they loaded, every length ever
+        // published was at most `len` (the run was never truncated: `room` checked its dead
+        // bit at `len`), and only the writer-lock holder writes here.
+        unsafe { std::ptr::copy_nonoverlapping(keys.as_ptr(), start, keys.len()) };
+        let meta = self.meta.load(Ordering::Relaxed);
+        // Release: the keys (and the step) before the length.
+        self.meta
+            .store(meta + ((keys.len() as u64) << 32), Ordering::Release);
+        true
+    }
+
+    /// Shortens an appendable run to `len` (≥ 1, below its length): marks offsets `len..`
+    /// dead, then stores the length with Release. The caller then removes those offsets'
+    /// slots (invariant 2) and releases them. The offsets cut stay dead and are never written
+    /// again (a reader that loaded the old length may still compare their keys), so the run
+    /// takes no append from then on ([`BlockRun::room`]).
+    pub fn truncate(&self, len: usize) {
+        let old = self.len();
+        debug_assert!(self.is_appendable() && len >= 1 && len < old);
+        for o in len..old {
+            self.set_dead(o);
+        }
+        let meta = self.meta.load(Ordering::Relaxed);
+        self.meta.store(
+            meta & !(LEN_MASK << 32) | (len as u64) << 32,
+            Ordering::Release,
+        );
+    }
+
     /// Records that the block keyed `key` follows one of this run's stretches at `target`:
     /// replaces the hint for that key, else takes a free one, else the one `key` picks.
     pub fn set_hint(&self, key: u64, target: HintTarget) {
@@ -914,7 +1070,7 @@ impl BlockRun {
     pub fn bytes(&self) -> usize {
         let long_bytes = self.is_long().then(|| self.long_total());
         // A live run's layout fitted when `create` allocated it.
-        let size = layout(self.capacity(), self.len(), long_bytes).map_or(0, |l| l.size());
+        let size = layout(self.capacity(), self.key_capacity(), long_bytes).map_or(0, |l| l.size());
         crate::raw::pages::heap_chunk(size)
     }
 
