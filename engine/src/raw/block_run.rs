@@ -149,10 +149,13 @@ const OFFSET_SHIFT: u32 = 48;
 const LEN_MASK: u64 = 0x1_FFFF;
 /// `meta`'s bit 63: the run keeps its keys' bytes (see "Keys of other lengths").
 const LONG: u64 = 1 << 63;
-/// `meta`'s bits 49..=62: an appendable run's key capacity in units of [`KEY_UNIT`] keys (0 for
-/// a run built without room, whose key capacity is its length: see "Appends and truncation").
-const ROOM_SHIFT: u32 = 49;
-const ROOM_MASK: u64 = 0x3FFF;
+/// `meta`'s bits 49..=61: the run's key capacity (the keys its allocation has room for, see
+/// "Appends and truncation"), in keys, or with [`SIXTEENS`] in units of 16 keys.
+const KEYS_SHIFT: u32 = 49;
+const KEYS_MASK: u64 = 0x1FFF;
+/// `meta`'s bit 62: the key capacity is counted in units of 16 keys (a capacity above
+/// [`KEYS_MASK`], rounded up to a multiple of 16).
+const SIXTEENS: u64 = 1 << 62;
 /// An appendable run's key capacity is a multiple of this many keys (one cache line).
 pub const KEY_UNIT: usize = 8;
 /// A key descriptor's length marking an 8-byte key (its bytes are its digest's).
@@ -333,12 +336,14 @@ fn descriptors_of(run: *const BlockRun, capacity: usize, len: usize) -> *const u
     ) as *const u64
 }
 
-/// The key capacity `meta` gives (see [`BlockRun::is_appendable`]).
+/// The key capacity `meta` gives.
 #[inline]
 fn key_capacity(meta: u64) -> usize {
-    match (meta >> ROOM_SHIFT & ROOM_MASK) as usize {
-        0 => (meta >> 32 & LEN_MASK) as usize,
-        units => units * KEY_UNIT,
+    let field = (meta >> KEYS_SHIFT & KEYS_MASK) as usize;
+    if meta & SIXTEENS != 0 {
+        field * 16
+    } else {
+        field
     }
 }
 
@@ -440,16 +445,18 @@ impl BlockRun {
         if room > 0 && long_bytes.is_some() {
             return None;
         }
-        // An appendable run's key capacity, in whole units; a run without room has its length.
+        // The key capacity: the length, or with room a whole number of key lines; past what
+        // the field counts in keys, a whole number of sixteens.
         let key_capacity = if room == 0 {
             len
         } else {
             (len + room).next_multiple_of(KEY_UNIT).min(MAX_LEN)
         };
-        let units = if room == 0 {
-            0
+        let (key_capacity, keys_field) = if key_capacity as u64 <= KEYS_MASK {
+            (key_capacity, key_capacity as u64)
         } else {
-            (key_capacity / KEY_UNIT) as u64
+            let sixteens = key_capacity.div_ceil(16);
+            (16 * sixteens, sixteens as u64 | SIXTEENS >> KEYS_SHIFT)
         };
         let lay = layout(capacity, key_capacity, long_bytes)?;
         let keys = digests;
@@ -474,7 +481,7 @@ impl BlockRun {
                     holders.len() as u64
                         | (capacity as u64) << 16
                         | (len as u64) << 32
-                        | units << ROOM_SHIFT
+                        | keys_field << KEYS_SHIFT
                         | long_flag,
                 ),
                 refs: AtomicU64::new(0),
@@ -609,17 +616,11 @@ impl BlockRun {
         (self.meta.load(Ordering::Acquire) >> 32 & LEN_MASK) as usize
     }
 
-    /// Keys the allocation has room for: the length of a run built without room, else the
-    /// appendable run's capacity (immutable).
+    /// Keys the allocation has room for (immutable): the length the run was built with, or
+    /// more for a run built with room ([`BlockRun::create_appendable`]).
     #[inline]
-    fn key_capacity(&self) -> usize {
+    pub fn key_capacity(&self) -> usize {
         key_capacity(self.meta.load(Ordering::Relaxed))
-    }
-
-    /// Whether the run was built with room for appends ([`BlockRun::create_appendable`]).
-    #[inline]
-    pub fn is_appendable(&self) -> bool {
-        self.meta.load(Ordering::Relaxed) >> ROOM_SHIFT & ROOM_MASK != 0
     }
 
     /// Whether the run keeps key bytes: it has a key of another length than 8.
@@ -940,11 +941,11 @@ impl BlockRun {
         );
     }
 
-    /// Keys an append may add: the room left after the length of an appendable run that was
+    /// Keys an append may add: the room left after the length of a run of 8-byte keys that was
     /// never truncated (a truncation marks the offsets it cut dead, the first of them at the
-    /// new length, so this is 0 from then on); 0 for any other run.
+    /// new length, so this is 0 from then on).
     pub fn room(&self) -> usize {
-        if !self.is_appendable() {
+        if self.is_long() {
             return 0;
         }
         let (len, keys) = (self.len(), self.key_capacity());
@@ -987,14 +988,14 @@ impl BlockRun {
         true
     }
 
-    /// Shortens an appendable run to `len` (≥ 1, below its length): marks offsets `len..`
+    /// Shortens a run of 8-byte keys to `len` (≥ 1, below its length): marks offsets `len..`
     /// dead, then stores the length with Release. The caller then removes those offsets'
     /// slots (invariant 2) and releases them. The offsets cut stay dead and are never written
     /// again (a reader that loaded the old length may still compare their keys), so the run
     /// takes no append from then on ([`BlockRun::room`]).
     pub fn truncate(&self, len: usize) {
         let old = self.len();
-        debug_assert!(self.is_appendable() && len >= 1 && len < old);
+        debug_assert!(!self.is_long() && len >= 1 && len < old);
         for o in len..old {
             self.set_dead(o);
         }

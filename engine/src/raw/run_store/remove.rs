@@ -459,11 +459,12 @@ impl RunStore {
 }
 
 /// Where a removal of the stretch whose slot values are `values` may cut `run` short instead
-/// of marking its offsets dead one by one (module docs, "Appends"): the run is appendable, its
-/// one holder (`holding` counts the live ones) is the leaving replica, and the stretch's
-/// offsets are exactly the run's last ones, leaving at least its first. The new length.
+/// of copying or trimming it (module docs, "Appends and truncation"): the run's keys are
+/// 8 bytes long, its one holder (`holding` counts the live ones) is the leaving replica, and
+/// the stretch's offsets are exactly the run's last ones, leaving at least its first. The new
+/// length.
 fn tail_cut(run: &BlockRun, holding: usize, values: &[Option<u64>]) -> Option<usize> {
-    if holding != 1 || run.holder_count() != 1 || !run.is_appendable() {
+    if holding != 1 || run.holder_count() != 1 || run.is_long() {
         return None;
     }
     let (mut low, mut high) = (usize::MAX, 0);
