@@ -1,17 +1,8 @@
 //! InferenceCache under the Mooncake replay ([`crate::mooncake`]): the W1M partition and
 //! configuration of [`crate::ours`] (cap unbounded, fixed clock), workers as replicas `w0`,
-//! `w1`, …; a `Stored` event is one chain-form ingest of its parent block (when it has one)
-//! and the new blocks (token counts continuing from the parent's position, K8), a `Removed`
-//! event one `evict_prefixes` (E3), a lookup the allocation-free core match on the request's
-//! rolling hashes.
-//!
-//! The parent goes first in the chain because the wire's chain form has no parent field: the
-//! event's parent hash (which the peers take as an argument, and vLLM's `BlockStored` carries)
-//! reaches the index as the chain's first block, with its cumulative count. The worker holds
-//! the parent (the simulator's prefix closure), at the state the ingest writes (one tier, one
-//! time), so its entry is unchanged and the scores are the same; the index pays the parent's
-//! probe, and learns which run the new blocks continue (an append to that run's tail when the
-//! worker holds it alone: `docs/engine.md`, "Storage: the run layout").
+//! `w1`, …; a `Stored` event is one chain-form ingest of the new blocks (token counts
+//! continuing from the parent's position, K8), a `Removed` event one `evict_prefixes` (E3), a
+//! lookup the allocation-free core match on the request's rolling hashes.
 
 use inferencecache_engine::fingerprint::to_wire;
 use inferencecache_engine::{
@@ -55,23 +46,17 @@ impl<'a> OursWriter<'a> {
 }
 
 impl Writer for OursWriter<'_> {
-    fn store(&mut self, worker: u32, position: u32, parent: Option<u64>, _: &[u64], seq: &[u64]) {
+    fn store(&mut self, worker: u32, position: u32, _: Option<u64>, _: &[u64], seq: &[u64]) {
         let Some(replica) = self.names.get(worker as usize) else {
             return;
         };
-        // The parent (at `position − 1`) first, then the new blocks (module docs).
-        let (parent, first_position) = match parent {
-            Some(p) if position > 0 => (Some(p), position - 1),
-            _ => (None, position),
-        };
         self.keys.clear();
-        self.keys
-            .extend(parent.iter().chain(seq).map(|h| to_wire(*h)));
+        self.keys.extend(seq.iter().map(|h| to_wire(*h)));
         self.counts.clear();
-        self.counts.resize(self.keys.len(), TRACE_BLOCK_TOKENS);
+        self.counts.resize(seq.len(), TRACE_BLOCK_TOKENS);
         if let Some(first) = self.counts.first_mut() {
             // K8: counts are cumulative within the ref; the first block carries its prefix.
-            *first = (first_position as i32 + 1) * TRACE_BLOCK_TOKENS;
+            *first = (position as i32 + 1) * TRACE_BLOCK_TOKENS;
         }
         let r = PrefixRef {
             prefix_hash: &[],

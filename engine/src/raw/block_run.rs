@@ -156,8 +156,6 @@ const KEYS_MASK: u64 = 0x1FFF;
 /// `meta`'s bit 62: the key capacity is counted in units of 16 keys (a capacity above
 /// [`KEYS_MASK`], rounded up to a multiple of 16).
 const SIXTEENS: u64 = 1 << 62;
-/// An appendable run's key capacity is a multiple of this many keys (one cache line).
-pub const KEY_UNIT: usize = 8;
 /// A key descriptor's length marking an 8-byte key (its bytes are its digest's).
 const EIGHT: u64 = u32::MAX as u64;
 const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
@@ -386,36 +384,6 @@ impl BlockRun {
         bytes: Option<&[K]>,
         step: i32,
     ) -> Option<NonNull<BlockRun>> {
-        Self::build(holders, capacity, digests, bytes, step, 0)
-    }
-
-    /// [`BlockRun::create`] of an *appendable* run (see "Appends and truncation"): room for at
-    /// least `room` keys after `keys` (its key capacity rounded up to [`KEY_UNIT`], at most
-    /// [`MAX_LEN`]), 8-byte keys only, token step `step`. `None` as for `create`, or when
-    /// `room` is 0 or no key fits after `keys`.
-    pub fn create_appendable(
-        holders: &[Holder],
-        capacity: usize,
-        keys: &[u64],
-        step: i32,
-        room: usize,
-    ) -> Option<NonNull<BlockRun>> {
-        if room == 0 || keys.len() >= MAX_LEN {
-            return None;
-        }
-        Self::build::<[u8; 8]>(holders, capacity, keys, None, step, room)
-    }
-
-    /// [`BlockRun::create_keyed`] with room for `room` more keys (0: none, the key capacity is
-    /// the length; else 8-byte keys only, see [`BlockRun::create_appendable`]).
-    fn build<K: AsRef<[u8]>>(
-        holders: &[Holder],
-        capacity: usize,
-        digests: &[u64],
-        bytes: Option<&[K]>,
-        step: i32,
-        room: usize,
-    ) -> Option<NonNull<BlockRun>> {
         let len = digests.len();
         if holders.is_empty()
             || holders.len() > capacity
@@ -442,20 +410,12 @@ impl BlockRun {
             }
             None => None,
         };
-        if room > 0 && long_bytes.is_some() {
-            return None;
-        }
-        // The key capacity: the length, or with room a whole number of key lines; past what
-        // the field counts in keys, a whole number of sixteens.
-        let key_capacity = if room == 0 {
-            len
+        // The key capacity: the length, or past what the field counts in keys, the length
+        // rounded up to a whole number of sixteens.
+        let (key_capacity, keys_field) = if len as u64 <= KEYS_MASK {
+            (len, len as u64)
         } else {
-            (len + room).next_multiple_of(KEY_UNIT).min(MAX_LEN)
-        };
-        let (key_capacity, keys_field) = if key_capacity as u64 <= KEYS_MASK {
-            (key_capacity, key_capacity as u64)
-        } else {
-            let sixteens = key_capacity.div_ceil(16);
+            let sixteens = len.div_ceil(16);
             (16 * sixteens, sixteens as u64 | SIXTEENS >> KEYS_SHIFT)
         };
         let lay = layout(capacity, key_capacity, long_bytes)?;
@@ -497,8 +457,8 @@ impl BlockRun {
             }
             let k = (header as *mut u8).add(HEADER) as *mut u64;
             std::ptr::copy_nonoverlapping(keys.as_ptr(), k, len);
-            // The room's keys stay unwritten until an append writes them (they are plain
-            // `u64`s that no reader reads at or past `len`).
+            // Keys past `len` (a capacity rounded up) are never written nor read: readers read
+            // keys below the length.
             let extra = k.add(key_capacity) as *mut AtomicU64;
             let words = extra_dead_words(key_capacity) + extra_gone_words(capacity);
             for i in 0..words {
@@ -549,22 +509,24 @@ impl BlockRun {
         unsafe {
             // Not through `len()`: the ledger already counts the run as freed.
             let meta = (*p).meta.load(Ordering::Relaxed);
-            let (capacity, len) = ((meta >> 16 & 0xFFFF) as usize, key_capacity(meta));
+            let (capacity, keys) = ((meta >> 16 & 0xFFFF) as usize, key_capacity(meta));
+            // A long run is never truncated: its length is the one it was built with.
+            let len = (meta >> 32 & LEN_MASK) as usize;
             let long_bytes =
-                (meta & LONG != 0).then(|| *descriptors_of(p, capacity, len).add(len) as usize);
+                (meta & LONG != 0).then(|| *descriptors_of(p, capacity, keys).add(len) as usize);
             let base = (p as *mut u8).sub(front_bytes(capacity));
             std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
                 base as *mut AtomicU64,
                 front_bytes(capacity) / WORD,
             ));
-            let extra = (p as *mut u8).add(HEADER + len * 8) as *mut AtomicU64;
+            let extra = (p as *mut u8).add(HEADER + keys * 8) as *mut AtomicU64;
             std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
                 extra,
-                extra_dead_words(len) + extra_gone_words(capacity),
+                extra_dead_words(keys) + extra_gone_words(capacity),
             ));
             std::ptr::drop_in_place(p);
             // The layout `create` allocated with (it fitted then).
-            if let Some(lay) = layout(capacity, len, long_bytes) {
+            if let Some(lay) = layout(capacity, keys, long_bytes) {
                 dealloc(base, lay);
             }
         }
@@ -611,13 +573,13 @@ impl BlockRun {
     #[inline]
     pub fn len(&self) -> usize {
         self.touch();
-        // Acquire: pairs with an append's Release store of the length, after its keys
-        // ("Appends and truncation").
-        (self.meta.load(Ordering::Acquire) >> 32 & LEN_MASK) as usize
+        // Relaxed: the length only falls once the run is shared (a truncation), and the keys
+        // below any length a reader loads were written before the run was shared.
+        (self.meta.load(Ordering::Relaxed) >> 32 & LEN_MASK) as usize
     }
 
-    /// Keys the allocation has room for (immutable): the length the run was built with, or
-    /// more for a run built with room ([`BlockRun::create_appendable`]).
+    /// Keys the allocation has room for (immutable): the length the run was built with (rounded
+    /// up to a multiple of 16 past 8,191 keys), which a truncation leaves as it is.
     #[inline]
     pub fn key_capacity(&self) -> usize {
         key_capacity(self.meta.load(Ordering::Relaxed))
@@ -630,10 +592,10 @@ impl BlockRun {
     }
 
     /// The key descriptors of a long run (`len` of them, then the byte total; a long run is
-    /// never appendable, so its key capacity is its length).
+    /// never truncated, so its length is the one it was built with).
     #[inline]
     fn descriptors(&self) -> *const u64 {
-        descriptors_of(self, self.capacity(), self.len())
+        descriptors_of(self, self.capacity(), self.key_capacity())
     }
 
     /// Bytes of a long run's keys of other lengths than 8.
@@ -941,53 +903,6 @@ impl BlockRun {
         );
     }
 
-    /// Keys an append may add: the room left after the length of a run of 8-byte keys that was
-    /// never truncated (a truncation marks the offsets it cut dead, the first of them at the
-    /// new length, so this is 0 from then on).
-    pub fn room(&self) -> usize {
-        if self.is_long() {
-            return 0;
-        }
-        let (len, keys) = (self.len(), self.key_capacity());
-        if len >= keys || self.is_dead(len) {
-            return 0;
-        }
-        keys - len
-    }
-
-    /// Appends `keys` (at most [`BlockRun::room`] of them) after the run's last key: writes
-    /// them, then publishes the new length with Release, so a reader that loads the length
-    /// with Acquire and sees it reads the keys written (module docs, "Appends and
-    /// truncation"). `step` becomes the run's token step when the run had one block (whose
-    /// step, 0, no offset used); otherwise it must be the step already. False, having changed
-    /// nothing, when the keys do not fit or the step differs.
-    pub fn append(&self, keys: &[u64], step: i32) -> bool {
-        let len = self.len();
-        if keys.is_empty() || keys.len() > self.room() || (len > 1 && step != self.step()) {
-            return false;
-        }
-        if len == 1 && step != self.step() {
-            // Only offset 0 was readable, whose count the step does not enter; the length's
-            // Release store below publishes the step with the keys.
-            let id = self.id_step.load(Ordering::Relaxed) as u32;
-            self.id_step.store(
-                u64::from(id) | u64::from(step as u32) << 32,
-                Ordering::Relaxed,
-            );
-        }
-        let start = (self as *const BlockRun as *mut u8).wrapping_add(HEADER + len * 8) as *mut u64;
-        // SAFETY: offsets `len .. len + keys.len()` are inside the key capacity (`room`). No
-        // reader reads them: readers read keys below a length they loaded, every length ever
-        // published was at most `len` (the run was never truncated: `room` checked its dead
-        // bit at `len`), and only the writer-lock holder writes here.
-        unsafe { std::ptr::copy_nonoverlapping(keys.as_ptr(), start, keys.len()) };
-        let meta = self.meta.load(Ordering::Relaxed);
-        // Release: the keys (and the step) before the length.
-        self.meta
-            .store(meta + ((keys.len() as u64) << 32), Ordering::Release);
-        true
-    }
-
     /// Shortens a run of 8-byte keys to `len` (≥ 1, below its length): marks offsets `len..`
     /// dead, then stores the length with Release. The caller then removes those offsets'
     /// slots (invariant 2) and releases them. The offsets cut stay dead and are never written
@@ -1245,6 +1160,60 @@ mod tests {
         assert_eq!(x.live_end(0), 70);
         // SAFETY: never shared.
         unsafe { BlockRun::discard(r) };
+    }
+
+    #[test]
+    fn a_truncated_run_keeps_its_allocation_and_reads_below_its_length() {
+        // Past 8,191 keys the capacity is kept in sixteens: 9,001 keys have room for 9,008.
+        let keys: Vec<u64> = (1..=9_001).collect();
+        let r = run(&[holder(1, 10)], 2, &keys);
+        // SAFETY: just built; freed at the end of the test.
+        let x = unsafe { r.as_ref() };
+        assert_eq!((x.len(), x.key_capacity()), (9_001, 9_008));
+        let bytes = x.bytes();
+        x.set_dead(10);
+        x.truncate(70);
+        assert_eq!((x.len(), x.key_capacity(), x.bytes()), (70, 9_008, bytes));
+        assert_eq!(x.keys(), &keys[..70]);
+        assert_eq!(
+            x.live_count(),
+            69,
+            "offsets past the length are not counted"
+        );
+        assert_eq!(x.live_end(11), 70);
+        assert!(
+            x.is_dead(70) && x.is_dead(9_000),
+            "the cut offsets are dead"
+        );
+        // The gone words sit after the capacity's dead words, whatever the length.
+        assert!(x.push_holder(holder(2, 20)));
+        x.set_gone(0);
+        let mut seen = Vec::new();
+        x.for_each_holder(|i, h| seen.push((i, h.rep())));
+        assert_eq!(seen, [(1, 2)]);
+        // A long run of as many keys reads its key bytes back past the rounded capacity.
+        let long: Vec<Vec<u8>> = (0..9_001u64)
+            .map(|i| {
+                if i == 9_000 {
+                    b"long".to_vec()
+                } else {
+                    i.to_be_bytes().to_vec()
+                }
+            })
+            .collect();
+        let digests: Vec<u64> = long.iter().map(|k| crate::raw::key::digest(k)).collect();
+        let l = BlockRun::create_keyed(&[holder(1, 10)], 1, &digests, Some(&long[..]), 0)
+            .expect("a valid long run");
+        // SAFETY: just built; freed below.
+        let y = unsafe { l.as_ref() };
+        assert_eq!(y.key_capacity(), 9_008);
+        assert_eq!(y.long_key(9_000), Some(&b"long"[..]));
+        assert_eq!(y.long_key(5), None);
+        // SAFETY: never shared.
+        unsafe {
+            BlockRun::discard(r);
+            BlockRun::discard(l);
+        }
     }
 
     #[test]

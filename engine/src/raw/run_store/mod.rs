@@ -106,7 +106,7 @@
 //! replicas joining one shared stretch one by one copy `O(n²)` holder entries in all.
 
 use crate::raw::block_run::{
-    BlockRun, FLAG, HintTarget, KEY_UNIT, MAX_HOLDERS, MAX_LEN, RunIds, ScanStep, pack, unpack,
+    BlockRun, FLAG, HintTarget, MAX_HOLDERS, MAX_LEN, RunIds, ScanStep, pack, unpack,
 };
 use crate::raw::holder::{GEN_MASK, Holder};
 use crate::raw::key::{KeyBytes, Keys, Request, one_key};

@@ -435,7 +435,7 @@ impl RunStore {
                     digests: &ordered,
                     bytes: bytes.as_deref(),
                 };
-                self.new_run(w, &holders, copied, r.step(), 0)
+                self.new_run(w, &holders, copied, r.step())
             };
             // Without a run for the others (none could be built), the stretch stays as it was.
             if new.is_some() || holders.is_empty() {

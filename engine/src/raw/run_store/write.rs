@@ -117,22 +117,16 @@ impl RunStore {
     }
 
     /// A new registered run over `keys` with token step `step`, counting the slots its caller
-    /// points at it; with `room` (> 0) an appendable run with room for that many more keys
-    /// (module docs, "Appends").
+    /// points at it.
     pub(super) fn new_run<K: AsRef<[u8]>>(
         &self,
         w: &mut StoreWriter,
         holders: &[Holder],
         keys: Keys<'_, K>,
         step: i32,
-        room: usize,
     ) -> Option<NonNull<BlockRun>> {
         let capacity = self.holder_capacity(holders.len());
-        let run = if room > 0 {
-            BlockRun::create_appendable(holders, capacity, keys.digests, step, room)?
-        } else {
-            BlockRun::create_keyed(holders, capacity, keys.digests, keys.bytes, step)?
-        };
+        let run = BlockRun::create_keyed(holders, capacity, keys.digests, keys.bytes, step)?;
         if self.ids.register(&mut w.alloc, run).is_none() {
             // SAFETY: never registered, never in a slot.
             unsafe { BlockRun::discard(run) };
@@ -221,7 +215,7 @@ impl RunStore {
             digests: &keys,
             bytes: bytes.as_deref(),
         };
-        if let Some(new) = self.new_run(w, &holders, copied, r.step(), 0) {
+        if let Some(new) = self.new_run(w, &holders, copied, r.step()) {
             let n = run_ref(new);
             r.for_each_hint(|k, target| n.set_hint(k, target));
             self.repoint(w, &keys, &values, run, Some(new), guard);
@@ -325,15 +319,6 @@ impl RunStore {
             match s {
                 Stretch::Taken => report.dropped += 1,
                 Stretch::Absent { from, to } => {
-                    if self.append_to_tail(w, chain, counts, cumulative, from, to, writing, guard) {
-                        report.added += to - from;
-                        report.new_keys += to - from;
-                        // The run's one holder entry is the replica's (`append_to_tail`).
-                        let (run, _) = w.owners[w.owners.len() - 1];
-                        let h = run_ref(run).holder(0);
-                        (from..to).for_each(|i| added(i, h.with_tokens(cumulative[i])));
-                        continue;
-                    }
                     let me = Holder::new(
                         writing.rep,
                         writing.tier,
@@ -342,18 +327,7 @@ impl RunStore {
                         w.next_generation(),
                     );
                     let step = if to - from > 1 { counts[from + 1] } else { 0 };
-                    // The chain's tail, of a chain that continues a prefix, gets room for the
-                    // next continuation (module docs, "Appends").
-                    let room = if to == keys.len()
-                        && continues_a_prefix(counts)
-                        && (from..to).all(|i| chain.long(i).is_none())
-                    {
-                        (to - from).max(KEY_UNIT)
-                    } else {
-                        0
-                    };
-                    let Some(run) = self.new_run(w, &[me], chain.range(from..to), step, room)
-                    else {
+                    let Some(run) = self.new_run(w, &[me], chain.range(from..to), step) else {
                         report.dropped += to - from;
                         continue;
                     };
@@ -427,7 +401,7 @@ impl RunStore {
                         for h in holders.iter_mut() {
                             *h = h.with_tokens(r.tokens_at(h, o_from));
                         }
-                        self.new_run(w, &holders, chain.range(from..to), step, 0)
+                        self.new_run(w, &holders, chain.range(from..to), step)
                     } else {
                         None
                     };
@@ -481,85 +455,6 @@ impl RunStore {
                 run_ref(run).set_hint(keys[to], HintTarget::at(target, v.get()));
             }
         }
-    }
-
-    /// Appends the absent stretch `from..to` of `chain` to the run of the stretch before it,
-    /// if that stretch ended at the run's last key and the run can take the stretch as it is
-    /// (module docs, "Appends"): the run is appendable with room, held by the writing replica
-    /// alone with the state this ingest writes, and the stretch's token counts continue the
-    /// run's step. Inserts the keys' slots and moves the previous stretch's owner entry to
-    /// `to`. False, having changed nothing, otherwise.
-    #[allow(clippy::too_many_arguments)]
-    fn append_to_tail<K: AsRef<[u8]>>(
-        &self,
-        w: &mut StoreWriter,
-        chain: Keys<'_, K>,
-        counts: &[i32],
-        cumulative: &[i32],
-        from: usize,
-        to: usize,
-        writing: Writing,
-        guard: &Guard,
-    ) -> bool {
-        let Some(&(run, end)) = w.owners.last() else {
-            return false;
-        };
-        let r = run_ref(run);
-        let len = r.len();
-        if end != from || from == 0 || r.room() < to - from || r.holder_count() != 1 {
-            return false;
-        }
-        // The previous block is the run's last key (the stretch before ended there).
-        let Some(Some(previous)) = w.values.get(from - 1) else {
-            return false;
-        };
-        if unpack(*previous) != (run, len - 1) || (from..to).any(|i| chain.long(i).is_some()) {
-            return false;
-        }
-        // The entry the stretch would get: the replica's state as this ingest writes it, with
-        // the run entry's generation. Every offset of the run is live (its references are its
-        // length), so no key ever left it: the entry's generation names no earlier entry of
-        // an appended key (a re-created entry gets another generation, V3).
-        let h = r.holder(0);
-        let me = Holder::new(
-            writing.rep,
-            writing.tier,
-            h.tokens(),
-            writing.ts_ms,
-            h.generation(),
-        );
-        if me != h || r.refs() != len as u64 {
-            return false;
-        }
-        // Token counts: the first appended block continues the run's last entry by the run's
-        // step (a run of one block takes the stretch's), and every next block by the same.
-        let step = if len == 1 { counts[from] } else { r.step() };
-        if (from..to).any(|i| counts[i] != step)
-            || cumulative[from] != r.tokens_at(&h, len - 1).wrapping_add(step)
-        {
-            return false;
-        }
-        let keys = &chain.digests[from..to];
-        for k in keys.iter().take(AHEAD) {
-            self.table.prefetch(*k, guard);
-        }
-        if !r.append(keys, step) {
-            return false;
-        }
-        r.add_refs(keys.len() as u64);
-        let mut slots = self.table.lock();
-        for (o, k) in keys.iter().enumerate() {
-            if let Some(n) = keys.get(o + AHEAD) {
-                self.table.prefetch(*n, guard);
-            }
-            // The cut found every key of an absent stretch absent, under this writer lock,
-            // and the chain has no repeats.
-            slots.insert_absent(*k, slot(pack(run, len + o)), guard);
-        }
-        drop(slots);
-        let last = w.owners.len() - 1;
-        w.owners[last] = (run, to);
-        true
     }
 
     /// Points the slots of `keys` (offsets of `old`, as `olds` name them) at offsets `0..` of
