@@ -149,13 +149,6 @@ const OFFSET_SHIFT: u32 = 48;
 const LEN_MASK: u64 = 0x1_FFFF;
 /// `meta`'s bit 63: the run keeps its keys' bytes (see "Keys of other lengths").
 const LONG: u64 = 1 << 63;
-/// `meta`'s bits 49..=61: the run's key capacity (the keys its allocation has room for, see
-/// "Appends and truncation"), in keys, or with [`SIXTEENS`] in units of 16 keys.
-const KEYS_SHIFT: u32 = 49;
-const KEYS_MASK: u64 = 0x1FFF;
-/// `meta`'s bit 62: the key capacity is counted in units of 16 keys (a capacity above
-/// [`KEYS_MASK`], rounded up to a multiple of 16).
-const SIXTEENS: u64 = 1 << 62;
 /// A key descriptor's length marking an 8-byte key (its bytes are its digest's).
 const EIGHT: u64 = u32::MAX as u64;
 const PTR_MASK: u64 = (1 << OFFSET_SHIFT) - 1;
@@ -314,35 +307,22 @@ fn long_area(len: usize, long_bytes: Option<usize>) -> usize {
     long_bytes.map_or(0, |b| (len + 1) * WORD + b.next_multiple_of(WORD))
 }
 
-/// The allocation of a run with room for `capacity` holders and `keys` keys (its key
-/// capacity); `None` when the sizes do not fit an allocation.
-fn layout(capacity: usize, keys: usize, long_bytes: Option<usize>) -> Option<Layout> {
+/// `None` when the sizes do not fit an allocation.
+fn layout(capacity: usize, len: usize, long_bytes: Option<usize>) -> Option<Layout> {
     let size = front_bytes(capacity)
         + HEADER
-        + keys * 8
-        + (extra_dead_words(keys) + extra_gone_words(capacity)) * WORD
-        + long_area(keys, long_bytes);
+        + len * 8
+        + (extra_dead_words(len) + extra_gone_words(capacity)) * WORD
+        + long_area(len, long_bytes);
     Layout::from_size_align(size, std::mem::align_of::<BlockRun>().max(8)).ok()
 }
 
 /// Where the key descriptors of the run at `run` with room for `capacity` holders and `len`
-/// keys start (after its gone words; only a long run has them, and a long run's key capacity
-/// is its length). Plain address arithmetic.
+/// keys start (after its gone words; only a long run has them). Plain address arithmetic.
 fn descriptors_of(run: *const BlockRun, capacity: usize, len: usize) -> *const u64 {
     (run as *const u8).wrapping_add(
         HEADER + len * 8 + (extra_dead_words(len) + extra_gone_words(capacity)) * WORD,
     ) as *const u64
-}
-
-/// The key capacity `meta` gives.
-#[inline]
-fn key_capacity(meta: u64) -> usize {
-    let field = (meta >> KEYS_SHIFT & KEYS_MASK) as usize;
-    if meta & SIXTEENS != 0 {
-        field * 16
-    } else {
-        field
-    }
 }
 
 /// The slot value naming offset `o` of `run`.
@@ -410,15 +390,7 @@ impl BlockRun {
             }
             None => None,
         };
-        // The key capacity: the length, or past what the field counts in keys, the length
-        // rounded up to a whole number of sixteens.
-        let (key_capacity, keys_field) = if len as u64 <= KEYS_MASK {
-            (len, len as u64)
-        } else {
-            let sixteens = len.div_ceil(16);
-            (16 * sixteens, sixteens as u64 | SIXTEENS >> KEYS_SHIFT)
-        };
-        let lay = layout(capacity, key_capacity, long_bytes)?;
+        let lay = layout(capacity, len, long_bytes)?;
         let keys = digests;
         // SAFETY: the layout has a non-zero size (the header).
         let base = unsafe { alloc(lay) };
@@ -438,11 +410,7 @@ impl BlockRun {
             let long_flag = if long_bytes.is_some() { LONG } else { 0 };
             header.write(BlockRun {
                 meta: AtomicU64::new(
-                    holders.len() as u64
-                        | (capacity as u64) << 16
-                        | (len as u64) << 32
-                        | keys_field << KEYS_SHIFT
-                        | long_flag,
+                    holders.len() as u64 | (capacity as u64) << 16 | (len as u64) << 32 | long_flag,
                 ),
                 refs: AtomicU64::new(0),
                 dead: AtomicU64::new(0),
@@ -457,10 +425,8 @@ impl BlockRun {
             }
             let k = (header as *mut u8).add(HEADER) as *mut u64;
             std::ptr::copy_nonoverlapping(keys.as_ptr(), k, len);
-            // Keys past `len` (a capacity rounded up) are never written nor read: readers read
-            // keys below the length.
-            let extra = k.add(key_capacity) as *mut AtomicU64;
-            let words = extra_dead_words(key_capacity) + extra_gone_words(capacity);
+            let extra = k.add(len) as *mut AtomicU64;
+            let words = extra_dead_words(len) + extra_gone_words(capacity);
             for i in 0..words {
                 extra.add(i).write(AtomicU64::new(0));
             }
@@ -509,24 +475,25 @@ impl BlockRun {
         unsafe {
             // Not through `len()`: the ledger already counts the run as freed.
             let meta = (*p).meta.load(Ordering::Relaxed);
-            let (capacity, keys) = ((meta >> 16 & 0xFFFF) as usize, key_capacity(meta));
-            // A long run is never truncated: its length is the one it was built with.
-            let len = (meta >> 32 & LEN_MASK) as usize;
+            let (capacity, len) = (
+                (meta >> 16 & 0xFFFF) as usize,
+                (meta >> 32 & LEN_MASK) as usize,
+            );
             let long_bytes =
-                (meta & LONG != 0).then(|| *descriptors_of(p, capacity, keys).add(len) as usize);
+                (meta & LONG != 0).then(|| *descriptors_of(p, capacity, len).add(len) as usize);
             let base = (p as *mut u8).sub(front_bytes(capacity));
             std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
                 base as *mut AtomicU64,
                 front_bytes(capacity) / WORD,
             ));
-            let extra = (p as *mut u8).add(HEADER + keys * 8) as *mut AtomicU64;
+            let extra = (p as *mut u8).add(HEADER + len * 8) as *mut AtomicU64;
             std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
                 extra,
-                extra_dead_words(keys) + extra_gone_words(capacity),
+                extra_dead_words(len) + extra_gone_words(capacity),
             ));
             std::ptr::drop_in_place(p);
             // The layout `create` allocated with (it fitted then).
-            if let Some(lay) = layout(capacity, keys, long_bytes) {
+            if let Some(lay) = layout(capacity, len, long_bytes) {
                 dealloc(base, lay);
             }
         }
@@ -573,16 +540,7 @@ impl BlockRun {
     #[inline]
     pub fn len(&self) -> usize {
         self.touch();
-        // Relaxed: the length only falls once the run is shared (a truncation), and the keys
-        // below any length a reader loads were written before the run was shared.
         (self.meta.load(Ordering::Relaxed) >> 32 & LEN_MASK) as usize
-    }
-
-    /// Keys the allocation has room for (immutable): the length the run was built with (rounded
-    /// up to a multiple of 16 past 8,191 keys), which a truncation leaves as it is.
-    #[inline]
-    pub fn key_capacity(&self) -> usize {
-        key_capacity(self.meta.load(Ordering::Relaxed))
     }
 
     /// Whether the run keeps key bytes: it has a key of another length than 8.
@@ -591,11 +549,10 @@ impl BlockRun {
         self.meta.load(Ordering::Relaxed) & LONG != 0
     }
 
-    /// The key descriptors of a long run (`len` of them, then the byte total; a long run is
-    /// never truncated, so its length is the one it was built with).
+    /// The key descriptors of a long run (`len` of them, then the byte total).
     #[inline]
     fn descriptors(&self) -> *const u64 {
-        descriptors_of(self, self.capacity(), self.key_capacity())
+        descriptors_of(self, self.capacity(), self.len())
     }
 
     /// Bytes of a long run's keys of other lengths than 8.
@@ -669,13 +626,13 @@ impl BlockRun {
         if w == 0 {
             return &self.gone;
         }
-        let keys = self.key_capacity();
+        let len = self.len();
         debug_assert!(w <= extra_gone_words(self.capacity()));
         // SAFETY: gone word `w − 1` after the dead words, inside the allocation
         // (`w < ⌈capacity / 64⌉`) and initialised by `create`.
         unsafe {
             &*((self as *const BlockRun as *const u8)
-                .add(HEADER + keys * 8 + (extra_dead_words(keys) + w - 1) * WORD)
+                .add(HEADER + len * 8 + (extra_dead_words(len) + w - 1) * WORD)
                 as *const AtomicU64)
         }
     }
@@ -729,12 +686,11 @@ impl BlockRun {
         if w == 0 {
             return &self.dead;
         }
-        let keys = self.key_capacity();
-        debug_assert!(w <= extra_dead_words(keys));
-        // SAFETY: word `w − 1` after the key capacity's keys, inside the allocation
-        // (`w < ⌈key capacity / 64⌉`) and initialised by `create`.
+        debug_assert!(w <= extra_dead_words(self.len()));
+        // SAFETY: word `w − 1` after the keys, inside the allocation (`w < ⌈len / 64⌉`) and
+        // initialised by `create`.
         unsafe {
-            &*((self as *const BlockRun as *const u8).add(HEADER + keys * 8 + (w - 1) * WORD)
+            &*((self as *const BlockRun as *const u8).add(HEADER + self.len() * 8 + (w - 1) * WORD)
                 as *const AtomicU64)
         }
     }
@@ -769,23 +725,13 @@ impl BlockRun {
         }
     }
 
-    /// Offsets below the length whose dead bit is clear (a truncated run's offsets past its
-    /// length are dead too, and not counted).
+    /// Offsets whose dead bit is clear.
     pub fn live_count(&self) -> usize {
-        let len = self.len();
-        let dead: u32 = (0..len.div_ceil(64))
-            .map(|w| {
-                let bits = self.dead_word(w).load(Ordering::Acquire);
-                let below = len - 64 * w;
-                let mask = if below >= 64 {
-                    u64::MAX
-                } else {
-                    (1 << below) - 1
-                };
-                (bits & mask).count_ones()
-            })
+        let words = self.len().div_ceil(64);
+        let dead: u32 = (0..words)
+            .map(|w| self.dead_word(w).load(Ordering::Acquire).count_ones())
             .sum();
-        len - dead as usize
+        self.len() - dead as usize
     }
 
     /// Hint `j`.
@@ -903,24 +849,6 @@ impl BlockRun {
         );
     }
 
-    /// Shortens a run of 8-byte keys to `len` (≥ 1, below its length): marks offsets `len..`
-    /// dead, then stores the length with Release. The caller then removes those offsets'
-    /// slots (invariant 2) and releases them. The offsets cut stay dead and are never written
-    /// again (a reader that loaded the old length may still compare their keys), so the run
-    /// takes no append from then on ([`BlockRun::room`]).
-    pub fn truncate(&self, len: usize) {
-        let old = self.len();
-        debug_assert!(!self.is_long() && len >= 1 && len < old);
-        for o in len..old {
-            self.set_dead(o);
-        }
-        let meta = self.meta.load(Ordering::Relaxed);
-        self.meta.store(
-            meta & !(LEN_MASK << 32) | (len as u64) << 32,
-            Ordering::Release,
-        );
-    }
-
     /// Records that the block keyed `key` follows one of this run's stretches at `target`:
     /// replaces the hint for that key, else takes a free one, else the one `key` picks.
     pub fn set_hint(&self, key: u64, target: HintTarget) {
@@ -986,7 +914,7 @@ impl BlockRun {
     pub fn bytes(&self) -> usize {
         let long_bytes = self.is_long().then(|| self.long_total());
         // A live run's layout fitted when `create` allocated it.
-        let size = layout(self.capacity(), self.key_capacity(), long_bytes).map_or(0, |l| l.size());
+        let size = layout(self.capacity(), self.len(), long_bytes).map_or(0, |l| l.size());
         crate::raw::pages::heap_chunk(size)
     }
 
@@ -1160,60 +1088,6 @@ mod tests {
         assert_eq!(x.live_end(0), 70);
         // SAFETY: never shared.
         unsafe { BlockRun::discard(r) };
-    }
-
-    #[test]
-    fn a_truncated_run_keeps_its_allocation_and_reads_below_its_length() {
-        // Past 8,191 keys the capacity is kept in sixteens: 9,001 keys have room for 9,008.
-        let keys: Vec<u64> = (1..=9_001).collect();
-        let r = run(&[holder(1, 10)], 2, &keys);
-        // SAFETY: just built; freed at the end of the test.
-        let x = unsafe { r.as_ref() };
-        assert_eq!((x.len(), x.key_capacity()), (9_001, 9_008));
-        let bytes = x.bytes();
-        x.set_dead(10);
-        x.truncate(70);
-        assert_eq!((x.len(), x.key_capacity(), x.bytes()), (70, 9_008, bytes));
-        assert_eq!(x.keys(), &keys[..70]);
-        assert_eq!(
-            x.live_count(),
-            69,
-            "offsets past the length are not counted"
-        );
-        assert_eq!(x.live_end(11), 70);
-        assert!(
-            x.is_dead(70) && x.is_dead(9_000),
-            "the cut offsets are dead"
-        );
-        // The gone words sit after the capacity's dead words, whatever the length.
-        assert!(x.push_holder(holder(2, 20)));
-        x.set_gone(0);
-        let mut seen = Vec::new();
-        x.for_each_holder(|i, h| seen.push((i, h.rep())));
-        assert_eq!(seen, [(1, 2)]);
-        // A long run of as many keys reads its key bytes back past the rounded capacity.
-        let long: Vec<Vec<u8>> = (0..9_001u64)
-            .map(|i| {
-                if i == 9_000 {
-                    b"long".to_vec()
-                } else {
-                    i.to_be_bytes().to_vec()
-                }
-            })
-            .collect();
-        let digests: Vec<u64> = long.iter().map(|k| crate::raw::key::digest(k)).collect();
-        let l = BlockRun::create_keyed(&[holder(1, 10)], 1, &digests, Some(&long[..]), 0)
-            .expect("a valid long run");
-        // SAFETY: just built; freed below.
-        let y = unsafe { l.as_ref() };
-        assert_eq!(y.key_capacity(), 9_008);
-        assert_eq!(y.long_key(9_000), Some(&b"long"[..]));
-        assert_eq!(y.long_key(5), None);
-        // SAFETY: never shared.
-        unsafe {
-            BlockRun::discard(r);
-            BlockRun::discard(l);
-        }
     }
 
     #[test]

@@ -449,9 +449,7 @@ fn run_ref<'g>(run: NonNull<BlockRun>) -> &'g BlockRun {
 
 /// Whether `run` keeps too many dead offsets for its live ones (module docs, "Trimming").
 fn is_sparse(run: &BlockRun) -> bool {
-    // Counted against the key capacity: a truncated run keeps its allocation.
-    let keys = run.key_capacity();
-    keys >= TRIM_RATIO && run.refs() as usize * TRIM_RATIO <= keys
+    run.len() >= TRIM_RATIO && run.refs() as usize * TRIM_RATIO <= run.len()
 }
 
 /// Bits of the filter [`has_repeats`] tries first (a power of two; 2 KiB on the stack).

@@ -313,32 +313,6 @@ impl RunStore {
         report
     }
 
-    /// Removes the slots of `keys`, the keys a truncation just cut from the tail of `run`
-    /// ([`BlockRun::truncate`] marked their offsets dead: invariant 2), with their root
-    /// slots, and releases them.
-    fn unlink_tail(
-        &self,
-        w: &mut StoreWriter,
-        keys: &[u64],
-        run: NonNull<BlockRun>,
-        guard: &Guard,
-    ) {
-        for k in keys.iter().take(AHEAD) {
-            self.table.prefetch_present(*k, guard);
-        }
-        let mut slots: SlotWriter<'_> = self.table.lock();
-        for (o, k) in keys.iter().enumerate() {
-            if let Some(n) = keys.get(o + AHEAD) {
-                self.table.prefetch_present(*n, guard);
-            }
-            if slots.remove(*k, guard).is_some_and(|v| v.get() & FLAG != 0) {
-                self.roots.lock().remove(*k, guard);
-            }
-        }
-        drop(slots);
-        self.release(w, run, keys.len() as u64, guard);
-    }
-
     /// Removes `rep` from `keys`; `None`, having changed nothing, when two of the chain's keys
     /// name one block (a repeated key the store holds: written key by key instead).
     pub(super) fn evict_locked<K: AsRef<[u8]>>(
@@ -386,14 +360,6 @@ impl RunStore {
                 (from..to).for_each(|i| removed_at(i, entry(&w.values, i)));
                 r.set_gone(at);
                 removed += to - from;
-                continue;
-            }
-            if let Some(cut) = tail_cut(r, holding, &w.values[from..to]) {
-                (from..to).for_each(|i| removed_at(i, entry(&w.values, i)));
-                r.truncate(cut);
-                self.unlink_tail(w, &keys.digests[from..to], run, guard);
-                removed += to - from;
-                keys_removed += to - from;
                 continue;
             }
             // The stretch's keys in old-offset order (the chain's, matched in `cut`; a long
@@ -456,25 +422,4 @@ impl RunStore {
             keys_removed,
         })
     }
-}
-
-/// Where a removal of the stretch whose slot values are `values` may cut `run` short instead
-/// of copying or trimming it (module docs, "Appends and truncation"): the run's keys are
-/// 8 bytes long, its one holder (`holding` counts the live ones) is the leaving replica, and
-/// the stretch's offsets are exactly the run's last ones, leaving at least its first. The new
-/// length.
-fn tail_cut(run: &BlockRun, holding: usize, values: &[Option<u64>]) -> Option<usize> {
-    if holding != 1 || run.holder_count() != 1 || run.is_long() {
-        return None;
-    }
-    let (mut low, mut high) = (usize::MAX, 0);
-    for v in values {
-        let (_, o) = unpack((*v)?);
-        low = low.min(o);
-        high = high.max(o);
-    }
-    // The stretch's offsets are distinct and live (the cut matched them, and no two of the
-    // chain's keys name one block), so as many as the range holds cover it.
-    let len = run.len();
-    (low > 0 && high + 1 == len && len - low == values.len()).then_some(low)
 }

@@ -67,10 +67,11 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Ops that cut runs' tails: chains of consecutive keys whose token counts are their keys'
-/// positions (16 tokens a key, the first block carrying its prefix's, K8), written by few
-/// replicas at one tier and mostly one time, so runs held by one replica are common, and
-/// removals of consecutive keys, which often remove such a run's last blocks.
+/// Ops of an engine's prefix cache: chains of consecutive keys whose token counts are their
+/// keys' positions (16 tokens a key, the first block carrying its prefix's, K8), written by
+/// few replicas at one tier and mostly one time, so a chain that starts at a held block
+/// continues it with the same state and runs held by one replica are common, and removals of
+/// consecutive keys, which often remove such a run's last blocks (an LRU's leaves).
 fn tail_op() -> impl Strategy<Value = Op> {
     let range = (1..=UNIVERSE, 1u64..16)
         .prop_map(|(start, len)| (start..(start + len).min(UNIVERSE + 1)).collect::<Vec<u64>>());
@@ -472,7 +473,7 @@ proptest! {
     }
 
     #[test]
-    fn matches_the_model_with_tail_truncations(ops in prop::collection::vec(tail_op(), 1..60)) {
+    fn matches_the_model_with_continuations_and_tail_removals(ops in prop::collection::vec(tail_op(), 1..60)) {
         run_ops(StoreOptions::default(), Naming::Plain, &ops);
     }
 
@@ -1021,53 +1022,4 @@ fn leading_digests_stop_at_the_first_difference_wherever_it_is() {
     let request = [[0u8; 8]; 2];
     let eight = EightByteKeys::new(&request).expect("8-byte keys");
     assert_eq!(eight.leading_digests(1, &[0, 0]), 0);
-}
-
-#[test]
-fn a_tail_removal_of_a_run_held_alone_truncates_it() {
-    let store = RunStore::default();
-    let guard = crossbeam_epoch::pin();
-    let run_of = |key: u64| {
-        let mut found = None;
-        store.for_each_key(&guard, |d, run, o| {
-            if d == key {
-                found = Some((run as *const BlockRun, o, run.len(), run.key_capacity()));
-            }
-        });
-        found.expect("a present key")
-    };
-    store.ingest(&[1, 2, 3, 4, 5, 6, 7, 8], &[16; 8], writing(1), &guard);
-    let (run, _, len, keys) = run_of(1);
-    assert_eq!((len, keys), (8, 8));
-    let bytes = store.run_bytes();
-    // Leaves first, as an LRU evicts: blocks 8, 7 go, the run is cut to 6 in place.
-    let report = store.evict(&[8, 7], 1, &guard);
-    assert_eq!((report.removed, report.keys_removed), (2, 2));
-    assert_eq!(run_of(6), (run, 5, 6, 8));
-    assert_eq!(store.holders(7, &guard), None);
-    assert_eq!(store.run_bytes(), bytes, "the allocation stays");
-    let request: Vec<u64> = (1..=8).collect();
-    assert_eq!(stretches(&store, &request), (6, vec![(0, 6, 6)]));
-    // A block coming back gets a run of its own; the cut offsets stay dead.
-    store.ingest(&[7], &[112], writing(1), &guard);
-    assert_ne!(run_of(7).0, run);
-    assert_eq!(stretches(&store, &request).0, 7);
-    store.evict(&[7], 1, &guard);
-    // A removal in the middle is no truncation: the offsets are marked dead.
-    store.evict(&[3], 1, &guard);
-    assert_eq!(run_of(6), (run, 5, 6, 8));
-    assert_eq!(stretches(&store, &request).0, 2);
-    // Held by two replicas, a tail removal copies the stretch for the other (no truncation).
-    store.ingest(&[4, 5, 6], &[64, 16, 16], writing(2), &guard);
-    store.evict(&[6], 1, &guard);
-    assert_eq!(store.holders(6, &guard).map(|h| h.len()), Some(1));
-    // The cut run is trimmed once a quarter of its key capacity is live, as any run.
-    store.evict(&[5, 4], 1, &guard);
-    let (_, _, len, keys) = run_of(1);
-    assert!(4 * 2 > keys || len == 2, "{len} of {keys}");
-    for (keys, rep) in [(&[1u64, 2][..], 1), (&[4, 5, 6], 2)] {
-        store.evict(keys, rep, &guard);
-    }
-    assert!(store.is_empty());
-    assert_eq!(store.run_bytes(), 0);
 }
