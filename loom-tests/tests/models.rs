@@ -2082,3 +2082,48 @@ fn m15c_store_trim_vs_walk() {
         );
     });
 }
+
+/// Model 15d: a leaves-first tail removal vs a walk. Replica 0 holds chain 1, 2, 3, 4 (one
+/// run); it evicts 4, 3, as an LRU does: the run's tail, held by the leaving replica alone, so
+/// the writer marks offsets 3 and 2 dead and removes their slots (no copy, no new run, and
+/// half the run live: no trim) while a pinned reader walks 1, 2, 3, 4. The reader sees a
+/// prefix of the chain of at least two blocks, each replica 0's (a reader that loaded a dead
+/// bit before it was set still sees its block, as before the removal); afterwards the walk
+/// sees blocks 1, 2 on the same run. A walk that found the slot of a block past a shortened
+/// length would step outside the run's keys: the run's length never falls while it is shared.
+#[test]
+fn m15d_store_leaves_first_tail_removal_vs_walk() {
+    model(|| {
+        let store = Arc::new(RunStore::with_seed(StoreOptions::default(), 0));
+        {
+            let guard = crossbeam_epoch::pin();
+            store.ingest(&[1, 2, 3, 4], &[16; 4], writing(0), &guard);
+        }
+        let bytes = store.run_bytes();
+        let reader = {
+            let store = store.clone();
+            spawn(move || store_walk(&store, &[1, 2, 3, 4]))
+        };
+        {
+            let guard = crossbeam_epoch::pin();
+            assert_eq!(store.evict(&[4, 3], 0, &guard).keys_removed, 2);
+        }
+        let seen = reader.join().unwrap();
+        assert!(
+            seen.len() >= 2,
+            "blocks 1 and 2 are held throughout: {seen:?}"
+        );
+        assert!(
+            seen.iter().all(|reps| reps == &[0]),
+            "the reader saw {seen:?}"
+        );
+        outcome(match seen.len() {
+            2 => "blocks 1, 2",
+            3 => "blocks 1..=3",
+            _ => "blocks 1..=4",
+        });
+        assert_eq!(store_walk(&store, &[1, 2, 3, 4]), [vec![0], vec![0]]);
+        assert_eq!(store.run_bytes(), bytes, "the run stays as it was");
+        assert_eq!(loom_api::live(Kind::BlockRun), 1, "no run was built");
+    });
+}

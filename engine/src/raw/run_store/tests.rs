@@ -67,6 +67,28 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Ops of an engine's prefix cache: chains of consecutive keys whose token counts are their
+/// keys' positions (16 tokens a key, the first block carrying its prefix's, K8), written by
+/// few replicas at one tier and mostly one time, so a chain that starts at a held block
+/// continues it with the same state and runs held by one replica are common, and removals of
+/// consecutive keys, which often remove such a run's last blocks (an LRU's leaves).
+fn tail_op() -> impl Strategy<Value = Op> {
+    let range = (1..=UNIVERSE, 1u64..16)
+        .prop_map(|(start, len)| (start..(start + len).min(UNIVERSE + 1)).collect::<Vec<u64>>());
+    prop_oneof![
+        4 => (range.clone(), 0u32..3, 0i64..4).prop_map(|(keys, rep, ts)| {
+            let mut tokens = vec![16; 40];
+            tokens[0] = 16 * keys[0] as i32;
+            // Mostly one time: a re-ingest leaves the blocks as they are.
+            let ts = if ts == 0 { 1_100 } else { 1_000 };
+            Op::Ingest { keys, rep, tier: 1, tokens, ts }
+        }),
+        3 => (range, 0u32..3).prop_map(|(keys, rep)| Op::Evict { keys, rep }),
+        1 => (0u32..3).prop_map(|rep| Op::Clear { rep }),
+        1 => (0i64..2).prop_map(|c| Op::Sweep { cutoff: 1_050 + c * 100 }),
+    ]
+}
+
 /// What a write did: (blocks added, keys new) for an ingest, (blocks removed, keys removed)
 /// for a removal, and the (key, replica) entries it added or removed, in chain order for an
 /// ingest or a PREFIX_EVICTED, sorted for the others.
@@ -448,6 +470,11 @@ proptest! {
     #[test]
     fn matches_the_model_with_keys_of_other_lengths(ops in prop::collection::vec(op(), 1..40)) {
         run_ops(StoreOptions::default(), Naming::Mixed, &ops);
+    }
+
+    #[test]
+    fn matches_the_model_with_continuations_and_tail_removals(ops in prop::collection::vec(tail_op(), 1..60)) {
+        run_ops(StoreOptions::default(), Naming::Plain, &ops);
     }
 
     #[test]
