@@ -9,7 +9,7 @@
 //! 10 ms: a churn wave's peak RSS per live model fell from 2,321-2,593 B to 2,225-2,368 B, per
 //! live tenant from 2,238-2,526 B to 2,238-2,340 B, with the same server CPU per ingested block
 //! (issue 42, `bench/results/churn-waves.md`, "server and allocator"). 0 ms gained another
-//! ~80 B a model but spent up to 15% more CPU a block on a saturated host (a purge per freed
+//! ~110 B a model but spent up to 15% more CPU a block on a saturated host (a purge per freed
 //! range, and its pages faulted in again when reused).
 //!
 //! The operator keeps the last word: `MIMALLOC_PURGE_DELAY` in the environment (read by
