@@ -4,6 +4,7 @@
 //! handlers (numbered as the spec's handler algorithm, `// H1`…`// H13`), HTTP surfaces,
 //! metrics and process lifecycle.
 
+pub mod allocator;
 pub mod auth;
 pub mod checkpoint;
 pub mod config;

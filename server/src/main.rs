@@ -60,6 +60,7 @@ fn disable_transparent_huge_pages() {
 
 fn main() -> ExitCode {
     disable_transparent_huge_pages();
+    inferencecache_server::allocator::set_purge_delay();
     let args = inferencecache_server::config::normalize_args(std::env::args_os());
     // Flags, then the optional --config file beneath them (exit 2 on any error).
     let cli = match parse_command_line(args) {

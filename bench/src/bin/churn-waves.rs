@@ -21,7 +21,10 @@
 //!    reset before the wave (`/proc/PID/clear_refs` ← 5), or the highest `VmRSS` sampled every
 //!    20 ms when the reset is not permitted. Then it waits until `/metrics` reports 0 entries
 //!    and 0 engine memory (every entry expired and swept), plus two sweep intervals and
-//!    `--settle-ms`, and reads `VmRSS`.
+//!    `--settle-ms`, and reads `VmRSS`. Where the peak is: `VmHWM` is also read right after
+//!    the ingest and after the `/metrics` scrape that reads the live gauges, and printed per
+//!    identity beside the wave's peak ("peak by phase: ingest / scrape / expiry"): what rises
+//!    after the ingest is the scrape's and the expiring sweep's transient memory.
 //!
 //! Bars (exit 1 when one is missed): for every wave, (peak − baseline) / count ≤
 //! `--peak-bar-bytes`, and RSS after expiry ≤ baseline + `--expiry-bar-mib`. Loopback only.
@@ -382,7 +385,11 @@ async fn run(args: Args) -> Result<bool, Error> {
         )
         .await?;
         let ingest_took = started.elapsed();
+        // Where the wave's peak is: the kernel's peak read after the ingest, after the scrape
+        // that reads the live gauges, and at the end (the sweeps that expire the wave).
+        let peak_ingest = status_bytes(pid, "VmHWM")?;
         let (live_entries, live_bytes) = index_state(http)?;
+        let peak_scrape = status_bytes(pid, "VmHWM")?;
         let expired_after = await_expiry(http, sweep, settle, expiry_timeout).await?;
         stop.store(true, Ordering::Relaxed);
         sampler.await?;
@@ -392,14 +399,16 @@ async fn run(args: Args) -> Result<bool, Error> {
             sampled.load(Ordering::Relaxed)
         };
         let after = status_bytes(pid, "VmRSS")?;
-        let per_identity = peak.saturating_sub(baseline) / args.count.max(1) as u64;
+        let per = |bytes: u64| bytes.saturating_sub(baseline) / args.count.max(1) as u64;
+        let per_identity = per(peak);
         let peak_ok = per_identity <= args.peak_bar_bytes;
         let after_ok = after <= baseline + args.expiry_bar_mib * 1024 * 1024;
         ok &= peak_ok && after_ok;
         println!(
             "wave {}: ingest {:.2} s; after ingest {} entries, engine {:.1} MiB ({:.0} B/identity); \
              peak RSS {:.1} MiB ({} B/identity above baseline, bar {}: {}); expired after {:.1} s; \
-             RSS after expiry {:.1} MiB ({:+.1} MiB vs baseline, bar +{}: {})",
+             RSS after expiry {:.1} MiB ({:+.1} MiB vs baseline, bar +{}: {}); \
+             peak by phase{}: ingest {} / scrape {} / expiry {} B/identity",
             wave + 1,
             ingest_took.as_secs_f64(),
             live_entries,
@@ -414,6 +423,14 @@ async fn run(args: Args) -> Result<bool, Error> {
             mib(after) - mib(baseline),
             args.expiry_bar_mib,
             if after_ok { "met" } else { "MISSED" },
+            if hwm_reset {
+                ""
+            } else {
+                " (no peak reset: process peaks)"
+            },
+            per(peak_ingest),
+            per(peak_scrape),
+            per(peak),
         );
     }
     drop(server);
