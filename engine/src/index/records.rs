@@ -27,6 +27,16 @@ use std::sync::atomic::{
 };
 use std::sync::{Arc, Weak};
 
+/// Adds `child` to a parent's list of children (a tenant's pairs, a pair's partitions): the
+/// first child gets a list of one (8 bytes; a growing vector's first allocation holds four,
+/// 32), since most parents of churned identities never get a second.
+pub(crate) fn push_child<T>(list: &mut Vec<T>, child: T) {
+    if list.capacity() == 0 {
+        list.reserve_exact(1);
+    }
+    list.push(child);
+}
+
 /// A tenant.
 pub(crate) struct TenantRec {
     pub(crate) name: Arc<str>,
@@ -147,12 +157,13 @@ pub(crate) fn label_between(lo: Option<u64>, hi: Option<u64>) -> u64 {
     }
 }
 
-/// First slot chunk's length; chunk `k` holds `SLOT_BASE << k` slots. (Small: most scopes
-/// name a handful of replicas, and every scope with one pays for its first chunk.)
-const SLOT_BASE: usize = 4;
-/// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^19 − 1) ≥ 2^20`.
-const SLOT_CHUNKS: usize = 19;
-/// Chunks whose pointers [`ReplicaSlots`] holds inline (slots 0..28).
+/// First slot chunk's length; chunk `k` holds `SLOT_BASE << k` slots. (One: most scopes of
+/// churned tenants and models name one replica, and every scope with one pays for its first
+/// chunk: 8 bytes, where four slots took 32.)
+const SLOT_BASE: usize = 1;
+/// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^21 − 1) ≥ 2^20`.
+const SLOT_CHUNKS: usize = 21;
+/// Chunks whose pointers [`ReplicaSlots`] holds inline (slots 0..7).
 const INLINE_SLOT_CHUNKS: usize = 3;
 /// Chunks whose pointers are in [`ReplicaSlots`]'s `rest` array.
 const REST_SLOT_CHUNKS: usize = SLOT_CHUNKS - INLINE_SLOT_CHUNKS;
@@ -169,9 +180,9 @@ fn slot_place(i: usize) -> (usize, usize) {
 /// A scope's replicas by scope-local index: chunks of doubling length, allocated when the first
 /// index in them is handed out, so appending a replica is O(1) (no copy of the earlier ones)
 /// and an empty scope costs one small array of chunk pointers: the first
-/// [`INLINE_SLOT_CHUNKS`] (28 slots) inline, the others' in an array allocated with the first
+/// [`INLINE_SLOT_CHUNKS`] (7 slots) inline, the others' in an array allocated with the first
 /// chunk past them (`rest`, never replaced or freed before the slots), so a scope of a few
-/// replicas carries 4 pointers, not 19 (issue 42's churned tenants and models). A reader of a
+/// replicas carries 4 pointers, not 21 (issue 42's churned tenants and models). A reader of a
 /// slot past the inline chunks loads `rest` (Acquire) before the chunk pointer; the writer
 /// stores `rest` (Release) once its null pointers are written.
 ///

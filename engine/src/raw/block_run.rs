@@ -1323,7 +1323,7 @@ mod tests {
             ids.register(&mut alloc, r).expect("an id");
         }
         ids.deregister(&mut alloc, 3);
-        assert_eq!(ids.scan_len(), 4 + 8);
+        assert_eq!(ids.scan_len(), 2 + 4);
         let seen = |first: usize, end: usize, max_age: i64, stop_young: bool| {
             let (mut old, mut young) = (Vec::new(), 0);
             let stopped = ids.scan(first, end, max_age, &guard, |step| match step {
