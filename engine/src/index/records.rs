@@ -804,6 +804,19 @@ mod tests {
         );
     }
 
+    #[test]
+    fn record_sizes() {
+        let header = 2 * std::mem::size_of::<usize>();
+        eprintln!(
+            "partition {} tenant {} pair {} scope {} store {}",
+            std::mem::size_of::<Partition>() + header,
+            std::mem::size_of::<TenantRec>() + header,
+            std::mem::size_of::<ModelRec>() + header,
+            std::mem::size_of::<ScopeRec>() + header,
+            std::mem::size_of::<RunStore>(),
+        );
+    }
+
     /// Checks the label invariant over every pair of a scope's replicas, and that indices,
     /// names and lookups by name agree.
     fn check_scope(scope: &ScopeRec, names: &[String]) {

@@ -206,7 +206,10 @@ impl Index {
             model: model.clone(),
             scope: scope.clone(),
             adapter: records.share(a),
-            store: crate::raw::run_store::RunStore::default(),
+            store: crate::raw::run_store::RunStore::with_reaper(
+                crate::raw::run_store::StoreOptions::default(),
+                self.run_reaper.clone(),
+            ),
             lfu: crate::raw::lfu::LfuCells::new(),
             keys: AtomicI64::new(0),
             entries: AtomicI64::new(0),

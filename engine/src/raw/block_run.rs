@@ -1298,7 +1298,7 @@ mod tests {
         assert_eq!(ids.get(200, &guard), None);
         assert_eq!(ids.register(&mut alloc, r), Some(200));
         assert!(ids.bytes() >= 512 * 8);
-        for (c, i) in [(1, 0), (3, 0), (4, 1), (11, 1), (12, 2), (507, 6), (508, 7)]
+        for (c, i) in [(1, 0), (2, 1), (5, 1), (6, 2), (13, 2), (509, 7), (510, 8)]
             .map(|(id, c)| (crate::raw::run_ids::locate(id).0, c))
         {
             assert_eq!(c, i);

@@ -35,12 +35,13 @@ impl SlotWriter<'_> {
         }
     }
 
-    /// Stores the live count for [`SlotTable::len`] (a plain store: only this lock's holder
-    /// writes it).
-    pub(super) fn publish_len(&self) {
+    /// Adds `delta` to the live count of [`SlotTable::len`] (a plain load and store: only this
+    /// lock's holder writes it, so it is the writer's count as well as the readers').
+    pub(super) fn add_live(&self, delta: i64) {
+        let live = self.table.live.load(Ordering::Relaxed);
         self.table
             .live
-            .store(self.counts.live as u64, Ordering::Relaxed);
+            .store(live.wrapping_add_signed(delta), Ordering::Relaxed);
     }
 
     /// The value of `key`, if present.
@@ -93,8 +94,7 @@ impl SlotWriter<'_> {
             self.counts.of_mut(s).used = used as u32;
         }
         self.counts.of_mut(s).live += 1;
-        self.counts.live += 1;
-        self.publish_len();
+        self.add_live(1);
         None
     }
 
@@ -124,8 +124,7 @@ impl SlotWriter<'_> {
         let counts = self.counts.of_mut(s);
         counts.used = used as u32;
         counts.live += 1;
-        self.counts.live += 1;
-        self.publish_len();
+        self.add_live(1);
     }
 
     /// Removes `key`; returns its value, if it was present.
@@ -150,8 +149,7 @@ impl SlotWriter<'_> {
             slot.key.store(1, Ordering::Release);
         }
         counts.live -= 1;
-        self.counts.live -= 1;
-        self.publish_len();
+        self.add_live(-1);
         if self.is_underfilled(s, guard) {
             self.mark_underfilled(s, true);
         }
@@ -239,8 +237,10 @@ impl SlotWriter<'_> {
         View::of(word).expect("a table's block is never at address 0")
     }
 
-    /// Adds one to [`SlotTable::rebuilds`] (a plain store: only this lock's holder writes it).
+    /// Adds one to the table's rebuild count (a plain store: only this lock's holder writes
+    /// it; unit tests only, see `SlotTable::rebuilds`).
     pub(super) fn count_rebuild(&self) {
+        #[cfg(test)]
         self.table.rebuilds.store(
             self.table.rebuilds.load(Ordering::Relaxed) + 1,
             Ordering::Relaxed,
