@@ -20,7 +20,7 @@ use crate::ReplicaId;
 use crate::directory::{Directory, Life, Rcu, hash_strs, same_str};
 use crate::raw::lfu::LfuCells;
 use crate::raw::run_store::RunStore;
-use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
+use crate::sync::{AtomicI64, AtomicPtr, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
 use std::sync::atomic::{
     AtomicU32 as StdAtomicU32, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering,
@@ -48,8 +48,68 @@ pub(crate) struct TenantRec {
     /// Keys removed by the tenant quota (V5, `tenant_evictions_total{over_entries}`).
     pub(crate) quota_evictions: AtomicU64,
     /// Victim-selection state of the tenant quota (V5; see `eviction/`), made at the
-    /// tenant's first quota enforcement (boxed: most tenants never have one).
-    pub(crate) quota_hand: Mutex<Option<Box<super::eviction::Hand<Partition>>>>,
+    /// tenant's first quota enforcement (most tenants never have one).
+    pub(crate) quota_hand: QuotaHand,
+}
+
+/// A tenant's quota hand behind its lock, made on first use: a pointer, null until then (8
+/// bytes inline where a `Mutex<Option<Box<_>>>` took 16, which put the tenant record with its
+/// `Arc` header in mimalloc's 112-byte class rather than the 96; issue 42). Published with a
+/// Release compare-exchange of the fully built box, read with Acquire, never replaced, freed
+/// with the tenant.
+pub(crate) struct QuotaHand(AtomicPtr<Mutex<super::eviction::Hand<Partition>>>);
+
+impl QuotaHand {
+    pub(crate) fn new() -> Self {
+        Self(AtomicPtr::new(std::ptr::null_mut()))
+    }
+
+    /// The hand, if the tenant ever had a quota enforcement.
+    pub(crate) fn get(&self) -> Option<&Mutex<super::eviction::Hand<Partition>>> {
+        // Acquire: pairs with the Release compare-exchange that published the built box.
+        let hand = self.0.load(Ordering::Acquire);
+        // SAFETY: a non-null pointer is a box published fully built, freed only in `drop`
+        // (`&mut self`).
+        unsafe { hand.as_ref() }
+    }
+
+    /// The hand, made by `make` if absent (a racing maker's hand wins; this one is dropped).
+    pub(crate) fn get_or_make(
+        &self,
+        make: impl FnOnce() -> super::eviction::Hand<Partition>,
+    ) -> &Mutex<super::eviction::Hand<Partition>> {
+        if let Some(hand) = self.get() {
+            return hand;
+        }
+        let fresh = Box::into_raw(Box::new(Mutex::new(make())));
+        // Release: the box's contents before its address (AcqRel: on failure, Acquire reads
+        // the winner's box).
+        match self.0.compare_exchange(
+            std::ptr::null_mut(),
+            fresh,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            // SAFETY: published just now, freed only in `drop`.
+            Ok(_) => unsafe { &*fresh },
+            Err(winner) => {
+                // SAFETY: `fresh` was never published: this thread owns it.
+                drop(unsafe { Box::from_raw(fresh) });
+                // SAFETY: as in `get`: the winner's box, published fully built.
+                unsafe { &*winner }
+            }
+        }
+    }
+}
+
+impl Drop for QuotaHand {
+    fn drop(&mut self) {
+        let hand = self.0.load(Ordering::Relaxed);
+        if !hand.is_null() {
+            // SAFETY: `&mut self`: nothing else reaches the box, made by `get_or_make`.
+            drop(unsafe { Box::from_raw(hand) });
+        }
+    }
 }
 
 /// Per-model gauge (V7): distinct non-reserved keys across tenants.
@@ -84,15 +144,21 @@ pub(crate) struct ModelRec {
     /// Keys whose access sum ≥ the hot threshold (D4).
     pub(crate) hot: AtomicI64,
     pub(crate) gauge: Arc<GaugeRec>,
-    /// Stats records sorted by replica id.
-    pub(crate) stats: Rcu<Vec<StatsRecord>>,
-    /// Partitions of this pair (E3/E4 cost; weak: each partition holds its pair).
-    pub(crate) parts: Mutex<Vec<Weak<Partition>>>,
+    /// Stats records sorted by replica id; their writer lock guards the pair's partitions
+    /// ([`ModelRec::parts`]): one lock where two put the record with its `Arc` header in
+    /// mimalloc's 128-byte class rather than the 112 (issue 42).
+    pub(crate) stats: Rcu<Vec<StatsRecord>, Vec<Weak<Partition>>>,
     /// Reclamation gate of the stats writers (see [`Life`]).
     pub(crate) life: Life,
 }
 
 impl ModelRec {
+    /// Partitions of this pair (E3/E4 cost; weak: each partition holds its pair), locked.
+    /// The lock is the stats cell's writer lock: not held across a stats update.
+    pub(crate) fn parts(&self) -> crate::sync::MutexGuard<'_, Vec<Weak<Partition>>> {
+        self.stats.guarded()
+    }
+
     pub(crate) fn stats_of<'g>(&self, replica: &str, guard: &'g Guard) -> Option<&'g StatsRecord> {
         let v = self.stats.load(guard);
         v.binary_search_by(|r| (*r.replica).cmp(replica))
@@ -805,15 +871,20 @@ mod tests {
     }
 
     #[test]
-    fn record_sizes() {
+    fn tenant_pair_and_partition_records_fit_their_classes() {
+        // Each lives in an `Arc` (two counts, 16 bytes); mimalloc's classes: 96, 112, 128 and
+        // 320, 384 bytes. One of each per churned tenant (issue 42). A unit-test build's slot
+        // tables carry a rebuild counter each (8 bytes, `raw/slots`), not in the product.
         let header = 2 * std::mem::size_of::<usize>();
-        eprintln!(
-            "partition {} tenant {} pair {} scope {} store {}",
-            std::mem::size_of::<Partition>() + header,
-            std::mem::size_of::<TenantRec>() + header,
-            std::mem::size_of::<ModelRec>() + header,
-            std::mem::size_of::<ScopeRec>() + header,
-            std::mem::size_of::<RunStore>(),
+        let tenant = std::mem::size_of::<TenantRec>() + header;
+        assert!(tenant <= 96, "TenantRec with its Arc header: {tenant} B");
+        let pair = std::mem::size_of::<ModelRec>() + header;
+        assert!(pair <= 112, "ModelRec with its Arc header: {pair} B");
+        let test_only = 2 * std::mem::size_of::<u64>();
+        let partition = std::mem::size_of::<Partition>() + header - test_only;
+        assert!(
+            partition <= 320,
+            "Partition with its Arc header: {partition} B"
         );
     }
 

@@ -84,7 +84,7 @@ impl Index {
                         quota_evictions: AtomicU64::new(
                             self.retired_quota_evictions.lock().remove(t).unwrap_or(0),
                         ),
-                        quota_hand: Mutex::new(None),
+                        quota_hand: super::records::QuotaHand::new(),
                     })
                 },
             )
@@ -120,8 +120,7 @@ impl Index {
             keys: AtomicI64::new(0),
             hot: AtomicI64::new(0),
             gauge: gauge.clone(),
-            stats: crate::directory::Rcu::empty(),
-            parts: Mutex::new(Vec::new()),
+            stats: crate::directory::Rcu::empty_with(Vec::new()),
             life: crate::directory::Life::new(),
         });
         // Listed before it is linked: a record reachable through the directory is in every
@@ -221,7 +220,7 @@ impl Index {
         // and the cap through `all_parts`). Linked first, a probe's cleanup could run between
         // a second writer's ingest and the listing and miss that writer's entry for good.
         scope.parts.fetch_add(1, Ordering::Relaxed);
-        push_child(&mut model.parts.lock(), Arc::downgrade(&p));
+        push_child(&mut model.parts(), Arc::downgrade(&p));
         {
             let mut all = self.all_parts.lock();
             all.push(p.clone());
