@@ -172,13 +172,13 @@ fn a_churned_tenant_or_model_costs_the_engine_its_records_only() {
     let (requested, classes, rows) = measure(|i| (format!("churn-{i:010}"), "m".into()));
     println!("tenant: {requested:.0} B requested, {classes:.0} B in classes per tenant\n{rows}");
     assert!(
-        classes <= 2_000.0,
+        classes <= 1_792.0,
         "tenant: {classes:.0} B in classes\n{rows}"
     );
     let (requested, classes, rows) = measure(|i| ("t".into(), format!("churn-{i:010}")));
     println!("model: {requested:.0} B requested, {classes:.0} B in classes per model\n{rows}");
     assert!(
-        classes <= 2_000.0,
+        classes <= 1_792.0,
         "model: {classes:.0} B in classes\n{rows}"
     );
 }
