@@ -224,13 +224,12 @@ impl SlotWriter<'_> {
                 old
             }
             Root::Empty | Root::Single(_) => {
-                let old = self
-                    .table
-                    .single
-                    .swap(Owned::new(fresh), Ordering::Relaxed, guard);
-                // Release: the new table's slots and summary before the root names it.
-                self.table.root.store(word, Ordering::Release);
-                old
+                let old = self.table.root.load(Ordering::Relaxed);
+                // Release: the new table's slots and summary before the root names it (and
+                // owns its block).
+                self.table.root.store(fresh.into_word(), Ordering::Release);
+                self.retire_word(old, guard);
+                Shared::null()
             }
         };
         self.retire(old, guard);
@@ -296,14 +295,28 @@ impl SlotWriter<'_> {
         self.table.underfilled.store(0, Ordering::Relaxed);
         let address = Box::into_raw(directory) as u64;
         debug_assert!(address & 63 == 0, "the directory is 64-byte aligned");
-        let old = self
-            .table
-            .single
-            .swap(Shared::null(), Ordering::Relaxed, guard);
+        let old = self.table.root.load(Ordering::Relaxed);
         // Release: the directory's view words and their tables' slots before the root names
         // it.
         self.table.root.store(address, Ordering::Release);
-        self.retire(old, guard);
+        self.retire_word(old, guard);
+    }
+
+    /// Hands the single table a replaced root word owned (if it named one) to the epoch.
+    pub(super) fn retire_word(&self, old: u64, guard: &Guard) {
+        if old & 63 == 0 {
+            // 0 (no table yet); a directory address is never replaced.
+            return;
+        }
+        let old_bytes = Slots::word_bytes(old);
+        // SAFETY: the root no longer names the table (readers that loaded its word are
+        // pinned) and no writer touches it again; the epoch runs this once, after them, and
+        // the word owned the block (`Slots::into_word`).
+        unsafe { guard.defer_unchecked(move || drop(Slots::from_word(old))) };
+        // As in `retire`: a large table goes to the collector now.
+        if old_bytes >= FLUSH_MIN {
+            guard.flush();
+        }
     }
 
     /// Hands a replaced table (if any) to the epoch.
