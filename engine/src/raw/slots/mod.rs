@@ -49,7 +49,7 @@
 //! few chains) never pass 48 keys, and a directory (64 view words and 64 table pointers,
 //! 1 KiB) for each of their two tables would outweigh everything else they hold. Before the
 //! split the table is the **root** word (0, or the single table's view word) plus writer
-//! counts, about 64 bytes, and the single table's block, which the root word owns (no boxed
+//! counts, about 56 bytes, and the single table's block, which the root word owns (no boxed
 //! record beside it: the word tells the block's address and size, and a replaced word's block
 //! is freed through the epoch by a deferred function that rebuilds the table from the word);
 //! the split allocates the directory, and the root then names it for
