@@ -71,20 +71,28 @@ impl<T: 'static> StaticEmpty for Vec<T> {
 ///
 /// A cell that was never written holds no allocation (null) and reads as [`StaticEmpty::EMPTY`]:
 /// every (tenant, model) pair has one for its stats records and most pairs never get one
-/// (issue 42's churned tenants: a boxed empty vector each).
-pub(crate) struct Rcu<T: StaticEmpty> {
+/// (issue 42's churned tenants: a boxed empty vector each). The writer lock may guard data of
+/// the owner's as well (`G`: a pair's list of partitions), so the owner carries one lock, not
+/// two (each a byte padded to a word).
+pub(crate) struct Rcu<T: StaticEmpty, G = ()> {
     cur: Atomic<T>,
-    /// Writer lock.
-    lock: Mutex<()>,
+    /// Writer lock, with the data it guards besides the cell.
+    lock: Mutex<G>,
 }
 
-impl<T: StaticEmpty> Rcu<T> {
-    /// An empty cell (no allocation until the first write).
-    pub(crate) fn empty() -> Self {
+impl<T: StaticEmpty, G> Rcu<T, G> {
+    /// An empty cell (no allocation until the first write) whose lock guards `guarded`.
+    pub(crate) fn empty_with(guarded: G) -> Self {
         Self {
             cur: Atomic::null(),
-            lock: Mutex::new(()),
+            lock: Mutex::new(guarded),
         }
+    }
+
+    /// The data the writer lock guards besides the cell, locked (not to be held across an
+    /// [`update`](Rcu::update) of the same cell: the lock is not reentrant).
+    pub(crate) fn guarded(&self) -> crate::sync::MutexGuard<'_, G> {
+        self.lock.lock()
     }
 
     /// The current value.
@@ -114,7 +122,7 @@ impl<T: StaticEmpty> Rcu<T> {
     }
 }
 
-impl<T: StaticEmpty> Drop for Rcu<T> {
+impl<T: StaticEmpty, G> Drop for Rcu<T, G> {
     fn drop(&mut self) {
         // SAFETY: exclusive access; the current value is owned by the cell.
         unsafe {

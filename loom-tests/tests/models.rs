@@ -1860,9 +1860,9 @@ fn m14e_run_age_vs_scan() {
 }
 
 /// Model 14f: the registry's chunk pointers past the inline ones (`RunIds`' `rest` array,
-/// allocated with the first chunk past them) vs a reader. Ids 1..=11 fill the inline chunks;
-/// the writer registers run C, whose id 12 needs the array and chunk 2, while a reader looks
-/// id 12 up and scans from it. The reader finds nothing or C (its key readable), never a
+/// allocated with the first chunk past them) vs a reader. Ids 1..=5 fill the inline chunks;
+/// the writer registers run C, whose id 6 needs the array and chunk 2, while a reader looks
+/// id 6 up and scans from it. The reader finds nothing or C (its key readable), never a
 /// torn array or chunk: both are written before the pointers that publish them.
 #[test]
 fn m14f_run_id_past_inline_chunks_vs_reader() {
@@ -1870,18 +1870,18 @@ fn m14f_run_id_past_inline_chunks_vs_reader() {
         let (_table, ids, mut alloc, _) = run_fixture();
         let a = block_run(&[1], 1, &[2]);
         let c = block_run(&[2], 1, &[3]);
-        for want in 1..=11 {
+        for want in 1..=5 {
             assert_eq!(ids.register(&mut alloc, a), Some(want));
         }
-        assert_eq!(ids.scan_len(), 12, "two inline chunks: 4 + 8 positions");
+        assert_eq!(ids.scan_len(), 6, "two inline chunks: 2 + 4 positions");
         let reader = {
             let ids = ids.clone();
             spawn(move || {
                 let guard = crossbeam_epoch::pin();
                 // SAFETY: a registered run is live while the guard is pinned (invariant 4).
-                let got = ids.get(12, &guard).map(|r| unsafe { r.as_ref() }.key(0));
+                let got = ids.get(6, &guard).map(|r| unsafe { r.as_ref() }.key(0));
                 let mut scanned = Vec::new();
-                ids.scan(12, 28, i64::MAX, &guard, |step| {
+                ids.scan(6, 14, i64::MAX, &guard, |step| {
                     if let ScanStep::Old(run) = step {
                         scanned.push(run.key(0));
                     }
@@ -1890,9 +1890,9 @@ fn m14f_run_id_past_inline_chunks_vs_reader() {
                 (got, scanned)
             })
         };
-        assert_eq!(ids.register(&mut alloc, c), Some(12));
+        assert_eq!(ids.register(&mut alloc, c), Some(6));
         let (got, scanned) = reader.join().unwrap();
-        assert!(matches!(got, None | Some(3)), "id 12 named {got:?}");
+        assert!(matches!(got, None | Some(3)), "id 6 named {got:?}");
         assert!(scanned.is_empty() || scanned == [3], "scan saw {scanned:?}");
         outcome(match (got, scanned.is_empty()) {
             (Some(_), false) => "C by id and by scan",
@@ -1900,11 +1900,11 @@ fn m14f_run_id_past_inline_chunks_vs_reader() {
             (None, false) => "C by scan",
             (None, true) => "nothing yet",
         });
-        assert_eq!(ids.scan_len(), 28, "chunk 2 holds 16 positions");
+        assert_eq!(ids.scan_len(), 14, "chunk 2 holds 8 positions");
         let guard = crossbeam_epoch::pin();
         // SAFETY: the model's own runs, registered above.
         assert_eq!(
-            ids.get(12, &guard).map(|r| unsafe { r.as_ref() }.key(0)),
+            ids.get(6, &guard).map(|r| unsafe { r.as_ref() }.key(0)),
             Some(3)
         );
         drop(guard);

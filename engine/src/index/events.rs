@@ -160,7 +160,7 @@ impl Index {
         let mut small: [Option<Arc<Partition>>; N] = Default::default();
         let mut big: Vec<Arc<Partition>> = Vec::new();
         {
-            let list = model.parts.lock();
+            let list = model.parts();
             if list.len() <= N {
                 for (slot, part) in small.iter_mut().zip(list.iter()) {
                     *slot = part.upgrade();
@@ -179,12 +179,8 @@ impl Index {
         let ts_us = self.resolve_now_us(ev.timestamp_us);
         let reserved = self.is_reserved(ev.tenant_id);
         if let Some(model) = self.model_arc(ev.tenant_id, ev.model_id) {
-            let parts: Vec<Arc<Partition>> = model
-                .parts
-                .lock()
-                .iter()
-                .filter_map(Weak::upgrade)
-                .collect();
+            let parts: Vec<Arc<Partition>> =
+                model.parts().iter().filter_map(Weak::upgrade).collect();
             for p in parts.iter() {
                 let Some(rep) = p.scope.enter_existing(ev.replica_id) else {
                     continue;

@@ -277,6 +277,10 @@ pub struct Index {
     cap_hand: Mutex<eviction::Hand<Partition>>,
     /// Lanes per LFU stripe set (see `raw/lfu.rs`, `LfuCell`).
     stripe_lanes: usize,
+    /// The retired runs of every partition, freed by whichever partition's writer takes its
+    /// lock next (`raw/reaper.rs`): one reaper for the index, where one per partition was an
+    /// `Arc` allocation (24 bytes) of every churned tenant's partition (issue 42).
+    run_reaper: Arc<crate::raw::reaper::Reaper<crate::raw::block_run::BlockRun>>,
 }
 
 /// The sweep thread of [`Index::start`] and the flag and condition variable that stop it.
@@ -295,6 +299,7 @@ impl Index {
         let config_seed = config.eviction_seed;
         Self {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            run_reaper: Arc::default(),
             cfg: config.normalized(),
             resolvers,
             clock,

@@ -20,12 +20,22 @@ use crate::ReplicaId;
 use crate::directory::{Directory, Life, Rcu, hash_strs, same_str};
 use crate::raw::lfu::LfuCells;
 use crate::raw::run_store::RunStore;
-use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
+use crate::sync::{AtomicI64, AtomicPtr, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
 use std::sync::atomic::{
     AtomicU32 as StdAtomicU32, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering,
 };
 use std::sync::{Arc, Weak};
+
+/// Adds `child` to a parent's list of children (a tenant's pairs, a pair's partitions): the
+/// first child gets a list of one (8 bytes; a growing vector's first allocation holds four,
+/// 32), since most parents of churned identities never get a second.
+pub(crate) fn push_child<T>(list: &mut Vec<T>, child: T) {
+    if list.capacity() == 0 {
+        list.reserve_exact(1);
+    }
+    list.push(child);
+}
 
 /// A tenant.
 pub(crate) struct TenantRec {
@@ -38,8 +48,68 @@ pub(crate) struct TenantRec {
     /// Keys removed by the tenant quota (V5, `tenant_evictions_total{over_entries}`).
     pub(crate) quota_evictions: AtomicU64,
     /// Victim-selection state of the tenant quota (V5; see `eviction/`), made at the
-    /// tenant's first quota enforcement (boxed: most tenants never have one).
-    pub(crate) quota_hand: Mutex<Option<Box<super::eviction::Hand<Partition>>>>,
+    /// tenant's first quota enforcement (most tenants never have one).
+    pub(crate) quota_hand: QuotaHand,
+}
+
+/// A tenant's quota hand behind its lock, made on first use: a pointer, null until then (8
+/// bytes inline where a `Mutex<Option<Box<_>>>` took 16, which put the tenant record with its
+/// `Arc` header in mimalloc's 112-byte class rather than the 96; issue 42). Published with a
+/// Release compare-exchange of the fully built box, read with Acquire, never replaced, freed
+/// with the tenant.
+pub(crate) struct QuotaHand(AtomicPtr<Mutex<super::eviction::Hand<Partition>>>);
+
+impl QuotaHand {
+    pub(crate) fn new() -> Self {
+        Self(AtomicPtr::new(std::ptr::null_mut()))
+    }
+
+    /// The hand, if the tenant ever had a quota enforcement.
+    pub(crate) fn get(&self) -> Option<&Mutex<super::eviction::Hand<Partition>>> {
+        // Acquire: pairs with the Release compare-exchange that published the built box.
+        let hand = self.0.load(Ordering::Acquire);
+        // SAFETY: a non-null pointer is a box published fully built, freed only in `drop`
+        // (`&mut self`).
+        unsafe { hand.as_ref() }
+    }
+
+    /// The hand, made by `make` if absent (a racing maker's hand wins; this one is dropped).
+    pub(crate) fn get_or_make(
+        &self,
+        make: impl FnOnce() -> super::eviction::Hand<Partition>,
+    ) -> &Mutex<super::eviction::Hand<Partition>> {
+        if let Some(hand) = self.get() {
+            return hand;
+        }
+        let fresh = Box::into_raw(Box::new(Mutex::new(make())));
+        // Release: the box's contents before its address (AcqRel: on failure, Acquire reads
+        // the winner's box).
+        match self.0.compare_exchange(
+            std::ptr::null_mut(),
+            fresh,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            // SAFETY: published just now, freed only in `drop`.
+            Ok(_) => unsafe { &*fresh },
+            Err(winner) => {
+                // SAFETY: `fresh` was never published: this thread owns it.
+                drop(unsafe { Box::from_raw(fresh) });
+                // SAFETY: as in `get`: the winner's box, published fully built.
+                unsafe { &*winner }
+            }
+        }
+    }
+}
+
+impl Drop for QuotaHand {
+    fn drop(&mut self) {
+        let hand = self.0.load(Ordering::Relaxed);
+        if !hand.is_null() {
+            // SAFETY: `&mut self`: nothing else reaches the box, made by `get_or_make`.
+            drop(unsafe { Box::from_raw(hand) });
+        }
+    }
 }
 
 /// Per-model gauge (V7): distinct non-reserved keys across tenants.
@@ -74,15 +144,21 @@ pub(crate) struct ModelRec {
     /// Keys whose access sum ≥ the hot threshold (D4).
     pub(crate) hot: AtomicI64,
     pub(crate) gauge: Arc<GaugeRec>,
-    /// Stats records sorted by replica id.
-    pub(crate) stats: Rcu<Vec<StatsRecord>>,
-    /// Partitions of this pair (E3/E4 cost; weak: each partition holds its pair).
-    pub(crate) parts: Mutex<Vec<Weak<Partition>>>,
+    /// Stats records sorted by replica id; their writer lock guards the pair's partitions
+    /// ([`ModelRec::parts`]): one lock where two put the record with its `Arc` header in
+    /// mimalloc's 128-byte class rather than the 112 (issue 42).
+    pub(crate) stats: Rcu<Vec<StatsRecord>, Vec<Weak<Partition>>>,
     /// Reclamation gate of the stats writers (see [`Life`]).
     pub(crate) life: Life,
 }
 
 impl ModelRec {
+    /// Partitions of this pair (E3/E4 cost; weak: each partition holds its pair), locked.
+    /// The lock is the stats cell's writer lock: not held across a stats update.
+    pub(crate) fn parts(&self) -> crate::sync::MutexGuard<'_, Vec<Weak<Partition>>> {
+        self.stats.guarded()
+    }
+
     pub(crate) fn stats_of<'g>(&self, replica: &str, guard: &'g Guard) -> Option<&'g StatsRecord> {
         let v = self.stats.load(guard);
         v.binary_search_by(|r| (*r.replica).cmp(replica))
@@ -147,13 +223,16 @@ pub(crate) fn label_between(lo: Option<u64>, hi: Option<u64>) -> u64 {
     }
 }
 
-/// First slot chunk's length; chunk `k` holds `SLOT_BASE << k` slots. (Small: most scopes
-/// name a handful of replicas, and every scope with one pays for its first chunk.)
-const SLOT_BASE: usize = 4;
-/// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^19 − 1) ≥ 2^20`.
-const SLOT_CHUNKS: usize = 19;
-/// Chunks whose pointers [`ReplicaSlots`] holds inline (slots 0..28).
-const INLINE_SLOT_CHUNKS: usize = 3;
+/// First slot chunk's length; chunk `k` holds `SLOT_BASE << k` slots. (One: most scopes of
+/// churned tenants and models name one replica, and every scope with one pays for its first
+/// chunk: 8 bytes, where four slots took 32.)
+const SLOT_BASE: usize = 1;
+/// Chunks needed for [`MAX_SCOPE_REPLICAS`] slots: `SLOT_BASE · (2^21 − 1) ≥ 2^20`.
+const SLOT_CHUNKS: usize = 21;
+/// Chunks whose pointers [`ReplicaSlots`] holds inline (slot 0: most scopes of churned tenants
+/// and models name one replica; two more inline pointers put the scope record with its `Arc`
+/// header in mimalloc's 224-byte class rather than the 192).
+const INLINE_SLOT_CHUNKS: usize = 1;
 /// Chunks whose pointers are in [`ReplicaSlots`]'s `rest` array.
 const REST_SLOT_CHUNKS: usize = SLOT_CHUNKS - INLINE_SLOT_CHUNKS;
 
@@ -169,9 +248,9 @@ fn slot_place(i: usize) -> (usize, usize) {
 /// A scope's replicas by scope-local index: chunks of doubling length, allocated when the first
 /// index in them is handed out, so appending a replica is O(1) (no copy of the earlier ones)
 /// and an empty scope costs one small array of chunk pointers: the first
-/// [`INLINE_SLOT_CHUNKS`] (28 slots) inline, the others' in an array allocated with the first
-/// chunk past them (`rest`, never replaced or freed before the slots), so a scope of a few
-/// replicas carries 4 pointers, not 19 (issue 42's churned tenants and models). A reader of a
+/// [`INLINE_SLOT_CHUNKS`] (1 slot) inline, the others' in an array allocated with the first
+/// chunk past them (`rest`, never replaced or freed before the slots), so a scope of one
+/// replica carries 2 pointers, not 21 (issue 42's churned tenants and models). A reader of a
 /// slot past the inline chunks loads `rest` (Acquire) before the chunk pointer; the writer
 /// stores `rest` (Release) once its null pointers are written.
 ///
@@ -505,8 +584,14 @@ pub(crate) struct ScopeNames {
     /// Id → local index, in id order. Labels are read from the slots rather than kept here
     /// (every scope has a map, and most scopes name one replica).
     by_name: NameMap,
-    /// Indices of emptied slots, ready for new ids.
-    free: Vec<u32>,
+    /// Indices of emptied slots, ready for new ids: boxed and made by the first emptied slot
+    /// (most scopes never empty one; the inline vector, 16 bytes more, put the scope record
+    /// with its `Arc` header in mimalloc's 224-byte class rather than the 192).
+    #[expect(
+        clippy::box_collection,
+        reason = "8 bytes inline where a vector takes 24: the record's size class"
+    )]
+    free: Option<Box<Vec<u32>>>,
 }
 
 /// A scope (tenant, model, scheme).
@@ -523,9 +608,9 @@ pub(crate) struct ScopeRec {
     /// Indices of reclaimed slots whose grace period has passed, their slots not yet emptied.
     /// Its own lock, taken by epoch-deferred functions: nothing pins while holding it (a pin
     /// may run deferred functions, which must not wait for a lock their thread holds). Boxed
-    /// and made by the first release: most scopes never release a slot, and the inline vector
-    /// (16 bytes more) put the record with its `Arc` header in mimalloc's 256-byte class rather
-    /// than the 224 (`scope_record_fits_the_224_byte_class`).
+    /// and made by the first release: most scopes never release a slot, and an inline vector
+    /// (16 bytes more) would put the record with its `Arc` header past mimalloc's 192-byte
+    /// class (`scope_record_fits_the_192_byte_class`).
     #[expect(
         clippy::box_collection,
         reason = "8 bytes inline where a vector takes 24: the record's size class"
@@ -570,7 +655,7 @@ impl ScopeRec {
             return entered.then_some(i);
         }
         self.empty_released(&mut names);
-        let recycled = names.free.pop();
+        let recycled = names.free.as_mut().and_then(|free| free.pop());
         let i = match recycled {
             Some(i) => i as usize,
             None => {
@@ -687,7 +772,7 @@ impl ScopeRec {
         let released = self.released.lock().take();
         for i in released.map_or_else(Vec::new, |released| *released) {
             self.replicas.clear(i as usize);
-            names.free.push(i);
+            names.free.get_or_insert_with(Box::default).push(i);
         }
     }
 
@@ -783,13 +868,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn scope_record_fits_the_224_byte_class() {
+    fn scope_record_fits_the_192_byte_class() {
         // A scope lives in an `Arc` (two counts, 16 bytes); mimalloc's classes around it are
-        // 192, 224 and 256 bytes. One scope per tenant or model: issue 42's churn figures.
+        // 160, 192 and 224 bytes. One scope per tenant or model: issue 42's churn figures.
         let with_header = std::mem::size_of::<ScopeRec>() + 2 * std::mem::size_of::<usize>();
         assert!(
-            with_header <= 224,
+            with_header <= 192,
             "ScopeRec with its Arc header: {with_header} B"
+        );
+    }
+
+    #[test]
+    fn tenant_pair_and_partition_records_fit_their_classes() {
+        // Each lives in an `Arc` (two counts, 16 bytes); mimalloc's classes: 96, 112, 128 and
+        // 320, 384 bytes. One of each per churned tenant (issue 42). A unit-test build's slot
+        // tables carry a rebuild counter each (8 bytes, `raw/slots`), not in the product.
+        let header = 2 * std::mem::size_of::<usize>();
+        let tenant = std::mem::size_of::<TenantRec>() + header;
+        assert!(tenant <= 96, "TenantRec with its Arc header: {tenant} B");
+        let pair = std::mem::size_of::<ModelRec>() + header;
+        assert!(pair <= 112, "ModelRec with its Arc header: {pair} B");
+        let test_only = 2 * std::mem::size_of::<u64>();
+        let partition = std::mem::size_of::<Partition>() + header - test_only;
+        assert!(
+            partition <= 320,
+            "Partition with its Arc header: {partition} B"
         );
     }
 

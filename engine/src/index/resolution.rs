@@ -7,7 +7,7 @@
 //! every entry (ALL_CLEARED, PREFIX_EVICTED, the sweep, the cap) never miss one.
 
 use super::Index;
-use super::records::{GaugeRec, ModelRec, Partition, ScopeRec, TenantRec};
+use super::records::{GaugeRec, ModelRec, Partition, ScopeRec, TenantRec, push_child};
 use crate::directory::{hash_strs, same_str};
 use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
@@ -84,7 +84,7 @@ impl Index {
                         quota_evictions: AtomicU64::new(
                             self.retired_quota_evictions.lock().remove(t).unwrap_or(0),
                         ),
-                        quota_hand: Mutex::new(None),
+                        quota_hand: super::records::QuotaHand::new(),
                     })
                 },
             )
@@ -120,14 +120,13 @@ impl Index {
             keys: AtomicI64::new(0),
             hot: AtomicI64::new(0),
             gauge: gauge.clone(),
-            stats: crate::directory::Rcu::empty(),
-            parts: Mutex::new(Vec::new()),
+            stats: crate::directory::Rcu::empty_with(Vec::new()),
             life: crate::directory::Life::new(),
         });
         // Listed before it is linked: a record reachable through the directory is in every
         // list that walks its kind (see `enter_part`).
         gauge.pairs.fetch_add(1, Ordering::Relaxed);
-        tenant.models.lock().push(Arc::downgrade(&rec));
+        push_child(&mut tenant.models.lock(), Arc::downgrade(&rec));
         self.all_models.lock().push(rec.clone());
         let (linked, created) = self.models.get_or_insert(
             hash_strs(&[t, m]),
@@ -206,7 +205,10 @@ impl Index {
             model: model.clone(),
             scope: scope.clone(),
             adapter: records.share(a),
-            store: crate::raw::run_store::RunStore::default(),
+            store: crate::raw::run_store::RunStore::with_reaper(
+                crate::raw::run_store::StoreOptions::default(),
+                self.run_reaper.clone(),
+            ),
             lfu: crate::raw::lfu::LfuCells::new(),
             keys: AtomicI64::new(0),
             entries: AtomicI64::new(0),
@@ -218,7 +220,7 @@ impl Index {
         // and the cap through `all_parts`). Linked first, a probe's cleanup could run between
         // a second writer's ingest and the listing and miss that writer's entry for good.
         scope.parts.fetch_add(1, Ordering::Relaxed);
-        model.parts.lock().push(Arc::downgrade(&p));
+        push_child(&mut model.parts(), Arc::downgrade(&p));
         {
             let mut all = self.all_parts.lock();
             all.push(p.clone());

@@ -186,8 +186,7 @@ impl Index {
             let h = hash_strs(&[&p.tenant.name, &p.model.name, &p.scope.scheme, &p.adapter]);
             self.parts.remove(h, Arc::as_ptr(p));
             p.model
-                .parts
-                .lock()
+                .parts()
                 .retain(|q| !std::ptr::eq(q.as_ptr(), Arc::as_ptr(p)));
             p.scope.parts.fetch_sub(1, Ordering::Relaxed);
         }
@@ -198,8 +197,8 @@ impl Index {
         tenants.sort_unstable_by_key(|t| Arc::as_ptr(t));
         tenants.dedup_by_key(|t| Arc::as_ptr(t));
         for t in tenants {
-            if let Some(hand) = t.quota_hand.lock().as_mut() {
-                hand.forget_parts(|p| p.life.is_dead());
+            if let Some(hand) = t.quota_hand.get() {
+                hand.lock().forget_parts(|p| p.life.is_dead());
             }
         }
         out.records_reclaimed += gone_parts.len() as u64;
@@ -216,7 +215,7 @@ impl Index {
         let mut gone_models: Vec<Arc<ModelRec>> = Vec::new();
         self.all_models.lock().retain(|m| {
             let empty =
-                |m: &ModelRec| m.parts.lock().is_empty() && m.stats.load(&epoch::pin()).is_empty();
+                |m: &ModelRec| m.parts().is_empty() && m.stats.load(&epoch::pin()).is_empty();
             if !empty(m) || !m.life.try_retire() {
                 return true;
             }

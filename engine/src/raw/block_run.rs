@@ -1298,7 +1298,7 @@ mod tests {
         assert_eq!(ids.get(200, &guard), None);
         assert_eq!(ids.register(&mut alloc, r), Some(200));
         assert!(ids.bytes() >= 512 * 8);
-        for (c, i) in [(1, 0), (3, 0), (4, 1), (11, 1), (12, 2), (507, 6), (508, 7)]
+        for (c, i) in [(1, 0), (2, 1), (5, 1), (6, 2), (13, 2), (509, 7), (510, 8)]
             .map(|(id, c)| (crate::raw::run_ids::locate(id).0, c))
         {
             assert_eq!(c, i);
@@ -1323,7 +1323,7 @@ mod tests {
             ids.register(&mut alloc, r).expect("an id");
         }
         ids.deregister(&mut alloc, 3);
-        assert_eq!(ids.scan_len(), 4 + 8);
+        assert_eq!(ids.scan_len(), 2 + 4);
         let seen = |first: usize, end: usize, max_age: i64, stop_young: bool| {
             let (mut old, mut young) = (Vec::new(), 0);
             let stopped = ids.scan(first, end, max_age, &guard, |step| match step {

@@ -186,6 +186,17 @@ impl<T> PageArray<T> {
         Self { ptr, len }
     }
 
+    /// The array whose block `ptr` is, of `len` elements: the inverse of forgetting an array
+    /// (`std::mem::forget`) whose block a word keeps (a key table's single segment, named by
+    /// its view word alone).
+    ///
+    /// # Safety
+    /// `ptr` and `len` are those of an array made by [`PageArray::zeroed`] and forgotten, and
+    /// this is the one array made from them.
+    pub(crate) unsafe fn from_raw(ptr: NonNull<T>, len: usize) -> Self {
+        Self { ptr, len }
+    }
+
     fn bytes_for(len: usize) -> usize {
         match len.checked_mul(std::mem::size_of::<T>()) {
             Some(b) => b,

@@ -5,7 +5,10 @@
 //! glibc (it takes the allocating arena's lock once the reader's cache of free chunks is full):
 //! with one writer at 1 M blocks/s, 0.5% of a reader's lookups paid ~630 ns for it, which is
 //! P7's p99. So the epoch's deferred function does not free the object: it pushes it onto a
-//! [`Reaper`], and the structure's writers free what is there whenever one takes its lock.
+//! [`Reaper`], and the structure's writers free what is there whenever one takes its lock. One
+//! reaper may serve several structures (an index's partitions share one,
+//! `RunStore::with_reaper`): a writer of any of them frees what all of them retired, since a
+//! retired object is freed alone, without its structure.
 //!
 //! The reaper is a lock-free stack linked through a word each object lends it once retired
 //! ([`Reclaim::link`]: a retired object has no references left, so its reference word is free).

@@ -22,15 +22,15 @@ const WORD: usize = std::mem::size_of::<AtomicU64>();
 
 /// Ids of the runs of one partition: an id names its run's pointer while the run is registered
 /// (`block_run.rs`, invariant 4), so a hint can check the run it names is still live. Chunks of
-/// doubling size (4, 8, … entries) that never move, read lock-free: a small first chunk, since most
-/// partitions (a churned tenant's) hold a run or two, and 30 chunks, so that ids still reach
-/// 2^32 − 4. The pointers of the first two chunks (ids up to 11) are in the registry; those of the
-/// others are in an array allocated with the first chunk past them (`rest`, never replaced or freed
-/// before the registry), so a partition of a few runs does not carry 30 chunk pointers (240 bytes)
-/// but 3 (issue 42). A reader of an id past the inline chunks loads `rest` (Acquire) before the
-/// chunk pointer: one dependent load more, on a line every such read shares. The writer stores
-/// `rest` (Release) once its null pointers are written, and a chunk pointer (Release) once the
-/// chunk's zeroed words are.
+/// doubling size (2, 4, … entries) that never move, read lock-free: a small first chunk (id 0's
+/// unused entry and id 1: 32 bytes), since most partitions (a churned tenant's) hold a run or
+/// two, and 31 chunks, so that ids still reach 2^32 − 3. The pointers of the first two chunks (ids
+/// up to 5) are in the registry; those of the others are in an array allocated with the first
+/// chunk past them (`rest`, never replaced or freed before the registry), so a partition of a few
+/// runs does not carry 31 chunk pointers (248 bytes) but 3 (issue 42). A reader of an id past the
+/// inline chunks loads `rest` (Acquire) before the chunk pointer: one dependent load more, on a
+/// line every such read shares. The writer stores `rest` (Release) once its null pointers are
+/// written, and a chunk pointer (Release) once the chunk's zeroed words are.
 ///
 /// Each entry also keeps its run's *age*: a lower bound of the `last_seen` of the run's holders
 /// (the oldest at registration, lowered by a join; a holder leaving leaves it low). Holder entries
@@ -66,9 +66,9 @@ impl IdAllocator {
     }
 }
 
-const FIRST_CHUNK: usize = 4;
-const CHUNKS: usize = 30;
-/// Chunks whose pointers [`RunIds`] holds inline (ids 1..=11).
+const FIRST_CHUNK: usize = 2;
+const CHUNKS: usize = 31;
+/// Chunks whose pointers [`RunIds`] holds inline (ids 1..=5).
 const INLINE_CHUNKS: usize = 2;
 /// Chunks whose pointers are in [`RunIds`]'s `rest` array.
 const REST_CHUNKS: usize = CHUNKS - INLINE_CHUNKS;

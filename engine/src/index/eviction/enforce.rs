@@ -120,21 +120,24 @@ impl Index {
         if let Some(c) = carry.take() {
             c.apply(self);
         }
-        let mut hand_slot = tr.quota_hand.lock();
         // The hand is made at the tenant's first enforcement: most tenants never reach their
         // quota, and an unused hand was ~250 bytes of every tenant record (issue 42).
-        let hand: &mut Hand<Partition> = hand_slot.get_or_insert_with(|| {
-            Box::new(Hand::new(seed_of(
-                self.cfg.eviction_seed,
-                crate::directory::hash_strs(&[t]),
-            )))
-        });
+        let mut hand_slot = tr
+            .quota_hand
+            .get_or_make(|| {
+                Hand::new(seed_of(
+                    self.cfg.eviction_seed,
+                    crate::directory::hash_strs(&[t]),
+                ))
+            })
+            .lock();
+        let hand: &mut Hand<Partition> = &mut hand_slot;
         let before = hand.resting.len();
         hand.resting.clear();
         hand.parts.clear();
         for m in tr.models.lock().iter().filter_map(Weak::upgrade) {
             hand.parts
-                .extend(m.parts.lock().iter().filter_map(Weak::upgrade));
+                .extend(m.parts().iter().filter_map(Weak::upgrade));
         }
         if hand.parts.len() != before {
             // New partitions may shift positions: candidates and cursor refer to the old list.

@@ -6,8 +6,8 @@
 //! # Writes
 //!
 //! A write takes the store's writer lock once, for the whole chain. What the store keeps
-//! between writes behind that lock is small (`StoreState`: the run-id allocator, the entry
-//! generation, a seed); the write's scratch vectors belong to the writing thread (a
+//! between writes behind that lock is small (`StoreState`: the run-id allocator and the entry
+//! generation); the write's scratch vectors belong to the writing thread (a
 //! thread-local `StoreWriter` the state is moved into for the write, `WriterGuard`), so a
 //! partition carries no scratch buffers of its own. It cuts the chain into
 //! *stretches*, probing only each stretch's first key: a stretch is a maximal run of absent
@@ -112,7 +112,7 @@ use crate::raw::holder::{GEN_MASK, Holder};
 use crate::raw::key::{KeyBytes, Keys, Request, one_key};
 use crate::raw::reaper::Reaper;
 use crate::raw::run_ids::IdAllocator;
-use crate::raw::slots::{Probe, SlotTable, SlotValue, SlotWriter, home, random_seed};
+use crate::raw::slots::{Probe, SlotTable, SlotValue, SlotWriter, home};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::Guard;
 use std::ptr::NonNull;
@@ -243,25 +243,20 @@ pub struct RunStore {
     writer: Mutex<StoreState>,
     /// Bytes of the live runs (written by the writer-lock holder).
     run_bytes: AtomicU64,
-    /// Retired runs past their grace period; the writers free them (`raw/reaper.rs`).
+    /// Retired runs past their grace period; the writers free them (`raw/reaper.rs`). Shared
+    /// by the stores of one index ([`RunStore::with_reaper`]): a writer frees every store's.
     reaper: Arc<Reaper<BlockRun>>,
     options: StoreOptions,
 }
 
-/// What a store keeps between its writes, behind its writer lock: the run-id allocator, the
-/// entry generation, the placement seed of [`has_repeats`], and the runs a write left sparse
-/// (empty between writes: a write trims them before it ends).
+/// What a store keeps between its writes, behind its writer lock: the run-id allocator and the
+/// entry generation. (The placement seed of [`has_repeats`] is derived from the key table's;
+/// the runs a write leaves sparse are the writer's, trimmed before the write ends.)
 #[derive(Default)]
 struct StoreState {
     alloc: IdAllocator,
     generation: u32,
-    seed: u64,
-    sparse: Vec<NonNull<BlockRun>>,
 }
-
-// SAFETY: `sparse` is empty between writes, and while a write runs it names runs of this store
-// only for the writer-lock holder; the runs are `Sync` (`BlockRun`'s shared words are atomic).
-unsafe impl Send for StoreState {}
 
 /// One write's state: the store's [`StoreState`], moved in when the writer lock is taken and
 /// back when it is released ([`WriterGuard`]), and the write's scratch vectors. The scratch
@@ -307,6 +302,7 @@ impl StoreWriter {
         self.seen.clear();
         self.holders.clear();
         self.cumulative.clear();
+        self.sparse.clear();
     }
 }
 
@@ -328,7 +324,7 @@ struct WriterGuard<'a> {
 }
 
 impl<'a> WriterGuard<'a> {
-    fn new(mut state: crate::sync::MutexGuard<'a, StoreState>) -> Self {
+    fn new(mut state: crate::sync::MutexGuard<'a, StoreState>, seed: u64) -> Self {
         // `try_with`: a thread whose locals are being destroyed writes with a fresh writer.
         let mut writer = WRITER
             .try_with(std::cell::Cell::take)
@@ -337,8 +333,7 @@ impl<'a> WriterGuard<'a> {
             .unwrap_or_default();
         writer.alloc = std::mem::take(&mut state.alloc);
         writer.generation = state.generation;
-        writer.seed = state.seed;
-        writer.sparse = std::mem::take(&mut state.sparse);
+        writer.seed = seed;
         Self {
             state,
             writer: std::mem::ManuallyDrop::new(writer),
@@ -352,7 +347,12 @@ impl Drop for WriterGuard<'_> {
         let mut writer = unsafe { std::mem::ManuallyDrop::take(&mut self.writer) };
         self.state.alloc = std::mem::take(&mut writer.alloc);
         self.state.generation = writer.generation;
-        self.state.sparse = std::mem::take(&mut writer.sparse);
+        // Every write trims what it left sparse before it ends (a write that unwound may leave
+        // runs listed: they stay as they are, untrimmed, and are not carried to another write).
+        debug_assert!(
+            writer.sparse.is_empty() || std::thread::panicking(),
+            "a write trims its sparse runs before it ends"
+        );
         writer.clear_scratch();
         // A thread whose locals are gone drops the buffers here instead.
         let _ = WRITER.try_with(|cell| cell.set(Some(writer)));
@@ -523,7 +523,7 @@ impl Default for RunStore {
 impl RunStore {
     /// An empty store whose slot tables and scratch are seeded per process.
     pub fn new(options: StoreOptions) -> Self {
-        Self::with_tables(options, SlotTable::new(), SlotTable::new(), random_seed())
+        Self::with_reaper(options, Arc::default())
     }
 
     /// An empty store with fixed seeds (tests and models).
@@ -532,21 +532,30 @@ impl RunStore {
             options,
             SlotTable::with_seed(seed),
             SlotTable::with_seed(seed ^ 1),
-            seed ^ 2,
+            Arc::default(),
         )
     }
 
-    fn with_tables(options: StoreOptions, table: SlotTable, roots: SlotTable, seed: u64) -> Self {
+    /// An empty store, seeded per process, whose retired runs go to `reaper`, which other
+    /// stores may share (an index's partitions: each writer frees what any of them retired,
+    /// and a partition costs no reaper of its own).
+    pub fn with_reaper(options: StoreOptions, reaper: Arc<Reaper<BlockRun>>) -> Self {
+        Self::with_tables(options, SlotTable::new(), SlotTable::new(), reaper)
+    }
+
+    fn with_tables(
+        options: StoreOptions,
+        table: SlotTable,
+        roots: SlotTable,
+        reaper: Arc<Reaper<BlockRun>>,
+    ) -> Self {
         Self {
             table,
             roots,
             ids: RunIds::new(),
-            writer: Mutex::new(StoreState {
-                seed,
-                ..StoreState::default()
-            }),
+            writer: Mutex::new(StoreState::default()),
             run_bytes: AtomicU64::new(0),
-            reaper: Arc::new(Reaper::default()),
+            reaper,
             options,
         }
     }
@@ -598,7 +607,9 @@ impl RunStore {
 
     /// Takes the writer lock and frees the retired runs waiting on the reaper.
     fn lock_writer(&self) -> WriterGuard<'_> {
-        let w = WriterGuard::new(self.writer.lock());
+        // The placement seed of `has_repeats`: the key table's (secret, per process), moved
+        // off it (`seed ^ 2` with `with_seed`'s tables, as when the store kept its own).
+        let w = WriterGuard::new(self.writer.lock(), self.table.seed() ^ 2);
         self.reaper.free_all();
         w
     }

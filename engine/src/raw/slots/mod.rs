@@ -49,7 +49,10 @@
 //! few chains) never pass 48 keys, and a directory (64 view words and 64 table pointers,
 //! 1 KiB) for each of their two tables would outweigh everything else they hold. Before the
 //! split the table is the **root** word (0, or the single table's view word) plus writer
-//! counts, about 80 bytes; the split allocates the directory, and the root then names it for
+//! counts, about 56 bytes, and the single table's block, which the root word owns (no boxed
+//! record beside it: the word tells the block's address and size, and a replaced word's block
+//! is freed through the epoch by a deferred function that rebuilds the table from the word);
+//! the split allocates the directory, and the root then names it for
 //! the table's life (a split is never undone: a table that once held 49 keys keeps its
 //! directory, and its segments shrink as usual). Positions of a scan and segment numbers are
 //! the directory's; before the split, segment 0 is the single table and the others have none.
@@ -212,15 +215,20 @@ struct Slots {
 }
 
 impl Slots {
-    fn new(len: usize) -> Self {
-        debug_assert!(len.is_power_of_two() && len >= MIN_SLOTS);
+    /// Slots of the block of a table of `len` slots: the slots and the summary's.
+    fn block_slots(len: usize) -> usize {
         let summary_slots = len.div_ceil(SUMMARY_SLOTS).div_ceil(2);
-        let block_slots = if len == MIN_SLOTS {
+        if len == MIN_SLOTS {
             // 5 slots → 8 (128 bytes, a power of two: see the type's docs).
             (len + summary_slots).next_power_of_two()
         } else {
             len + summary_slots
-        };
+        }
+    }
+
+    fn new(len: usize) -> Self {
+        debug_assert!(len.is_power_of_two() && len >= MIN_SLOTS);
+        let block_slots = Self::block_slots(len);
         // SAFETY: a slot is two `AtomicU64`s, and an `AtomicU64` of value 0 is all zero bytes.
         let block = unsafe {
             PageArray::zeroed(block_slots, || Slot {
@@ -242,6 +250,33 @@ impl Slots {
 
     fn bytes(&self) -> usize {
         crate::raw::pages::heap_chunk(std::mem::size_of::<Slots>()) + self.block.footprint()
+    }
+
+    /// The table as its view word alone: the word owns the block from here on (the single
+    /// table, which the root word names: no boxed record; [`Slots::from_word`] takes it back).
+    fn into_word(self) -> u64 {
+        let word = self.view_word();
+        std::mem::forget(self);
+        word
+    }
+
+    /// The table a word from [`Slots::into_word`] owns.
+    ///
+    /// # Safety
+    /// `word` came from [`Slots::into_word`], and this is its one call for that word.
+    unsafe fn from_word(word: u64) -> Slots {
+        let log2 = (word & 63) as u32;
+        let base = NonNull::new((word & !63) as *mut Slot).expect("a view word names a block");
+        // SAFETY: the block of a table of `2^log2` slots, made by `PageArray::zeroed` with
+        // `block_slots` slots and forgotten by `into_word` (caller).
+        let block = unsafe { PageArray::from_raw(base, Self::block_slots(1 << log2)) };
+        Slots { block, log2 }
+    }
+
+    /// Bytes of the table a word from [`Slots::into_word`] owns (its block: it has no record).
+    fn word_bytes(word: u64) -> usize {
+        let slots = Self::block_slots(1 << (word & 63));
+        crate::raw::pages::footprint(slots * std::mem::size_of::<Slot>())
     }
 }
 
@@ -462,8 +497,6 @@ struct Counts {
     single: SegmentCounts,
     /// Each segment's counts, from the split on (with the directory).
     segments: Option<Box<[SegmentCounts; SEGMENTS]>>,
-    /// Live keys of all segments.
-    live: usize,
 }
 
 impl Counts {
@@ -508,16 +541,19 @@ enum Root<'t> {
 /// A table of key-inline slots; see the module docs.
 pub struct SlotTable {
     /// What readers load first: 0 before the first insert; the single table's view word
-    /// ([`Slots::view_word`], low 6 bits ≥ 2: its slots' log2) until the split; from then on
-    /// the address of the [`Directory`] (low 6 bits 0), never changed again.
+    /// ([`Slots::view_word`], low 6 bits ≥ 2: its slots' log2) until the split, which owns
+    /// the table's block ([`Slots::into_word`]: the single table has no boxed record, 24 bytes
+    /// of every small table; a replaced word's block is freed through the epoch); from then
+    /// on the address of the [`Directory`] (low 6 bits 0), never changed again.
     root: AtomicU64,
-    /// The single table the root names, owned here and retired through the epoch (null before
-    /// the first insert and after the split). Writers only.
-    single: Atomic<Slots>,
     writer: Mutex<Counts>,
-    /// Live keys, for readers of the size (Relaxed; exact once writers quiesce).
+    /// Live keys of all segments: the writer's count (written by the writer-lock holder
+    /// alone), read by readers of the size (Relaxed; exact once writers quiesce).
     live: AtomicU64,
-    /// Segment rebuilds so far (written under the writer lock).
+    /// Segment rebuilds so far (written under the writer lock). Unit tests only: the growth
+    /// assertions read it, and its 8 bytes in each of a partition's two tables would put the
+    /// partition with its `Arc` header past mimalloc's 320-byte class (issue 42).
+    #[cfg(test)]
     rebuilds: AtomicU64,
     /// Bit `s`: segment `s` may be underfilled ([`SlotWriter::shrink`] would rebuild it). Set
     /// by a removal that leaves it so, cleared by its shrink or a shrink that finds it refilled;
@@ -543,13 +579,12 @@ impl SlotTable {
     pub fn with_seed(seed: u64) -> Self {
         SlotTable {
             root: AtomicU64::new(0),
-            single: Atomic::null(),
             writer: Mutex::new(Counts {
                 single: SegmentCounts::default(),
                 segments: None,
-                live: 0,
             }),
             live: AtomicU64::new(0),
+            #[cfg(test)]
             rebuilds: AtomicU64::new(0),
             underfilled: AtomicU64::new(0),
             seed,
@@ -710,7 +745,7 @@ impl SlotTable {
         };
         match self.root() {
             Root::Empty => 0,
-            Root::Single(_) => bytes(&self.single),
+            Root::Single(word) => Slots::word_bytes(word),
             Root::Directory(directory) => {
                 crate::raw::pages::heap_chunk(std::mem::size_of::<Directory>())
                     + directory.tables.iter().map(bytes).sum::<usize>()
@@ -847,7 +882,13 @@ impl SlotTable {
         self.underfilled.load(Ordering::Relaxed)
     }
 
+    /// The table's placement seed (a store derives its other seeds from it).
+    pub(crate) fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Segment rebuilds so far (the growth, shrinking and tombstone clearing of segments).
+    #[cfg(test)]
     pub fn rebuilds(&self) -> u64 {
         self.rebuilds.load(Ordering::Relaxed)
     }
@@ -880,9 +921,11 @@ impl Drop for SlotTable {
                     drop(table.into_owned());
                 }
             };
-            free(&self.single);
             let word = self.root.load(Ordering::Relaxed);
-            if word != 0 && word & 63 == 0 {
+            if word & 63 != 0 {
+                // The single table, owned by the root word.
+                drop(Slots::from_word(word));
+            } else if word != 0 {
                 // The directory a split leaked from its box (`SlotWriter::split`).
                 let directory = Box::from_raw(word as *mut Directory);
                 directory.tables.iter().for_each(free);

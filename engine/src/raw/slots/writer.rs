@@ -35,12 +35,13 @@ impl SlotWriter<'_> {
         }
     }
 
-    /// Stores the live count for [`SlotTable::len`] (a plain store: only this lock's holder
-    /// writes it).
-    pub(super) fn publish_len(&self) {
+    /// Adds `delta` to the live count of [`SlotTable::len`] (a plain load and store: only this
+    /// lock's holder writes it, so it is the writer's count as well as the readers').
+    pub(super) fn add_live(&self, delta: i64) {
+        let live = self.table.live.load(Ordering::Relaxed);
         self.table
             .live
-            .store(self.counts.live as u64, Ordering::Relaxed);
+            .store(live.wrapping_add_signed(delta), Ordering::Relaxed);
     }
 
     /// The value of `key`, if present.
@@ -93,8 +94,7 @@ impl SlotWriter<'_> {
             self.counts.of_mut(s).used = used as u32;
         }
         self.counts.of_mut(s).live += 1;
-        self.counts.live += 1;
-        self.publish_len();
+        self.add_live(1);
         None
     }
 
@@ -124,8 +124,7 @@ impl SlotWriter<'_> {
         let counts = self.counts.of_mut(s);
         counts.used = used as u32;
         counts.live += 1;
-        self.counts.live += 1;
-        self.publish_len();
+        self.add_live(1);
     }
 
     /// Removes `key`; returns its value, if it was present.
@@ -150,8 +149,7 @@ impl SlotWriter<'_> {
             slot.key.store(1, Ordering::Release);
         }
         counts.live -= 1;
-        self.counts.live -= 1;
-        self.publish_len();
+        self.add_live(-1);
         if self.is_underfilled(s, guard) {
             self.mark_underfilled(s, true);
         }
@@ -226,21 +224,22 @@ impl SlotWriter<'_> {
                 old
             }
             Root::Empty | Root::Single(_) => {
-                let old = self
-                    .table
-                    .single
-                    .swap(Owned::new(fresh), Ordering::Relaxed, guard);
-                // Release: the new table's slots and summary before the root names it.
-                self.table.root.store(word, Ordering::Release);
-                old
+                let old = self.table.root.load(Ordering::Relaxed);
+                // Release: the new table's slots and summary before the root names it (and
+                // owns its block).
+                self.table.root.store(fresh.into_word(), Ordering::Release);
+                self.retire_word(old, guard);
+                Shared::null()
             }
         };
         self.retire(old, guard);
         View::of(word).expect("a table's block is never at address 0")
     }
 
-    /// Adds one to [`SlotTable::rebuilds`] (a plain store: only this lock's holder writes it).
+    /// Adds one to the table's rebuild count (a plain store: only this lock's holder writes
+    /// it; unit tests only, see `SlotTable::rebuilds`).
     pub(super) fn count_rebuild(&self) {
+        #[cfg(test)]
         self.table.rebuilds.store(
             self.table.rebuilds.load(Ordering::Relaxed) + 1,
             Ordering::Relaxed,
@@ -296,14 +295,28 @@ impl SlotWriter<'_> {
         self.table.underfilled.store(0, Ordering::Relaxed);
         let address = Box::into_raw(directory) as u64;
         debug_assert!(address & 63 == 0, "the directory is 64-byte aligned");
-        let old = self
-            .table
-            .single
-            .swap(Shared::null(), Ordering::Relaxed, guard);
+        let old = self.table.root.load(Ordering::Relaxed);
         // Release: the directory's view words and their tables' slots before the root names
         // it.
         self.table.root.store(address, Ordering::Release);
-        self.retire(old, guard);
+        self.retire_word(old, guard);
+    }
+
+    /// Hands the single table a replaced root word owned (if it named one) to the epoch.
+    pub(super) fn retire_word(&self, old: u64, guard: &Guard) {
+        if old & 63 == 0 {
+            // 0 (no table yet); a directory address is never replaced.
+            return;
+        }
+        let old_bytes = Slots::word_bytes(old);
+        // SAFETY: the root no longer names the table (readers that loaded its word are
+        // pinned) and no writer touches it again; the epoch runs this once, after them, and
+        // the word owned the block (`Slots::into_word`).
+        unsafe { guard.defer_unchecked(move || drop(Slots::from_word(old))) };
+        // As in `retire`: a large table goes to the collector now.
+        if old_bytes >= FLUSH_MIN {
+            guard.flush();
+        }
     }
 
     /// Hands a replaced table (if any) to the epoch.
