@@ -11,7 +11,6 @@ use crate::directory::hash_strs;
 use crate::sink::{ChangeEvent, ChangeKind};
 use crate::sync::{Condvar, Mutex, Ordering};
 use crossbeam_epoch as epoch;
-use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
 /// What a sweep removed.
@@ -67,15 +66,24 @@ impl Index {
         let t_us = self.clock.now_us();
         let t_ms = us_to_ms(t_us);
         let mut out = SweepOutcome::default();
-        let mut policy: HashMap<*const TenantRec, (i64, Algorithm)> = HashMap::new();
+        // A tenant's TTL and algorithm, resolved again only when the tenant changes from one
+        // record to the next: a map over every tenant would cost the sweep memory in
+        // proportion to the tenants at the very moment a churn wave peaks.
+        let mut last_policy: Option<(*const TenantRec, (i64, Algorithm))> = None;
+        let mut policy_of = |tenant: &Arc<TenantRec>| match last_policy {
+            Some((seen, policy)) if seen == Arc::as_ptr(tenant) => policy,
+            _ => {
+                let policy = (
+                    self.ttl_for(&tenant.name),
+                    self.resolvers.algorithm(&tenant.name),
+                );
+                last_policy = Some((Arc::as_ptr(tenant), policy));
+                policy
+            }
+        };
         let parts: Vec<Arc<Partition>> = self.all_parts.lock().clone();
         for p in parts.iter() {
-            let (ttl, alg) = *policy.entry(Arc::as_ptr(&p.tenant)).or_insert_with(|| {
-                (
-                    self.ttl_for(&p.tenant.name),
-                    self.resolvers.algorithm(&p.tenant.name),
-                )
-            });
+            let (ttl, alg) = policy_of(&p.tenant);
             if ttl <= 0 || !local {
                 continue;
             }
@@ -119,12 +127,7 @@ impl Index {
         drop(guard);
         let models: Vec<Arc<ModelRec>> = self.all_models.lock().clone();
         for m in models.iter() {
-            let (ttl, _) = *policy.entry(Arc::as_ptr(&m.tenant)).or_insert_with(|| {
-                (
-                    self.ttl_for(&m.tenant.name),
-                    self.resolvers.algorithm(&m.tenant.name),
-                )
-            });
+            let (ttl, _) = policy_of(&m.tenant);
             let removed = m.stats.update(|v| {
                 if v.iter().any(|s| t_ms - s.last_seen_ms >= ttl) {
                     let v2: Vec<StatsRecord> = v
