@@ -28,22 +28,9 @@ async fn start(name: &str) -> Picker {
 async fn start_with(name: &str, extra: &[&str]) -> Picker {
     let dir = temp_dir(name);
     let models = models_dir(&dir);
-    let port = free_port();
-    let bind = format!("127.0.0.1:{port}");
-    let mut args = vec![
-        "--tokenizer-models-dir",
-        models.to_str().unwrap(),
-        "--epp-bind-address",
-        &bind,
-        "--epp-tenant",
-        "t",
-        "--epp-max-body-bytes",
-        "65536",
-    ];
-    args.extend_from_slice(extra);
-    let server = ServerProcess::start(&dir, &args);
+    let flags = [&["--epp-max-body-bytes", "65536"], extra].concat();
+    let (server, addr) = picker_server(&dir, &models, &flags);
     server.wait_ready().await;
-    let addr: SocketAddr = bind.parse().unwrap();
     let started = Instant::now();
     while tokio::net::TcpStream::connect(addr).await.is_err() {
         assert!(

@@ -332,22 +332,6 @@ async fn announce(server: &ServerProcess, replica: &str, endpoint: &str) {
     common::report(&mut client, vec![update]).await;
 }
 
-fn picker_server(dir: &Path, models: &Path, extra: &[&str]) -> (ServerProcess, SocketAddr) {
-    let port = free_port();
-    let bind = format!("127.0.0.1:{port}");
-    let mut args = vec![
-        "--tokenizer-models-dir",
-        models.to_str().unwrap(),
-        "--epp-bind-address",
-        &bind,
-        "--epp-tenant",
-        "t",
-    ];
-    args.extend_from_slice(extra);
-    let server = ServerProcess::start(dir, &args);
-    (server, bind.parse().unwrap())
-}
-
 async fn wait_listening(addr: SocketAddr) {
     let started = Instant::now();
     while tokio::net::TcpStream::connect(addr).await.is_err() {

@@ -501,3 +501,24 @@ pub fn sibling_binary(name: &str) -> PathBuf {
     );
     path
 }
+
+/// Starts the server with the picker on a free loopback port (tenant `t`, tokenizers from
+/// `models`) and `extra` flags; returns it and the picker's address.
+pub fn picker_server(
+    dir: &Path,
+    models: &Path,
+    extra: &[&str],
+) -> (crate::common::ServerProcess, SocketAddr) {
+    let bind = format!("127.0.0.1:{}", crate::common::free_port());
+    let mut args = vec![
+        "--tokenizer-models-dir",
+        models.to_str().unwrap(),
+        "--epp-bind-address",
+        &bind,
+        "--epp-tenant",
+        "t",
+    ];
+    args.extend_from_slice(extra);
+    let server = crate::common::ServerProcess::start(dir, &args);
+    (server, bind.parse().unwrap())
+}
