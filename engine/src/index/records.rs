@@ -18,9 +18,10 @@
 
 use crate::ReplicaId;
 use crate::directory::{Directory, Life, Rcu, hash_strs, same_str};
+use crate::raw::lazy_box::LazyBox;
 use crate::raw::lfu::LfuCells;
 use crate::raw::run_store::RunStore;
-use crate::sync::{AtomicI64, AtomicPtr, AtomicU64, Mutex, Ordering};
+use crate::sync::{AtomicI64, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Guard};
 use std::sync::atomic::{
     AtomicU32 as StdAtomicU32, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering,
@@ -52,65 +53,10 @@ pub(crate) struct TenantRec {
     pub(crate) quota_hand: QuotaHand,
 }
 
-/// A tenant's quota hand behind its lock, made on first use: a pointer, null until then (8
+/// A tenant's quota hand behind its lock, made at the tenant's first quota enforcement (8
 /// bytes inline where a `Mutex<Option<Box<_>>>` took 16, which put the tenant record with its
-/// `Arc` header in mimalloc's 112-byte class rather than the 96; issue 42). Published with a
-/// Release compare-exchange of the fully built box, read with Acquire, never replaced, freed
-/// with the tenant.
-pub(crate) struct QuotaHand(AtomicPtr<Mutex<super::eviction::Hand<Partition>>>);
-
-impl QuotaHand {
-    pub(crate) fn new() -> Self {
-        Self(AtomicPtr::new(std::ptr::null_mut()))
-    }
-
-    /// The hand, if the tenant ever had a quota enforcement.
-    pub(crate) fn get(&self) -> Option<&Mutex<super::eviction::Hand<Partition>>> {
-        // Acquire: pairs with the Release compare-exchange that published the built box.
-        let hand = self.0.load(Ordering::Acquire);
-        // SAFETY: a non-null pointer is a box published fully built, freed only in `drop`
-        // (`&mut self`).
-        unsafe { hand.as_ref() }
-    }
-
-    /// The hand, made by `make` if absent (a racing maker's hand wins; this one is dropped).
-    pub(crate) fn get_or_make(
-        &self,
-        make: impl FnOnce() -> super::eviction::Hand<Partition>,
-    ) -> &Mutex<super::eviction::Hand<Partition>> {
-        if let Some(hand) = self.get() {
-            return hand;
-        }
-        let fresh = Box::into_raw(Box::new(Mutex::new(make())));
-        // Release: the box's contents before its address (AcqRel: on failure, Acquire reads
-        // the winner's box).
-        match self.0.compare_exchange(
-            std::ptr::null_mut(),
-            fresh,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
-            // SAFETY: published just now, freed only in `drop`.
-            Ok(_) => unsafe { &*fresh },
-            Err(winner) => {
-                // SAFETY: `fresh` was never published: this thread owns it.
-                drop(unsafe { Box::from_raw(fresh) });
-                // SAFETY: as in `get`: the winner's box, published fully built.
-                unsafe { &*winner }
-            }
-        }
-    }
-}
-
-impl Drop for QuotaHand {
-    fn drop(&mut self) {
-        let hand = self.0.load(Ordering::Relaxed);
-        if !hand.is_null() {
-            // SAFETY: `&mut self`: nothing else reaches the box, made by `get_or_make`.
-            drop(unsafe { Box::from_raw(hand) });
-        }
-    }
-}
+/// `Arc` header in mimalloc's 112-byte class rather than the 96; issue 42).
+pub(crate) type QuotaHand = LazyBox<Mutex<super::eviction::Hand<Partition>>>;
 
 /// Per-model gauge (V7): distinct non-reserved keys across tenants.
 pub(crate) struct GaugeRec {

@@ -13,6 +13,7 @@
 //! sums are retired through the epoch.
 
 use crate::raw::key::digest;
+use crate::raw::lazy_box::LazyBox;
 use crate::raw::pages::heap_chunk as chunk;
 use crate::sync::{AtomicI64, AtomicPtr, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{Atomic, Guard, Owned};
@@ -396,7 +397,7 @@ unsafe impl Send for CellState {}
 pub(crate) struct LfuCells {
     table: Atomic<LfuTable>,
     /// Null until the first cell is created.
-    writer: AtomicPtr<CellWriter>,
+    writer: LazyBox<CellWriter>,
 }
 
 /// The writer side of [`LfuCells`], made with its first cell.
@@ -416,48 +417,21 @@ impl LfuCells {
     pub(crate) fn new() -> Self {
         Self {
             table: Atomic::null(),
-            writer: AtomicPtr::new(std::ptr::null_mut()),
+            writer: LazyBox::new(),
         }
     }
 
     /// The writer side, if a cell was ever created.
-    #[inline]
     fn writer(&self) -> Option<&CellWriter> {
-        // Acquire: pairs with the Release compare-exchange that published the built box.
-        let writer = self.writer.load(Ordering::Acquire);
-        // SAFETY: a non-null pointer is a box published fully built, freed only in `drop`
-        // (`&mut self`).
-        unsafe { writer.as_ref() }
+        self.writer.get()
     }
 
     /// The writer side, made if absent.
     fn writer_or_create(&self) -> &CellWriter {
-        if let Some(writer) = self.writer() {
-            return writer;
-        }
-        let fresh = Box::into_raw(Box::new(CellWriter {
+        self.writer.get_or_make(|| CellWriter {
             state: Mutex::new(CellState::default()),
             bytes: AtomicI64::new(std::mem::size_of::<CellWriter>() as i64),
-        }));
-        // Release: the box's contents before its address (AcqRel: on failure, Acquire reads
-        // the winner's box).
-        match self.writer.compare_exchange(
-            std::ptr::null_mut(),
-            fresh,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
-            // SAFETY: just published; freed only in `drop`.
-            Ok(_) => unsafe { &*fresh },
-            Err(winner) => {
-                // SAFETY: `fresh` was never shared; `winner` is a published box (as in
-                // `writer`).
-                unsafe {
-                    drop(Box::from_raw(fresh));
-                    &*winner
-                }
-            }
-        }
+        })
     }
 
     /// Adds `delta` to the bytes held (a cell's stripes: its writer side exists, made with
@@ -639,9 +613,8 @@ impl Drop for LfuCells {
                     }
                 }
             }
-            let writer = self.writer.load(Ordering::Relaxed);
-            if !writer.is_null() {
-                let mut writer = Box::from_raw(writer);
+            // The writer side itself is freed with its `LazyBox`; its key sums are freed here.
+            if let Some(writer) = self.writer.get_mut() {
                 for (_, k) in writer.state.get_mut().sums.drain() {
                     crate::raw::hooks::destroyed(crate::raw::hooks::Kind::KeySum, k as usize);
                     drop(Box::from_raw(k));

@@ -125,10 +125,10 @@ impl Index {
         let mut hand_slot = tr
             .quota_hand
             .get_or_make(|| {
-                Hand::new(seed_of(
+                crate::sync::Mutex::new(Hand::new(seed_of(
                     self.cfg.eviction_seed,
                     crate::directory::hash_strs(&[t]),
-                ))
+                )))
             })
             .lock();
         let hand: &mut Hand<Partition> = &mut hand_slot;
