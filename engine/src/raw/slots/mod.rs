@@ -1067,7 +1067,9 @@ mod tests {
         let mut rng = 11u64;
         let mut emptied_clusters = 0;
         for round in 0..20_000u64 {
-            rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            rng = rng
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
             let k = keys[(rng >> 33) as usize % 300];
             let mut w = t.lock();
             if model.remove(&k).is_some() {
@@ -1087,18 +1089,28 @@ mod tests {
             let view = w.current(s, &guard).expect("a table");
             let state = |i: usize| {
                 let slot = view.slot(i);
-                (slot.key.load(Ordering::Relaxed), slot.value.load(Ordering::Relaxed))
+                (
+                    slot.key.load(Ordering::Relaxed),
+                    slot.value.load(Ordering::Relaxed),
+                )
             };
             let used = (0..view.len()).filter(|&i| state(i) != (0, 0)).count();
             assert_eq!(w.counts.of(s).used as usize, used, "round {round}");
             for i in 0..view.len() {
                 let (key, value) = state(i);
                 if value == 0 && key != 0 {
-                    assert_ne!(state(i + 1), (0, 0), "round {round}: vacated {i} before empty");
+                    assert_ne!(
+                        state(i + 1),
+                        (0, 0),
+                        "round {round}: vacated {i} before empty"
+                    );
                 }
             }
         }
-        assert!(emptied_clusters > 100, "{emptied_clusters} removals emptied vacated slots");
+        assert!(
+            emptied_clusters > 100,
+            "{emptied_clusters} removals emptied vacated slots"
+        );
         for &k in &keys[..300] {
             assert_eq!(t.find(k, &guard), model.get(&k).map(|&x| v(x)), "key {k}");
         }
