@@ -2,7 +2,8 @@
 //! configuration of [`crate::ours`] (cap unbounded, fixed clock), workers as replicas `w0`,
 //! `w1`, …; a `Stored` event is one chain-form ingest of the new blocks (token counts
 //! continuing from the parent's position, K8), a `Removed` event one `evict_prefixes` (E3), a
-//! lookup the allocation-free core match on the request's rolling hashes.
+//! lookup the allocation-free core match on the request's rolling hashes (as integers,
+//! `Index::match_digests_into`).
 
 use inferencecache_engine::fingerprint::to_wire;
 use inferencecache_engine::{
@@ -96,8 +97,11 @@ pub struct OursReader<'a> {
     index: &'a Index,
     part: Option<PartitionHandle<'a>>,
     scratch: MatchScratch,
-    keys: Vec<[u8; 8]>,
     counts: Vec<i32>,
+    /// Worker number by scope-local replica index, with the replica name's address it was
+    /// read from (a name is parsed once, not per match; an index the sweep gave to another
+    /// replica has another name and is parsed again).
+    workers: Vec<(usize, u32)>,
 }
 
 impl<'a> OursReader<'a> {
@@ -108,10 +112,28 @@ impl<'a> OursReader<'a> {
             index,
             part: None,
             scratch: MatchScratch::default(),
-            keys: Vec::new(),
             counts: Vec::new(),
+            workers: Vec::new(),
         }
     }
+}
+
+/// The worker number of a match, through the reader's memo by replica index.
+#[inline]
+fn memo_worker(workers: &mut Vec<(usize, u32)>, replica_index: u32, name: &str) -> Option<u32> {
+    let at = replica_index as usize;
+    let address = name.as_ptr() as usize;
+    if let Some(&(seen, worker)) = workers.get(at)
+        && seen == address
+    {
+        return Some(worker);
+    }
+    let worker = worker_of(name)?;
+    if workers.len() <= at {
+        workers.resize(at + 1, (0, 0));
+    }
+    workers[at] = (address, worker);
+    Some(worker)
 }
 
 impl Reader for OursReader<'_> {
@@ -123,19 +145,19 @@ impl Reader for OursReader<'_> {
         let Some(part) = self.part else {
             return;
         };
-        self.keys.clear();
-        self.keys.extend(seq.iter().map(|h| to_wire(*h)));
         if self.counts.len() < seq.len() {
             self.counts.resize(seq.len(), TRACE_BLOCK_TOKENS);
         }
-        self.index.match_chain_into(
+        // The trace's hashes are the keys' big-endian values (`to_wire`): no conversion.
+        let workers = &mut self.workers;
+        self.index.match_digests_into(
             part,
-            &self.keys[..],
+            seq,
             &self.counts[..seq.len()],
             T0_US,
             &mut self.scratch,
             |m| {
-                if let Some(w) = worker_of(m.replica_id) {
+                if let Some(w) = memo_worker(workers, m.replica_index, m.replica_id) {
                     out.push((w, m.blocks));
                 }
             },

@@ -12,7 +12,7 @@ use super::resolution::PartitionHandle;
 use crate::clock::us_to_ms;
 use crate::raw::block_run::BlockRun;
 use crate::raw::holder::tier_wire;
-use crate::raw::key::{EightByteKeys, Keys, digest};
+use crate::raw::key::{Digests, EightByteKeys, Keys, digest};
 use crossbeam_epoch::{self as epoch, Guard};
 
 /// One run of the core longest-prefix match (L4 steps 1–4).
@@ -20,6 +20,9 @@ use crossbeam_epoch::{self as epoch, Guard};
 pub struct ChainMatch<'a> {
     /// Replica id.
     pub replica_id: &'a str,
+    /// The replica's scope-local index: the same for the same replica while its scope names
+    /// it; the sweep may give it to another replica once this one holds nothing.
+    pub replica_index: u32,
     /// Σ of the request's counts over the run.
     pub matched_tokens: i32,
     /// Oldest `last_seen` over the run (µs, ms resolution).
@@ -88,9 +91,9 @@ impl Index {
     /// once block 0 is found; returns what it answered (0 when it was not called: no runs).
     /// A TTL ≤ 0 matches nothing.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn walk_chain<H: AsRef<[u8]>>(
+    pub(super) fn walk_chain<K: WalkKeys>(
         part: &Partition,
-        hashes: &[H],
+        keys: K,
         counts: &[i32],
         now_ms: i64,
         ttl_ms: impl FnOnce() -> i64,
@@ -100,14 +103,14 @@ impl Index {
     ) -> i64 {
         scratch.runs.clear();
         scratch.stretches.clear();
-        let n = hashes.len().min(counts.len());
+        let n = keys.len().min(counts.len());
         if n == 0 {
             return 0;
         }
-        let (hashes, counts) = (&hashes[..n], &counts[..n]);
+        let (keys, counts) = (keys.prefix(n), &counts[..n]);
         // Block 0 first: a request whose first block is absent (Q0) costs one probe, not a
         // pass over its keys, nor the resolution of its tenant's TTL.
-        let Some(first) = part.store.first_block(digest(hashes[0].as_ref()), guard) else {
+        let Some(first) = part.store.first_block(keys.first_digest(), guard) else {
             return 0;
         };
         let ttl_ms = ttl_ms();
@@ -138,19 +141,7 @@ impl Index {
             stretches: capture.then_some(stretches),
         };
         let visit = |run: &BlockRun, from, to| merge.stretch(run, from, to);
-        // 8-byte keys (the usual request) are compared in place; keys of other lengths get
-        // their digests (XXH3) computed once, up front.
-        let end = match EightByteKeys::new(hashes) {
-            Some(keys) => part.store.walk_from(first, keys, guard, visit),
-            None => {
-                digests.clear();
-                digests.extend(hashes.iter().map(|h| digest(h.as_ref())));
-                match Keys::with_bytes(digests, hashes) {
-                    Some(keys) => part.store.walk_from(first, keys, guard, visit),
-                    None => 0,
-                }
-            }
-        };
+        let end = keys.walk(part, first, digests, guard, visit);
         merge.finish(end);
         ttl_ms
     }
@@ -165,6 +156,40 @@ impl Index {
         counts: &[i32],
         now_us: i64,
         scratch: &mut MatchScratch,
+        sink: impl FnMut(ChainMatch<'_>),
+    ) {
+        self.match_into(part, hashes, counts, now_us, scratch, sink);
+    }
+
+    /// [`Index::match_chain_into`] for a request of 8-byte keys given as their big-endian
+    /// values (`u64::from_be_bytes(key)`: the key table's digest of an 8-byte key), as a
+    /// caller that keeps block hashes as integers has them: nothing to convert per key.
+    pub fn match_digests_into(
+        &self,
+        part: PartitionHandle<'_>,
+        digests: &[u64],
+        counts: &[i32],
+        now_us: i64,
+        scratch: &mut MatchScratch,
+        sink: impl FnMut(ChainMatch<'_>),
+    ) {
+        self.match_into(
+            part,
+            EightByteDigests(digests),
+            counts,
+            now_us,
+            scratch,
+            sink,
+        );
+    }
+
+    fn match_into(
+        &self,
+        part: PartitionHandle<'_>,
+        keys: impl WalkKeys,
+        counts: &[i32],
+        now_us: i64,
+        scratch: &mut MatchScratch,
         mut sink: impl FnMut(ChainMatch<'_>),
     ) {
         let p = part.p;
@@ -172,7 +197,7 @@ impl Index {
         let guard = epoch::pin();
         let ttl = Self::walk_chain(
             p,
-            hashes,
+            keys,
             counts,
             now_ms,
             || self.ttl_for(&p.tenant.name),
@@ -193,12 +218,94 @@ impl Index {
             };
             sink(ChainMatch {
                 replica_id: &rr.name,
+                replica_index: r.rep,
                 matched_tokens: r.matched,
                 oldest_us: r.oldest * 1000,
                 tier: tier_wire(r.tier),
                 blocks: r.blocks,
             });
         }
+    }
+}
+
+/// A request's keys as a walk takes them: its first digest (block 0's probe) before anything
+/// else, then the walk over the run store.
+pub(super) trait WalkKeys: Copy {
+    fn len(&self) -> usize;
+    /// The first `n` keys (`n ≤ len`).
+    fn prefix(self, n: usize) -> Self;
+    /// Block 0's digest (`len > 0`).
+    fn first_digest(&self) -> u64;
+    /// [`crate::raw::run_store::RunStore::walk_from`] from block 0's slot value; `digests` is
+    /// scratch space for keys whose digests are computed up front.
+    fn walk(
+        self,
+        part: &Partition,
+        first: u64,
+        digests: &mut Vec<u64>,
+        guard: &Guard,
+        visit: impl FnMut(&BlockRun, usize, usize) -> bool,
+    ) -> usize;
+}
+
+impl<H: AsRef<[u8]>> WalkKeys for &[H] {
+    fn len(&self) -> usize {
+        <[H]>::len(self)
+    }
+    fn prefix(self, n: usize) -> Self {
+        &self[..n]
+    }
+    fn first_digest(&self) -> u64 {
+        digest(self[0].as_ref())
+    }
+    fn walk(
+        self,
+        part: &Partition,
+        first: u64,
+        digests: &mut Vec<u64>,
+        guard: &Guard,
+        visit: impl FnMut(&BlockRun, usize, usize) -> bool,
+    ) -> usize {
+        // 8-byte keys (the usual request) are compared in place; keys of other lengths get
+        // their digests (XXH3) computed once, up front.
+        match EightByteKeys::new(self) {
+            Some(keys) => part.store.walk_from(first, keys, guard, visit),
+            None => {
+                digests.clear();
+                digests.extend(self.iter().map(|h| digest(h.as_ref())));
+                match Keys::with_bytes(digests, self) {
+                    Some(keys) => part.store.walk_from(first, keys, guard, visit),
+                    None => 0,
+                }
+            }
+        }
+    }
+}
+
+/// 8-byte keys given as their big-endian values ([`Index::match_digests_into`]).
+#[derive(Clone, Copy)]
+struct EightByteDigests<'a>(&'a [u64]);
+
+impl WalkKeys for EightByteDigests<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn prefix(self, n: usize) -> Self {
+        EightByteDigests(&self.0[..n])
+    }
+    fn first_digest(&self) -> u64 {
+        self.0[0]
+    }
+    fn walk(
+        self,
+        part: &Partition,
+        first: u64,
+        _: &mut Vec<u64>,
+        guard: &Guard,
+        visit: impl FnMut(&BlockRun, usize, usize) -> bool,
+    ) -> usize {
+        part.store
+            .walk_from(first, Digests::new(self.0), guard, visit)
     }
 }
 
@@ -386,9 +493,26 @@ mod tests {
         let p = ix.partition("t", "m", "s", "").unwrap();
         let mut v = Vec::new();
         let mut scratch = MatchScratch::default();
+        let mut indexes = Vec::new();
         ix.match_chain_into(p, keys, &counts, NOW, &mut scratch, |m| {
-            v.push((m.replica_id.to_string(), m.matched_tokens, m.blocks))
+            v.push((m.replica_id.to_string(), m.matched_tokens, m.blocks));
+            indexes.push((m.replica_index, m.replica_id.to_string()));
         });
+        // The same request given as the keys' big-endian values answers the same, in the
+        // same order, with the same replica indexes.
+        let digests: Vec<u64> = keys.iter().map(|k| u64::from_be_bytes(*k)).collect();
+        let mut by_digests = Vec::new();
+        ix.match_digests_into(p, &digests, &counts, NOW, &mut scratch, |m| {
+            by_digests.push((m.replica_index, m.replica_id.to_string()));
+        });
+        assert_eq!(by_digests, indexes);
+        let mut distinct = indexes.iter().map(|(i, _)| *i).collect::<Vec<_>>();
+        distinct.dedup();
+        assert_eq!(
+            distinct.len(),
+            indexes.len(),
+            "one replica index per replica"
+        );
         v.sort();
         v
     }

@@ -244,6 +244,44 @@ impl<K: AsRef<[u8]>> Request for EightByteKeys<'_, K> {
     }
 }
 
+/// 8-byte keys given as their digests, their big-endian values: nothing to compute per key.
+#[derive(Clone, Copy)]
+pub struct Digests<'a>(&'a [u64]);
+
+impl<'a> Digests<'a> {
+    /// The 8-byte keys whose big-endian values are `digests`.
+    #[inline]
+    pub fn new(digests: &'a [u64]) -> Self {
+        Digests(digests)
+    }
+}
+
+impl Request for Digests<'_> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    #[inline]
+    fn digest(&self, i: usize) -> u64 {
+        self.0[i]
+    }
+    #[inline]
+    fn long(&self, _: usize) -> Option<&[u8]> {
+        None
+    }
+    #[inline]
+    fn any_long(&self) -> bool {
+        false
+    }
+    #[inline]
+    fn leading_digests(&self, from: usize, run_keys: &[u64]) -> usize {
+        match self.0.get(from..from + run_keys.len()) {
+            Some(request) => count_leading(run_keys, |j| request[j]),
+            None => 0,
+        }
+    }
+}
+
 /// Calls `f` with the one key of digest `digest` and long part `long` as [`Keys`].
 pub(crate) fn one_key<R>(
     digest: u64,
