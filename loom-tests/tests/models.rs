@@ -1324,54 +1324,6 @@ fn m13d_present_probe_and_sample_vs_slot_reuse() {
     });
 }
 
-/// Model 13f: a removal that empties the vacated slots before it, against a reader. Keys `a`,
-/// `b`, `c` of one home fill three slots of a 4-slot table and `a` and `b` are removed first
-/// (vacated: a live key follows each). While a reader looks `c` up, the writer removes `c`,
-/// whose successor is empty, so `c`'s slot and both vacated slots before it become empty, then
-/// inserts `a` again through `insert_absent`, which takes the home slot. The reader answers
-/// `c`'s value or nothing, never `a`'s new one; afterwards only `a` is found.
-#[test]
-fn m13f_vacated_slots_emptied_vs_reader() {
-    model(|| {
-        let keys = slot_mates(3);
-        let (a, b, c) = (keys[0], keys[1], keys[2]);
-        let table = Arc::new(SlotTable::with_seed(0));
-        {
-            let guard = crossbeam_epoch::pin();
-            let mut w = table.lock();
-            w.insert(a, slot_value(1), &guard);
-            w.insert(b, slot_value(2), &guard);
-            w.insert(c, slot_value(3), &guard);
-            assert_eq!(w.remove(a, &guard), Some(slot_value(1)));
-            assert_eq!(w.remove(b, &guard), Some(slot_value(2)));
-        }
-        let reader = {
-            let table = table.clone();
-            spawn(move || {
-                let guard = crossbeam_epoch::pin();
-                table.find(c, &guard).map(SlotValue::get)
-            })
-        };
-        {
-            let guard = crossbeam_epoch::pin();
-            let mut w = table.lock();
-            assert_eq!(w.remove(c, &guard), Some(slot_value(3)));
-            w.insert_absent(a, slot_value(5), &guard);
-        }
-        match reader.join().unwrap() {
-            None => outcome("reader found nothing"),
-            Some(3) => outcome("reader found 3"),
-            Some(other) => panic!("the reader of c read {other}, another key's value"),
-        }
-        let guard = crossbeam_epoch::pin();
-        assert_eq!(table.find(a, &guard), Some(slot_value(5)));
-        assert_eq!(table.find(b, &guard), None);
-        assert_eq!(table.find(c, &guard), None);
-        assert_eq!(table.len(), 1);
-        assert_eq!(table.capacity(&guard), 4, "no rebuild in this model");
-    });
-}
-
 /// Model 13b: a reader looks up a key present throughout while the writer's seventh insert
 /// into one segment rebuilds its 8-slot table at 16 slots, and a key the writer inserts
 /// meanwhile. The present key is always found with its value, whichever table the reader is

@@ -145,22 +145,6 @@ impl SlotWriter<'_> {
         if next_empty {
             slot.key.store(0, Ordering::Release);
             counts.used -= 1;
-            // The vacated slots just before it end at an empty slot now: no probe sequence
-            // through one of them reaches a live key, so they become empty too (module docs,
-            // "Structure"), and the segment's next rebuild comes later.
-            let mask = table.len() - 1;
-            let mut j = i.wrapping_sub(1) & mask;
-            while j != i {
-                let before = table.slot(j);
-                if before.value.load(Ordering::Relaxed) != 0
-                    || before.key.load(Ordering::Relaxed) == 0
-                {
-                    break;
-                }
-                before.key.store(0, Ordering::Release);
-                counts.used -= 1;
-                j = j.wrapping_sub(1) & mask;
-            }
         } else if key == 0 {
             slot.key.store(1, Ordering::Release);
         }
