@@ -236,11 +236,17 @@ impl<K: AsRef<[u8]>> Request for EightByteKeys<'_, K> {
     }
     #[inline]
     fn leading_digests(&self, from: usize, run_keys: &[u64]) -> usize {
-        // One slice of the request's keys, as long as `run_keys`: no bounds check per key.
-        match self.0.get(from..from + run_keys.len()) {
-            Some(request) => count_leading(run_keys, |j| digest(request[j].as_ref())),
-            None => 0,
-        }
+        leading_in(self.0, from, run_keys, |k| digest(k.as_ref()))
+    }
+}
+
+/// [`Request::leading_digests`] over a request held as a slice: one subslice as long as
+/// `run_keys`, so no bounds check per key.
+#[inline(always)]
+fn leading_in<T>(keys: &[T], from: usize, run_keys: &[u64], digest: impl Fn(&T) -> u64) -> usize {
+    match keys.get(from..from + run_keys.len()) {
+        Some(request) => count_leading(run_keys, |j| digest(&request[j])),
+        None => 0,
     }
 }
 
@@ -275,10 +281,7 @@ impl Request for Digests<'_> {
     }
     #[inline]
     fn leading_digests(&self, from: usize, run_keys: &[u64]) -> usize {
-        match self.0.get(from..from + run_keys.len()) {
-            Some(request) => count_leading(run_keys, |j| request[j]),
-            None => 0,
-        }
+        leading_in(self.0, from, run_keys, |&digest| digest)
     }
 }
 
