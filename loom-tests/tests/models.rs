@@ -2035,6 +2035,33 @@ fn m15b_store_removals_vs_walk() {
     });
 }
 
+/// Models 15c and 15d: replica 0 holds chain 1, 2, 3, 4 (one run) and evicts `evicted` while a
+/// pinned reader walks the chain; `reclaim_steps` epoch advances are offered before the reader
+/// is joined. Returns the store, its run bytes before the eviction and what the reader saw.
+fn one_replica_evicts_while_walked(
+    evicted: &'static [u64],
+    reclaim_steps: usize,
+) -> (Arc<RunStore>, usize, Vec<Vec<u32>>) {
+    let store = Arc::new(RunStore::with_seed(StoreOptions::default(), 0));
+    {
+        let guard = crossbeam_epoch::pin();
+        store.ingest(&[1, 2, 3, 4], &[16; 4], writing(0), &guard);
+    }
+    let bytes = store.run_bytes();
+    let reader = {
+        let store = store.clone();
+        spawn(move || store_walk(&store, &[1, 2, 3, 4]))
+    };
+    {
+        let guard = crossbeam_epoch::pin();
+        assert_eq!(store.evict(evicted, 0, &guard).keys_removed, evicted.len());
+    }
+    for _ in 0..reclaim_steps {
+        loom_api::reclaim_step();
+    }
+    (store, bytes, reader.join().unwrap())
+}
+
 /// Model 15c: replica 0 holds chain 1, 2, 3, 4 (one run); it evicts 2, 3, 4, which leaves the
 /// run one live offset in four, so the write ends by trimming it (a copy over block 1, its slot
 /// and root slot repointed, the old run retired) while a pinned reader walks 1, 2, 3, 4. The
@@ -2043,23 +2070,7 @@ fn m15b_store_removals_vs_walk() {
 #[test]
 fn m15c_store_trim_vs_walk() {
     model(|| {
-        let store = Arc::new(RunStore::with_seed(StoreOptions::default(), 0));
-        {
-            let guard = crossbeam_epoch::pin();
-            store.ingest(&[1, 2, 3, 4], &[16; 4], writing(0), &guard);
-        }
-        let bytes = store.run_bytes();
-        let reader = {
-            let store = store.clone();
-            spawn(move || store_walk(&store, &[1, 2, 3, 4]))
-        };
-        {
-            let guard = crossbeam_epoch::pin();
-            assert_eq!(store.evict(&[2, 3, 4], 0, &guard).keys_removed, 3);
-        }
-        loom_api::reclaim_step();
-        loom_api::reclaim_step();
-        let seen = reader.join().unwrap();
+        let (store, bytes, seen) = one_replica_evicts_while_walked(&[2, 3, 4], 2);
         assert!(!seen.is_empty(), "block 1 is held throughout");
         assert!(
             seen.iter().all(|reps| reps == &[0]),
@@ -2094,21 +2105,7 @@ fn m15c_store_trim_vs_walk() {
 #[test]
 fn m15d_store_leaves_first_tail_removal_vs_walk() {
     model(|| {
-        let store = Arc::new(RunStore::with_seed(StoreOptions::default(), 0));
-        {
-            let guard = crossbeam_epoch::pin();
-            store.ingest(&[1, 2, 3, 4], &[16; 4], writing(0), &guard);
-        }
-        let bytes = store.run_bytes();
-        let reader = {
-            let store = store.clone();
-            spawn(move || store_walk(&store, &[1, 2, 3, 4]))
-        };
-        {
-            let guard = crossbeam_epoch::pin();
-            assert_eq!(store.evict(&[4, 3], 0, &guard).keys_removed, 2);
-        }
-        let seen = reader.join().unwrap();
+        let (store, bytes, seen) = one_replica_evicts_while_walked(&[4, 3], 0);
         assert!(
             seen.len() >= 2,
             "blocks 1 and 2 are held throughout: {seen:?}"
