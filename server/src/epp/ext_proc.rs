@@ -305,21 +305,12 @@ impl Exchange {
             BodySendMode::Buffered | BodySendMode::BufferedPartial => {
                 let bytes = (body.body.len() <= limit).then_some(body.body);
                 let decision = self.picker.decide(&self.context, bytes.as_deref()).await;
-                match self.route(decision) {
-                    Ok((mutation, metadata)) => {
-                        self.send_with_metadata(
-                            processing_response::Response::RequestBody(BodyResponse {
-                                response: Some(CommonResponse {
-                                    header_mutation: Some(mutation),
-                                    ..Default::default()
-                                }),
-                            }),
-                            Some(metadata),
-                        )
-                        .await
-                    }
-                    Err(immediate) => self.reject(immediate).await,
-                }
+                self.answer(decision, |response| {
+                    processing_response::Response::RequestBody(BodyResponse {
+                        response: Some(response),
+                    })
+                })
+                .await
             }
             BodySendMode::None | BodySendMode::Streamed | BodySendMode::Grpc => {
                 self.send(processing_response::Response::RequestBody(
@@ -334,19 +325,31 @@ impl Exchange {
     /// headers, or ends the request with an immediate response.
     async fn decide_and_answer_headers(&mut self, body: Option<&[u8]>) -> Result<(), Stop> {
         let decision = self.picker.decide(&self.context, body).await;
+        self.answer(decision, |response| {
+            processing_response::Response::RequestHeaders(HeadersResponse {
+                response: Some(response),
+            })
+        })
+        .await?;
+        // Reached only when routed: a rejection ended the request (`Stop::Closed`).
+        self.headers_answered = true;
+        Ok(())
+    }
+
+    /// Answers the phase (`phase` wraps the common response) with a decision's header mutation
+    /// and metadata, or ends the request with its immediate response.
+    async fn answer(
+        &mut self,
+        decision: Decision,
+        phase: fn(CommonResponse) -> processing_response::Response,
+    ) -> Result<(), Stop> {
         match self.route(decision) {
             Ok((mutation, metadata)) => {
-                self.headers_answered = true;
-                self.send_with_metadata(
-                    processing_response::Response::RequestHeaders(HeadersResponse {
-                        response: Some(CommonResponse {
-                            header_mutation: Some(mutation),
-                            ..Default::default()
-                        }),
-                    }),
-                    Some(metadata),
-                )
-                .await
+                let response = phase(CommonResponse {
+                    header_mutation: Some(mutation),
+                    ..Default::default()
+                });
+                self.send_with_metadata(response, Some(metadata)).await
             }
             Err(immediate) => self.reject(immediate).await,
         }
