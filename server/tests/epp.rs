@@ -112,14 +112,7 @@ async fn cached_prefix_is_picked_and_the_body_comes_back_unchanged() {
     );
     // A conversation nobody cached goes by load (both idle: either, but both listed).
     let other = chat_body(&[("user", &words(3000, 90))], false);
-    let answer = ext_proc_request(
-        picker.addr,
-        "/v1/chat/completions",
-        &[],
-        other.as_bytes(),
-        4096,
-    )
-    .await;
+    let answer = chat_completion(picker.addr, &other).await;
     let mut listed = answer.endpoints();
     listed.sort();
     assert_eq!(listed, [ENDPOINT_A, ENDPOINT_B]);
@@ -173,14 +166,7 @@ async fn a_repeated_system_prompt_is_encoded_once() {
         let mut endpoints = Vec::new();
         for question in questions {
             let body = chat_body(&[("system", system.as_str()), ("user", question)], false);
-            let answer = ext_proc_request(
-                picker.addr,
-                "/v1/chat/completions",
-                &[],
-                body.as_bytes(),
-                4096,
-            )
-            .await;
+            let answer = chat_completion(picker.addr, &body).await;
             endpoints.push(answer.endpoints());
         }
         let sample = |name: &str| format!("inferencecache_tokenizer_segment_cache_{name}");
@@ -340,14 +326,7 @@ async fn a_gateway_closing_the_stream_mid_body_costs_nothing() {
         0.0
     );
     let body = chat_body(&[("user", "w1 w2")], false);
-    let answer = ext_proc_request(
-        picker.addr,
-        "/v1/chat/completions",
-        &[],
-        body.as_bytes(),
-        4096,
-    )
-    .await;
+    let answer = chat_completion(picker.addr, &body).await;
     assert!(!answer.endpoints().is_empty());
 }
 
@@ -481,8 +460,7 @@ async fn pick_until(
 ) -> Vec<String> {
     let started = Instant::now();
     loop {
-        let answer =
-            ext_proc_request(addr, "/v1/chat/completions", &[], body.as_bytes(), 4096).await;
+        let answer = chat_completion(addr, body).await;
         let endpoints = answer.endpoints();
         if accept(&endpoints) {
             return endpoints;
@@ -557,7 +535,7 @@ async fn the_endpoints_file_reloads_without_a_restart_and_a_bad_one_keeps_the_la
     let turn = [("system", system.as_str()), ("user", "w9")];
     cache(&picker, "fc", &chat_tokens(&turn)).await;
     let cached = chat_body(&turn, false);
-    let answer = ext_proc_request(addr, "/v1/chat/completions", &[], cached.as_bytes(), 4096).await;
+    let answer = chat_completion(addr, &cached).await;
     assert_eq!(answer.endpoints(), [ENDPOINT_OTHER, ENDPOINT_B]);
 
     // A malformed file (and then one with an entry that is not ip:port) is refused, counted

@@ -361,6 +361,11 @@ pub async fn ext_proc_request(
         .0
 }
 
+/// [`ext_proc_request`] of an OpenAI chat completion: `body` in 4 KiB chunks.
+pub async fn chat_completion(picker: SocketAddr, body: &str) -> PickerAnswer {
+    ext_proc_request(picker, "/v1/chat/completions", &[], body.as_bytes(), 4096).await
+}
+
 /// The open side of an ext_proc exchange: while it lives, the request is in flight.
 pub type OpenExchange = (
     tokio::sync::mpsc::Sender<ProcessingRequest>,
