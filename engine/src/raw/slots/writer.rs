@@ -3,6 +3,17 @@
 
 use super::*;
 
+/// Where a write of a key goes: its segment `s`, that segment's `table`, the vacated or empty
+/// slot `free` of its probe sequence, its mixed hash and its summary bits.
+#[derive(Clone, Copy)]
+struct Place<'g> {
+    s: usize,
+    table: View<'g>,
+    free: usize,
+    mixed: u64,
+    bits: u64,
+}
+
 impl SlotTable {
     /// The writer lock: every change goes through the returned writer.
     pub fn lock(&self) -> SlotWriter<'_> {
@@ -76,26 +87,53 @@ impl SlotWriter<'_> {
             slot.store(value.get(), Ordering::Release);
             return NonZeroU64::new(old);
         }
-        let fills_empty = table.slot(free).key.load(Ordering::Relaxed) == 0;
-        let counts = self.counts.of(s);
-        let used = counts.used as usize + usize::from(fills_empty);
-        if used * 4 > table.len() * 3 {
-            let live = counts.live as usize + 1;
-            if self.counts.segments.is_none() && table_len(live) > SINGLE_MAX_SLOTS {
-                self.split(guard);
-                return self.insert(key, value, guard);
-            }
-            let table = self.rebuild(s, live, guard);
-            let (_, free) = table.locate(key, mixed);
-            table.fill(free, key, mixed, bits, value);
-            self.counts.of_mut(s).used += 1;
-        } else {
-            table.fill(free, key, mixed, bits, value);
-            self.counts.of_mut(s).used = used as u32;
+        let at = Place {
+            s,
+            table,
+            free,
+            mixed,
+            bits,
+        };
+        if self.fill_unless_full(at, key, value) {
+            return None;
         }
-        self.counts.of_mut(s).live += 1;
+        let live = self.counts.of(s).live as usize + 1;
+        if self.counts.segments.is_none() && table_len(live) > SINGLE_MAX_SLOTS {
+            self.split(guard);
+            return self.insert(key, value, guard);
+        }
+        let table = self.rebuild(s, live, guard);
+        let (_, free) = table.locate(key, mixed);
+        table.fill(free, key, mixed, bits, value);
+        let counts = self.counts.of_mut(s);
+        counts.used += 1;
+        counts.live += 1;
         self.add_live(1);
         None
+    }
+
+    /// Stores `key → value` into `at.free` unless that would pass 3/4 of its segment's slots
+    /// used (the caller grows the segment then); returns whether it did.
+    #[inline(always)]
+    fn fill_unless_full(&mut self, at: Place<'_>, key: u64, value: SlotValue) -> bool {
+        let Place {
+            s,
+            table,
+            free,
+            mixed,
+            bits,
+        } = at;
+        let fills_empty = table.slot(free).key.load(Ordering::Relaxed) == 0;
+        let used = self.counts.of(s).used as usize + usize::from(fills_empty);
+        if used * 4 > table.len() * 3 {
+            return false;
+        }
+        table.fill(free, key, mixed, bits, value);
+        let counts = self.counts.of_mut(s);
+        counts.used = used as u32;
+        counts.live += 1;
+        self.add_live(1);
+        true
     }
 
     /// Sets `key → value` for a key the caller knows is absent (it found none under this
@@ -110,21 +148,18 @@ impl SlotWriter<'_> {
             table.locate(key, mixed).0.is_none(),
             "insert_absent of a present key"
         );
-        let free = table.locate_free(mixed);
-        let fills_empty = table.slot(free).key.load(Ordering::Relaxed) == 0;
-        let counts = self.counts.of(s);
-        let used = counts.used as usize + usize::from(fills_empty);
-        if used * 4 > table.len() * 3 {
+        let at = Place {
+            s,
+            table,
+            free: table.locate_free(mixed),
+            mixed,
+            bits,
+        };
+        if !self.fill_unless_full(at, key, value) {
             // The growth path is `insert`'s (split or rebuild, then the fresh table's slot).
             let replaced = self.insert(key, value, guard);
             debug_assert!(replaced.is_none());
-            return;
         }
-        table.fill(free, key, mixed, bits, value);
-        let counts = self.counts.of_mut(s);
-        counts.used = used as u32;
-        counts.live += 1;
-        self.add_live(1);
     }
 
     /// Removes `key`; returns its value, if it was present.
