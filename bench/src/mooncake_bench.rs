@@ -37,6 +37,8 @@ pub struct Plan {
     pub ladder: Vec<f64>,
     /// Row name of ours (the ratio numerator); the others are the peers.
     pub ours: String,
+    /// Halvings of the gap between the first rung kept and the one above it.
+    pub refine: usize,
 }
 
 /// Results of one (index, threads) cell.
@@ -114,15 +116,35 @@ pub fn run(
                 s.name(),
                 cell.saturated / 1e6
             );
-            for f in &plan.ladder {
-                let offered = cell.saturated * f;
+            let keeps = |fraction: f64| -> Result<bool, String> {
+                let offered = cell.saturated * fraction;
                 let r = s.run(sim, threads, Pace::Rate(offered))?;
                 eprintln!("  paced {:.2} M: kept {:.3}", offered / 1e6, r.kept());
-                if r.kept() >= 0.99 {
-                    cell.sustained = offered;
+                Ok(r.kept() >= 0.99)
+            };
+            // The ladder's first rung kept, then `plan.refine` halvings of the gap to the rung
+            // above it (which was not kept): the rungs are 5 to 10% apart.
+            let mut failed = None;
+            let mut kept = None;
+            for &f in &plan.ladder {
+                if keeps(f)? {
+                    kept = Some(f);
                     break;
                 }
+                failed = Some(f);
             }
+            if let (Some(mut low), Some(mut high)) = (kept, failed) {
+                for _ in 0..plan.refine {
+                    let middle = (low + high) / 2.0;
+                    if keeps(middle)? {
+                        low = middle;
+                    } else {
+                        high = middle;
+                    }
+                }
+                kept = Some(low);
+            }
+            cell.sustained = kept.map_or(0.0, |f| cell.saturated * f);
             cells[s_index][t_index] = Some(cell);
         }
         // Latency at 50% of our sustained rate, for everyone.
@@ -514,6 +536,7 @@ pub fn main_with(
         threads: args.threads.clone(),
         ladder: args.ladder(),
         ours: "inferencecache".into(),
+        refine: if args.quick { 0 } else { 2 },
     };
     let header = args.header(trace);
     match run(sim, subjects, &plan) {
