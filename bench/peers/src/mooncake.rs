@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! mooncake-replay-peers [--trace FILE] [--requests N] [--copies N] [--workers N]
-//!     [--capacity BLOCKS] [--threads 1,2] [--index inferencecache,kv-index,dynamo-crtc,dynamo-radix,reference]
+//!     [--capacity BLOCKS] [--threads 1,2] [--index inferencecache,kv-index,dynamo-crtc,dynamo-radix,reference,probe-flat,probe-flat-state]
 //!     [--out FILE] [--quick]
 //! ```
 //!
@@ -14,6 +14,8 @@
 //! worker thread (its design: it has no synchronous apply), so at "1" it uses the caller plus
 //! that thread, and at "2" an event feeder, a lookup thread and its worker. RadixTree needs
 //! `&mut` for events and runs at "1" only.
+
+mod probe_flat;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -626,6 +628,8 @@ fn main() -> ExitCode {
         ),
         ("dynamo-crtc", Box::new(dynamo::CrtcSubject)),
         ("dynamo-radix", Box::new(dynamo::RadixSubject)),
+        ("probe-flat", Box::new(probe_flat::FlatSubject)),
+        ("probe-flat-state", Box::new(probe_flat::FlatStateSubject)),
         (
             "reference",
             Box::new(ReferenceSubject {
