@@ -630,6 +630,7 @@ fn main() -> ExitCode {
         ("dynamo-radix", Box::new(dynamo::RadixSubject)),
         ("probe-flat", Box::new(probe_flat::FlatSubject)),
         ("probe-flat-state", Box::new(probe_flat::FlatStateSubject)),
+        ("probe-slots", Box::new(probe_flat::SlotsSubject)),
         (
             "reference",
             Box::new(ReferenceSubject {

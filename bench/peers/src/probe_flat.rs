@@ -269,3 +269,132 @@ fn state_empty(map: &FlatStateMap) -> Result<(), String> {
         )),
     }
 }
+
+/// The engine's own key table ([`SlotTable`]: lock-free readers, one writer lock, epoch
+/// reclamation) as the flat map of block hash → holder bits: the concurrent version of
+/// [`FlatMap`], at one and two threads (`--index probe-slots`). Holder bits are never 0 in the
+/// table (a block goes with its last holder), so they are a slot's non-zero value.
+mod slots {
+    use super::*;
+    use crossbeam_epoch as epoch;
+    use inferencecache_bench::mooncake::replay_dual;
+    use inferencecache_engine::layout::{SlotTable, SlotValue};
+
+    pub struct SlotsWriter<'a>(pub &'a SlotTable);
+    pub struct SlotsReader<'a>(pub &'a SlotTable);
+
+    impl Writer for SlotsWriter<'_> {
+        fn store(&mut self, worker: u32, _: u32, _: Option<u64>, _: &[u64], seq: &[u64]) {
+            let bit = 1u64 << (worker % 64);
+            let guard = epoch::pin();
+            let mut w = self.0.lock();
+            for key in seq {
+                let bits = w.get(*key, &guard).map_or(0, SlotValue::get) | bit;
+                w.insert(*key, SlotValue::new(bits).expect("a bit is set"), &guard);
+            }
+        }
+        fn remove(&mut self, worker: u32, seq: &[u64]) {
+            let bit = 1u64 << (worker % 64);
+            let guard = epoch::pin();
+            let mut w = self.0.lock();
+            for key in seq {
+                let Some(bits) = w.get(*key, &guard) else {
+                    continue;
+                };
+                match SlotValue::new(bits.get() & !bit) {
+                    Some(left) => {
+                        w.insert(*key, left, &guard);
+                    }
+                    None => {
+                        w.remove(*key, &guard);
+                    }
+                }
+            }
+        }
+        fn flush(&mut self) {}
+    }
+
+    impl Reader for SlotsReader<'_> {
+        fn lookup(&mut self, _: &[u64], seq: &[u64], out: &mut Vec<(u32, u32)>) {
+            let guard = epoch::pin();
+            let mut alive = u64::MAX;
+            let mut matched = 0u32;
+            for (i, key) in seq.iter().enumerate() {
+                if let Some(next) = seq.get(i + 4) {
+                    self.0.prefetch(*next, &guard);
+                }
+                let bits = self.0.find(*key, &guard).map_or(0, SlotValue::get);
+                let dropped = alive & !bits;
+                if matched > 0 {
+                    push_each(dropped, matched, out);
+                }
+                alive &= bits;
+                if alive == 0 {
+                    return;
+                }
+                matched += 1;
+            }
+            push_each(alive, matched, out);
+        }
+    }
+
+    struct Both<'a>(SlotsWriter<'a>, SlotsReader<'a>);
+    impl Writer for Both<'_> {
+        fn store(&mut self, w: u32, p: u32, parent: Option<u64>, l: &[u64], s: &[u64]) {
+            self.0.store(w, p, parent, l, s);
+        }
+        fn remove(&mut self, w: u32, s: &[u64]) {
+            self.0.remove(w, s);
+        }
+        fn flush(&mut self) {}
+    }
+    impl Reader for Both<'_> {
+        fn lookup(&mut self, l: &[u64], s: &[u64], out: &mut Vec<(u32, u32)>) {
+            self.1.lookup(l, s, out);
+        }
+    }
+
+    /// The probe as a subject.
+    pub struct SlotsSubject;
+
+    fn left(table: &SlotTable) -> Result<(), String> {
+        match table.len() {
+            0 => Ok(()),
+            n => Err(format!("probe-slots: {n} blocks left after the drain")),
+        }
+    }
+
+    impl Subject for SlotsSubject {
+        fn name(&self) -> String {
+            "probe: key table as flat map".into()
+        }
+        fn supports(&self, threads: usize) -> bool {
+            threads == 1 || threads == 2
+        }
+        fn synchronous(&self) -> bool {
+            true
+        }
+        fn verify(&self, sim: &Simulation) -> Result<usize, String> {
+            let table = SlotTable::new();
+            let n = verify(sim, &mut Both(SlotsWriter(&table), SlotsReader(&table)))?;
+            left(&table)?;
+            Ok(n)
+        }
+        fn run(&self, sim: &Simulation, threads: usize, pace: Pace) -> Result<RunStats, String> {
+            let table = SlotTable::new();
+            let stats = if threads == 1 {
+                replay_single(
+                    sim,
+                    &mut Both(SlotsWriter(&table), SlotsReader(&table)),
+                    pace,
+                )
+            } else {
+                replay_dual(sim, || SlotsWriter(&table), || SlotsReader(&table), pace)
+            };
+            left(&table)?;
+            Ok(stats)
+        }
+    }
+}
+
+pub use slots::SlotsSubject;
