@@ -1,10 +1,18 @@
-//! A design probe for issue #44, not a product: the least work a flat map from block hash to
-//! the set of workers holding it does on the Mooncake replay (one thread). A stored block sets
-//! its worker's bit, a removed one clears it (the entry goes with its last bit), and a lookup
-//! probes the request's blocks in order, ANDing the bits, until no worker is left. It keeps no
-//! per-holder state (InferenceCache keeps each holder's `last_seen`, tier, generation and token
-//! count), takes no lock and allows no concurrent reader, so it bounds from below what a flat
-//! layout costs on this trace. `--index probe-flat` runs it; it is not in the default set.
+//! Design probes for issue #44, not products: what a flat map from block hash to the set of
+//! workers holding it does on the Mooncake replay, against the run layout of InferenceCache and
+//! kv-index's run tree (`docs/perf-log.md`, "Flat layouts on the Mooncake replay"). A stored
+//! block sets its worker's bit, a removed one clears it (the entry goes with its last bit), and a
+//! lookup probes the request's blocks in order, ANDing the bits, until no worker is left. None of
+//! them is in the default `--index` set.
+//!
+//! - `probe-flat`: std's `HashMap` (one thread, no lock, no concurrent reader, no per-holder
+//!   state): the least work of a flat layout on this trace.
+//! - `probe-flat-state`: the same with 16 bytes of state per holder, as InferenceCache keeps
+//!   (`last_seen`, tier, generation, token count).
+//! - `probe-slots`: the engine's own key table (`raw/slots`) as the map, lock-free readers, one
+//!   and two threads.
+//! - `probe-buckets`: a concurrent table of one-line buckets (a probe reads one line), one and two
+//!   threads.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -32,7 +40,7 @@ impl Hasher for Spread {
     }
 }
 
-/// Block hash → bit set of its holders (workers < 64).
+/// `probe-flat`: block hash → bit set of its holders (workers < 64).
 #[derive(Default)]
 struct FlatMap {
     holders: HashMap<u64, u64, BuildHasherDefault<Spread>>,
@@ -398,3 +406,335 @@ mod slots {
 }
 
 pub use slots::SlotsSubject;
+
+/// A bucketed key table: the layout `probe-slots` suggests (`--index probe-buckets`). Each
+/// 64-byte line is one bucket: a tag word (a 7-bit tag per slot, 0 for a free slot, and an
+/// overflow bit set once a key of this home had to go further) and three 16-byte slots. A probe
+/// reads its home line and is settled there unless the bucket overflowed: one line per key, where
+/// the key table reads its summary word and a slot line. Readers take no lock (key, value, key
+/// loads as the key table's readers do; tables freed through the epoch); one writer at a time.
+mod buckets {
+    use super::*;
+    use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
+    use inferencecache_bench::mooncake::replay_dual;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    const SLOTS: usize = 3;
+    const OVERFLOW: u64 = 1 << 63;
+
+    #[repr(C, align(64))]
+    #[derive(Default)]
+    struct Bucket {
+        tags: AtomicU64,
+        keys: [AtomicU64; SLOTS],
+        values: [AtomicU64; SLOTS],
+    }
+
+    struct Table {
+        buckets: Box<[Bucket]>,
+        mask: usize,
+        shift: u32,
+    }
+
+    impl Table {
+        fn new(buckets: usize) -> Self {
+            let n = buckets.next_power_of_two().max(2);
+            Table {
+                buckets: (0..n).map(|_| Bucket::default()).collect(),
+                mask: n - 1,
+                shift: 64 - n.trailing_zeros(),
+            }
+        }
+        fn place(&self, key: u64) -> (usize, u64) {
+            let h = (key ^ (key >> 31)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            ((h >> self.shift) as usize, (h & 0x7F) | 0x80)
+        }
+        fn find(&self, key: u64) -> Option<u64> {
+            let (mut b, tag) = self.place(key);
+            for _ in 0..=self.mask {
+                let bucket = &self.buckets[b];
+                let tags = bucket.tags.load(Ordering::Acquire);
+                for i in 0..SLOTS {
+                    if (tags >> (8 * i)) & 0xFF == tag {
+                        let k = bucket.keys[i].load(Ordering::Acquire);
+                        let v = bucket.values[i].load(Ordering::Acquire);
+                        if k == key && v != 0 && bucket.keys[i].load(Ordering::Acquire) == key {
+                            return Some(v);
+                        }
+                    }
+                }
+                if tags & OVERFLOW == 0 {
+                    return None;
+                }
+                b = (b + 1) & self.mask;
+            }
+            None
+        }
+        fn prefetch(&self, key: u64) {
+            let (b, _) = self.place(key);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a prefetch is a hint: it never faults, whatever the address.
+            unsafe {
+                core::arch::x86_64::_mm_prefetch(
+                    std::ptr::from_ref(&self.buckets[b]).cast::<i8>(),
+                    core::arch::x86_64::_MM_HINT_T0,
+                );
+            }
+        }
+        /// Writer: the bucket and slot holding `key`.
+        fn locate(&self, key: u64) -> Option<(usize, usize)> {
+            let (mut b, tag) = self.place(key);
+            for _ in 0..=self.mask {
+                let bucket = &self.buckets[b];
+                let tags = bucket.tags.load(Ordering::Relaxed);
+                for i in 0..SLOTS {
+                    if (tags >> (8 * i)) & 0xFF == tag
+                        && bucket.keys[i].load(Ordering::Relaxed) == key
+                    {
+                        return Some((b, i));
+                    }
+                }
+                if tags & OVERFLOW == 0 {
+                    return None;
+                }
+                b = (b + 1) & self.mask;
+            }
+            None
+        }
+        /// Writer: puts an absent key in the first free slot from its home, marking the full
+        /// buckets it passes; returns how many buckets it newly marked.
+        fn put(&self, key: u64, value: u64) -> usize {
+            let (mut b, tag) = self.place(key);
+            let mut marked = 0;
+            loop {
+                let bucket = &self.buckets[b];
+                let tags = bucket.tags.load(Ordering::Relaxed);
+                if let Some(i) = (0..SLOTS).find(|i| (tags >> (8 * i)) & 0xFF == 0) {
+                    bucket.keys[i].store(key, Ordering::Relaxed);
+                    bucket.values[i].store(value, Ordering::Release);
+                    bucket.tags.store(tags | tag << (8 * i), Ordering::Release);
+                    return marked;
+                }
+                if tags & OVERFLOW == 0 {
+                    bucket.tags.store(tags | OVERFLOW, Ordering::Release);
+                    marked += 1;
+                }
+                b = (b + 1) & self.mask;
+            }
+        }
+    }
+
+    struct Counts {
+        live: usize,
+        overflowed: usize,
+    }
+
+    pub struct BucketTable {
+        table: Atomic<Table>,
+        writer: Mutex<Counts>,
+    }
+
+    impl BucketTable {
+        fn new() -> Self {
+            BucketTable {
+                table: Atomic::new(Table::new(64)),
+                writer: Mutex::new(Counts {
+                    live: 0,
+                    overflowed: 0,
+                }),
+            }
+        }
+        fn current<'g>(&self, guard: &'g Guard) -> &'g Table {
+            // SAFETY: the table is never null and is freed only through the epoch.
+            unsafe { self.table.load(Ordering::Acquire, guard).deref() }
+        }
+        /// Writer: applies `f` to the value of `key` (0 when absent); a result of 0 removes it.
+        fn update(&self, counts: &mut Counts, key: u64, f: impl Fn(u64) -> u64, guard: &Guard) {
+            let table = self.current(guard);
+            match table.locate(key) {
+                Some((b, i)) => {
+                    let bucket = &table.buckets[b];
+                    let new = f(bucket.values[i].load(Ordering::Relaxed));
+                    bucket.values[i].store(new, Ordering::Release);
+                    if new == 0 {
+                        let tags = bucket.tags.load(Ordering::Relaxed);
+                        bucket
+                            .tags
+                            .store(tags & !(0xFF << (8 * i)), Ordering::Release);
+                        counts.live -= 1;
+                    }
+                }
+                None => {
+                    let new = f(0);
+                    if new == 0 {
+                        return;
+                    }
+                    let capacity = table.buckets.len() * SLOTS;
+                    if (counts.live + 1) * 5 > capacity * 4
+                        || counts.overflowed * 4 > table.buckets.len()
+                    {
+                        self.rebuild(counts, ((counts.live + 1) * 2).div_ceil(SLOTS), guard);
+                    }
+                    counts.overflowed += self.current(guard).put(key, new);
+                    counts.live += 1;
+                }
+            }
+        }
+        fn rebuild(&self, counts: &mut Counts, buckets: usize, guard: &Guard) {
+            let old = self.current(guard);
+            let fresh = Table::new(buckets);
+            let mut overflowed = 0;
+            for bucket in old.buckets.iter() {
+                let tags = bucket.tags.load(Ordering::Relaxed);
+                for i in 0..SLOTS {
+                    if (tags >> (8 * i)) & 0xFF != 0 {
+                        overflowed += fresh.put(
+                            bucket.keys[i].load(Ordering::Relaxed),
+                            bucket.values[i].load(Ordering::Relaxed),
+                        );
+                    }
+                }
+            }
+            counts.overflowed = overflowed;
+            let previous = self.table.swap(Owned::new(fresh), Ordering::AcqRel, guard);
+            // SAFETY: unreachable from the table now; readers that loaded it are pinned.
+            unsafe { guard.defer_destroy(previous) };
+        }
+        fn len(&self) -> usize {
+            self.writer.lock().map_or(0, |c| c.live)
+        }
+    }
+
+    impl Drop for BucketTable {
+        fn drop(&mut self) {
+            // SAFETY: dropped by its only owner: no reader is left.
+            unsafe {
+                drop(
+                    self.table
+                        .load(Ordering::Relaxed, epoch::unprotected())
+                        .into_owned(),
+                );
+            }
+        }
+    }
+
+    pub struct BucketsWriter<'a>(pub &'a BucketTable);
+    pub struct BucketsReader<'a>(pub &'a BucketTable);
+
+    impl Writer for BucketsWriter<'_> {
+        fn store(&mut self, worker: u32, _: u32, _: Option<u64>, _: &[u64], seq: &[u64]) {
+            let bit = 1u64 << (worker % 64);
+            let guard = epoch::pin();
+            let mut counts = self.0.writer.lock().expect("writer lock");
+            for (i, key) in seq.iter().enumerate() {
+                if let Some(next) = seq.get(i + 4) {
+                    self.0.current(&guard).prefetch(*next);
+                }
+                self.0.update(&mut counts, *key, |bits| bits | bit, &guard);
+            }
+        }
+        fn remove(&mut self, worker: u32, seq: &[u64]) {
+            let bit = 1u64 << (worker % 64);
+            let guard = epoch::pin();
+            let mut counts = self.0.writer.lock().expect("writer lock");
+            for (i, key) in seq.iter().enumerate() {
+                if let Some(next) = seq.get(i + 4) {
+                    self.0.current(&guard).prefetch(*next);
+                }
+                self.0.update(&mut counts, *key, |bits| bits & !bit, &guard);
+            }
+        }
+        fn flush(&mut self) {}
+    }
+
+    impl Reader for BucketsReader<'_> {
+        fn lookup(&mut self, _: &[u64], seq: &[u64], out: &mut Vec<(u32, u32)>) {
+            let guard = epoch::pin();
+            let table = self.0.current(&guard);
+            let mut alive = u64::MAX;
+            let mut matched = 0u32;
+            for (i, key) in seq.iter().enumerate() {
+                if let Some(next) = seq.get(i + 4) {
+                    table.prefetch(*next);
+                }
+                let bits = table.find(*key).unwrap_or(0);
+                let dropped = alive & !bits;
+                if matched > 0 {
+                    push_each(dropped, matched, out);
+                }
+                alive &= bits;
+                if alive == 0 {
+                    return;
+                }
+                matched += 1;
+            }
+            push_each(alive, matched, out);
+        }
+    }
+
+    struct Both<'a>(BucketsWriter<'a>, BucketsReader<'a>);
+    impl Writer for Both<'_> {
+        fn store(&mut self, w: u32, p: u32, parent: Option<u64>, l: &[u64], s: &[u64]) {
+            self.0.store(w, p, parent, l, s);
+        }
+        fn remove(&mut self, w: u32, s: &[u64]) {
+            self.0.remove(w, s);
+        }
+        fn flush(&mut self) {}
+    }
+    impl Reader for Both<'_> {
+        fn lookup(&mut self, l: &[u64], s: &[u64], out: &mut Vec<(u32, u32)>) {
+            self.1.lookup(l, s, out);
+        }
+    }
+
+    /// The probe as a subject.
+    pub struct BucketsSubject;
+
+    fn left(table: &BucketTable) -> Result<(), String> {
+        match table.len() {
+            0 => Ok(()),
+            n => Err(format!("probe-buckets: {n} blocks left after the drain")),
+        }
+    }
+
+    impl Subject for BucketsSubject {
+        fn name(&self) -> String {
+            "probe: bucketed table as flat map".into()
+        }
+        fn supports(&self, threads: usize) -> bool {
+            threads == 1 || threads == 2
+        }
+        fn synchronous(&self) -> bool {
+            true
+        }
+        fn verify(&self, sim: &Simulation) -> Result<usize, String> {
+            let table = BucketTable::new();
+            let n = verify(sim, &mut Both(BucketsWriter(&table), BucketsReader(&table)))?;
+            left(&table)?;
+            Ok(n)
+        }
+        fn run(&self, sim: &Simulation, threads: usize, pace: Pace) -> Result<RunStats, String> {
+            let table = BucketTable::new();
+            let stats = if threads == 1 {
+                replay_single(
+                    sim,
+                    &mut Both(BucketsWriter(&table), BucketsReader(&table)),
+                    pace,
+                )
+            } else {
+                replay_dual(
+                    sim,
+                    || BucketsWriter(&table),
+                    || BucketsReader(&table),
+                    pace,
+                )
+            };
+            left(&table)?;
+            Ok(stats)
+        }
+    }
+}
+
+pub use buckets::BucketsSubject;
