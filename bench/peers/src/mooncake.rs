@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! mooncake-replay-peers [--trace FILE] [--requests N] [--copies N] [--workers N]
-//!     [--capacity BLOCKS] [--threads 1,2] [--index inferencecache,kv-index,dynamo-crtc,dynamo-radix,reference,probe-flat,probe-flat-state,probe-slots,probe-buckets]
+//!     [--capacity BLOCKS] [--threads 1,2] [--index inferencecache,kv-index,dynamo-crtc,dynamo-radix,reference,probe-flat,probe-flat-state,probe-slots,probe-buckets,probe-buckets-state]
 //!     [--out FILE] [--quick]
 //! ```
 //!
@@ -631,7 +631,11 @@ fn main() -> ExitCode {
         ("probe-flat", Box::new(probe_flat::FlatSubject)),
         ("probe-flat-state", Box::new(probe_flat::FlatStateSubject)),
         ("probe-slots", Box::new(probe_flat::SlotsSubject)),
-        ("probe-buckets", Box::new(probe_flat::BucketsSubject)),
+        ("probe-buckets", Box::new(probe_flat::buckets_plain())),
+        (
+            "probe-buckets-state",
+            Box::new(probe_flat::buckets_with_state()),
+        ),
         (
             "reference",
             Box::new(ReferenceSubject {

@@ -12,7 +12,7 @@
 //! - `probe-slots`: the engine's own key table (`raw/slots`) as the map, lock-free readers, one
 //!   and two threads.
 //! - `probe-buckets`: a concurrent table of one-line buckets (a probe reads one line), one and two
-//!   threads.
+//!   threads; `probe-buckets-state` with the per-holder state in its slots.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -407,12 +407,14 @@ mod slots {
 
 pub use slots::SlotsSubject;
 
-/// A bucketed key table: the layout `probe-slots` suggests (`--index probe-buckets`). Each
-/// 64-byte line is one bucket: a tag word (a 7-bit tag per slot, 0 for a free slot, and an
-/// overflow bit set once a key of this home had to go further) and three 16-byte slots. A probe
-/// reads its home line and is settled there unless the bucket overflowed: one line per key, where
-/// the key table reads its summary word and a slot line. Readers take no lock (key, value, key
-/// loads as the key table's readers do; tables freed through the epoch); one writer at a time.
+/// A bucketed key table: the layout `probe-slots` suggests (`--index probe-buckets`). Each bucket
+/// is a tag word (a 7-bit tag per slot, 0 for a free slot, and an overflow bit set once a key of
+/// this home had to go further) and three slots; with no extra words a bucket is one 64-byte
+/// line. A probe reads its home bucket and is settled there unless the bucket overflowed: one
+/// line per key, where the key table reads its summary word and a slot line. Readers take no lock
+/// (key, value, extra words, key loads, as the key table's readers do; tables freed through the
+/// epoch); one writer at a time. `E` extra words per slot carry per-holder state
+/// (`--index probe-buckets-state`: the first holder's 16 bytes inline, the others out of line).
 mod buckets {
     use super::*;
     use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
@@ -424,24 +426,39 @@ mod buckets {
     const OVERFLOW: u64 = 1 << 63;
 
     #[repr(C, align(64))]
-    #[derive(Default)]
-    struct Bucket {
+    struct Bucket<const E: usize> {
         tags: AtomicU64,
         keys: [AtomicU64; SLOTS],
         values: [AtomicU64; SLOTS],
+        extra: [[AtomicU64; E]; SLOTS],
     }
 
-    struct Table {
-        buckets: Box<[Bucket]>,
+    impl<const E: usize> Bucket<E> {
+        fn new() -> Self {
+            Bucket {
+                tags: AtomicU64::new(0),
+                keys: Default::default(),
+                values: Default::default(),
+                extra: std::array::from_fn(|_| std::array::from_fn(|_| AtomicU64::new(0))),
+            }
+        }
+    }
+
+    fn tag_at(tags: u64, i: usize) -> u64 {
+        (tags >> (8 * i)) & 0xFF
+    }
+
+    struct Table<const E: usize> {
+        buckets: Box<[Bucket<E>]>,
         mask: usize,
         shift: u32,
     }
 
-    impl Table {
+    impl<const E: usize> Table<E> {
         fn new(buckets: usize) -> Self {
             let n = buckets.next_power_of_two().max(2);
             Table {
-                buckets: (0..n).map(|_| Bucket::default()).collect(),
+                buckets: (0..n).map(|_| Bucket::new()).collect(),
                 mask: n - 1,
                 shift: 64 - n.trailing_zeros(),
             }
@@ -450,17 +467,20 @@ mod buckets {
             let h = (key ^ (key >> 31)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
             ((h >> self.shift) as usize, (h & 0x7F) | 0x80)
         }
-        fn find(&self, key: u64) -> Option<u64> {
+        /// Reader: the value of `key` and its slot's extra words.
+        fn find(&self, key: u64) -> Option<(u64, [u64; E])> {
             let (mut b, tag) = self.place(key);
             for _ in 0..=self.mask {
                 let bucket = &self.buckets[b];
                 let tags = bucket.tags.load(Ordering::Acquire);
                 for i in 0..SLOTS {
-                    if (tags >> (8 * i)) & 0xFF == tag {
+                    if tag_at(tags, i) == tag {
                         let k = bucket.keys[i].load(Ordering::Acquire);
                         let v = bucket.values[i].load(Ordering::Acquire);
+                        let extra =
+                            std::array::from_fn(|j| bucket.extra[i][j].load(Ordering::Acquire));
                         if k == key && v != 0 && bucket.keys[i].load(Ordering::Acquire) == key {
-                            return Some(v);
+                            return Some((v, extra));
                         }
                     }
                 }
@@ -489,9 +509,7 @@ mod buckets {
                 let bucket = &self.buckets[b];
                 let tags = bucket.tags.load(Ordering::Relaxed);
                 for i in 0..SLOTS {
-                    if (tags >> (8 * i)) & 0xFF == tag
-                        && bucket.keys[i].load(Ordering::Relaxed) == key
-                    {
+                    if tag_at(tags, i) == tag && bucket.keys[i].load(Ordering::Relaxed) == key {
                         return Some((b, i));
                     }
                 }
@@ -504,14 +522,17 @@ mod buckets {
         }
         /// Writer: puts an absent key in the first free slot from its home, marking the full
         /// buckets it passes; returns how many buckets it newly marked.
-        fn put(&self, key: u64, value: u64) -> usize {
+        fn put(&self, key: u64, value: u64, extra: [u64; E]) -> usize {
             let (mut b, tag) = self.place(key);
             let mut marked = 0;
             loop {
                 let bucket = &self.buckets[b];
                 let tags = bucket.tags.load(Ordering::Relaxed);
-                if let Some(i) = (0..SLOTS).find(|i| (tags >> (8 * i)) & 0xFF == 0) {
+                if let Some(i) = (0..SLOTS).find(|&i| tag_at(tags, i) == 0) {
                     bucket.keys[i].store(key, Ordering::Relaxed);
+                    for (word, x) in bucket.extra[i].iter().zip(extra) {
+                        word.store(x, Ordering::Relaxed);
+                    }
                     bucket.values[i].store(value, Ordering::Release);
                     bucket.tags.store(tags | tag << (8 * i), Ordering::Release);
                     return marked;
@@ -530,12 +551,24 @@ mod buckets {
         overflowed: usize,
     }
 
-    pub struct BucketTable {
-        table: Atomic<Table>,
+    /// What a writer's closure does with a key's slot.
+    enum Update<const E: usize> {
+        /// Leave it as it is (or absent).
+        Nothing,
+        /// Store this value (the extra words were changed in place).
+        Set(u64),
+        /// Insert the absent key with this value and these extra words.
+        Insert(u64, [u64; E]),
+        /// Remove the key.
+        Remove,
+    }
+
+    pub struct BucketTable<const E: usize> {
+        table: Atomic<Table<E>>,
         writer: Mutex<Counts>,
     }
 
-    impl BucketTable {
+    impl<const E: usize> BucketTable<E> {
         fn new() -> Self {
             BucketTable {
                 table: Atomic::new(Table::new(64)),
@@ -545,40 +578,55 @@ mod buckets {
                 }),
             }
         }
-        fn current<'g>(&self, guard: &'g Guard) -> &'g Table {
+        fn current<'g>(&self, guard: &'g Guard) -> &'g Table<E> {
             // SAFETY: the table is never null and is freed only through the epoch.
             unsafe { self.table.load(Ordering::Acquire, guard).deref() }
         }
-        /// Writer: applies `f` to the value of `key` (0 when absent); a result of 0 removes it.
-        fn update(&self, counts: &mut Counts, key: u64, f: impl Fn(u64) -> u64, guard: &Guard) {
+        /// Writer: `f` sees the key's value and extra words (`None` when absent) and says what
+        /// becomes of the slot.
+        fn update(
+            &self,
+            counts: &mut Counts,
+            key: u64,
+            guard: &Guard,
+            f: impl FnOnce(Option<(u64, &[AtomicU64; E])>) -> Update<E>,
+        ) {
             let table = self.current(guard);
-            match table.locate(key) {
+            let at = table.locate(key);
+            let update = match at {
                 Some((b, i)) => {
                     let bucket = &table.buckets[b];
-                    let new = f(bucket.values[i].load(Ordering::Relaxed));
-                    bucket.values[i].store(new, Ordering::Release);
-                    if new == 0 {
-                        let tags = bucket.tags.load(Ordering::Relaxed);
-                        bucket
-                            .tags
-                            .store(tags & !(0xFF << (8 * i)), Ordering::Release);
-                        counts.live -= 1;
-                    }
+                    f(Some((
+                        bucket.values[i].load(Ordering::Relaxed),
+                        &bucket.extra[i],
+                    )))
                 }
-                None => {
-                    let new = f(0);
-                    if new == 0 {
-                        return;
-                    }
+                None => f(None),
+            };
+            match (update, at) {
+                (Update::Set(value), Some((b, i))) => {
+                    table.buckets[b].values[i].store(value, Ordering::Release);
+                }
+                (Update::Remove, Some((b, i))) => {
+                    let bucket = &table.buckets[b];
+                    bucket.values[i].store(0, Ordering::Release);
+                    let tags = bucket.tags.load(Ordering::Relaxed);
+                    bucket
+                        .tags
+                        .store(tags & !(0xFF << (8 * i)), Ordering::Release);
+                    counts.live -= 1;
+                }
+                (Update::Insert(value, extra), None) => {
                     let capacity = table.buckets.len() * SLOTS;
                     if (counts.live + 1) * 5 > capacity * 4
                         || counts.overflowed * 4 > table.buckets.len()
                     {
                         self.rebuild(counts, ((counts.live + 1) * 2).div_ceil(SLOTS), guard);
                     }
-                    counts.overflowed += self.current(guard).put(key, new);
+                    counts.overflowed += self.current(guard).put(key, value, extra);
                     counts.live += 1;
                 }
+                _ => {}
             }
         }
         fn rebuild(&self, counts: &mut Counts, buckets: usize, guard: &Guard) {
@@ -588,10 +636,11 @@ mod buckets {
             for bucket in old.buckets.iter() {
                 let tags = bucket.tags.load(Ordering::Relaxed);
                 for i in 0..SLOTS {
-                    if (tags >> (8 * i)) & 0xFF != 0 {
+                    if tag_at(tags, i) != 0 {
                         overflowed += fresh.put(
                             bucket.keys[i].load(Ordering::Relaxed),
                             bucket.values[i].load(Ordering::Relaxed),
+                            std::array::from_fn(|j| bucket.extra[i][j].load(Ordering::Relaxed)),
                         );
                     }
                 }
@@ -606,7 +655,7 @@ mod buckets {
         }
     }
 
-    impl Drop for BucketTable {
+    impl<const E: usize> Drop for BucketTable<E> {
         fn drop(&mut self) {
             // SAFETY: dropped by its only owner: no reader is left.
             unsafe {
@@ -619,62 +668,165 @@ mod buckets {
         }
     }
 
-    pub struct BucketsWriter<'a>(pub &'a BucketTable);
-    pub struct BucketsReader<'a>(pub &'a BucketTable);
+    /// Holder bits only.
+    const PLAIN: usize = 0;
+    /// The first holder's state (worker and stamp, position) and the address of the others'
+    /// (a `Box<Vec<HolderState>>`, 0 when the block has one holder).
+    const STATE: usize = 3;
 
-    impl Writer for BucketsWriter<'_> {
-        fn store(&mut self, worker: u32, _: u32, _: Option<u64>, _: &[u64], seq: &[u64]) {
+    /// The state a store gives a worker's block: its worker and a stamp, and its position.
+    fn holder_state(worker: u32, stamp: u64, position: u64) -> [u64; 2] {
+        [stamp << 8 | u64::from(worker), position]
+    }
+
+    /// The other holders of a slot whose third extra word is `word` (null when it has one): the
+    /// writer's own allocation (`Box::into_raw`), followed only under the writer lock; readers
+    /// never follow it.
+    fn rest_of(word: &AtomicU64) -> *mut Vec<HolderState> {
+        word.load(Ordering::Relaxed) as *mut Vec<HolderState>
+    }
+
+    fn free_rest(word: &AtomicU64) {
+        let address = word.swap(0, Ordering::Relaxed) as *mut Vec<HolderState>;
+        if !address.is_null() {
+            // SAFETY: as in `rest_of`; the word no longer names it.
+            drop(unsafe { Box::from_raw(address) });
+        }
+    }
+
+    pub struct BucketsWriter<'a, const E: usize> {
+        table: &'a BucketTable<E>,
+        stamp: u64,
+    }
+    pub struct BucketsReader<'a, const E: usize>(&'a BucketTable<E>);
+
+    impl<const E: usize> Writer for BucketsWriter<'_, E> {
+        fn store(&mut self, worker: u32, position: u32, _: Option<u64>, _: &[u64], seq: &[u64]) {
             let bit = 1u64 << (worker % 64);
+            self.stamp += 1;
+            let stamp = self.stamp;
             let guard = epoch::pin();
-            let mut counts = self.0.writer.lock().expect("writer lock");
+            let mut counts = self.table.writer.lock().expect("writer lock");
             for (i, key) in seq.iter().enumerate() {
                 if let Some(next) = seq.get(i + 4) {
-                    self.0.current(&guard).prefetch(*next);
+                    self.table.current(&guard).prefetch(*next);
                 }
-                self.0.update(&mut counts, *key, |bits| bits | bit, &guard);
+                let state = holder_state(worker, stamp, u64::from(position) + i as u64);
+                self.table
+                    .update(&mut counts, *key, &guard, |slot| match slot {
+                        None => Update::Insert(
+                            bit,
+                            std::array::from_fn(|j| match j {
+                                0 | 1 => state[j],
+                                _ => 0,
+                            }),
+                        ),
+                        Some((bits, _)) if E < STATE => Update::Set(bits | bit),
+                        Some((bits, extra)) => {
+                            if bits & bit == 0 {
+                                let rest = extra[2].load(Ordering::Relaxed);
+                                if rest == 0 {
+                                    let vec = Box::new(vec![(worker, state)]);
+                                    extra[2].store(Box::into_raw(vec) as u64, Ordering::Relaxed);
+                                    // SAFETY: under the writer lock; no other reference to it.
+                                } else if let Some(rest) = unsafe { rest_of(&extra[2]).as_mut() } {
+                                    rest.push((worker, state));
+                                }
+                            } else if extra[0].load(Ordering::Relaxed) & 0xFF == u64::from(worker) {
+                                extra[0].store(state[0], Ordering::Relaxed);
+                                extra[1].store(state[1], Ordering::Relaxed);
+                            } else {
+                                // SAFETY: under the writer lock; no other reference to it.
+                                let rest = unsafe { rest_of(&extra[2]).as_mut() };
+                                if let Some(held) =
+                                    rest.and_then(|r| r.iter_mut().find(|(w, _)| *w == worker))
+                                {
+                                    held.1 = state;
+                                }
+                            }
+                            Update::Set(bits | bit)
+                        }
+                    });
             }
         }
         fn remove(&mut self, worker: u32, seq: &[u64]) {
             let bit = 1u64 << (worker % 64);
             let guard = epoch::pin();
-            let mut counts = self.0.writer.lock().expect("writer lock");
+            let mut counts = self.table.writer.lock().expect("writer lock");
             for (i, key) in seq.iter().enumerate() {
                 if let Some(next) = seq.get(i + 4) {
-                    self.0.current(&guard).prefetch(*next);
+                    self.table.current(&guard).prefetch(*next);
                 }
-                self.0.update(&mut counts, *key, |bits| bits & !bit, &guard);
+                self.table
+                    .update(&mut counts, *key, &guard, |slot| match slot {
+                        None => Update::Nothing,
+                        Some((bits, _)) if bits & bit == 0 => Update::Nothing,
+                        Some((bits, extra)) if bits == bit => {
+                            if E >= STATE {
+                                free_rest(&extra[2]);
+                            }
+                            Update::Remove
+                        }
+                        Some((bits, _)) if E < STATE => Update::Set(bits & !bit),
+                        Some((bits, extra)) => {
+                            // SAFETY: under the writer lock; no other reference to it.
+                            if let Some(rest) = unsafe { rest_of(&extra[2]).as_mut() } {
+                                if extra[0].load(Ordering::Relaxed) & 0xFF == u64::from(worker) {
+                                    if let Some((_, state)) = rest.pop() {
+                                        extra[0].store(state[0], Ordering::Relaxed);
+                                        extra[1].store(state[1], Ordering::Relaxed);
+                                    }
+                                } else if let Some(at) = rest.iter().position(|(w, _)| *w == worker)
+                                {
+                                    rest.swap_remove(at);
+                                }
+                                if rest.is_empty() {
+                                    free_rest(&extra[2]);
+                                }
+                            }
+                            Update::Set(bits & !bit)
+                        }
+                    });
             }
         }
         fn flush(&mut self) {}
     }
 
-    impl Reader for BucketsReader<'_> {
+    impl<const E: usize> Reader for BucketsReader<'_, E> {
         fn lookup(&mut self, _: &[u64], seq: &[u64], out: &mut Vec<(u32, u32)>) {
             let guard = epoch::pin();
             let table = self.0.current(&guard);
             let mut alive = u64::MAX;
             let mut matched = 0u32;
+            // The oldest first-holder stamp over the match: the state a lookup reads.
+            let mut oldest = u64::MAX;
             for (i, key) in seq.iter().enumerate() {
                 if let Some(next) = seq.get(i + 4) {
                     table.prefetch(*next);
                 }
-                let bits = table.find(*key).unwrap_or(0);
+                let (bits, extra) = table.find(*key).unwrap_or((0, [0; E]));
+                if let Some(first) = extra.first() {
+                    oldest = oldest.min(*first >> 8);
+                }
                 let dropped = alive & !bits;
                 if matched > 0 {
                     push_each(dropped, matched, out);
                 }
                 alive &= bits;
                 if alive == 0 {
-                    return;
+                    break;
                 }
                 matched += 1;
             }
-            push_each(alive, matched, out);
+            if alive != 0 {
+                push_each(alive, matched, out);
+            }
+            std::hint::black_box(oldest);
         }
     }
 
-    struct Both<'a>(BucketsWriter<'a>, BucketsReader<'a>);
-    impl Writer for Both<'_> {
+    struct Both<'a, const E: usize>(BucketsWriter<'a, E>, BucketsReader<'a, E>);
+    impl<const E: usize> Writer for Both<'_, E> {
         fn store(&mut self, w: u32, p: u32, parent: Option<u64>, l: &[u64], s: &[u64]) {
             self.0.store(w, p, parent, l, s);
         }
@@ -683,25 +835,43 @@ mod buckets {
         }
         fn flush(&mut self) {}
     }
-    impl Reader for Both<'_> {
+    impl<const E: usize> Reader for Both<'_, E> {
         fn lookup(&mut self, l: &[u64], s: &[u64], out: &mut Vec<(u32, u32)>) {
             self.1.lookup(l, s, out);
         }
     }
 
-    /// The probe as a subject.
-    pub struct BucketsSubject;
+    /// The probe as a subject: `E` extra words per slot ([`PLAIN`] or [`STATE`]).
+    pub struct BucketsSubject<const E: usize>;
 
-    fn left(table: &BucketTable) -> Result<(), String> {
+    /// `probe-buckets`.
+    pub fn plain() -> BucketsSubject<PLAIN> {
+        BucketsSubject
+    }
+
+    /// `probe-buckets-state`.
+    pub fn with_state() -> BucketsSubject<STATE> {
+        BucketsSubject
+    }
+
+    fn left<const E: usize>(table: &BucketTable<E>) -> Result<(), String> {
         match table.len() {
             0 => Ok(()),
             n => Err(format!("probe-buckets: {n} blocks left after the drain")),
         }
     }
 
-    impl Subject for BucketsSubject {
+    fn both<const E: usize>(table: &BucketTable<E>) -> Both<'_, E> {
+        Both(BucketsWriter { table, stamp: 0 }, BucketsReader(table))
+    }
+
+    impl<const E: usize> Subject for BucketsSubject<E> {
         fn name(&self) -> String {
-            "probe: bucketed table as flat map".into()
+            if E >= STATE {
+                "probe: bucketed table, holder state".into()
+            } else {
+                "probe: bucketed table as flat map".into()
+            }
         }
         fn supports(&self, threads: usize) -> bool {
             threads == 1 || threads == 2
@@ -710,23 +880,22 @@ mod buckets {
             true
         }
         fn verify(&self, sim: &Simulation) -> Result<usize, String> {
-            let table = BucketTable::new();
-            let n = verify(sim, &mut Both(BucketsWriter(&table), BucketsReader(&table)))?;
+            let table = BucketTable::<E>::new();
+            let n = verify(sim, &mut both(&table))?;
             left(&table)?;
             Ok(n)
         }
         fn run(&self, sim: &Simulation, threads: usize, pace: Pace) -> Result<RunStats, String> {
-            let table = BucketTable::new();
+            let table = BucketTable::<E>::new();
             let stats = if threads == 1 {
-                replay_single(
-                    sim,
-                    &mut Both(BucketsWriter(&table), BucketsReader(&table)),
-                    pace,
-                )
+                replay_single(sim, &mut both(&table), pace)
             } else {
                 replay_dual(
                     sim,
-                    || BucketsWriter(&table),
+                    || BucketsWriter {
+                        table: &table,
+                        stamp: 0,
+                    },
                     || BucketsReader(&table),
                     pace,
                 )
@@ -737,4 +906,4 @@ mod buckets {
     }
 }
 
-pub use buckets::BucketsSubject;
+pub use buckets::{plain as buckets_plain, with_state as buckets_with_state};
