@@ -424,6 +424,8 @@ mod buckets {
 
     const SLOTS: usize = 3;
     const OVERFLOW: u64 = 1 << 63;
+    /// How far ahead a lookup fetches the request's home buckets.
+    const LOOKUP_AHEAD: usize = 16;
 
     #[repr(C, align(64))]
     struct Bucket<const E: usize> {
@@ -801,7 +803,7 @@ mod buckets {
             // The oldest first-holder stamp over the match: the state a lookup reads.
             let mut oldest = u64::MAX;
             for (i, key) in seq.iter().enumerate() {
-                if let Some(next) = seq.get(i + 4) {
+                if let Some(next) = seq.get(i + LOOKUP_AHEAD) {
                     table.prefetch(*next);
                 }
                 let (bits, extra) = table.find(*key).unwrap_or((0, [0; E]));
