@@ -10,6 +10,7 @@ use common::{ServerProcess, free_port, http_request, temp_dir};
 use epp_support::*;
 use inferencecache_proto::v1alpha1 as pb;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 const ENDPOINT_A: &str = "10.0.0.1:8000";
@@ -25,11 +26,9 @@ async fn start(name: &str) -> Picker {
     start_with(name, &[]).await
 }
 
-async fn start_with(name: &str, extra: &[&str]) -> Picker {
-    let dir = temp_dir(name);
-    let models = models_dir(&dir);
-    let flags = [&["--epp-max-body-bytes", "65536"], extra].concat();
-    let (server, addr) = picker_server(&dir, &models, &flags);
+/// A picker server in `dir` with `flags`, ready and listening.
+async fn listening_picker(dir: &Path, models: &Path, flags: &[&str]) -> Picker {
+    let (server, addr) = picker_server(dir, models, flags);
     server.wait_ready().await;
     let started = Instant::now();
     while tokio::net::TcpStream::connect(addr).await.is_err() {
@@ -40,7 +39,14 @@ async fn start_with(name: &str, extra: &[&str]) -> Picker {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let picker = Picker { server, addr };
+    Picker { server, addr }
+}
+
+async fn start_with(name: &str, extra: &[&str]) -> Picker {
+    let dir = temp_dir(name);
+    let models = models_dir(&dir);
+    let flags = [&["--epp-max-body-bytes", "65536"], extra].concat();
+    let picker = listening_picker(&dir, &models, &flags).await;
     let mut client = picker.server.client().await;
     // Replicas a and b serve MODEL; "other" serves a model the tokenizer does not know.
     let mut updates = Vec::new();
@@ -482,32 +488,13 @@ async fn the_endpoints_file_reloads_without_a_restart_and_a_bad_one_keeps_the_la
         &file,
         &format!(r#"[{{"replica_id":"fa","endpoint":"{ENDPOINT_A}","models":["{MODEL}"]}}]"#),
     );
-    let port = free_port();
-    let bind = format!("127.0.0.1:{port}");
-    let server = ServerProcess::start(
+    let picker = listening_picker(
         &dir,
-        &[
-            "--tokenizer-models-dir",
-            models.to_str().unwrap(),
-            "--epp-bind-address",
-            &bind,
-            "--epp-tenant",
-            "t",
-            "--epp-endpoints-file",
-            file.to_str().unwrap(),
-        ],
-    );
-    server.wait_ready().await;
-    let addr: SocketAddr = bind.parse().unwrap();
-    let started = Instant::now();
-    while tokio::net::TcpStream::connect(addr).await.is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "picker not listening"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let picker = Picker { server, addr };
+        &models,
+        &["--epp-endpoints-file", file.to_str().unwrap()],
+    )
+    .await;
+    let addr = picker.addr;
     let body = chat_body(&[("user", "w1 w2 w3")], false);
     // No sidecar reported anything: the file alone names the candidates.
     let first = pick_until(addr, &body, |_| true).await;
