@@ -471,6 +471,35 @@ pub trait Reader {
     fn lookup(&mut self, local: &[u64], seq: &[u64], out: &mut Vec<(u32, u32)>);
 }
 
+/// An index's two sides as one object, for one thread and for [`verify`]: events go to the
+/// writer `.0`, lookups to the reader `.1`.
+pub struct Pair<W, R>(pub W, pub R);
+
+impl<W: Writer, R> Writer for Pair<W, R> {
+    fn store(
+        &mut self,
+        worker: u32,
+        position: u32,
+        parent: Option<u64>,
+        local: &[u64],
+        seq: &[u64],
+    ) {
+        self.0.store(worker, position, parent, local, seq);
+    }
+    fn remove(&mut self, worker: u32, seq: &[u64]) {
+        self.0.remove(worker, seq);
+    }
+    fn flush(&mut self) {
+        self.0.flush();
+    }
+}
+
+impl<W, R: Reader> Reader for Pair<W, R> {
+    fn lookup(&mut self, local: &[u64], seq: &[u64], out: &mut Vec<(u32, u32)>) {
+        self.1.lookup(local, seq, out);
+    }
+}
+
 /// How fast to offer the operations.
 #[derive(Debug, Clone, Copy)]
 pub enum Pace {

@@ -10,7 +10,7 @@ use inferencecache_engine::{
     CacheStateUpdate, Index, MatchScratch, PartitionHandle, PrefixRef, tier,
 };
 
-use crate::mooncake::{Reader, TRACE_BLOCK_TOKENS, Writer};
+use crate::mooncake::{Pair, Reader, TRACE_BLOCK_TOKENS, Writer};
 use crate::ours::{ADAPTER, MODEL, SCHEME, T0_US, TENANT};
 
 /// Replica names of `workers` workers.
@@ -166,44 +166,13 @@ impl Reader for OursReader<'_> {
 }
 
 /// Both sides in one object, for one thread and for [`crate::mooncake::verify`].
-pub struct OursSingle<'a> {
-    /// Events.
-    pub writer: OursWriter<'a>,
-    /// Lookups.
-    pub reader: OursReader<'a>,
-}
+pub type OursSingle<'a> = Pair<OursWriter<'a>, OursReader<'a>>;
 
 impl<'a> OursSingle<'a> {
     /// Both sides of `index`.
     #[must_use]
     pub fn new(index: &'a Index, workers: u32) -> Self {
-        Self {
-            writer: OursWriter::new(index, workers),
-            reader: OursReader::new(index),
-        }
-    }
-}
-
-impl Writer for OursSingle<'_> {
-    fn store(
-        &mut self,
-        worker: u32,
-        position: u32,
-        parent: Option<u64>,
-        local: &[u64],
-        seq: &[u64],
-    ) {
-        self.writer.store(worker, position, parent, local, seq);
-    }
-    fn remove(&mut self, worker: u32, seq: &[u64]) {
-        self.writer.remove(worker, seq);
-    }
-    fn flush(&mut self) {}
-}
-
-impl Reader for OursSingle<'_> {
-    fn lookup(&mut self, local: &[u64], seq: &[u64], out: &mut Vec<(u32, u32)>) {
-        self.reader.lookup(local, seq, out);
+        Pair(OursWriter::new(index, workers), OursReader::new(index))
     }
 }
 

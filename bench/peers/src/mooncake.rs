@@ -21,7 +21,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use inferencecache_bench::mooncake::{
-    Pace, Reader, RunStats, Simulation, Writer, replay_dual, replay_single, verify,
+    Pace, Pair, Reader, RunStats, Simulation, Writer, replay_dual, replay_single, verify,
 };
 use inferencecache_bench::mooncake_bench::{self, Args, Subject};
 use inferencecache_bench::mooncake_ours::{OursSubject, ReferenceSubject};
@@ -126,22 +126,6 @@ mod kv {
         }
     }
 
-    pub struct KvSingle<'a>(pub KvWriter<'a>, pub KvReader<'a>);
-    impl Writer for KvSingle<'_> {
-        fn store(&mut self, w: u32, p: u32, parent: Option<u64>, l: &[u64], s: &[u64]) {
-            self.0.store(w, p, parent, l, s);
-        }
-        fn remove(&mut self, w: u32, s: &[u64]) {
-            self.0.remove(w, s);
-        }
-        fn flush(&mut self) {}
-    }
-    impl Reader for KvSingle<'_> {
-        fn lookup(&mut self, l: &[u64], s: &[u64], out: &mut Vec<(u32, u32)>) {
-            self.1.lookup(l, s, out);
-        }
-    }
-
     pub struct KvSubject {
         pub workers: u32,
     }
@@ -183,7 +167,7 @@ mod kv {
         }
         fn verify(&self, sim: &Simulation) -> Result<usize, String> {
             let (index, ids) = fresh(self.workers)?;
-            let mut single = KvSingle(KvWriter::new(&index, &ids), KvReader::new(&index, &ids));
+            let mut single = Pair(KvWriter::new(&index, &ids), KvReader::new(&index, &ids));
             let n = verify(sim, &mut single)?;
             check(&index, single.0.errors)?;
             Ok(n)
@@ -191,7 +175,7 @@ mod kv {
         fn run(&self, sim: &Simulation, threads: usize, pace: Pace) -> Result<RunStats, String> {
             let (index, ids) = fresh(self.workers)?;
             if threads == 1 {
-                let mut single = KvSingle(KvWriter::new(&index, &ids), KvReader::new(&index, &ids));
+                let mut single = Pair(KvWriter::new(&index, &ids), KvReader::new(&index, &ids));
                 let stats = replay_single(sim, &mut single, pace);
                 check(&index, single.0.errors)?;
                 Ok(stats)
@@ -628,8 +612,8 @@ fn main() -> ExitCode {
         ),
         ("dynamo-crtc", Box::new(dynamo::CrtcSubject)),
         ("dynamo-radix", Box::new(dynamo::RadixSubject)),
-        ("probe-flat", Box::new(probe_flat::FlatSubject)),
-        ("probe-flat-state", Box::new(probe_flat::FlatStateSubject)),
+        ("probe-flat", probe_flat::flat()),
+        ("probe-flat-state", probe_flat::flat_state()),
         ("probe-slots", Box::new(probe_flat::SlotsSubject)),
         ("probe-buckets", Box::new(probe_flat::buckets_plain())),
         (

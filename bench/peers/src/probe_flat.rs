@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use inferencecache_bench::mooncake::{
-    Pace, Reader, RunStats, Simulation, Writer, replay_single, verify,
+    Pace, Pair, Reader, RunStats, Simulation, Writer, replay_single, verify,
 };
 use inferencecache_bench::mooncake_bench::Subject;
 
@@ -69,22 +69,29 @@ impl Writer for FlatMap {
 
 impl Reader for FlatMap {
     fn lookup(&mut self, _: &[u64], seq: &[u64], out: &mut Vec<(u32, u32)>) {
-        let mut alive = u64::MAX;
-        let mut matched = 0u32;
-        for key in seq {
-            let bits = self.holders.get(key).copied().unwrap_or(0);
-            let dropped = alive & !bits;
-            if matched > 0 {
-                push_each(dropped, matched, out);
-            }
-            alive &= bits;
-            if alive == 0 {
-                return;
-            }
-            matched += 1;
-        }
-        push_each(alive, matched, out);
+        score(seq, out, |_, key| {
+            self.holders.get(key).copied().unwrap_or(0)
+        });
     }
+}
+
+/// Every probe's lookup: `holders(i, key)` gives block `i`'s holder bits; each worker scores the
+/// blocks before the first it does not hold (workers that hold block 0 only).
+fn score(seq: &[u64], out: &mut Vec<(u32, u32)>, mut holders: impl FnMut(usize, &u64) -> u64) {
+    let mut alive = u64::MAX;
+    let mut matched = 0u32;
+    for (i, key) in seq.iter().enumerate() {
+        let bits = holders(i, key);
+        if matched > 0 {
+            push_each(alive & !bits, matched, out);
+        }
+        alive &= bits;
+        if alive == 0 {
+            return;
+        }
+        matched += 1;
+    }
+    push_each(alive, matched, out);
 }
 
 fn push_each(mut workers: u64, blocks: u32, out: &mut Vec<(u32, u32)>) {
@@ -94,12 +101,29 @@ fn push_each(mut workers: u64, blocks: u32, out: &mut Vec<(u32, u32)>) {
     }
 }
 
-/// The probe as a subject (one thread, up to 64 workers).
-pub struct FlatSubject;
+/// A one-thread probe: a fresh map per replay, which must hold nothing after the drain.
+trait OneThreadProbe: Default + Writer + Reader {
+    /// Row name.
+    const NAME: &'static str;
+    /// Blocks still held.
+    fn held(&self) -> usize;
+}
 
-impl Subject for FlatSubject {
+/// A [`OneThreadProbe`] as a subject.
+struct OneThread<M>(std::marker::PhantomData<M>);
+
+impl<M: OneThreadProbe> OneThread<M> {
+    fn check(map: &M) -> Result<(), String> {
+        match map.held() {
+            0 => Ok(()),
+            left => Err(format!("{}: {left} blocks left after the drain", M::NAME)),
+        }
+    }
+}
+
+impl<M: OneThreadProbe> Subject for OneThread<M> {
     fn name(&self) -> String {
-        "probe: flat map".into()
+        M::NAME.into()
     }
     fn supports(&self, threads: usize) -> bool {
         threads == 1
@@ -108,24 +132,29 @@ impl Subject for FlatSubject {
         true
     }
     fn verify(&self, sim: &Simulation) -> Result<usize, String> {
-        let mut map = FlatMap::default();
+        let mut map = M::default();
         let n = verify(sim, &mut map)?;
-        empty(&map)?;
+        Self::check(&map)?;
         Ok(n)
     }
     fn run(&self, sim: &Simulation, _: usize, pace: Pace) -> Result<RunStats, String> {
-        let mut map = FlatMap::default();
+        let mut map = M::default();
         let stats = replay_single(sim, &mut map, pace);
-        empty(&map)?;
+        Self::check(&map)?;
         Ok(stats)
     }
 }
 
-fn empty(map: &FlatMap) -> Result<(), String> {
-    match map.holders.len() {
-        0 => Ok(()),
-        left => Err(format!("probe-flat: {left} blocks left after the drain")),
+impl OneThreadProbe for FlatMap {
+    const NAME: &'static str = "probe: flat map";
+    fn held(&self) -> usize {
+        self.holders.len()
     }
+}
+
+/// `probe-flat`.
+pub fn flat() -> Box<dyn Subject> {
+    Box::new(OneThread::<FlatMap>(std::marker::PhantomData))
 }
 
 /// One block's holders with 16 bytes of state each (what InferenceCache keeps per holder: its
@@ -215,67 +244,30 @@ impl Writer for FlatStateMap {
 
 impl Reader for FlatStateMap {
     fn lookup(&mut self, _: &[u64], seq: &[u64], out: &mut Vec<(u32, u32)>) {
-        let mut alive = u64::MAX;
-        let mut matched = 0u32;
         // The oldest stamp seen over the match: the per-holder state a lookup reads.
         let mut oldest = u64::MAX;
-        for key in seq {
+        score(seq, out, |_, key| {
             let (bits, stamp) = self
                 .blocks
                 .get(key)
                 .map_or((0, u64::MAX), |h| (h.bits, h.first.1[0]));
             oldest = oldest.min(stamp);
-            let dropped = alive & !bits;
-            if matched > 0 {
-                push_each(dropped, matched, out);
-            }
-            alive &= bits;
-            if alive == 0 {
-                break;
-            }
-            matched += 1;
-        }
-        if alive != 0 {
-            push_each(alive, matched, out);
-        }
+            bits
+        });
         std::hint::black_box(oldest);
     }
 }
 
-/// The probe with per-holder state as a subject.
-pub struct FlatStateSubject;
-
-impl Subject for FlatStateSubject {
-    fn name(&self) -> String {
-        "probe: flat map, holder state".into()
-    }
-    fn supports(&self, threads: usize) -> bool {
-        threads == 1
-    }
-    fn synchronous(&self) -> bool {
-        true
-    }
-    fn verify(&self, sim: &Simulation) -> Result<usize, String> {
-        let mut map = FlatStateMap::default();
-        let n = verify(sim, &mut map)?;
-        state_empty(&map)?;
-        Ok(n)
-    }
-    fn run(&self, sim: &Simulation, _: usize, pace: Pace) -> Result<RunStats, String> {
-        let mut map = FlatStateMap::default();
-        let stats = replay_single(sim, &mut map, pace);
-        state_empty(&map)?;
-        Ok(stats)
+impl OneThreadProbe for FlatStateMap {
+    const NAME: &'static str = "probe: flat map, holder state";
+    fn held(&self) -> usize {
+        self.blocks.len()
     }
 }
 
-fn state_empty(map: &FlatStateMap) -> Result<(), String> {
-    match map.blocks.len() {
-        0 => Ok(()),
-        left => Err(format!(
-            "probe-flat-state: {left} blocks left after the drain"
-        )),
-    }
+/// `probe-flat-state`.
+pub fn flat_state() -> Box<dyn Subject> {
+    Box::new(OneThread::<FlatStateMap>(std::marker::PhantomData))
 }
 
 /// The engine's own key table ([`SlotTable`]: lock-free readers, one writer lock, epoch
@@ -325,40 +317,12 @@ mod slots {
     impl Reader for SlotsReader<'_> {
         fn lookup(&mut self, _: &[u64], seq: &[u64], out: &mut Vec<(u32, u32)>) {
             let guard = epoch::pin();
-            let mut alive = u64::MAX;
-            let mut matched = 0u32;
-            for (i, key) in seq.iter().enumerate() {
+            score(seq, out, |i, key| {
                 if let Some(next) = seq.get(i + 4) {
                     self.0.prefetch(*next, &guard);
                 }
-                let bits = self.0.find(*key, &guard).map_or(0, SlotValue::get);
-                let dropped = alive & !bits;
-                if matched > 0 {
-                    push_each(dropped, matched, out);
-                }
-                alive &= bits;
-                if alive == 0 {
-                    return;
-                }
-                matched += 1;
-            }
-            push_each(alive, matched, out);
-        }
-    }
-
-    struct Both<'a>(SlotsWriter<'a>, SlotsReader<'a>);
-    impl Writer for Both<'_> {
-        fn store(&mut self, w: u32, p: u32, parent: Option<u64>, l: &[u64], s: &[u64]) {
-            self.0.store(w, p, parent, l, s);
-        }
-        fn remove(&mut self, w: u32, s: &[u64]) {
-            self.0.remove(w, s);
-        }
-        fn flush(&mut self) {}
-    }
-    impl Reader for Both<'_> {
-        fn lookup(&mut self, l: &[u64], s: &[u64], out: &mut Vec<(u32, u32)>) {
-            self.1.lookup(l, s, out);
+                self.0.find(*key, &guard).map_or(0, SlotValue::get)
+            });
         }
     }
 
@@ -384,7 +348,7 @@ mod slots {
         }
         fn verify(&self, sim: &Simulation) -> Result<usize, String> {
             let table = SlotTable::new();
-            let n = verify(sim, &mut Both(SlotsWriter(&table), SlotsReader(&table)))?;
+            let n = verify(sim, &mut Pair(SlotsWriter(&table), SlotsReader(&table)))?;
             left(&table)?;
             Ok(n)
         }
@@ -393,7 +357,7 @@ mod slots {
             let stats = if threads == 1 {
                 replay_single(
                     sim,
-                    &mut Both(SlotsWriter(&table), SlotsReader(&table)),
+                    &mut Pair(SlotsWriter(&table), SlotsReader(&table)),
                     pace,
                 )
             } else {
@@ -798,11 +762,9 @@ mod buckets {
         fn lookup(&mut self, _: &[u64], seq: &[u64], out: &mut Vec<(u32, u32)>) {
             let guard = epoch::pin();
             let table = self.0.current(&guard);
-            let mut alive = u64::MAX;
-            let mut matched = 0u32;
             // The oldest first-holder stamp over the match: the state a lookup reads.
             let mut oldest = u64::MAX;
-            for (i, key) in seq.iter().enumerate() {
+            score(seq, out, |i, key| {
                 if let Some(next) = seq.get(i + LOOKUP_AHEAD) {
                     table.prefetch(*next);
                 }
@@ -810,36 +772,9 @@ mod buckets {
                 if let Some(first) = extra.first() {
                     oldest = oldest.min(*first >> 8);
                 }
-                let dropped = alive & !bits;
-                if matched > 0 {
-                    push_each(dropped, matched, out);
-                }
-                alive &= bits;
-                if alive == 0 {
-                    break;
-                }
-                matched += 1;
-            }
-            if alive != 0 {
-                push_each(alive, matched, out);
-            }
+                bits
+            });
             std::hint::black_box(oldest);
-        }
-    }
-
-    struct Both<'a, const E: usize>(BucketsWriter<'a, E>, BucketsReader<'a, E>);
-    impl<const E: usize> Writer for Both<'_, E> {
-        fn store(&mut self, w: u32, p: u32, parent: Option<u64>, l: &[u64], s: &[u64]) {
-            self.0.store(w, p, parent, l, s);
-        }
-        fn remove(&mut self, w: u32, s: &[u64]) {
-            self.0.remove(w, s);
-        }
-        fn flush(&mut self) {}
-    }
-    impl<const E: usize> Reader for Both<'_, E> {
-        fn lookup(&mut self, l: &[u64], s: &[u64], out: &mut Vec<(u32, u32)>) {
-            self.1.lookup(l, s, out);
         }
     }
 
@@ -863,8 +798,10 @@ mod buckets {
         }
     }
 
-    fn both<const E: usize>(table: &BucketTable<E>) -> Both<'_, E> {
-        Both(BucketsWriter { table, stamp: 0 }, BucketsReader(table))
+    fn both<const E: usize>(
+        table: &BucketTable<E>,
+    ) -> Pair<BucketsWriter<'_, E>, BucketsReader<'_, E>> {
+        Pair(BucketsWriter { table, stamp: 0 }, BucketsReader(table))
     }
 
     impl<const E: usize> Subject for BucketsSubject<E> {
