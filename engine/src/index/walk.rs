@@ -12,7 +12,7 @@ use super::resolution::PartitionHandle;
 use crate::clock::us_to_ms;
 use crate::raw::block_run::BlockRun;
 use crate::raw::holder::tier_wire;
-use crate::raw::key::{Digests, EightByteKeys, Keys, digest};
+use crate::raw::key::{Digests, EightByteKeys, Keys, Request, digest};
 use crossbeam_epoch::{self as epoch, Guard};
 
 /// One run of the core longest-prefix match (L4 steps 1–4).
@@ -173,14 +173,7 @@ impl Index {
         scratch: &mut MatchScratch,
         sink: impl FnMut(ChainMatch<'_>),
     ) {
-        self.match_into(
-            part,
-            EightByteDigests(digests),
-            counts,
-            now_us,
-            scratch,
-            sink,
-        );
+        self.match_into(part, Digests::new(digests), counts, now_us, scratch, sink);
     }
 
     fn match_into(
@@ -283,18 +276,15 @@ impl<H: AsRef<[u8]>> WalkKeys for &[H] {
 }
 
 /// 8-byte keys given as their big-endian values ([`Index::match_digests_into`]).
-#[derive(Clone, Copy)]
-struct EightByteDigests<'a>(&'a [u64]);
-
-impl WalkKeys for EightByteDigests<'_> {
+impl WalkKeys for Digests<'_> {
     fn len(&self) -> usize {
-        self.0.len()
+        Request::len(self)
     }
     fn prefix(self, n: usize) -> Self {
-        EightByteDigests(&self.0[..n])
+        Digests::prefix(self, n)
     }
     fn first_digest(&self) -> u64 {
-        self.0[0]
+        self.digest(0)
     }
     fn walk(
         self,
@@ -304,8 +294,7 @@ impl WalkKeys for EightByteDigests<'_> {
         guard: &Guard,
         visit: impl FnMut(&BlockRun, usize, usize) -> bool,
     ) -> usize {
-        part.store
-            .walk_from(first, Digests::new(self.0), guard, visit)
+        part.store.walk_from(first, self, guard, visit)
     }
 }
 

@@ -260,6 +260,12 @@ impl<'a> Digests<'a> {
     pub fn new(digests: &'a [u64]) -> Self {
         Digests(digests)
     }
+
+    /// The first `n` keys (`n ≤ len`).
+    #[inline]
+    pub fn prefix(self, n: usize) -> Self {
+        Digests(&self.0[..n])
+    }
 }
 
 impl Request for Digests<'_> {
